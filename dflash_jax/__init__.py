@@ -1,0 +1,1 @@
+"""dflash_jax: DFlash speculative decoding in pure-functional JAX."""

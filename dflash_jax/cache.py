@@ -1,0 +1,82 @@
+"""KV caches and capture buffers: fixed-capacity pytrees indexed by absolute position.
+
+A row's K/V for the token at position ``p`` lives in slot ``p``. ``length[b]`` is the number of
+committed slots of row ``b``; rolling back a rejected block is a length update, never a copy:
+stale slots beyond ``length`` are overwritten before any query can see them.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+# Logical axis names of cache arrays (see dflash_jax.sharding).
+KV_AXES = ("layers", "batch", "seq", "kv_heads", "head_dim")
+
+
+@struct.dataclass
+class KVCache:
+    """Stacked per-layer keys and values.
+
+    Attributes:
+      k, v: ``[L, B, S, Hkv, D]`` (S = capacity, slot = absolute position).
+      length: ``[B]`` int32 committed slots per row.
+    """
+
+    k: jnp.ndarray
+    v: jnp.ndarray
+    length: jnp.ndarray
+
+    @property
+    def capacity(self) -> int:
+        return self.k.shape[2]
+
+    def rollback(self, length: jnp.ndarray) -> "KVCache":
+        """Sets the committed length per row (``[B]`` int32); the arrays are untouched."""
+        return self.replace(length=jnp.asarray(length, jnp.int32))
+
+
+def init_kv_cache(num_layers: int, batch: int, capacity: int, kv_heads: int, head_dim: int, dtype) -> KVCache:
+    """An empty cache: zeros of ``[num_layers, batch, capacity, kv_heads, head_dim]``, lengths 0."""
+    shape = (num_layers, batch, capacity, kv_heads, head_dim)
+    return KVCache(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype), length=jnp.zeros((batch,), jnp.int32))
+
+
+def write_rows(buf: jnp.ndarray, rows: jnp.ndarray, index: jnp.ndarray) -> jnp.ndarray:
+    """Scatters ``rows[b, t]`` into ``buf[b, index[b, t]]``; indices outside ``buf`` are dropped.
+
+    Args:
+      buf: ``[B, S, ...]``.
+      rows: ``[B, T, ...]`` with the trailing shape of ``buf``.
+      index: ``[B, T]`` int32 slot per row.
+    """
+    b = jnp.arange(buf.shape[0])[:, None]
+    return buf.at[b, index].set(rows.astype(buf.dtype), mode="drop")
+
+
+@struct.dataclass
+class Capture:
+    """Hidden states of chosen target layers, written at ``positions - base`` of each row.
+
+    ``layer_ids`` follow the HF convention: id ``i`` captures ``hidden_states[i + 1]``, the
+    residual stream after decoder layer ``i``, before the final norm. Features of the listed
+    layers are concatenated along the last axis in the listed order.
+
+    Attributes:
+      hidden: ``[B, N, len(layer_ids) * H]`` buffer.
+      base: ``[B]`` int32; the token at absolute position ``p`` lands in row ``p - base[b]``
+        (rows outside ``[0, N)`` are dropped).
+      layer_ids: static tuple of captured decoder-layer ids.
+    """
+
+    hidden: jnp.ndarray
+    base: jnp.ndarray
+    layer_ids: tuple = struct.field(pytree_node=False, default=())
+
+
+def init_capture(layer_ids, batch: int, rows: int, hidden_size: int, dtype, base=None) -> Capture:
+    """An empty capture buffer of ``[batch, rows, len(layer_ids) * hidden_size]``."""
+    layer_ids = tuple(int(i) for i in layer_ids)
+    base = jnp.zeros((batch,), jnp.int32) if base is None else jnp.asarray(base, jnp.int32)
+    return Capture(hidden=jnp.zeros((batch, rows, len(layer_ids) * hidden_size), dtype), base=base, layer_ids=layer_ids)

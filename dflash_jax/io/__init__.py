@@ -1,0 +1,1 @@
+"""Checkpoint, tokenizer and chat-template readers."""

@@ -1,0 +1,1 @@
+"""Model forwards as pure functions over parameter pytrees."""

@@ -1,0 +1,211 @@
+"""Dense decoder targets (Llama incl. SmolLM2 and Llama-3, Qwen2, Qwen3) as pure functions.
+
+Parameter pytree (weights in ``[in, out]`` layout; layers stacked on a leading ``L`` axis and run
+with ``lax.scan``)::
+
+    {"embed": [V, H],
+     "layers": {"attn_norm": [L, H], "wq": [L, H, Hq*D], "wk": [L, H, Hkv*D], "wv": [L, H, Hkv*D],
+                "wo": [L, Hq*D, H], "mlp_norm": [L, H],
+                "w_gate": [L, H, I], "w_up": [L, H, I], "w_down": [L, I, H],
+                # optional: "bq","bk","bv" [L, Hq*D|Hkv*D] (qkv_bias), "bo" [L, H] (o_bias),
+                #           "q_norm","k_norm" [L, D] (qk_norm), "b_gate","b_up" [L, I], "b_down" [L, H]
+               },
+     "norm": [H],
+     "lm_head": [H, V]}          # absent when tie_word_embeddings (embed.T is used)
+
+Source: transformers ``modeling_llama.py``, ``modeling_qwen2.py``, ``modeling_qwen3.py``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from dflash_jax.cache import Capture, KVCache, write_rows
+from dflash_jax.config import TargetConfig
+from dflash_jax.nn.attention import causal_mask, gqa_attention, swiglu
+from dflash_jax.nn.norms import rms_norm
+from dflash_jax.nn.rope import apply_rope, inv_frequencies
+
+Params = dict[str, Any]
+
+
+def param_shapes(cfg: TargetConfig) -> dict:
+    """The expected shape of every parameter leaf, as a pytree shaped like the params."""
+    L, H, I, V = cfg.num_hidden_layers, cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
+    qd, kd, D = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim, cfg.head_dim
+    layers = {
+        "attn_norm": (L, H), "wq": (L, H, qd), "wk": (L, H, kd), "wv": (L, H, kd), "wo": (L, qd, H),
+        "mlp_norm": (L, H), "w_gate": (L, H, I), "w_up": (L, H, I), "w_down": (L, I, H),
+    }
+    if cfg.qkv_bias:
+        layers.update(bq=(L, qd), bk=(L, kd), bv=(L, kd))
+    if cfg.o_bias:
+        layers.update(bo=(L, H))
+    if cfg.mlp_bias:
+        layers.update(b_gate=(L, I), b_up=(L, I), b_down=(L, H))
+    if cfg.qk_norm:
+        layers.update(q_norm=(L, D), k_norm=(L, D))
+    shapes = {"embed": (V, H), "layers": layers, "norm": (H,)}
+    if not cfg.tie_word_embeddings:
+        shapes["lm_head"] = (H, V)
+    return shapes
+
+
+_AXES = {
+    "attn_norm": ("layers", "embed"), "mlp_norm": ("layers", "embed"),
+    "wq": ("layers", "embed", "q_heads"), "wk": ("layers", "embed", "kv_heads"), "wv": ("layers", "embed", "kv_heads"),
+    "wo": ("layers", "q_heads", "embed"), "bq": ("layers", "q_heads"), "bk": ("layers", "kv_heads"),
+    "bv": ("layers", "kv_heads"), "bo": ("layers", "embed"), "q_norm": ("layers", "head_dim"),
+    "k_norm": ("layers", "head_dim"), "w_gate": ("layers", "embed", "mlp"), "w_up": ("layers", "embed", "mlp"),
+    "w_down": ("layers", "mlp", "embed"), "b_gate": ("layers", "mlp"), "b_up": ("layers", "mlp"),
+    "b_down": ("layers", "embed"),
+}
+
+
+def param_axes(cfg: TargetConfig) -> dict:
+    """Logical axis names of every parameter leaf (same tree as :func:`param_shapes`)."""
+    shapes = param_shapes(cfg)
+    axes = {"embed": ("vocab", "embed"), "layers": {k: _AXES[k] for k in shapes["layers"]}, "norm": ("embed",)}
+    if "lm_head" in shapes:
+        axes["lm_head"] = ("embed", "vocab")
+    return axes
+
+
+def init_params(cfg: TargetConfig, key: jax.Array, scale: float = 0.02) -> Params:
+    """Random normal parameters (norm weights near 1) for tests and experiments."""
+    shapes = param_shapes(cfg)
+    leaves, treedef = jax.tree_util.tree_flatten(shapes, is_leaf=lambda x: isinstance(x, tuple))
+    paths = [p for p, _ in jax.tree_util.tree_flatten_with_path(shapes, is_leaf=lambda x: isinstance(x, tuple))[0]]
+    keys = jax.random.split(key, len(leaves))
+    out = []
+    for path, shape, k in zip(paths, leaves, keys):
+        name = str(path[-1].key)
+        x = jax.random.normal(k, shape, jnp.float32)
+        x = 1.0 + 0.1 * x if "norm" in name else scale * x
+        out.append(x.astype(cfg.dtype))
+    return jax.tree_util.tree_unflatten(treedef, out)
+
+
+def init_cache(cfg: TargetConfig, batch: int, capacity: int) -> KVCache:
+    """An empty KV cache for ``cfg`` of ``capacity`` slots per row."""
+    from dflash_jax.cache import init_kv_cache
+
+    return init_kv_cache(cfg.num_hidden_layers, batch, capacity, cfg.num_key_value_heads, cfg.head_dim, cfg.dtype)
+
+
+def embed(params: Params, tokens: jnp.ndarray) -> jnp.ndarray:
+    """``[B, T]`` int32 -> ``[B, T, H]`` rows of the input embedding."""
+    return jnp.take(params["embed"], tokens, axis=0)
+
+
+def lm_head(params: Params, cfg: TargetConfig, hidden: jnp.ndarray) -> jnp.ndarray:
+    """Final-normed hidden ``[..., H]`` -> float32 logits ``[..., V]`` (tied or untied head)."""
+    if "lm_head" in params:
+        w = params["lm_head"]
+        return jnp.einsum("...h,hv->...v", hidden, w, preferred_element_type=jnp.float32)
+    return jnp.einsum("...h,vh->...v", hidden, params["embed"], preferred_element_type=jnp.float32)
+
+
+def _layer(cfg: TargetConfig, inv_freq, x, lp, k_cache, v_cache, positions):
+    """One decoder layer over ``x [B,T,H]``; writes this layer's K/V rows into the cache slices."""
+    b, t, _ = x.shape
+    D, hq, hkv = cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads
+    h = rms_norm(x, lp["attn_norm"], cfg.rms_norm_eps)
+    q, k, v = h @ lp["wq"], h @ lp["wk"], h @ lp["wv"]
+    if cfg.qkv_bias:
+        q, k, v = q + lp["bq"], k + lp["bk"], v + lp["bv"]
+    q, k, v = q.reshape(b, t, hq, D), k.reshape(b, t, hkv, D), v.reshape(b, t, hkv, D)
+    if cfg.qk_norm:
+        q = rms_norm(q, lp["q_norm"], cfg.rms_norm_eps)
+        k = rms_norm(k, lp["k_norm"], cfg.rms_norm_eps)
+    q = apply_rope(q, positions, inv_freq)
+    k = apply_rope(k, positions, inv_freq)
+    k_cache = write_rows(k_cache, k, positions)
+    v_cache = write_rows(v_cache, v, positions)
+    mask = causal_mask(positions, k_cache.shape[1])
+    a = gqa_attention(q, k_cache, v_cache, mask).reshape(b, t, hq * D) @ lp["wo"]
+    if cfg.o_bias:
+        a = a + lp["bo"]
+    x = x + a
+    h = rms_norm(x, lp["mlp_norm"], cfg.rms_norm_eps)
+    x = x + swiglu(h, lp["w_gate"], lp["w_up"], lp["w_down"], lp.get("b_gate"), lp.get("b_up"), lp.get("b_down"))
+    return x, k_cache, v_cache
+
+
+def forward_hidden(
+    params: Params,
+    cfg: TargetConfig,
+    tokens: jnp.ndarray,
+    positions: jnp.ndarray,
+    cache: KVCache,
+    capture: Capture | None = None,
+) -> tuple[jnp.ndarray, KVCache, Capture | None]:
+    """Runs the decoder stack; returns the final-normed hidden states ``[B, T, H]``.
+
+    Same contract as :func:`forward` without the LM head, so callers that need only some rows'
+    logits (prefill's last row) pay for the head once.
+    """
+    n_layers = cfg.num_hidden_layers
+    inv_freq = inv_frequencies(cfg.rope, cfg.head_dim)
+    positions = positions.astype(jnp.int32)
+    x = embed(params, tokens).astype(cfg.dtype)
+    if capture is not None:
+        for i in capture.layer_ids:
+            if not 0 <= i < n_layers:
+                raise ValueError(f"capture layer id {i} out of range for a {n_layers}-layer target")
+        slot_of = [len(capture.layer_ids)] * n_layers
+        for s, i in enumerate(capture.layer_ids):
+            slot_of[i] = s
+        slot_of = jnp.asarray(slot_of, jnp.int32)
+        cap = jnp.zeros((len(capture.layer_ids) + 1,) + x.shape, x.dtype)
+    else:
+        slot_of, cap = jnp.zeros((n_layers,), jnp.int32), jnp.zeros((1, 1, 1, 1), x.dtype)
+
+    def body(carry, xs):
+        x, cap = carry
+        lp, kc, vc, slot = xs
+        x, kc, vc = _layer(cfg, inv_freq, x, lp, kc, vc, positions)
+        if capture is not None:
+            cap = lax.dynamic_update_index_in_dim(cap, x, slot, 0)
+        return (x, cap), (kc, vc)
+
+    (x, cap), (k_new, v_new) = lax.scan(body, (x, cap), (params["layers"], cache.k, cache.v, slot_of))
+    new_len = jnp.minimum(jnp.maximum(cache.length, positions[:, -1] + 1), cache.capacity)
+    cache = KVCache(k=k_new, v=v_new, length=new_len.astype(jnp.int32))
+    if capture is not None:
+        feats = jnp.moveaxis(cap[:-1], 0, 2)  # [B, T, n, H]
+        feats = feats.reshape(feats.shape[0], feats.shape[1], -1)
+        idx = positions - capture.base[:, None]
+        capture = capture.replace(hidden=write_rows(capture.hidden, feats, jnp.where(idx < 0, capture.hidden.shape[1], idx)))
+    return rms_norm(x, params["norm"], cfg.rms_norm_eps), cache, capture
+
+
+def forward(
+    params: Params,
+    cfg: TargetConfig,
+    tokens: jnp.ndarray,
+    positions: jnp.ndarray,
+    cache: KVCache,
+    capture: Capture | None = None,
+) -> tuple[jnp.ndarray, KVCache, Capture | None]:
+    """One target forward for a prefill chunk, a verify block or a single decode token.
+
+    Args:
+      params: parameter pytree (module docstring).
+      cfg: static :class:`TargetConfig`.
+      tokens: ``[B, T]`` int32 token ids.
+      positions: ``[B, T]`` int32 absolute positions, contiguous per row and starting at or
+        before the row's committed length; K/V of token ``t`` is written to slot
+        ``positions[b, t]`` (slots past the capacity are dropped).
+      cache: :class:`KVCache`; returned with the new rows written and ``length`` raised to
+        ``positions[:, -1] + 1`` (callers roll back rejected rows with ``cache.rollback``).
+      capture: optional :class:`Capture`; receives the residual after each listed layer.
+    Returns:
+      ``(logits [B, T, V] float32, cache, capture)``.
+    """
+    hidden, cache, capture = forward_hidden(params, cfg, tokens, positions, cache, capture)
+    return lm_head(params, cfg, hidden), cache, capture

@@ -1,0 +1,1 @@
+"""Pure layers: norms, rotary embeddings, attention, MLPs. Functions of arrays only."""
