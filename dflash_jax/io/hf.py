@@ -1,0 +1,333 @@
+"""Hugging Face safetensors checkpoints -> the dense target parameter pytree.
+
+A checkpoint folder holds ``config.json`` and either ``model.safetensors`` or a sharded
+``model.safetensors.index.json`` whose ``weight_map`` names a shard per tensor.
+
+Safetensors files are read with a small header parser of our own (8-byte little-endian header
+length, a JSON header of ``{name: {dtype, shape, data_offsets}}``, then the raw little-endian
+data) and ``np.memmap``: tensors are read one at a time, nothing loads a whole file, and
+bfloat16 works through ``ml_dtypes`` (safetensors' own numpy path has no bf16). Every header is
+validated up front so a truncated or corrupt file fails before any weight is converted.
+
+Checks are strict: every problem raises :class:`~dflash_jax.errors.DFlashError` whose message
+names the file and, where there is one, the tensor.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import re
+import struct
+from typing import Any
+
+import jax
+import ml_dtypes
+import numpy as np
+
+from dflash_jax.config import TargetConfig, read_json, target_config_from_hf
+from dflash_jax.errors import DFlashError
+
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+
+# Safetensors dtype codes -> item sizes (all codes of the format, so any header can be checked).
+_ITEMSIZE = {
+    "BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "I16": 2, "U16": 2, "F16": 2, "BF16": 2,
+    "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8, "F64": 8,
+}
+# The codes weights may be stored in (all read exactly, then cast to the requested dtype).
+_FLOAT_DTYPES = {
+    "F16": np.dtype("<f2"), "BF16": np.dtype(ml_dtypes.bfloat16), "F32": np.dtype("<f4"), "F64": np.dtype("<f8"),
+}
+_TARGET_DTYPES = {"float32": np.dtype(np.float32), "bfloat16": np.dtype(ml_dtypes.bfloat16), "float16": np.dtype(np.float16)}
+_MAX_HEADER = 100 * 1024 * 1024
+
+# Non-parameter buffers some exporters leave in checkpoints.
+_IGNORED = re.compile(r"(^|\.)rotary_emb\.inv_freq$")
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorInfo:
+    """One header entry: safetensors dtype code, shape, and absolute byte range in the file."""
+
+    dtype: str
+    shape: tuple[int, ...]
+    start: int
+    end: int
+
+
+class SafetensorsFile:
+    """A validated, memory-mapped safetensors file; tensors are read one at a time.
+
+    Raises (on construction):
+      DFlashError: the file is missing, truncated, or its header is corrupt (bad length, bad JSON,
+        a tensor whose byte range does not match its dtype and shape or runs past the end).
+    """
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = str(path)
+        self.tensors = read_safetensors_header(self.path)
+        self._mm = None
+
+    @property
+    def names(self) -> list[str]:
+        return list(self.tensors)
+
+    def read(self, name: str) -> np.ndarray:
+        """The tensor ``name`` as a read-only numpy view in its stored float dtype.
+
+        Raises:
+          DFlashError: the tensor is absent or stored in a non-float dtype (names file and tensor).
+        """
+        where = f"{self.path}: tensor {name}"
+        info = self.tensors.get(name)
+        if info is None:
+            raise DFlashError(where, "missing", "a tensor of that name in this file")
+        dt = _FLOAT_DTYPES.get(info.dtype)
+        if dt is None:
+            raise DFlashError(where, f"unsupported dtype {info.dtype}", "a float dtype: F32, F16, BF16 or F64")
+        if info.end == info.start:
+            return np.zeros(info.shape, dt)
+        if self._mm is None:
+            self._mm = np.memmap(self.path, dtype=np.uint8, mode="r")
+        return self._mm[info.start : info.end].view(dt).reshape(info.shape)
+
+
+def read_safetensors_header(path: str | os.PathLike) -> dict[str, TensorInfo]:
+    """Parses and validates a safetensors header without reading any tensor data.
+
+    Returns:
+      ``{name: TensorInfo}`` in header order (``__metadata__`` skipped); byte ranges are absolute.
+    Raises:
+      DFlashError: missing file, truncated file, corrupt header, unknown dtype code, or a tensor
+        whose ``data_offsets`` disagree with its shape or lie past the end of the file.
+    """
+    path = str(path)
+    try:
+        size = os.path.getsize(path)
+        with open(path, "rb") as f:
+            head = f.read(8)
+            if len(head) < 8:
+                raise DFlashError(path, f"truncated: {size} bytes", "an 8-byte header length and a JSON header")
+            (n,) = struct.unpack("<Q", head)
+            if n > _MAX_HEADER or 8 + n > size:
+                raise DFlashError(path, f"corrupt or truncated: header length {n} but the file has {size} bytes", "a safetensors file")
+            raw = f.read(n)
+    except FileNotFoundError:
+        raise DFlashError(path, "file not found", "an existing safetensors file") from None
+    except IsADirectoryError:
+        raise DFlashError(path, "is a directory", "a safetensors file") from None
+    try:
+        header = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise DFlashError(path, f"corrupt header ({e})", "a JSON safetensors header") from None
+    if not isinstance(header, dict):
+        raise DFlashError(path, "corrupt header: not a JSON object", "a JSON safetensors header")
+    data_start = 8 + n
+    out: dict[str, TensorInfo] = {}
+    for name, entry in header.items():
+        if name == "__metadata__":
+            continue
+        where = f"{path}: tensor {name}"
+        if not isinstance(entry, dict):
+            raise DFlashError(where, "corrupt header entry", "{dtype, shape, data_offsets}")
+        dtype, shape, offs = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
+        if dtype not in _ITEMSIZE:
+            raise DFlashError(where, f"unsupported dtype {dtype!r}", "a safetensors dtype code such as F32, F16 or BF16")
+        if not (isinstance(shape, list) and all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape)):
+            raise DFlashError(where, f"corrupt shape {shape!r}", "a list of non-negative integers")
+        if not (isinstance(offs, list) and len(offs) == 2 and all(isinstance(o, int) and not isinstance(o, bool) for o in offs)
+                and 0 <= offs[0] <= offs[1]):
+            raise DFlashError(where, f"corrupt data_offsets {offs!r}", "[begin, end] with 0 <= begin <= end")
+        nbytes = math.prod(shape) * _ITEMSIZE[dtype]
+        if offs[1] - offs[0] != nbytes:
+            raise DFlashError(where, f"data_offsets {offs} span {offs[1] - offs[0]} bytes for {dtype} {tuple(shape)}",
+                              f"{nbytes} bytes")
+        if data_start + offs[1] > size:
+            raise DFlashError(where, f"truncated file: data ends at byte {data_start + offs[1]} but the file has {size} bytes",
+                              "the complete file")
+        out[name] = TensorInfo(dtype, tuple(shape), data_start + offs[0], data_start + offs[1])
+    return out
+
+
+class Checkpoint:
+    """The tensors of a checkpoint folder (one file or sharded), each found in its file.
+
+    Raises (on construction):
+      DFlashError: no weights file, a malformed index, an index naming a missing shard or a tensor
+        its shard lacks, a tensor stored twice, or any corrupt shard.
+    """
+
+    def __init__(self, folder: str | os.PathLike):
+        folder = str(folder)
+        single, index = os.path.join(folder, SINGLE_FILE), os.path.join(folder, INDEX_FILE)
+        self.files: dict[str, SafetensorsFile] = {}
+        self.where: dict[str, SafetensorsFile] = {}
+        if os.path.exists(single):
+            f = SafetensorsFile(single)
+            self.files[single] = f
+            self.where = {name: f for name in f.tensors}
+            return
+        if not os.path.exists(index):
+            raise DFlashError(folder, f"no {SINGLE_FILE} or {INDEX_FILE}", "a safetensors checkpoint folder")
+        weight_map = read_json(index).get("weight_map")
+        if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+            raise DFlashError(f"{index}: field weight_map", "missing or not a {tensor: shard file} object", "a JSON object")
+        for name, shard in weight_map.items():
+            path = os.path.join(folder, shard)
+            if path not in self.files:
+                if os.path.basename(shard) != shard or not os.path.isfile(path):
+                    raise DFlashError(f"{index}: tensor {name}", f"shard {shard} not found in {folder}", "an existing shard file")
+                self.files[path] = SafetensorsFile(path)
+            if name not in self.files[path].tensors:
+                raise DFlashError(f"{path}: tensor {name}", f"not in this shard, which {INDEX_FILE} names for it",
+                                  "the tensor in that shard")
+        for f in self.files.values():
+            for name in f.tensors:
+                if name in self.where:
+                    raise DFlashError(f"{f.path}: tensor {name}", f"also stored in {self.where[name].path}", "one copy")
+                self.where[name] = f
+
+    def names(self) -> list[str]:
+        return list(self.where)
+
+    def file_of(self, name: str) -> str:
+        return self.where[name].path
+
+    def info(self, name: str) -> TensorInfo:
+        return self.where[name].tensors[name]
+
+    def read(self, name: str) -> np.ndarray:
+        """The tensor ``name`` in its stored float dtype (a memory-mapped view)."""
+        return self.where[name].read(name)
+
+
+def hf_target_names(cfg: TargetConfig) -> dict[str, tuple[tuple[str, ...], int | None, bool]]:
+    """The HF tensor names of a target: ``{hf_name: (pytree path, layer index or None, transpose)}``.
+
+    Shared by Llama, Qwen2 and Qwen3 (they differ only in which optional tensors exist, which
+    ``cfg`` records). ``transpose`` marks torch ``[out, in]`` linear weights.
+    """
+    names: dict[str, tuple[tuple[str, ...], int | None, bool]] = {
+        "model.embed_tokens.weight": (("embed",), None, False),
+        "model.norm.weight": (("norm",), None, False),
+    }
+    if not cfg.tie_word_embeddings:
+        names["lm_head.weight"] = (("lm_head",), None, True)
+    per_layer = {
+        "input_layernorm.weight": ("attn_norm", False),
+        "post_attention_layernorm.weight": ("mlp_norm", False),
+        "self_attn.q_proj.weight": ("wq", True),
+        "self_attn.k_proj.weight": ("wk", True),
+        "self_attn.v_proj.weight": ("wv", True),
+        "self_attn.o_proj.weight": ("wo", True),
+        "mlp.gate_proj.weight": ("w_gate", True),
+        "mlp.up_proj.weight": ("w_up", True),
+        "mlp.down_proj.weight": ("w_down", True),
+    }
+    if cfg.qkv_bias:
+        per_layer.update({"self_attn.q_proj.bias": ("bq", False), "self_attn.k_proj.bias": ("bk", False),
+                          "self_attn.v_proj.bias": ("bv", False)})
+    if cfg.o_bias:
+        per_layer["self_attn.o_proj.bias"] = ("bo", False)
+    if cfg.mlp_bias:
+        per_layer.update({"mlp.gate_proj.bias": ("b_gate", False), "mlp.up_proj.bias": ("b_up", False),
+                          "mlp.down_proj.bias": ("b_down", False)})
+    if cfg.qk_norm:
+        per_layer.update({"self_attn.q_norm.weight": ("q_norm", False), "self_attn.k_norm.weight": ("k_norm", False)})
+    for i in range(cfg.num_hidden_layers):
+        for suffix, (leaf, transpose) in per_layer.items():
+            names[f"model.layers.{i}.{suffix}"] = (("layers", leaf), i, transpose)
+    return names
+
+
+def _ignorable(name: str, cfg: TargetConfig) -> bool:
+    # A tied checkpoint may still carry a copy of the embedding as lm_head.weight.
+    return bool(_IGNORED.search(name)) or (cfg.tie_word_embeddings and name == "lm_head.weight")
+
+
+def _np_dtype(dtype: Any) -> np.dtype:
+    try:
+        name = np.dtype(dtype).name if not isinstance(dtype, str) else dtype
+    except TypeError:
+        name = str(dtype)
+    if name not in _TARGET_DTYPES:
+        raise DFlashError("dtype", f"unsupported value {dtype!r}", f"one of {sorted(_TARGET_DTYPES)}")
+    return _TARGET_DTYPES[name]
+
+
+def load_hf_target(folder: str | os.PathLike, dtype: Any = "float32") -> tuple[TargetConfig, dict]:
+    """Loads a Llama / Qwen2 / Qwen3 HF checkpoint folder as ``(TargetConfig, params)``.
+
+    Args:
+      folder: holds ``config.json`` and ``model.safetensors`` or ``model.safetensors.index.json``
+        plus its shards.
+      dtype: parameter dtype, ``"float32"``, ``"bfloat16"`` or ``"float16"``; stored F32/F16/BF16
+        tensors are converted to it (``cfg.dtype`` is set to it too).
+    Returns:
+      ``cfg`` and the params pytree of :mod:`dflash_jax.models.dense` as jax arrays of ``dtype``:
+      linear weights transposed to ``[in, out]`` and layers stacked on a leading ``L`` axis; every
+      leaf has the shape :func:`dflash_jax.models.dense.param_shapes` gives.
+    Raises:
+      DFlashError: a bad ``config.json`` (names the file and field), an unsupported ``dtype``, no
+        weights file, an index pointing to a missing shard, a truncated or corrupt safetensors
+        file, or a missing, unexpected, mis-shaped or non-float tensor (names the file and tensor).
+    """
+    from dflash_jax.models import dense
+
+    folder = str(folder)
+    target = _np_dtype(dtype)
+    config_path = os.path.join(folder, "config.json")
+    cfg = target_config_from_hf(read_json(config_path), source=config_path).with_dtype(target.name)
+    ckpt = Checkpoint(folder)
+    names = hf_target_names(cfg)
+    shapes = dense.param_shapes(cfg)
+
+    present = set(ckpt.names())
+    missing = [n for n in names if n not in present]
+    if missing:
+        files = sorted({f.path for f in ckpt.files.values()})
+        where = files[0] if len(files) == 1 else f"{os.path.join(folder, INDEX_FILE)}"
+        more = f" and {len(missing) - 1} more" if len(missing) > 1 else ""
+        raise DFlashError(f"{where}: tensor {missing[0]}", f"missing{more} for a {cfg.family} target", "every parameter tensor")
+    for n in ckpt.names():
+        if n not in names and not _ignorable(n, cfg):
+            raise DFlashError(f"{ckpt.file_of(n)}: tensor {n}", f"unexpected for a {cfg.family} target of this config",
+                              "only the model's parameter tensors")
+
+    # Validate every shape and dtype before converting anything.
+    by_leaf: dict[tuple[str, ...], list[tuple[str, int | None, bool]]] = {}
+    for n, (path, layer, transpose) in names.items():
+        full = shapes[path[0]] if len(path) == 1 else shapes[path[0]][path[1]]
+        want = full if layer is None else full[1:]
+        want_hf = tuple(reversed(want)) if transpose else tuple(want)
+        info = ckpt.info(n)
+        where = f"{ckpt.file_of(n)}: tensor {n}"
+        if info.dtype not in _FLOAT_DTYPES:
+            raise DFlashError(where, f"unsupported dtype {info.dtype}", "a float dtype: F32, F16, BF16 or F64")
+        if info.shape != want_hf:
+            raise DFlashError(where, f"shape {info.shape}", f"{want_hf} for this config")
+        by_leaf.setdefault(path, []).append((n, layer, transpose))
+
+    def leaf(path) -> jax.Array:
+        full = shapes[path[0]] if len(path) == 1 else shapes[path[0]][path[1]]
+        out = np.empty(full, target)
+        for n, layer, transpose in by_leaf[path]:
+            x = ckpt.read(n)
+            x = x.T if transpose else x
+            if layer is None:
+                out[...] = x.astype(target)
+            else:
+                out[layer] = x.astype(target)
+        return jax.device_put(out)
+
+    params: dict = {"embed": leaf(("embed",)), "layers": {}, "norm": leaf(("norm",))}
+    for name in shapes["layers"]:
+        params["layers"][name] = leaf(("layers", name))
+    if "lm_head" in shapes:
+        params["lm_head"] = leaf(("lm_head",))
+    return cfg, params
+

@@ -1,0 +1,103 @@
+"""The decode state: one pytree carrying everything that changes during a generation.
+
+Positions, masks and rollback all derive from ``length``. The target KV cache holds K/V for
+positions ``[0, length - 1)``: the last committed token has not been fed to the target yet (it is
+the next decode input, or the anchor of the next speculative block).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from dflash_jax.cache import KVCache
+
+# finish codes, per row
+RUNNING, STOP, LENGTH, CAPACITY = 0, 1, 2, 3
+FINISH_REASONS = {RUNNING: None, STOP: "stop", LENGTH: "length", CAPACITY: "capacity"}
+
+
+@struct.dataclass
+class DecodeState:
+    """Decode carry for a batch of ``B`` rows with capacity ``S`` tokens each.
+
+    Attributes:
+      tokens: ``[B, S]`` int32 prompt then committed tokens.
+      length: ``[B]`` int32 tokens committed per row (prompt included).
+      prompt_len: ``[B]`` int32.
+      max_new: ``[B]`` int32 new-token budget per row.
+      stop_ids: ``[n]`` int32 ids that end a row (EOS and stop ids; ``-1`` pads).
+      cache: target :class:`KVCache` (``cache.length == length - 1`` between steps).
+      rng: PRNG key, split every step.
+      done: ``[B]`` bool; a done row never changes again.
+      finish: ``[B]`` int32 finish code (``RUNNING``, ``STOP``, ``LENGTH``, ``CAPACITY``).
+      gaps: ``[B, S]`` float32 top-2 logit gap of the target step that chose each token.
+      steps: ``[]`` int32 target passes after prefill (decode steps or verify steps).
+      spec: speculative-decoding extension (drafter context and statistics) or ``None``.
+    """
+
+    tokens: jnp.ndarray
+    length: jnp.ndarray
+    prompt_len: jnp.ndarray
+    max_new: jnp.ndarray
+    stop_ids: jnp.ndarray
+    cache: KVCache
+    rng: jax.Array
+    done: jnp.ndarray
+    finish: jnp.ndarray
+    gaps: jnp.ndarray
+    steps: jnp.ndarray
+    spec: Any = None
+
+    @property
+    def capacity(self) -> int:
+        return self.tokens.shape[1]
+
+    @property
+    def new_tokens(self) -> jnp.ndarray:
+        """``[B]`` int32 generated tokens per row."""
+        return self.length - self.prompt_len
+
+
+def commit(state: DecodeState, new: jnp.ndarray, n_new: jnp.ndarray, gaps: jnp.ndarray) -> DecodeState:
+    """Appends up to ``n_new[b]`` of ``new[b]`` to each running row, stopping exactly at the limits.
+
+    A row keeps tokens up to and including its first stop id, never more than its remaining
+    ``max_new`` budget, and never past capacity; done rows are untouched. The finish code records
+    which limit ended the row (stop first, then length, then capacity).
+
+    Args:
+      state: the decode state.
+      new: ``[B, K]`` int32 candidate tokens in order.
+      n_new: ``[B]`` int32 how many leading candidates are proposed for commit (``1..K``).
+      gaps: ``[B, K]`` float32 top-2 logit gaps of the steps that chose them.
+    Returns:
+      The state with ``tokens``, ``gaps``, ``length``, ``done`` and ``finish`` updated.
+    """
+    b, k = new.shape
+    idx = jnp.arange(k, dtype=jnp.int32)[None, :]
+    cand = (idx < n_new[:, None]) & ~state.done[:, None]
+    is_stop = jnp.any(new[:, :, None] == state.stop_ids[None, None, :], axis=-1) & cand
+    first_stop = jnp.where(jnp.any(is_stop, axis=1), jnp.argmax(is_stop, axis=1), k)
+    budget = jnp.minimum(state.max_new - state.new_tokens, state.capacity - state.length)
+    keep = cand & (idx <= first_stop[:, None]) & (idx < budget[:, None])
+    n_keep = jnp.sum(keep, axis=1).astype(jnp.int32)
+    pos = jnp.where(keep, state.length[:, None] + idx, state.capacity)
+    rows = jnp.arange(b)[:, None]
+    tokens = state.tokens.at[rows, pos].set(new.astype(jnp.int32), mode="drop")
+    all_gaps = state.gaps.at[rows, pos].set(gaps.astype(jnp.float32), mode="drop")
+    length = state.length + n_keep
+    stopped = jnp.any(is_stop & keep, axis=1)
+    finish = jnp.where(
+        state.done,
+        state.finish,
+        jnp.where(
+            stopped,
+            STOP,
+            jnp.where(length - state.prompt_len >= state.max_new, LENGTH, jnp.where(length >= state.capacity, CAPACITY, RUNNING)),
+        ),
+    ).astype(jnp.int32)
+    return state.replace(tokens=tokens, gaps=all_gaps, length=length, finish=finish, done=finish != RUNNING)

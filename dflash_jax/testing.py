@@ -1,0 +1,47 @@
+"""Tiny random models and reference loops for tests, notebooks and examples."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from dflash_jax.config import RopeConfig, TargetConfig
+from dflash_jax.models import dense
+
+
+def tiny_target_config(family: str = "llama", **overrides) -> TargetConfig:
+    """A tiny dense target (vocab 128, hidden 64, 3 layers, GQA 4/2, head_dim 16)."""
+    base = dict(
+        family=family, vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-6,
+        rope=RopeConfig(theta=10000.0), tie_word_embeddings=family == "llama",
+        qkv_bias=family == "qwen2", qk_norm=family == "qwen3",
+    )
+    base.update(overrides)
+    return TargetConfig(**base)
+
+
+def tiny_target(family: str = "llama", seed: int = 0, scale: float = 0.2, **overrides):
+    """``(cfg, params)`` of a tiny random target whose greedy output is not degenerate."""
+    cfg = tiny_target_config(family, **overrides)
+    return cfg, dense.init_params(cfg, jax.random.key(seed), scale=scale)
+
+
+def reference_greedy(params, cfg, prompt, n_new: int, stop_ids=()) -> list[int]:
+    """Greedy decoding by recomputing the full forward for every token (no cache reuse).
+
+    An independent oracle for the cached paths: ``n_new`` tokens (or up to the first stop id).
+    """
+    toks = list(prompt)
+    out = []
+    for _ in range(n_new):
+        t = len(toks)
+        cache = dense.init_cache(cfg, 1, t)
+        logits, _, _ = dense.forward(params, cfg, jnp.asarray([toks], jnp.int32), jnp.arange(t, dtype=jnp.int32)[None], cache)
+        nxt = int(np.argmax(np.asarray(logits[0, -1])))
+        toks.append(nxt)
+        out.append(nxt)
+        if nxt in stop_ids:
+            break
+    return out

@@ -1,0 +1,95 @@
+"""Plain decoding: chunked prefill, on-device and streamed loops against a no-cache oracle."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from dflash_jax import decode
+from dflash_jax.errors import DFlashError
+from dflash_jax.sampling import SamplingConfig
+from dflash_jax.state import CAPACITY, LENGTH, STOP
+from dflash_jax.testing import reference_greedy, tiny_target
+
+GREEDY = SamplingConfig()
+
+
+@pytest.fixture(scope="module")
+def target():
+    return tiny_target("llama", seed=1)
+
+
+def run(target, prompts, n_new, chunk, max_len=48, stop_ids=()):
+    params, cfg = target[1], target[0]
+    st = decode.init_state(cfg, prompts, max_len, n_new, stop_ids)
+    st = decode.prefill(params, cfg, st, chunk, GREEDY)
+    return decode.generate(params, cfg, st, GREEDY)
+
+
+def outputs(st):
+    toks, plen, length = jax.device_get((st.tokens, st.prompt_len, st.length))
+    return [list(toks[b, plen[b] : length[b]]) for b in range(toks.shape[0])]
+
+
+PROMPTS = [[5, 9, 17, 3, 22, 8, 1], [40, 2, 7], [11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21]]
+
+
+@pytest.mark.parametrize("chunk", [1, 3, 4, 16])
+def test_batched_greedy_matches_no_cache_oracle(target, chunk):
+    cfg, params = target
+    st = run(target, PROMPTS, 10, chunk)
+    want = [reference_greedy(params, cfg, p, 10) for p in PROMPTS]
+    assert outputs(st) == want
+    assert list(jax.device_get(st.finish)) == [LENGTH] * 3
+
+
+def test_chunk_size_does_not_change_cache_or_gaps(target):
+    a, b = run(target, PROMPTS, 6, 1), run(target, PROMPTS, 6, 5)
+    np.testing.assert_allclose(np.asarray(a.gaps), np.asarray(b.gaps), rtol=1e-5, atol=1e-5)
+    for la, lb in zip((a.cache.k, a.cache.v), (b.cache.k, b.cache.v)):
+        n = int(jnp.min(a.cache.length))
+        np.testing.assert_allclose(np.asarray(la[:, :, :n]), np.asarray(lb[:, :, :n]), rtol=1e-5, atol=1e-5)
+
+
+def test_stop_id_ends_row_inclusive(target):
+    cfg, params = target
+    free = reference_greedy(params, cfg, PROMPTS[0], 10)
+    stop = free[4]
+    st = run(target, [PROMPTS[0]], 10, 4, stop_ids=(stop,))
+    out = outputs(st)[0]
+    assert out == free[: free.index(stop) + 1]
+    assert int(st.finish[0]) == STOP
+
+
+def test_capacity_finish(target):
+    st = run(target, [PROMPTS[0]], 100, 4, max_len=12)
+    assert int(st.length[0]) == 12 and int(st.finish[0]) == CAPACITY
+
+
+def test_stream_yields_same_tokens(target):
+    cfg, params = target
+    st = decode.init_state(cfg, PROMPTS, 48, 7)
+    st = decode.prefill(params, cfg, st, 4, GREEDY)
+    got = [[] for _ in PROMPTS]
+    for _, toks, counts in decode.stream(params, cfg, st, GREEDY):
+        for b, c in enumerate(counts):
+            got[b] += list(toks[b, :c])
+    assert got == [reference_greedy(params, cfg, p, 7) for p in PROMPTS]
+
+
+def test_prompt_longer_than_capacity_is_an_error(target):
+    with pytest.raises(DFlashError, match="--max-len"):
+        decode.init_state(target[0], [list(range(20))], 20, 4)
+
+
+def test_seeded_sampling_is_reproducible_and_varies_with_seed(target):
+    cfg, params = target
+    s = SamplingConfig(temperature=1.5, top_k=50, top_p=0.95)
+
+    def go(seed):
+        st = decode.init_state(cfg, PROMPTS, 48, 12, seed=seed)
+        st = decode.prefill(params, cfg, st, 4, s)
+        return outputs(decode.generate(params, cfg, st, s))
+
+    assert go(3) == go(3)
+    assert go(3) != go(4)
