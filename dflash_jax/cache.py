@@ -68,15 +68,20 @@ class Capture:
       base: ``[B]`` int32; the token at absolute position ``p`` lands in row ``p - base[b]``
         (rows outside ``[0, N)`` are dropped).
       layer_ids: static tuple of captured decoder-layer ids.
+      post_norm_last: static; when the target's last layer is captured, read it after the final
+        norm (transformers' ``hidden_states[L]``) instead of the pre-norm residual.
     """
 
     hidden: jnp.ndarray
     base: jnp.ndarray
     layer_ids: tuple = struct.field(pytree_node=False, default=())
+    post_norm_last: bool = struct.field(pytree_node=False, default=False)
 
 
-def init_capture(layer_ids, batch: int, rows: int, hidden_size: int, dtype, base=None) -> Capture:
+def init_capture(layer_ids, batch: int, rows: int, hidden_size: int, dtype, base=None, post_norm_last: bool = False) -> Capture:
     """An empty capture buffer of ``[batch, rows, len(layer_ids) * hidden_size]``."""
     layer_ids = tuple(int(i) for i in layer_ids)
     base = jnp.zeros((batch,), jnp.int32) if base is None else jnp.asarray(base, jnp.int32)
-    return Capture(hidden=jnp.zeros((batch, rows, len(layer_ids) * hidden_size), dtype), base=base, layer_ids=layer_ids)
+    return Capture(
+        hidden=jnp.zeros((batch, rows, len(layer_ids) * hidden_size), dtype), base=base, layer_ids=layer_ids, post_norm_last=post_norm_last
+    )

@@ -212,3 +212,159 @@ def read_json(path: str | os.PathLike) -> dict:
     if not isinstance(data, dict):
         raise DFlashError(str(path), f"top level is {type(data).__name__}", "a JSON object")
     return data
+
+
+DRAFTER_ARCHITECTURES = ("DFlashDraftModel",)
+_REFUSED_DRAFTERS = {
+    "DFlash2DraftModel": "DFlash 2 drafters (grouped dynamic convolutions and a candidate selector) are not supported",
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class DrafterConfig:
+    """A DFlash drafter (z-lab ``DFlashDraftModel``: Qwen3-style layers with KV injection).
+
+    ``layer_causal[i]`` / ``layer_window[i]`` give each draft layer's attention inside the block:
+    causal or bidirectional, and a sliding window over positions (0 = none).
+    ``post_norm_last``: read the target's last layer after its final norm (transformers'
+    ``hidden_states[L]``) instead of the pre-norm residual; only matters when the last layer is
+    captured. Source: z-lab ``dflash/model.py`` (PyPI 0.1.0) and ``specs/dflash.md`` section 1.
+    """
+
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    vocab_size: int
+    block_size: int
+    mask_token_id: int
+    target_layer_ids: tuple
+    num_target_layers: int
+    layer_causal: tuple
+    layer_window: tuple
+    rms_norm_eps: float = 1e-6
+    rope: RopeConfig = RopeConfig()
+    attention_bias: bool = False
+    input_embedding_scale: float = 1.0
+    output_multiplier: float = 1.0
+    final_logit_softcapping: float = 0.0
+    post_norm_last: bool = False
+    architecture: str = "DFlashDraftModel"
+    dtype: str = "float32"
+
+    def with_dtype(self, dtype: str) -> "DrafterConfig":
+        return dataclasses.replace(self, dtype=str(dtype))
+
+
+def _dflash_value(cfg: Mapping[str, Any], key: str, default=None):
+    """A drafter field from ``dflash_config`` first, then the top level (z-lab ``_draft_value``)."""
+    sub = cfg.get("dflash_config") or {}
+    if key in sub and sub[key] is not None:
+        return sub[key]
+    value = cfg.get(key)
+    return default if value is None else value
+
+
+def drafter_config_from_hf(cfg: Mapping[str, Any], source: str = "config.json") -> DrafterConfig:
+    """Builds a :class:`DrafterConfig` from a z-lab drafter ``config.json``.
+
+    ``block_size``, ``mask_token_id`` and ``target_layer_ids`` may sit at the top level or in
+    ``dflash_config``; all three are required (no default layer ids are invented). Causality:
+    a top-level ``is_causal`` overrides; otherwise sliding layers
+    (``layer_types`` entry ``sliding_attention``) are causal and windowed by ``sliding_window``,
+    full-attention layers are bidirectional.
+
+    Raises:
+      DFlashError: unsupported architecture (DFlash 2 is refused by name), missing fields,
+        ``layer_types`` of the wrong length, or a sliding layer without ``sliding_window``.
+    """
+    archs = list(cfg.get("architectures") or [])
+    for arch in archs:
+        if arch in _REFUSED_DRAFTERS:
+            raise DFlashError(f"{source}: field architectures", f"{arch}: {_REFUSED_DRAFTERS[arch]}", f"one of {DRAFTER_ARCHITECTURES}")
+    arch = next((a for a in archs if a in DRAFTER_ARCHITECTURES), None)
+    if arch is None:
+        raise DFlashError(f"{source}: field architectures", f"unsupported drafter {archs!r}", f"one of {DRAFTER_ARCHITECTURES}")
+    hidden = _positive(_get(cfg, "hidden_size", source, int), "hidden_size", source)
+    heads = _positive(_get(cfg, "num_attention_heads", source, int), "num_attention_heads", source)
+    kv_heads = _positive(_get(cfg, "num_key_value_heads", source, int, heads), "num_key_value_heads", source)
+    head_dim = cfg.get("head_dim") or (hidden // heads)
+    n_layers = _positive(_get(cfg, "num_hidden_layers", source, int), "num_hidden_layers", source)
+
+    def need(key, types):
+        value = _dflash_value(cfg, key)
+        if value is None:
+            raise DFlashError(f"{source}: field {key}", "missing (top level or dflash_config)", f"a value of type {_tname(types)}")
+        if isinstance(value, bool) or not isinstance(value, types):
+            raise DFlashError(f"{source}: field {key}", f"got {value!r}", _tname(types))
+        return value
+
+    block_size = need("block_size", int)
+    if block_size < 2:
+        raise DFlashError(f"{source}: field block_size", f"got {block_size}", "an integer >= 2")
+    mask_token_id = need("mask_token_id", int)
+    layer_ids = need("target_layer_ids", (list, tuple))
+    if not layer_ids or not all(isinstance(i, int) and not isinstance(i, bool) for i in layer_ids):
+        raise DFlashError(f"{source}: field target_layer_ids", f"got {layer_ids!r}", "a non-empty list of layer indices")
+    num_target_layers = _dflash_value(cfg, "num_target_layers")
+    if num_target_layers is None:
+        raise DFlashError(f"{source}: field num_target_layers", "missing", "the target's number of decoder layers")
+    layer_types = cfg.get("layer_types") or ["full_attention"] * n_layers
+    if len(layer_types) != n_layers:
+        raise DFlashError(f"{source}: field layer_types", f"{len(layer_types)} entries", f"{n_layers} (num_hidden_layers)")
+    is_causal = cfg.get("is_causal")  # top level only, as z-lab's Qwen3DFlashAttention reads it
+    window = cfg.get("sliding_window")
+    causal, windows = [], []
+    for i, t in enumerate(layer_types):
+        if t not in ("full_attention", "sliding_attention"):
+            raise DFlashError(f"{source}: field layer_types[{i}]", f"got {t!r}", "full_attention or sliding_attention")
+        sliding = t == "sliding_attention"
+        if sliding and not window:
+            raise DFlashError(f"{source}: field sliding_window", "missing for a sliding_attention layer", "a positive window")
+        causal.append(sliding if is_causal is None else bool(is_causal))
+        windows.append(int(window) if sliding else 0)
+    softcap = _dflash_value(cfg, "final_logit_softcapping")
+    return DrafterConfig(
+        hidden_size=hidden,
+        intermediate_size=_positive(_get(cfg, "intermediate_size", source, int), "intermediate_size", source),
+        num_hidden_layers=n_layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        head_dim=int(head_dim),
+        vocab_size=_positive(_get(cfg, "vocab_size", source, int), "vocab_size", source),
+        block_size=int(block_size),
+        mask_token_id=int(mask_token_id),
+        target_layer_ids=tuple(int(i) for i in layer_ids),
+        num_target_layers=int(num_target_layers),
+        layer_causal=tuple(causal),
+        layer_window=tuple(windows),
+        rms_norm_eps=float(_get(cfg, "rms_norm_eps", source, (int, float), 1e-6)),
+        rope=parse_rope(cfg, source, int(head_dim)),
+        attention_bias=bool(cfg.get("attention_bias", False)),
+        input_embedding_scale=float(_dflash_value(cfg, "input_embedding_scale", 1.0)),
+        output_multiplier=float(_dflash_value(cfg, "output_multiplier", 1.0)),
+        final_logit_softcapping=float(softcap) if softcap else 0.0,
+        post_norm_last=bool(_dflash_value(cfg, "post_norm_last", False)),
+        architecture=arch,
+    )
+
+
+def check_drafter_fits(d: DrafterConfig, t: TargetConfig, source: str = "drafter") -> None:
+    """Checks a drafter against its target; raises DFlashError naming the first mismatch.
+
+    Checked: hidden size, vocab size, ``num_target_layers``, every captured layer id in
+    ``[0, target layers)`` and ``mask_token_id`` a row of the target's embedding.
+    """
+    if d.hidden_size != t.hidden_size:
+        raise DFlashError(f"{source}: field hidden_size", f"{d.hidden_size} differs from the target's", f"{t.hidden_size}")
+    if d.vocab_size != t.vocab_size:
+        raise DFlashError(f"{source}: field vocab_size", f"{d.vocab_size} differs from the target's", f"{t.vocab_size}")
+    if d.num_target_layers != t.num_hidden_layers:
+        raise DFlashError(f"{source}: field num_target_layers", f"{d.num_target_layers} differs from the target's", f"{t.num_hidden_layers}")
+    for i in d.target_layer_ids:
+        if not 0 <= i < t.num_hidden_layers:
+            raise DFlashError(f"{source}: field target_layer_ids", f"layer id {i} out of range", f"ids in [0, {t.num_hidden_layers})")
+    if not 0 <= d.mask_token_id < t.vocab_size:
+        raise DFlashError(f"{source}: field mask_token_id", f"{d.mask_token_id} is not a row of the target embedding", f"an id in [0, {t.vocab_size})")

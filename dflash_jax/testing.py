@@ -45,3 +45,27 @@ def reference_greedy(params, cfg, prompt, n_new: int, stop_ids=()) -> list[int]:
         if nxt in stop_ids:
             break
     return out
+
+
+def tiny_drafter_config(target_cfg: TargetConfig, layer_ids=(0, 2), block_size: int = 4, **overrides):
+    """A tiny generic DFlash drafter for ``target_cfg`` (2 layers, mask id = last vocab row)."""
+    from dflash_jax.config import DrafterConfig
+
+    n = overrides.pop("num_hidden_layers", 2)
+    base = dict(
+        hidden_size=target_cfg.hidden_size, intermediate_size=96, num_hidden_layers=n, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, vocab_size=target_cfg.vocab_size, block_size=block_size,
+        mask_token_id=target_cfg.vocab_size - 1, target_layer_ids=tuple(layer_ids),
+        num_target_layers=target_cfg.num_hidden_layers, layer_causal=(False,) * n, layer_window=(0,) * n,
+        rope=RopeConfig(theta=10000.0),
+    )
+    base.update(overrides)
+    return DrafterConfig(**base)
+
+
+def tiny_drafter(target_cfg: TargetConfig, seed: int = 0, scale: float = 0.2, **overrides):
+    """``(cfg, params)`` of a tiny random drafter for ``target_cfg``."""
+    from dflash_jax.models import drafter
+
+    cfg = tiny_drafter_config(target_cfg, **overrides)
+    return cfg, drafter.init_params(cfg, jax.random.key(seed), scale=scale)

@@ -283,8 +283,26 @@ def load_hf_target(folder: str | os.PathLike, dtype: Any = "float32") -> tuple[T
     config_path = os.path.join(folder, "config.json")
     cfg = target_config_from_hf(read_json(config_path), source=config_path).with_dtype(target.name)
     ckpt = Checkpoint(folder)
-    names = hf_target_names(cfg)
-    shapes = dense.param_shapes(cfg)
+    params = load_named(ckpt, folder, hf_target_names(cfg), dense.param_shapes(cfg), target,
+                        lambda n: _ignorable(n, cfg), f"{cfg.family} target")
+    return cfg, params
+
+
+def load_named(ckpt: Checkpoint, folder: str, names: dict, shapes: dict, target: np.dtype, ignorable, label: str) -> dict:
+    """Reads a params pytree from ``ckpt`` through a name map, strictly.
+
+    Args:
+      names: ``{tensor name: (pytree path, layer index or None, transpose)}``; tensors with a
+        layer index fill that row of a stacked leaf.
+      shapes: the params' leaf shapes (one level of nesting at most).
+      target: numpy dtype of the result leaves.
+      ignorable: predicate for tensor names that may be present and are skipped.
+      label: what is being loaded, for messages (``"llama target"``, ``"DFlash drafter"``).
+    Returns:
+      The params pytree of jax arrays.
+    Raises:
+      DFlashError: missing, unexpected, mis-shaped or non-float tensors (names file and tensor).
+    """
 
     present = set(ckpt.names())
     missing = [n for n in names if n not in present]
@@ -292,10 +310,10 @@ def load_hf_target(folder: str | os.PathLike, dtype: Any = "float32") -> tuple[T
         files = sorted({f.path for f in ckpt.files.values()})
         where = files[0] if len(files) == 1 else f"{os.path.join(folder, INDEX_FILE)}"
         more = f" and {len(missing) - 1} more" if len(missing) > 1 else ""
-        raise DFlashError(f"{where}: tensor {missing[0]}", f"missing{more} for a {cfg.family} target", "every parameter tensor")
+        raise DFlashError(f"{where}: tensor {missing[0]}", f"missing{more} for a {label}", "every parameter tensor")
     for n in ckpt.names():
-        if n not in names and not _ignorable(n, cfg):
-            raise DFlashError(f"{ckpt.file_of(n)}: tensor {n}", f"unexpected for a {cfg.family} target of this config",
+        if n not in names and not ignorable(n):
+            raise DFlashError(f"{ckpt.file_of(n)}: tensor {n}", f"unexpected for a {label} of this config",
                               "only the model's parameter tensors")
 
     # Validate every shape and dtype before converting anything.
@@ -324,10 +342,10 @@ def load_hf_target(folder: str | os.PathLike, dtype: Any = "float32") -> tuple[T
                 out[layer] = x.astype(target)
         return jax.device_put(out)
 
-    params: dict = {"embed": leaf(("embed",)), "layers": {}, "norm": leaf(("norm",))}
-    for name in shapes["layers"]:
-        params["layers"][name] = leaf(("layers", name))
-    if "lm_head" in shapes:
-        params["lm_head"] = leaf(("lm_head",))
-    return cfg, params
-
+    params: dict = {}
+    for key, value in shapes.items():
+        if isinstance(value, dict):
+            params[key] = {name: leaf((key, name)) for name in value}
+        else:
+            params[key] = leaf((key,))
+    return params

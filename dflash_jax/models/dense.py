@@ -177,7 +177,11 @@ def forward_hidden(
     new_len = jnp.minimum(jnp.maximum(cache.length, positions[:, -1] + 1), cache.capacity)
     cache = KVCache(k=k_new, v=v_new, length=new_len.astype(jnp.int32))
     if capture is not None:
-        feats = jnp.moveaxis(cap[:-1], 0, 2)  # [B, T, n, H]
+        cap = cap[:-1]
+        if capture.post_norm_last and n_layers - 1 in capture.layer_ids:
+            s = capture.layer_ids.index(n_layers - 1)
+            cap = cap.at[s].set(rms_norm(cap[s], params["norm"], cfg.rms_norm_eps))
+        feats = jnp.moveaxis(cap, 0, 2)  # [B, T, n, H]
         feats = feats.reshape(feats.shape[0], feats.shape[1], -1)
         idx = positions - capture.base[:, None]
         capture = capture.replace(hidden=write_rows(capture.hidden, feats, jnp.where(idx < 0, capture.hidden.shape[1], idx)))

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
@@ -17,19 +19,36 @@ def gqa_attention(q: jnp.ndarray, k: jnp.ndarray, v: jnp.ndarray, mask: jnp.ndar
     Returns:
       ``[B, T, Hq, D]`` in ``q.dtype``; logits and softmax in float32, scale ``D ** -0.5``.
     """
+    return gqa_attention_parts(q, ((k, v, mask),))
+
+
+def gqa_attention_parts(q: jnp.ndarray, parts) -> jnp.ndarray:
+    """Attention over the union of several key/value buffers under one softmax.
+
+    Lets a drafter block attend ``[context cache | block]`` without concatenating the cache.
+
+    Args:
+      q: ``[B, T, Hq, D]``.
+      parts: sequence of ``(k [B, S_i, Hkv, D], v [B, S_i, Hkv, D], mask [B, T, S_i] bool)``.
+    Returns:
+      ``[B, T, Hq, D]`` in ``q.dtype``.
+    """
     b, t, hq, d = q.shape
-    hkv = k.shape[2]
-    g = hq // hkv
-    qg = q.reshape(b, t, hkv, g, d)
-    logits = jnp.einsum("btkgd,bskd->bkgts", qg, k, preferred_element_type=jnp.float32) * (d**-0.5)
-    m = mask[:, None, None, :, :]
-    logits = jnp.where(m, logits, -jnp.inf)
-    mx = jnp.max(logits, axis=-1, keepdims=True)
+    hkv = parts[0][0].shape[2]
+    qg = q.reshape(b, t, hkv, hq // hkv, d)
+    logits = []
+    for k, _, mask in parts:
+        lg = jnp.einsum("btkgd,bskd->bkgts", qg, k, preferred_element_type=jnp.float32) * (d**-0.5)
+        logits.append(jnp.where(mask[:, None, None, :, :], lg, -jnp.inf))
+    mx = functools.reduce(jnp.maximum, [jnp.max(lg, axis=-1, keepdims=True) for lg in logits])
     mx = jnp.where(jnp.isfinite(mx), mx, 0.0)
-    p = jnp.where(m, jnp.exp(logits - mx), 0.0)
-    denom = jnp.sum(p, axis=-1, keepdims=True)
-    p = p / jnp.where(denom > 0, denom, 1.0)
-    out = jnp.einsum("bkgts,bskd->btkgd", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+    probs = [jnp.exp(lg - mx) for lg in logits]
+    denom = sum(jnp.sum(p, axis=-1, keepdims=True) for p in probs)
+    denom = jnp.where(denom > 0, denom, 1.0)
+    out = sum(
+        jnp.einsum("bkgts,bskd->btkgd", (p / denom).astype(v.dtype), v, preferred_element_type=jnp.float32)
+        for p, (_, v, _) in zip(probs, parts)
+    )
     return out.reshape(b, t, hq, d).astype(q.dtype)
 
 

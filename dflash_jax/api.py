@@ -1,0 +1,474 @@
+"""The documented Python API: load a target, encode a prompt, generate (plain decoding).
+
+Typical use::
+
+    import dflash_jax as dj
+
+    target = dj.load_target()                      # embedded SmolLM2-135M-Instruct (float32)
+    ids = dj.encode_prompt(target, "What is 2 + 2?")   # chat template applied
+    res = dj.generate(target, [ids], max_new_tokens=64)
+    print(target.tokenizer.decode(res.output_ids[0], skip_special_tokens=True))
+    print(res.stats)
+
+Lower-level pieces (decode state, prefill, decode step, on-device loop) live in
+:mod:`dflash_jax.decode`; :func:`generate` is a thin, timed driver over them. Every step is
+compiled ahead of time (``jax.jit(...).lower(...).compile()``) before the clock starts, so the
+reported times exclude compilation (which the persistent compilation cache makes cheap on a
+second run).
+
+Stop strings (``stop=``): a stop text that encodes to exactly one token id becomes a stop id and
+ends its row on device, like EOS. A longer stop text is checked on the decoded text: when
+streaming (``on_tokens`` given) a row stops at the step whose text first contains it; without
+streaming decoding continues on device and the output is cut afterwards. Either way the row's
+``output_ids`` end with the token that completed the stop text, ``texts`` end just before it, and
+``finish_reason`` is ``"stop"``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import time
+from pathlib import Path
+from typing import Any, Callable, Mapping, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from dflash_jax import decode
+from dflash_jax.config import TargetConfig
+from dflash_jax.errors import DFlashError
+from dflash_jax.sampling import SamplingConfig
+from dflash_jax.state import FINISH_REASONS, STOP
+
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Target:
+    """A loaded target model.
+
+    Attributes:
+      cfg: static :class:`~dflash_jax.config.TargetConfig` (its ``dtype`` is the compute dtype).
+      params: parameter pytree of :mod:`dflash_jax.models.dense` (jax arrays).
+      tokenizer: :class:`~dflash_jax.io.tokenizer.Tokenizer`, or ``None`` (ids only).
+      source: the file or folder it was loaded from.
+      eos_ids: end-of-generation token ids (from the tokenizer, else from ``config.json`` /
+        ``generation_config.json``).
+    """
+
+    cfg: TargetConfig
+    params: Any
+    tokenizer: Any = None
+    source: str = ""
+    eos_ids: tuple[int, ...] = ()
+
+
+@dataclasses.dataclass
+class GenerationResult:
+    """What :func:`generate` returns.
+
+    Attributes:
+      prompt_ids: the prompts, ``list[list[int]]``.
+      output_ids: generated ids per row (a stop or EOS token that ended the row included).
+      finish_reason: per row ``"stop"`` (EOS, stop id or stop text), ``"length"``
+        (``max_new_tokens``) or ``"capacity"`` (``max_len`` reached).
+      top2_logit_gaps: per row, per output token, the gap between the two largest target logits at
+        the step that chose it.
+      texts: per row decoded text (special tokens skipped, cut before a stop text), or ``None``
+        without a tokenizer.
+      stats: ``new_tokens`` (all rows), ``prompt_tokens``, ``compile_time_s``,
+        ``prefill_time_s`` (prompt processing and the first token of each row),
+        ``decode_time_s``, ``decode_tokens_per_s`` (``(new_tokens - rows) / decode_time_s``: each
+        row's first token comes from prefill), ``prefill_tokens_per_s``, ``steps`` (decode
+        passes), ``batch``, ``max_len``, ``chunk_size`` (effective), ``dtype``, ``mode``.
+    """
+
+    prompt_ids: list[list[int]]
+    output_ids: list[list[int]]
+    finish_reason: list[str]
+    top2_logit_gaps: list[list[float]]
+    texts: list[str] | None
+    stats: dict
+
+
+# ------------------------------------------------------------------------------------- loading
+
+
+def load_target(path: str | os.PathLike | None = None, dtype: str = "float32") -> Target:
+    """Loads a target model with its tokenizer.
+
+    Args:
+      path: ``None`` for the embedded default (SmolLM2-135M-Instruct, fetched on first use, see
+        :mod:`dflash_jax.assets`); a Hugging Face folder holding ``config.json`` (tokenizer loaded
+        when ``tokenizer.json`` is present); or a ``.gguf`` file (tokenizer from its metadata).
+      dtype: ``"float32"``, ``"bfloat16"`` or ``"float16"``.
+    Returns:
+      :class:`Target`.
+    Raises:
+      DFlashError: an unsupported dtype, a path that does not exist or is neither kind, or any
+        problem the loaders find (the message names the file).
+    """
+    if str(dtype) not in DTYPES:
+        raise DFlashError("--dtype", f"unsupported value {dtype!r}", f"one of {', '.join(DTYPES)}")
+    if path is None:
+        from dflash_jax.assets import default_target_path
+
+        path = default_target_path()
+    p = Path(path).expanduser()
+    if p.is_dir():
+        if not (p / "config.json").is_file():
+            raise DFlashError(str(p), "folder has no config.json", "a Hugging Face checkpoint folder or a .gguf file")
+        from dflash_jax.io.hf import load_hf_target
+
+        cfg, params = load_hf_target(p, dtype=dtype)
+        tok = None
+        if (p / "tokenizer.json").is_file():
+            from dflash_jax.io.tokenizer import Tokenizer
+
+            tok = Tokenizer.from_hf_folder(p)
+        eos = tuple(tok.eos_token_ids) if tok is not None else _hf_eos_ids(p)
+    elif p.is_file() and p.suffix.lower() == ".gguf":
+        from dflash_jax.io.gguf import load_gguf_target
+        from dflash_jax.io.tokenizer import Tokenizer
+
+        cfg, params = load_gguf_target(p, dtype=dtype)
+        tok = Tokenizer.from_gguf(p)
+        eos = tuple(tok.eos_token_ids)
+    elif not p.exists():
+        raise DFlashError(str(p), "no such file or folder", "a Hugging Face checkpoint folder or a .gguf file")
+    else:
+        raise DFlashError(str(p), "not a folder and not a .gguf file", "a Hugging Face checkpoint folder or a .gguf file")
+    if tok is not None and tok.vocab_size > cfg.vocab_size:
+        raise DFlashError(f"{p}: tokenizer", f"{tok.vocab_size} ids but the embedding has {cfg.vocab_size} rows",
+                          "a tokenizer no larger than the embedding")
+    return Target(cfg=cfg, params=params, tokenizer=tok, source=str(p), eos_ids=eos)
+
+
+def _hf_eos_ids(folder: Path) -> tuple[int, ...]:
+    """``eos_token_id`` (int or list) of ``generation_config.json``, else of ``config.json``."""
+    from dflash_jax.config import read_json
+
+    for name in ("generation_config.json", "config.json"):
+        f = folder / name
+        if f.is_file():
+            v = read_json(f).get("eos_token_id")
+            if v is not None:
+                return tuple(int(i) for i in (v if isinstance(v, list) else [v]))
+    return ()
+
+
+def encode_prompt(
+    target: Target,
+    text: str,
+    system: str | None = None,
+    raw: bool = False,
+    chat_template_kwargs: Mapping[str, Any] | None = None,
+) -> list[int]:
+    """Text -> prompt ids.
+
+    Args:
+      target: a target with a tokenizer.
+      text: the user message (or the whole prompt when ``raw``).
+      system: an optional system message (otherwise the template's own default, if any).
+      raw: encode ``text`` as is, without the chat template (special tokens in it are still parsed;
+        BOS follows the tokenizer's setting).
+      chat_template_kwargs: extra variables for the template (for example ``enable_thinking``).
+    Raises:
+      DFlashError: the target has no tokenizer; the tokenizer has no chat template (use ``raw``).
+    """
+    tok = target.tokenizer
+    if tok is None:
+        raise DFlashError(f"{target.source}: tokenizer", "missing (no tokenizer.json)", "a tokenizer, or prompt ids (--prompt-ids)")
+    if raw:
+        if system:
+            text = system + "\n" + text
+        return tok.encode(text)
+    msgs = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": text}]
+    return tok.encode_chat(msgs, add_generation_prompt=True, **dict(chat_template_kwargs or {}))
+
+
+# ------------------------------------------------------------------------------------- text
+
+
+class TextStream:
+    """Incremental detokenizer for one row: ids in, printable text out.
+
+    Text that might still change is held back: a trailing incomplete UTF-8 sequence (decoded as
+    U+FFFD until its last byte arrives) and a tail that could be the start of a stop text. Special
+    tokens are skipped. Once a stop text appears, :attr:`stopped` is set and nothing after it is
+    ever emitted.
+    """
+
+    def __init__(self, tokenizer, stop: Sequence[str] = ()):
+        self.tokenizer = tokenizer
+        self.stop = [s for s in stop if s]
+        self.ids: list[int] = []
+        self.emitted = 0
+        self.stopped = False
+
+    def text(self) -> str:
+        """The full text so far (cut before a stop text)."""
+        text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
+        cut = _find_stop(text, self.stop)
+        return text if cut is None else text[:cut]
+
+    def feed(self, ids: Sequence[int]) -> str:
+        """Adds ids; returns the newly printable text."""
+        if self.stopped:
+            return ""
+        self.ids.extend(int(i) for i in ids)
+        full = self.tokenizer.decode(self.ids, skip_special_tokens=True)
+        cut = _find_stop(full, self.stop)
+        if cut is not None:
+            self.stopped = True
+            out = full[self.emitted : cut]
+            self.emitted = max(self.emitted, cut)
+            return out
+        end = len(full)
+        while end > self.emitted and full[end - 1] == "\ufffd":
+            end -= 1
+        hold = 0
+        for s in self.stop:
+            for k in range(min(len(s) - 1, end), 0, -1):
+                if full[end - k : end] == s[:k]:
+                    hold = max(hold, k)
+                    break
+        end -= hold
+        out = full[self.emitted : end] if end > self.emitted else ""
+        self.emitted = max(self.emitted, end)
+        return out
+
+    def finish(self) -> str:
+        """Everything still held back (call once at the end)."""
+        text = self.text()
+        out = text[self.emitted :]
+        self.emitted = len(text)
+        return out
+
+
+def _find_stop(text: str, stop: Sequence[str]) -> int | None:
+    hits = [i for i in (text.find(s) for s in stop if s) if i >= 0]
+    return min(hits) if hits else None
+
+
+def split_stop(tokenizer, stop: Sequence[str]) -> tuple[list[int], list[str]]:
+    """Splits stop texts into single-token stop ids and texts checked on the decoded output.
+
+    Raises:
+      DFlashError: stop texts without a tokenizer, or an empty stop text.
+    """
+    ids, texts = [], []
+    for s in stop:
+        if not s:
+            raise DFlashError("--stop", "empty text", "a non-empty string")
+        if tokenizer is None:
+            raise DFlashError("--stop", "stop texts need a tokenizer", "a target with a tokenizer")
+        enc = tokenizer.encode(s, add_bos=False)
+        if len(enc) == 1 and tokenizer.decode(enc) == s:
+            ids.append(enc[0])
+        else:
+            texts.append(s)
+    return ids, texts
+
+
+def _cut_at_stop_text(tokenizer, ids: list[int], stop: Sequence[str]) -> int | None:
+    """The shortest prefix length of ``ids`` whose text contains a stop text, or ``None``."""
+    if not stop or _find_stop(tokenizer.decode(ids, skip_special_tokens=True), stop) is None:
+        return None
+    lo, hi = 1, len(ids)
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if _find_stop(tokenizer.decode(ids[:mid], skip_special_tokens=True), stop) is None:
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo
+
+
+# ------------------------------------------------------------------------------------- generation
+
+
+def default_max_len(prompts: Sequence[Sequence[int]], max_new_tokens: int) -> int:
+    """Longest prompt + ``max_new_tokens``, rounded up to a multiple of 64."""
+    need = max(len(p) for p in prompts) + int(max_new_tokens)
+    return 64 * math.ceil(need / 64)
+
+
+def effective_chunk_size(chunk_size: int, max_prompt_len: int) -> int:
+    """``chunk_size`` capped at the longest prompt rounded up to a multiple of 64.
+
+    A chunk larger than the prompt only computes padding; the cap keeps short prompts cheap while
+    bucketing their lengths so few shapes compile. The result does not depend on the chunk size.
+    """
+    return max(1, min(int(chunk_size), 64 * math.ceil(max_prompt_len / 64)))
+
+
+def _check_prompts(prompts, vocab_size: int) -> list[list[int]]:
+    if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence) or not prompts:
+        raise DFlashError("prompts", "not a non-empty list of token-id lists", "[[id, ...], ...]")
+    out = []
+    for b, p in enumerate(prompts):
+        if isinstance(p, (str, bytes)) or not isinstance(p, (Sequence, np.ndarray)):
+            raise DFlashError("prompts", f"prompt {b} is {type(p).__name__}", "a list of token ids (see encode_prompt)")
+        ids = [int(i) for i in p]
+        if not ids:
+            raise DFlashError("prompt", f"prompt {b} is empty", "at least one token")
+        bad = [i for i in ids if not 0 <= i < vocab_size]
+        if bad:
+            raise DFlashError("prompt", f"token id {bad[0]} outside the vocabulary", f"ids in [0, {vocab_size})")
+        out.append(ids)
+    return out
+
+
+def generate(
+    target: Target,
+    prompts: Sequence[Sequence[int]],
+    max_new_tokens: int = 128,
+    sampling: SamplingConfig = SamplingConfig(),
+    max_len: int | None = None,
+    chunk_size: int = 256,
+    stop_ids: Sequence[int] = (),
+    stop: Sequence[str] = (),
+    ignore_eos: bool = False,
+    seed: int = 0,
+    on_tokens: Callable[[list[list[int]]], Any] | None = None,
+) -> GenerationResult:
+    """Plain (non-speculative) generation for a batch of prompts.
+
+    Args:
+      target: from :func:`load_target`.
+      prompts: ``B`` lists of token ids (lengths may differ).
+      max_new_tokens: new-token budget per row (>= 1).
+      sampling: :class:`~dflash_jax.sampling.SamplingConfig` (default greedy).
+      max_len: capacity per row, prompt included; default: longest prompt + ``max_new_tokens``
+        rounded up to a multiple of 64. A row that fills it finishes with ``"capacity"``.
+      chunk_size: prompt tokens per prefill pass (capped, see :func:`effective_chunk_size`).
+      stop_ids: extra token ids that end a row (kept in the output).
+      stop: stop texts (module docstring for how they are applied).
+      ignore_eos: do not stop at the target's EOS ids.
+      seed: PRNG seed for sampling.
+      on_tokens: streaming callback, called with ``B`` lists of the ids each row committed since
+        the previous call (the first call carries the token from prefill). With it, decoding is
+        stepped from Python (``decode.stream``); without, it runs as one on-device loop.
+    Returns:
+      :class:`GenerationResult`.
+    Raises:
+      DFlashError: bad prompts, a prompt that does not fit ``max_len``, bad sizes, stop texts
+        without a tokenizer.
+    """
+    cfg, params, tok = target.cfg, target.params, target.tokenizer
+    prompts = _check_prompts(prompts, cfg.vocab_size)
+    if not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 1:
+        raise DFlashError("--max-new-tokens", f"got {max_new_tokens!r}", "an integer >= 1")
+    if not isinstance(chunk_size, (int, np.integer)) or chunk_size < 1:
+        raise DFlashError("--chunk-size", f"got {chunk_size!r}", "an integer >= 1")
+    if max_len is None:
+        max_len = default_max_len(prompts, max_new_tokens)
+    elif not isinstance(max_len, (int, np.integer)) or max_len < 2:
+        raise DFlashError("--max-len", f"got {max_len!r}", "an integer >= 2")
+    max_len = int(max_len)
+    stop_tok_ids, stop_texts = split_stop(tok, list(stop))
+    stops = [] if ignore_eos else list(target.eos_ids)
+    for i in list(stop_ids) + stop_tok_ids:
+        if int(i) not in stops:
+            stops.append(int(i))
+    batch = len(prompts)
+    max_prompt = max(len(p) for p in prompts)
+    chunk = effective_chunk_size(chunk_size, max_prompt)
+
+    # ---- compile ahead of time (lowering traces shapes only; nothing runs); the compiled
+    # functions take the dynamic arguments only
+    t0 = time.perf_counter()
+    state = decode.init_state(cfg, prompts, max_len, int(max_new_tokens), stops, seed)
+    acc = jnp.zeros((batch, cfg.vocab_size), jnp.float32)
+    chunk_fn = decode.prefill_chunk.lower(params, cfg, state, acc, jnp.int32(0), chunk).compile()
+    first_fn = decode.finish_prefill.lower(state, acc, sampling).compile()
+    if on_tokens is None:
+        loop_fn = decode.generate.lower(params, cfg, state, sampling).compile()
+    else:
+        step_fn = decode.decode_step.lower(params, cfg, state, sampling).compile()
+    compile_s = time.perf_counter() - t0
+
+    # ---- prefill (+ first token)
+    jax.block_until_ready((params, state, acc))
+    t0 = time.perf_counter()
+    for start in range(0, max_prompt, chunk):
+        state, acc = chunk_fn(params, state, acc, jnp.int32(start))
+    state = first_fn(state, acc)
+    jax.block_until_ready(state)
+    prefill_s = time.perf_counter() - t0
+
+    # ---- decode
+    callback_s = 0.0
+    forced = np.zeros(batch, bool)
+    t0 = time.perf_counter()
+    if on_tokens is None:
+        state = loop_fn(params, state)
+        jax.block_until_ready(state)
+    else:
+        streams = [TextStream(tok, stop_texts) for _ in range(batch)] if stop_texts else None
+
+        def step(s):
+            if forced.any():  # a stop text ended these rows: freeze them
+                s = s.replace(done=s.done | jnp.asarray(forced), finish=jnp.where(jnp.asarray(forced) & ~s.done, STOP, s.finish))
+            return step_fn(params, s)
+
+        for state, toks, counts in decode.stream(params, cfg, state, sampling, step=step):
+            new = [[int(t) for t in toks[b, : counts[b]]] if not forced[b] else [] for b in range(batch)]
+            if streams is not None:
+                for b in range(batch):
+                    if new[b] and not forced[b]:
+                        streams[b].feed(new[b])
+                        forced[b] = streams[b].stopped
+            c0 = time.perf_counter()
+            on_tokens(new)
+            callback_s += time.perf_counter() - c0
+            if np.all(forced | np.asarray(jax.device_get(state.done))):
+                break
+        jax.block_until_ready(state)
+    decode_s = time.perf_counter() - t0 - callback_s
+
+    # ---- results
+    tokens, plen, length, finish, gaps, steps = jax.device_get(
+        (state.tokens, state.prompt_len, state.length, state.finish, state.gaps, state.steps)
+    )
+    out_ids, reasons, out_gaps, texts = [], [], [], [] if tok is not None else None
+    for b in range(batch):
+        ids = [int(t) for t in tokens[b, plen[b] : length[b]]]
+        g = [float(x) for x in gaps[b, plen[b] : length[b]]]
+        reason = FINISH_REASONS[int(finish[b])] or "length"
+        cut = _cut_at_stop_text(tok, ids, stop_texts) if stop_texts else None
+        if cut is not None:
+            ids, g, reason = ids[:cut], g[:cut], "stop"
+        out_ids.append(ids)
+        out_gaps.append(g)
+        reasons.append(reason)
+        if texts is not None:
+            text = tok.decode(ids, skip_special_tokens=True)
+            c = _find_stop(text, stop_texts)
+            texts.append(text if c is None else text[:c])
+    # tokens actually generated (before any stop-text cut), for throughput
+    generated = int(np.sum(length - plen))
+    kept = sum(len(x) for x in out_ids)
+    decode_tokens = generated - batch
+    stats = dict(
+        mode="plain",
+        batch=batch,
+        prompt_tokens=int(np.sum(plen)),
+        new_tokens=kept,
+        generated_tokens=generated,
+        steps=int(steps),
+        compile_time_s=round(compile_s, 6),
+        prefill_time_s=round(prefill_s, 6),
+        decode_time_s=round(decode_s, 6),
+        prefill_tokens_per_s=round(float(np.sum(plen)) / prefill_s, 3) if prefill_s > 0 else None,
+        decode_tokens_per_s=round(decode_tokens / decode_s, 3) if decode_s > 0 and decode_tokens > 0 else 0.0,
+        max_len=max_len,
+        chunk_size=chunk,
+        dtype=cfg.dtype,
+    )
+    return GenerationResult(prompt_ids=prompts, output_ids=out_ids, finish_reason=reasons, top2_logit_gaps=out_gaps,
+                            texts=texts, stats=stats)

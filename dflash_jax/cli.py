@@ -1,0 +1,213 @@
+"""The ``dflash-jax`` command line (also ``python -m dflash_jax``).
+
+``dflash-jax generate [PROMPT]`` loads a target (the embedded default unless ``--target``),
+applies the chat template (unless ``--raw`` or ``--prompt-ids``), streams the answer to stdout,
+then prints one statistics line to stderr. ``--json`` prints a single JSON object on stdout
+instead (nothing streamed).
+
+Error contract: bad input (:class:`~dflash_jax.errors.DFlashError`, unreadable files) exits with
+code 2 and one line ``error: <message>`` on stderr; ``--debug`` adds the traceback. Usage errors
+from argparse also exit with code 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+import traceback
+from typing import Sequence
+
+DEFAULT_PROMPT = "What is the capital of France? Answer in one sentence."
+
+
+def _prompt_ids(text: str) -> list[int]:
+    try:
+        ids = [int(x) for x in text.replace(" ", "").split(",") if x != ""]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of integers (expected e.g. 1,2,3)") from None
+    if not ids:
+        raise argparse.ArgumentTypeError("empty list (expected e.g. 1,2,3)")
+    return ids
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="dflash-jax", description="DFlash speculative decoding in JAX.")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    g = sub.add_parser(
+        "generate",
+        help="generate text from a prompt",
+        description="Generate a completion: applies the chat template, streams the answer to stdout and prints "
+        "tokens/s and times to stderr.",
+    )
+    g.add_argument("prompt", nargs="?", default=None, metavar="PROMPT",
+                   help=f"the user message (default: {DEFAULT_PROMPT!r})")
+    g.add_argument("--target", metavar="PATH", default=None,
+                   help="target model: a Hugging Face folder or a .gguf file (default: the embedded SmolLM2-135M-Instruct)")
+    g.add_argument("--draft", metavar="PATH", default=None, help="DFlash drafter checkpoint (speculative decoding)")
+    g.add_argument("--no-spec", action="store_true", help="force plain (non-speculative) decoding")
+    g.add_argument("--block-size", type=int, default=None, metavar="N", help="speculative block size (drafter default)")
+    g.add_argument("--n-max", type=int, default=None, metavar="N", help="most draft tokens verified per step")
+    g.add_argument("--max-new-tokens", type=int, default=128, metavar="N", help="new-token budget (default 128)")
+    g.add_argument("--temperature", type=float, default=0.0, metavar="T", help="sampling temperature (default 0 = greedy)")
+    g.add_argument("--top-k", type=int, default=0, metavar="K", help="keep the K most likely tokens (default 0 = off)")
+    g.add_argument("--top-p", type=float, default=1.0, metavar="P", help="nucleus sampling mass (default 1 = off)")
+    g.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
+    g.add_argument("--chunk-size", type=int, default=256, metavar="N", help="prompt tokens per prefill pass (default 256)")
+    g.add_argument("--max-len", type=int, default=None, metavar="N",
+                   help="capacity in tokens, prompt included (default: prompt + max-new-tokens, rounded up to 64)")
+    g.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32", help="compute dtype (default float32)")
+    g.add_argument("--system", metavar="TEXT", default=None, help="system message for the chat template")
+    g.add_argument("--stop", metavar="TEXT", action="append", default=[],
+                   help="stop when the output contains TEXT (repeatable)")
+    g.add_argument("--ignore-eos", action="store_true", help="do not stop at the end-of-sequence token")
+    g.add_argument("--raw", action="store_true", help="no chat template (special tokens in the text are still parsed)")
+    g.add_argument("--prompt-ids", type=_prompt_ids, default=None, metavar="1,2,3", help="token ids instead of a text prompt")
+    g.add_argument("--debug", action="store_true", help="show tracebacks on errors")
+    g.add_argument("--json", action="store_true", help="print one JSON object (no streaming)")
+    return parser
+
+
+def _run_spec(args, target, prompt_ids: list[int], sampling, on_tokens):
+    """Hook for speculative decoding (``--draft``, ``--block-size``, ``--n-max``).
+
+    Must return a :class:`dflash_jax.api.GenerationResult` for the single prompt ``prompt_ids``
+    (``stats["mode"]`` naming the mode), streaming through ``on_tokens`` when it is not ``None``.
+    """
+    from pathlib import Path
+
+    from dflash_jax.errors import DFlashError
+
+    if args.draft is not None and not Path(args.draft).exists():
+        raise DFlashError(args.draft, "no such file or folder", "a DFlash drafter checkpoint")
+    raise DFlashError("--draft", "speculative decoding is not available yet", "--no-spec, or no --draft")
+
+
+def _use_spec(args) -> bool:
+    """Whether this run decodes speculatively (``--draft`` given and no ``--no-spec``)."""
+    return args.draft is not None and not args.no_spec
+
+
+def _stats_line(stats: dict, finish: str) -> str:
+    mode = "plain decoding" if stats.get("mode", "plain") == "plain" else f"{stats['mode']} decoding"
+    return (
+        f"[{mode}] {stats['new_tokens']} new tokens ({finish}) | "
+        f"decode {stats['decode_tokens_per_s']:.2f} tok/s in {stats['decode_time_s']:.3f} s | "
+        f"prefill {stats['prompt_tokens']} tokens in {stats['prefill_time_s']:.3f} s | "
+        f"compile {stats['compile_time_s']:.2f} s"
+    )
+
+
+def _generate(args) -> int:
+    from dflash_jax import api
+    from dflash_jax.errors import DFlashError
+    from dflash_jax.sampling import SamplingConfig
+
+    if args.prompt_ids is not None and args.prompt is not None:
+        raise DFlashError("--prompt-ids", "given together with a PROMPT text", "one of them")
+    for name in ("max_new_tokens", "chunk_size"):
+        if getattr(args, name) < 1:
+            raise DFlashError("--" + name.replace("_", "-"), f"got {getattr(args, name)}", "an integer >= 1")
+    for name in ("block_size", "n_max"):
+        v = getattr(args, name)
+        if v is not None and v < 1:
+            raise DFlashError("--" + name.replace("_", "-"), f"got {v}", "an integer >= 1")
+    sampling = SamplingConfig(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
+    if args.max_len is not None and args.max_len < 2:
+        raise DFlashError("--max-len", f"got {args.max_len}", "an integer >= 2")
+
+    target = api.load_target(args.target, dtype=args.dtype)
+    tok = target.tokenizer
+    if args.prompt_ids is not None:
+        prompt_ids = list(args.prompt_ids)
+    else:
+        text = DEFAULT_PROMPT if args.prompt is None else args.prompt
+        if tok is None:
+            raise DFlashError(f"{target.source}: tokenizer", "missing, so a text prompt cannot be encoded", "--prompt-ids 1,2,3")
+        prompt_ids = api.encode_prompt(target, text, system=args.system, raw=args.raw)
+
+    out = sys.stdout
+    stream = None
+    on_tokens = None
+    if not args.json:
+        if tok is not None:
+            stream = api.TextStream(tok, args.stop)
+
+            def on_tokens(new):
+                piece = stream.feed(new[0])
+                if piece:
+                    out.write(piece)
+                    out.flush()
+        else:
+            def on_tokens(new):
+                if new[0]:
+                    out.write(" ".join(str(i) for i in new[0]) + " ")
+                    out.flush()
+
+    kwargs = dict(
+        max_new_tokens=args.max_new_tokens, sampling=sampling, max_len=args.max_len, chunk_size=args.chunk_size,
+        stop=args.stop, ignore_eos=args.ignore_eos, seed=args.seed, on_tokens=on_tokens,
+    )
+    if _use_spec(args):
+        res = _run_spec(args, target, prompt_ids, sampling, on_tokens)
+    else:
+        res = api.generate(target, [prompt_ids], **kwargs)
+
+    stats = res.stats
+    if args.json:
+        obj = dict(
+            prompt_ids=res.prompt_ids[0],
+            output_ids=res.output_ids[0],
+            text=None if res.texts is None else res.texts[0],
+            finish_reason=res.finish_reason[0],
+            top2_logit_gaps=res.top2_logit_gaps[0],
+            stats=stats,
+        )
+        out.write(json.dumps(obj, ensure_ascii=False) + "\n")
+        out.flush()
+    else:
+        if stream is not None:
+            out.write(stream.finish())
+        out.write("\n")
+        out.flush()
+        print(_stats_line(stats, res.finish_reason[0]), file=sys.stderr, flush=True)
+    return 0
+
+
+def _one_line(msg: str) -> str:
+    return " ".join(str(msg).split())
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Runs the command line; returns the exit code (0 ok, 2 bad input or usage)."""
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as e:  # usage errors (2) and --help (0)
+        return int(e.code or 0) if not isinstance(e.code, str) else 2
+    if args.command is None:
+        parser.print_usage(sys.stderr)
+        print("dflash-jax: error: a command is required (expected: generate)", file=sys.stderr)
+        return 2
+
+    from dflash_jax.errors import DFlashError
+
+    try:
+        return _generate(args)
+    except DFlashError as e:
+        err, msg = e, str(e)
+    except OSError as e:
+        where = e.filename if e.filename is not None else "file"
+        err, msg = e, f"{where}: {e.strerror or e}"
+    except KeyboardInterrupt:
+        print(file=sys.stderr)
+        return 130
+    if args.debug:
+        traceback.print_exception(type(err), err, err.__traceback__, file=sys.stderr)
+    print(f"error: {_one_line(msg)}", file=sys.stderr, flush=True)
+    return 2
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,83 @@
+"""Loads z-lab DFlash drafter checkpoints (``config.json`` + safetensors) strictly.
+
+Tensor names as stored by z-lab (``specs/dflash.md`` 1.2): ``fc.weight``, ``hidden_norm.weight``,
+``norm.weight`` and ``layers.{i}.*`` in Qwen3 naming; no embedding or LM head (the target's are
+used). A ``model.`` prefix is accepted.
+"""
+
+from __future__ import annotations
+
+import os
+
+from dflash_jax.config import DrafterConfig, TargetConfig, check_drafter_fits, drafter_config_from_hf, read_json
+from dflash_jax.errors import DFlashError
+from dflash_jax.io.hf import Checkpoint, _np_dtype, load_named
+from dflash_jax.models import drafter
+
+_PER_LAYER = {
+    "input_layernorm.weight": ("attn_norm", False),
+    "post_attention_layernorm.weight": ("mlp_norm", False),
+    "self_attn.q_proj.weight": ("wq", True),
+    "self_attn.k_proj.weight": ("wk", True),
+    "self_attn.v_proj.weight": ("wv", True),
+    "self_attn.o_proj.weight": ("wo", True),
+    "self_attn.q_norm.weight": ("q_norm", False),
+    "self_attn.k_norm.weight": ("k_norm", False),
+    "mlp.gate_proj.weight": ("w_gate", True),
+    "mlp.up_proj.weight": ("w_up", True),
+    "mlp.down_proj.weight": ("w_down", True),
+}
+_BIASES = {f"self_attn.{p}_proj.bias": (f"b{p}", False) for p in "qkvo"}
+
+
+def drafter_names(cfg: DrafterConfig, prefix: str = "") -> dict:
+    """``{tensor name: (pytree path, layer index or None, transpose)}`` of a generic drafter."""
+    names = {
+        f"{prefix}fc.weight": (("fc",), None, True),
+        f"{prefix}hidden_norm.weight": (("hidden_norm",), None, False),
+        f"{prefix}norm.weight": (("norm",), None, False),
+    }
+    per_layer = dict(_PER_LAYER, **(_BIASES if cfg.attention_bias else {}))
+    for i in range(cfg.num_hidden_layers):
+        for suffix, (leaf, transpose) in per_layer.items():
+            names[f"{prefix}layers.{i}.{suffix}"] = (("layers", leaf), i, transpose)
+    return names
+
+
+def load_drafter(folder: str | os.PathLike, target_cfg: TargetConfig | None = None, dtype: str = "float32") -> tuple[DrafterConfig, dict]:
+    """Loads a DFlash drafter folder as ``(DrafterConfig, params)``.
+
+    Args:
+      folder: holds ``config.json`` and ``model.safetensors`` (or a sharded index).
+      target_cfg: when given, the drafter is checked against it (hidden size, vocab, captured
+        layer ids, mask id).
+      dtype: parameter dtype name.
+    Returns:
+      The config and the params pytree of :mod:`dflash_jax.models.drafter`.
+    Raises:
+      DFlashError: bad config fields, a drafter that does not fit the target, an ``fc`` whose
+        width is not ``len(target_layer_ids) * hidden_size``, or missing / unexpected /
+        mis-shaped tensors (each message names the file and the field or tensor).
+    """
+    folder = str(folder)
+    if not os.path.isdir(folder):
+        raise DFlashError(folder, "not a directory", "a drafter checkpoint folder with config.json")
+    target = _np_dtype(dtype)
+    config_path = os.path.join(folder, "config.json")
+    cfg = drafter_config_from_hf(read_json(config_path), source=config_path).with_dtype(target.name)
+    if target_cfg is not None:
+        check_drafter_fits(cfg, target_cfg, source=config_path)
+    ckpt = Checkpoint(folder)
+    prefix = "model." if "model.fc.weight" in ckpt.names() else ""
+    fc = f"{prefix}fc.weight"
+    if fc in ckpt.names():
+        shape = ckpt.info(fc).shape
+        want = (cfg.hidden_size, len(cfg.target_layer_ids) * cfg.hidden_size)
+        if shape != want:
+            raise DFlashError(
+                f"{ckpt.file_of(fc)}: tensor {fc}", f"shape {shape} does not fit {len(cfg.target_layer_ids)} captured layers",
+                f"{want} = (hidden_size, len(target_layer_ids) * hidden_size)",
+            )
+    params = load_named(ckpt, folder, drafter_names(cfg, prefix), drafter.param_shapes(cfg), target,
+                        lambda n: n.endswith("rotary_emb.inv_freq"), "DFlash drafter")
+    return cfg, params

@@ -1,0 +1,1 @@
+"""DFlash speculative decoding: drafter context, propose, verify (accept rules) and the loop."""

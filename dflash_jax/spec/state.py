@@ -1,0 +1,66 @@
+"""The speculative extension of the decode state: drafter context K/V and statistics."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from dflash_jax.cache import write_rows
+from dflash_jax.config import DrafterConfig
+from dflash_jax.models import drafter
+
+
+@struct.dataclass
+class SpecState:
+    """Drafter context and acceptance statistics, carried in ``DecodeState.spec``.
+
+    Context slot ``p`` holds the projected K/V of the committed token at position ``p``; slots
+    ``[0, length - 1)`` are valid (the anchor's hidden state is not known before it is verified).
+    Only committed rows are ever inside that range: rows written by a verify beyond the accepted
+    prefix are masked out and overwritten by the next verify.
+
+    Attributes:
+      ctx_k, ctx_v: ``[Ld, B, S, Hkv, D]``.
+      verify_steps: ``[B]`` int32 verify passes while the row was running.
+      committed: ``[B]`` int32 tokens committed by verify steps (bonus included; the first
+        token, chosen by prefill, is not counted).
+      drafted: ``[B]`` int32 draft tokens proposed to the target.
+      accepted: ``[B]`` int32 draft tokens accepted and kept.
+      accepted_per_position: ``[B, n_max]`` int32 steps in which draft position ``i + 1`` was
+        accepted and kept.
+    """
+
+    ctx_k: jnp.ndarray
+    ctx_v: jnp.ndarray
+    verify_steps: jnp.ndarray
+    committed: jnp.ndarray
+    drafted: jnp.ndarray
+    accepted: jnp.ndarray
+    accepted_per_position: jnp.ndarray
+
+    @property
+    def n_max(self) -> int:
+        return self.accepted_per_position.shape[1]
+
+
+def init_spec_state(cfg: DrafterConfig, batch: int, max_len: int, n_max: int) -> SpecState:
+    """Empty context of ``max_len`` slots and zeroed statistics for ``n_max`` draft positions."""
+    shape = (cfg.num_hidden_layers, batch, max_len, cfg.num_key_value_heads, cfg.head_dim)
+    def zeros():  # distinct buffers: the state is donated
+        return jnp.zeros((batch,), jnp.int32)
+
+    return SpecState(
+        ctx_k=jnp.zeros(shape, cfg.dtype), ctx_v=jnp.zeros(shape, cfg.dtype), verify_steps=zeros(), committed=zeros(),
+        drafted=zeros(), accepted=zeros(), accepted_per_position=jnp.zeros((batch, n_max), jnp.int32),
+    )
+
+
+def absorb_context(params_d, cfg_d: DrafterConfig, spec: SpecState, features: jnp.ndarray, positions: jnp.ndarray) -> SpecState:
+    """Projects captured rows ``features [B, T, K*H]`` at ``positions [B, T]`` into the context.
+
+    Rows past a row's committed length may be written; they stay masked until overwritten.
+    """
+    k, v = drafter.context_kv(params_d, cfg_d, features, positions)
+    write = jax.vmap(write_rows, in_axes=(0, 0, None))
+    return spec.replace(ctx_k=write(spec.ctx_k, k, positions), ctx_v=write(spec.ctx_v, v, positions))
