@@ -1,0 +1,331 @@
+"""DFlash speculative decoding: losslessness, acceptance bookkeeping, stops, batching, exact sampling.
+
+Oracles: the target's own greedy decode (plain loop, itself checked against a no-cache
+recomputation in test_decode.py), scripted drafters whose acceptance is known in advance, a fresh
+prefill of the committed tokens (for the drafter context) and exact enumerated distributions.
+"""
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from dflash_jax import decode
+from dflash_jax.errors import DFlashError
+from dflash_jax.sampling import SamplingConfig
+from dflash_jax.spec import generate as spec
+from dflash_jax.state import LENGTH, STOP
+from dflash_jax.testing import tiny_drafter, tiny_target
+
+GREEDY = SamplingConfig()
+PROMPTS = [[5, 9, 17, 3, 22, 8, 1], [40, 2, 7], [11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 30, 31]]
+
+
+@pytest.fixture(scope="module")
+def target():
+    return tiny_target("qwen3", seed=3)
+
+
+def drafter_for(cfg, block_size=4, seed=0, **kw):
+    return tiny_drafter(cfg, seed=seed, block_size=block_size, layer_ids=(0, 2), **kw)
+
+
+def plain_greedy(target, prompts, n_new, max_len=64, stop_ids=()):
+    cfg, params = target
+    st = decode.init_state(cfg, prompts, max_len, n_new, stop_ids)
+    st = decode.generate(params, cfg, decode.prefill(params, cfg, st, 4, GREEDY), GREEDY)
+    return outputs(st)
+
+
+def outputs(st):
+    toks, plen, length = jax.device_get((st.tokens, st.prompt_len, st.length))
+    return [[int(t) for t in toks[b, plen[b] : length[b]]] for b in range(toks.shape[0])]
+
+
+def run_spec(target, d, prompts, n_new, chunk=4, max_len=64, stop_ids=(), n_max=None, sampling=GREEDY, seed=0, mode="argmax"):
+    cfg, params = target
+    dcfg, dparams = d
+    st = spec.init_state(cfg, dcfg, prompts, max_len, n_new, stop_ids, seed=seed, n_max=n_max)
+    st = spec.prefill(params, cfg, dparams, dcfg, st, chunk, sampling)
+    return spec.generate(params, cfg, dparams, dcfg, st, sampling, mode)
+
+
+@pytest.mark.parametrize("block_size", [2, 4, 6])
+@pytest.mark.parametrize("batch", [1, 3])
+def test_greedy_lossless_random_drafter(target, block_size, batch):
+    d = drafter_for(target[0], block_size)
+    prompts = PROMPTS[:batch]
+    assert outputs(run_spec(target, d, prompts, 20)) == plain_greedy(target, prompts, 20)
+
+
+def scripted_run(target, d, prompt, n_new, corrupt_at=None, stop_ids=(), max_len=64):
+    """Drives verify with drafts taken from the target's greedy continuation (optionally wrong at
+    draft position ``corrupt_at``); returns the state and the acceptance of every step."""
+    cfg, params = target
+    dcfg, dparams = d
+    ref = plain_greedy(target, [prompt], n_new + dcfg.block_size, max_len=max_len)[0]
+    full = list(prompt) + ref
+    st = spec.init_state(cfg, dcfg, [prompt], max_len, n_new, stop_ids)
+    st = spec.prefill(params, cfg, dparams, dcfg, st, 3, GREEDY)
+    accepts = []
+    n = dcfg.block_size - 1
+    while not bool(st.done[0]):
+        length = int(st.length[0])
+        drafts = [full[length + i] if length + i < len(full) else 0 for i in range(n)]
+        if corrupt_at is not None:
+            drafts[corrupt_at] = (drafts[corrupt_at] + 1) % cfg.vocab_size
+        before = int(st.spec.accepted[0])
+        st = spec.verify(params, cfg, dparams, dcfg, st, jnp.asarray([drafts], jnp.int32))
+        accepts.append(int(st.spec.accepted[0]) - before)
+    return st, accepts, ref
+
+
+@pytest.mark.parametrize("block_size", [3, 5])
+def test_scripted_full_acceptance_commits_block_size_tokens(target, block_size):
+    d = drafter_for(target[0], block_size)
+    n_new = 1 + 4 * block_size  # prefill token + 4 full blocks
+    st, accepts, ref = scripted_run(target, d, PROMPTS[0], n_new)
+    assert outputs(st)[0] == ref[:n_new]
+    assert accepts == [block_size - 1] * 4
+    assert int(st.spec.verify_steps[0]) == 4 and int(st.spec.committed[0]) == 4 * block_size
+
+
+@pytest.mark.parametrize("j", [0, 1, 3])
+def test_scripted_rejection_exactly_at_j(target, j):
+    d = drafter_for(target[0], 5)
+    st, accepts, ref = scripted_run(target, d, PROMPTS[1], 16, corrupt_at=j)
+    assert outputs(st)[0] == ref[:16]
+    assert all(a == j for a in accepts[:-1])  # the last step may be cut by max_new_tokens
+    per_pos = np.asarray(st.spec.accepted_per_position[0])
+    assert (per_pos[j:] == 0).all()
+    assert (per_pos[:j] >= len(accepts) - 1).all()
+
+
+@pytest.mark.parametrize("offset", [0, 3, 4])
+def test_bug_stop_in_block(target, offset):
+    """EOS at block offset 0, 3 and block_size - 1 (B31/B33/B34): output stops exactly there and
+    statistics never count tokens after the stop."""
+    d = drafter_for(target[0], 5)
+    # after the prefill token, the first full-accept block commits ref[1:6]; offset k = ref[1 + k]
+    candidates = PROMPTS + [[p + 1 for p in q] for q in PROMPTS]
+    refs = plain_greedy(target, candidates, 30)
+    prompt, ref = next((p, r) for p, r in zip(candidates, refs) if r[1 + offset] not in r[: 1 + offset])
+    stop = ref[1 + offset]
+    st, accepts, _ = scripted_run(target, d, prompt, 30, stop_ids=(stop,))
+    out = outputs(st)[0]
+    assert out == ref[: 2 + offset] and out[-1] == stop
+    assert int(st.finish[0]) == STOP
+    assert int(st.spec.committed[0]) == 1 + offset == len(out) - 1
+    assert int(st.spec.accepted[0]) == min(offset + 1, 4)
+
+
+@pytest.mark.parametrize("n_new", [1, 2, 3])
+def test_max_new_tokens_smaller_than_block(target, n_new):
+    d = drafter_for(target[0], 6)
+    st, _, ref = scripted_run(target, d, PROMPTS[2], n_new)
+    assert outputs(st)[0] == ref[:n_new]
+    assert int(st.finish[0]) == LENGTH
+    assert int(st.spec.committed[0]) == n_new - 1
+
+
+def test_batch_rows_equal_rows_alone(target):
+    d = drafter_for(target[0], 4, seed=5)
+    batch = outputs(run_spec(target, d, PROMPTS, 18, stop_ids=(7,)))
+    alone = [outputs(run_spec(target, d, [p], 18, stop_ids=(7,)))[0] for p in PROMPTS]
+    assert batch == alone == plain_greedy(target, PROMPTS, 18, stop_ids=(7,))
+
+
+@pytest.mark.parametrize("chunk", [1, 3, 7, 13])
+def test_bug_capture_offsets_chunk_size_invariance(target, chunk):
+    """The drafter context, the first draft block and the generation do not depend on the prefill
+    chunk size (B18: micro-batch capture kept only the last micro-batch)."""
+    cfg, params = target
+    dcfg, dparams = drafter_for(cfg, 4, seed=1)
+
+    def after_prefill(c):
+        st = spec.init_state(cfg, dcfg, PROMPTS, 64, 12)
+        return spec.prefill(params, cfg, dparams, dcfg, st, c, GREEDY)
+
+    ref, got = after_prefill(13), after_prefill(chunk)
+    for b, p in enumerate(PROMPTS):
+        n = len(p)
+        np.testing.assert_allclose(np.asarray(got.spec.ctx_k[:, b, :n]), np.asarray(ref.spec.ctx_k[:, b, :n]), rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(np.asarray(got.spec.ctx_v[:, b, :n]), np.asarray(ref.spec.ctx_v[:, b, :n]), rtol=1e-5, atol=1e-5)
+    d_ref, _ = spec.propose(params, cfg, dparams, dcfg, ref)
+    d_got, _ = spec.propose(params, cfg, dparams, dcfg, got)
+    assert np.array_equal(np.asarray(d_ref), np.asarray(d_got))
+    out = outputs(spec.generate(params, cfg, dparams, dcfg, got, GREEDY))
+    assert out == outputs(spec.generate(params, cfg, dparams, dcfg, ref, GREEDY))
+
+
+def test_bug_rollback_context_holds_only_committed_rows(target):
+    """After verifies with rejections, the context equals a fresh prefill of the committed tokens
+    (rejected rows never enter; positions of context rows are their absolute positions)."""
+    cfg, params = target
+    dcfg, dparams = drafter_for(cfg, 5, seed=2)
+    st, accepts, _ = scripted_run(target, (dcfg, dparams), PROMPTS[1], 14, corrupt_at=2, max_len=40)
+    assert any(a < 4 for a in accepts)
+    n = int(st.length[0]) - 1
+    committed = [int(t) for t in np.asarray(st.tokens[0, :n])]
+    fresh = spec.init_state(cfg, dcfg, [committed], 40, 1)
+    fresh = spec.prefill(params, cfg, dparams, dcfg, fresh, 5, GREEDY)
+    np.testing.assert_allclose(np.asarray(st.spec.ctx_k[:, 0, :n]), np.asarray(fresh.spec.ctx_k[:, 0, :n]), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(st.spec.ctx_v[:, 0, :n]), np.asarray(fresh.spec.ctx_v[:, 0, :n]), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(st.cache.k[:, 0, :n]), np.asarray(fresh.cache.k[:, 0, :n]), rtol=1e-5, atol=1e-5)
+
+
+def test_bug_positions_block_uses_absolute_positions(target):
+    """The block's RoPE positions continue from the anchor's absolute position: shifting the
+    positions changes the drafts (so the test can fail), and the loop's drafts equal a direct
+    drafter call at positions ``length - 1 + i``."""
+    from dflash_jax.models import drafter as dm
+
+    cfg, params = target
+    dcfg, dparams = drafter_for(cfg, 4, seed=4)
+    st = spec.init_state(cfg, dcfg, [PROMPTS[2]], 64, 8)
+    st = spec.prefill(params, cfg, dparams, dcfg, st, 4, GREEDY)
+    drafts, _ = spec.propose(params, cfg, dparams, dcfg, st)
+    start = int(st.length[0]) - 1
+    block = jnp.asarray([[int(st.tokens[0, start])] + [dcfg.mask_token_id] * 3])
+
+    def direct(offset):
+        pos = jnp.arange(start, start + 4, dtype=jnp.int32)[None] + offset
+        h = dm.forward(dparams, dcfg, params, cfg, block, pos, st.spec.ctx_k, st.spec.ctx_v, jnp.asarray([start]))
+        return dm.logits(params, cfg, dcfg, h[:, 1:])
+
+    np.testing.assert_array_equal(np.asarray(drafts), np.asarray(jnp.argmax(direct(0), -1)))
+    assert not np.allclose(np.asarray(direct(0)), np.asarray(direct(5)))
+
+
+def test_bug_mask_id_block_is_anchor_then_mask_tokens(target):
+    """Block slots 1.. hold the drafter's mask_token_id (B38/B40): the loop's drafts equal a
+    direct drafter call on ``[anchor, mask, mask, mask]``, another id gives other logits, and a
+    mask id outside the target's embedding is refused."""
+    import dataclasses
+
+    from dflash_jax.models import drafter as dm
+
+    cfg, params = target
+    dcfg, dparams = drafter_for(cfg, 4, seed=6)
+    st = spec.init_state(cfg, dcfg, [PROMPTS[0]], 64, 8)
+    st = spec.prefill(params, cfg, dparams, dcfg, st, 4, GREEDY)
+    drafts, _ = spec.propose(params, cfg, dparams, dcfg, st)
+    start = int(st.length[0]) - 1
+    pos = jnp.arange(start, start + 4, dtype=jnp.int32)[None]
+
+    def direct(mask_id):
+        block = jnp.asarray([[int(st.tokens[0, start])] + [mask_id] * 3])
+        h = dm.forward(dparams, dcfg, params, cfg, block, pos, st.spec.ctx_k, st.spec.ctx_v, jnp.asarray([start]))
+        return dm.logits(params, cfg, dcfg, h[:, 1:])
+
+    np.testing.assert_array_equal(np.asarray(drafts), np.asarray(jnp.argmax(direct(dcfg.mask_token_id), -1)))
+    assert not np.allclose(np.asarray(direct(dcfg.mask_token_id)), np.asarray(direct(3)))
+    with pytest.raises(DFlashError, match="mask_token_id"):
+        spec.init_state(cfg, dataclasses.replace(dcfg, mask_token_id=cfg.vocab_size), [PROMPTS[0]], 64, 8)
+
+
+def test_bug_layer_id_convention_capture_is_output_of_layer(target):
+    """Captured id i is the residual after decoder layer i (HF hidden_states[i + 1]) (B10/B12)."""
+    from dflash_jax.cache import init_capture
+    from dflash_jax.models import dense
+
+    cfg, params = target
+    toks = jnp.asarray([PROMPTS[0]])
+    pos = jnp.arange(len(PROMPTS[0]), dtype=jnp.int32)[None]
+    cap = init_capture((0, 1), 1, len(PROMPTS[0]), cfg.hidden_size, jnp.float32)
+    _, _, cap = dense.forward(params, cfg, toks, pos, dense.init_cache(cfg, 1, 16), cap)
+    # run the stack truncated to 1 and 2 layers: its pre-norm output is hidden_states[i + 1]
+    for i in (0, 1):
+        sub = jax.tree.map(lambda x: x[: i + 1], params["layers"])
+        cfg_i = __import__("dataclasses").replace(cfg, num_hidden_layers=i + 1)
+        cap_i = init_capture((i,), 1, len(PROMPTS[0]), cfg.hidden_size, jnp.float32)
+        _, _, cap_i = dense.forward(dict(params, layers=sub), cfg_i, toks, pos, dense.init_cache(cfg_i, 1, 16), cap_i)
+        h = cfg.hidden_size
+        np.testing.assert_allclose(np.asarray(cap.hidden[..., i * h : (i + 1) * h]), np.asarray(cap_i.hidden), rtol=1e-6, atol=1e-6)
+
+
+def test_bug_config_schema_refuses_what_it_cannot_run(target):
+    from dflash_jax.config import drafter_config_from_hf
+
+    base = {
+        "architectures": ["DFlashDraftModel"], "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 128, "num_target_layers": 3,
+        "dflash_config": {"mask_token_id": 127, "target_layer_ids": [0, 2], "block_size": 4},
+    }
+    assert drafter_config_from_hf(base).target_layer_ids == (0, 2)
+    with pytest.raises(DFlashError, match="DFlash2DraftModel"):
+        drafter_config_from_hf(dict(base, architectures=["DFlash2DraftModel"]))
+    for field in ("mask_token_id", "target_layer_ids", "block_size"):
+        broken = dict(base, dflash_config={k: v for k, v in base["dflash_config"].items() if k != field})
+        with pytest.raises(DFlashError, match=field):
+            drafter_config_from_hf(broken, "d/config.json")
+    from dflash_jax.config import check_drafter_fits
+
+    bad = drafter_config_from_hf(dict(base, dflash_config=dict(base["dflash_config"], target_layer_ids=[0, 3])))
+    with pytest.raises(DFlashError, match="target_layer_ids"):
+        check_drafter_fits(bad, target[0])
+
+
+def test_bug_rng_streams_are_independent(target):
+    """Draft, accept and resample keys are distinct streams split from the carry each step."""
+    from dflash_jax.spec.generate import _keys
+
+    cfg, params = target
+    dcfg, _ = drafter_for(cfg)
+    st = spec.init_state(cfg, dcfg, [PROMPTS[0]], 32, 4, seed=9)
+    st2, kd, ka, kb = _keys(st)
+    datas = [np.asarray(jax.random.key_data(k)).tobytes() for k in (st2.rng, kd, ka, kb, st.rng)]
+    assert len(set(datas)) == 5
+
+
+def test_n_max_validation_and_depth(target):
+    cfg, params = target
+    dcfg, dparams = drafter_for(cfg, 6)
+    with pytest.raises(DFlashError, match="--n-max"):
+        spec.init_state(cfg, dcfg, [PROMPTS[0]], 32, 4, n_max=6)
+    st = run_spec(target, (dcfg, dparams), [PROMPTS[0]], 12, n_max=2)
+    assert st.spec.accepted_per_position.shape == (1, 2)
+    assert outputs(st) == plain_greedy(target, [PROMPTS[0]], 12)
+
+
+def _chi2_threshold(df, z=3.29):  # Wilson-Hilferty, upper 0.9995 quantile
+    return df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
+
+
+@pytest.mark.parametrize("mode,sampling", [("argmax", SamplingConfig(1.0)), ("sample", SamplingConfig(1.0)), ("sample", SamplingConfig(0.8, top_k=5))])
+def test_sampled_tokens_follow_target_distribution(mode, sampling):
+    """Chi-square of (t1, t2, t3) over many independent rows against the exact enumerated target
+    distribution, on an 8-token vocabulary (two of three tokens come from a verify step)."""
+    from dflash_jax.models import dense
+    from dflash_jax.sampling import probabilities
+
+    cfg, params = tiny_target("llama", seed=11, vocab_size=8, scale=0.5)
+    d = tiny_drafter(cfg, seed=1, block_size=4, layer_ids=(0, 2), scale=0.5)
+    prompt = [1, 5, 2]
+    n = 6000
+    st = run_spec((cfg, params), d, [prompt] * n, 3, chunk=4, max_len=8, sampling=sampling, seed=123, mode=mode)
+    toks = np.asarray(st.tokens[:, 3:6])
+    assert (np.asarray(st.length) == 6).all()
+    assert int(np.asarray(st.spec.accepted).sum()) > n // 10, "the drafter should get some tokens accepted"
+    # exact joint distribution by enumeration
+    seqs = np.array([[*prompt, a, b] for a in range(8) for b in range(8)], np.int32)
+    logits, _, _ = dense.forward(params, cfg, jnp.asarray(seqs), jnp.broadcast_to(jnp.arange(5), seqs.shape), dense.init_cache(cfg, 64, 8))
+    p = np.asarray(probabilities(logits, sampling))
+    p1 = p[0, 2]
+    p2 = p[::8, 3]  # [a, b]
+    p3 = p[:, 4].reshape(8, 8, 8)
+    joint = p1[:, None, None] * p2[:, :, None] * p3
+    counts = np.zeros((8, 8, 8))
+    np.add.at(counts, tuple(toks.T), 1)
+    exp = joint.ravel() * n
+    obs = counts.ravel()
+    assert obs[exp == 0].sum() == 0, "a token outside the sampling support was emitted"
+    big = exp >= 5
+    chi2 = ((obs[big] - exp[big]) ** 2 / exp[big]).sum()
+    rest_o, rest_e = obs[~big & (exp > 0)].sum(), exp[~big & (exp > 0)].sum()
+    if rest_e > 0:
+        chi2 += (rest_o - rest_e) ** 2 / rest_e
+    df = int(big.sum()) + (rest_e > 0) - 1
+    assert chi2 < _chi2_threshold(df), (chi2, df)
