@@ -22,7 +22,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from dflash_jax.config import DrafterConfig, TargetConfig
-from dflash_jax.models import dense
+from dflash_jax.models.target import module_for
 from dflash_jax.nn.attention import gqa_attention_parts, swiglu
 from dflash_jax.nn.norms import rms_norm
 from dflash_jax.nn.rope import apply_rope, inv_frequencies
@@ -44,7 +44,7 @@ def param_shapes(cfg: DrafterConfig) -> dict:
 
 def param_axes(cfg: DrafterConfig) -> dict:
     """Logical axis names of every drafter parameter leaf."""
-    from dflash_jax.models.dense import _AXES
+    from dflash_jax.models.dense import _AXES  # same leaf names as the dense target
 
     shapes = param_shapes(cfg)
     return {
@@ -151,7 +151,7 @@ def forward(
         block_len = jnp.full((b,), w, jnp.int32)
     D, hq, hkv = cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads
     inv_freq = inv_frequencies(cfg.rope, D)
-    x = (dense.embed(target_params, block_tokens) * cfg.input_embedding_scale).astype(cfg.dtype)
+    x = (module_for(target_cfg).embed(target_params, block_tokens) * cfg.input_embedding_scale).astype(cfg.dtype)
     ctx_mask, blk_mask = block_masks(cfg, positions, ctx_len, block_len, ctx_k.shape[2])
 
     def body(x, xs):
@@ -176,7 +176,7 @@ def forward(
 def logits(target_params: dict, target_cfg: TargetConfig, cfg: DrafterConfig, hidden: jnp.ndarray) -> jnp.ndarray:
     """Draft logits ``[..., V]`` float32 through the target's LM head, with the drafter's
     ``output_multiplier`` and optional tanh soft-cap (z-lab ``compute_logits``)."""
-    out = dense.lm_head(target_params, target_cfg, hidden) * cfg.output_multiplier
+    out = module_for(target_cfg).lm_head(target_params, target_cfg, hidden) * cfg.output_multiplier
     if cfg.final_logit_softcapping > 0:
         cap = cfg.final_logit_softcapping
         out = jnp.tanh(out / cap) * cap
