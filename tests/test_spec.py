@@ -329,3 +329,14 @@ def test_sampled_tokens_follow_target_distribution(mode, sampling):
         chi2 += (rest_o - rest_e) ** 2 / rest_e
     df = int(big.sum()) + (rest_e > 0) - 1
     assert chi2 < _chi2_threshold(df), (chi2, df)
+
+
+def test_no_compilation_during_generation_after_warmup(target):
+    """One compilation per (config, shapes): a second generation of the same shapes compiles nothing."""
+    from dflash_jax.compile_count import count_compilations
+
+    d = drafter_for(target[0], 4, seed=8)
+    run_spec(target, d, PROMPTS, 10, chunk=4)
+    with count_compilations() as compiled:
+        run_spec(target, d, [[p + 1 for p in q] for q in PROMPTS], 10, chunk=4, seed=1)
+    assert compiled() == 0
