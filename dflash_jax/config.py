@@ -214,7 +214,8 @@ def read_json(path: str | os.PathLike) -> dict:
     return data
 
 
-DRAFTER_ARCHITECTURES = ("DFlashDraftModel",)
+DRAFTER_ARCHITECTURES = ("DFlashDraftModel", "DFlashLagunaForCausalLM")
+LAGUNA_DRAFTER = "DFlashLagunaForCausalLM"
 _REFUSED_DRAFTERS = {
     "DFlash2DraftModel": "DFlash 2 drafters (grouped dynamic convolutions and a candidate selector) are not supported",
 }
@@ -229,6 +230,11 @@ class DrafterConfig:
     ``post_norm_last``: read the target's last layer after its final norm (transformers'
     ``hidden_states[L]``) instead of the pre-norm residual; only matters when the last layer is
     captured. Source: z-lab ``dflash/model.py`` (PyPI 0.1.0) and ``specs/dflash.md`` section 1.
+
+    ``architecture == "DFlashLagunaForCausalLM"`` (see :mod:`dflash_jax.models.laguna_drafter`):
+    per-capture aux norms, context through each layer's input norm, and a softplus output gate
+    ``gate`` = ``"head"`` or ``"element"`` (``gating_explicit``: named by the config, so a
+    contradicting ``g_proj`` width is refused).
     """
 
     hidden_size: int
@@ -252,6 +258,8 @@ class DrafterConfig:
     final_logit_softcapping: float = 0.0
     post_norm_last: bool = False
     architecture: str = "DFlashDraftModel"
+    gate: str = ""
+    gating_explicit: bool = False
     dtype: str = "float32"
 
     def with_dtype(self, dtype: str) -> "DrafterConfig":
@@ -287,6 +295,10 @@ def drafter_config_from_hf(cfg: Mapping[str, Any], source: str = "config.json") 
     arch = next((a for a in archs if a in DRAFTER_ARCHITECTURES), None)
     if arch is None:
         raise DFlashError(f"{source}: field architectures", f"unsupported drafter {archs!r}", f"one of {DRAFTER_ARCHITECTURES}")
+    if arch == LAGUNA_DRAFTER:
+        from dflash_jax.config_laguna import laguna_drafter_config_from_hf
+
+        return laguna_drafter_config_from_hf(cfg, source)
     hidden = _positive(_get(cfg, "hidden_size", source, int), "hidden_size", source)
     heads = _positive(_get(cfg, "num_attention_heads", source, int), "num_attention_heads", source)
     kv_heads = _positive(_get(cfg, "num_key_value_heads", source, int, heads), "num_key_value_heads", source)
@@ -368,3 +380,7 @@ def check_drafter_fits(d: DrafterConfig, t: TargetConfig, source: str = "drafter
             raise DFlashError(f"{source}: field target_layer_ids", f"layer id {i} out of range", f"ids in [0, {t.num_hidden_layers})")
     if not 0 <= d.mask_token_id < t.vocab_size:
         raise DFlashError(f"{source}: field mask_token_id", f"{d.mask_token_id} is not a row of the target embedding", f"an id in [0, {t.vocab_size})")
+    max_block = getattr(t, "max_block", None)
+    if max_block is not None and d.block_size > max_block:
+        raise DFlashError(f"{source}: field block_size", f"{d.block_size} exceeds the target cache's max_block",
+                          f"at most {max_block} (the sliding-window ring holds window + max_block rows)")

@@ -94,13 +94,16 @@ def prefill_chunk_forward(params, cfg, state: DecodeState, logits_acc, start, ch
 
     Rows whose prompt ends inside the chunk store the logits of their last prompt token in
     ``logits_acc`` (``[B, V]`` float32). Positions past a row's prompt write K/V to slots that are
-    overwritten before they can be read. Returns ``(state, logits_acc, capture)``.
+    never written (they get the padding position ``capacity``). Returns ``(state, logits_acc, capture)``.
     """
     mod = module_for(cfg)
     b = state.tokens.shape[0]
     padded = jnp.pad(state.tokens, ((0, 0), (0, chunk_size)))
     chunk = jax.lax.dynamic_slice_in_dim(padded, start, chunk_size, axis=1)
     positions = start + jnp.broadcast_to(jnp.arange(chunk_size, dtype=jnp.int32), (b, chunk_size))
+    # Rows past a prompt get the out-of-range position ``capacity``: their K/V is dropped rather
+    # than written, so a ring cache (sliding-window layers) never loses an in-window row to them.
+    positions = jnp.where(positions < state.prompt_len[:, None], positions, state.capacity)
     hidden, cache, capture = mod.forward_hidden(params, cfg, chunk, positions, state.cache, capture)
     idx = state.prompt_len - 1 - start
     in_chunk = (idx >= 0) & (idx < chunk_size)

@@ -53,7 +53,9 @@ def load_drafter(folder: str | os.PathLike, target_cfg: TargetConfig | None = No
         layer ids, mask id).
       dtype: parameter dtype name.
     Returns:
-      The config and the params pytree of :mod:`dflash_jax.models.drafter`.
+      The config and the params pytree of :mod:`dflash_jax.models.drafter` (for
+      ``DFlashLagunaForCausalLM``: :mod:`dflash_jax.models.laguna_drafter`, read by
+      :func:`dflash_jax.io.laguna_drafter.load_laguna_drafter_safetensors`).
     Raises:
       DFlashError: bad config fields, a drafter that does not fit the target, an ``fc`` whose
         width is not ``len(target_layer_ids) * hidden_size``, or missing / unexpected /
@@ -67,6 +69,10 @@ def load_drafter(folder: str | os.PathLike, target_cfg: TargetConfig | None = No
     cfg = drafter_config_from_hf(read_json(config_path), source=config_path).with_dtype(target.name)
     if target_cfg is not None:
         check_drafter_fits(cfg, target_cfg, source=config_path)
+    if cfg.architecture == "DFlashLagunaForCausalLM":
+        from dflash_jax.io.laguna_drafter import load_laguna_drafter_safetensors
+
+        return load_laguna_drafter_safetensors(folder, cfg, target)
     ckpt = Checkpoint(folder)
     prefix = "model." if "model.fc.weight" in ckpt.names() else ""
     fc = f"{prefix}fc.weight"

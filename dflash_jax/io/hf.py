@@ -293,7 +293,8 @@ def load_named(ckpt: Checkpoint, folder: str, names: dict, shapes: dict, target:
 
     Args:
       names: ``{tensor name: (pytree path, layer index or None, transpose)}``; tensors with a
-        layer index fill that row of a stacked leaf.
+        layer index fill that row of a stacked leaf (a tuple index such as ``(layer, expert)``
+        fills that sub-array).
       shapes: the params' leaf shapes (one level of nesting at most).
       target: numpy dtype of the result leaves.
       ignorable: predicate for tensor names that may be present and are skipped.
@@ -320,7 +321,7 @@ def load_named(ckpt: Checkpoint, folder: str, names: dict, shapes: dict, target:
     by_leaf: dict[tuple[str, ...], list[tuple[str, int | None, bool]]] = {}
     for n, (path, layer, transpose) in names.items():
         full = shapes[path[0]] if len(path) == 1 else shapes[path[0]][path[1]]
-        want = full if layer is None else full[1:]
+        want = full if layer is None else full[len(layer) if isinstance(layer, tuple) else 1:]
         want_hf = tuple(reversed(want)) if transpose else tuple(want)
         info = ckpt.info(n)
         where = f"{ckpt.file_of(n)}: tensor {n}"

@@ -21,15 +21,27 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from dflash_jax.config import DrafterConfig, TargetConfig
+from dflash_jax.config import LAGUNA_DRAFTER, DrafterConfig, TargetConfig
 from dflash_jax.models.target import module_for
 from dflash_jax.nn.attention import gqa_attention_parts, swiglu
 from dflash_jax.nn.norms import rms_norm
 from dflash_jax.nn.rope import apply_rope, inv_frequencies
 
 
+def _laguna(cfg: DrafterConfig):
+    """The Laguna drafter module when ``cfg.architecture`` is ``DFlashLagunaForCausalLM``."""
+    if cfg.architecture == LAGUNA_DRAFTER:
+        from dflash_jax.models import laguna_drafter
+
+        return laguna_drafter
+    return None
+
+
 def param_shapes(cfg: DrafterConfig) -> dict:
-    """Expected shape of every drafter parameter, as a pytree shaped like the params."""
+    """Expected shape of every drafter parameter, as a pytree shaped like the params
+    (dispatches to :mod:`dflash_jax.models.laguna_drafter` for Laguna drafters)."""
+    if _laguna(cfg):
+        return _laguna(cfg).param_shapes(cfg)
     L, H, I = cfg.num_hidden_layers, cfg.hidden_size, cfg.intermediate_size
     qd, kd, D = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim, cfg.head_dim
     layers = {
@@ -44,6 +56,8 @@ def param_shapes(cfg: DrafterConfig) -> dict:
 
 def param_axes(cfg: DrafterConfig) -> dict:
     """Logical axis names of every drafter parameter leaf."""
+    if _laguna(cfg):
+        return _laguna(cfg).param_axes(cfg)
     from dflash_jax.models.dense import _AXES  # same leaf names as the dense target
 
     shapes = param_shapes(cfg)
@@ -79,7 +93,10 @@ def context_kv(params: dict, cfg: DrafterConfig, features: jnp.ndarray, position
     Returns:
       ``(k, v)``, each ``[Ld, B, T, Hkv, D]``: ``k`` is ``k_norm``-ed and rotated, ``v`` raw
       (context rows skip ``input_layernorm``; source: ``Qwen3DFlashAttention.forward``).
+      Laguna drafters dispatch to :func:`dflash_jax.models.laguna_drafter.context_kv`.
     """
+    if _laguna(cfg):
+        return _laguna(cfg).context_kv(params, cfg, features, positions)
     lp = params["layers"]
     c = rms_norm(features.astype(cfg.dtype) @ params["fc"], params["hidden_norm"], cfg.rms_norm_eps)
     k = jnp.einsum("bth,lhd->lbtd", c, lp["wk"])
@@ -144,8 +161,11 @@ def forward(
       block_len: ``[B]`` int32 existing block slots (default all ``W``).
     Returns:
       ``[B, W, H]`` final-normed hidden states; slot ``i`` predicts the token at
-      ``positions[:, i]`` (slot 0 is discarded by callers).
+      ``positions[:, i]`` (slot 0 is discarded by callers). Laguna drafters dispatch to
+      :func:`dflash_jax.models.laguna_drafter.forward`.
     """
+    if _laguna(cfg):
+        return _laguna(cfg).forward(params, cfg, target_params, target_cfg, block_tokens, positions, ctx_k, ctx_v, ctx_len, block_len)
     b, w = block_tokens.shape
     if block_len is None:
         block_len = jnp.full((b,), w, jnp.int32)

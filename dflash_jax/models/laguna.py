@@ -1,0 +1,421 @@
+"""The poolside Laguna decoder (XS.2, XS-2.1, S-2.1, M.1) as pure functions.
+
+Same module interface as :mod:`dflash_jax.models.dense` (``param_shapes``, ``param_axes``,
+``init_params``, ``init_cache``, ``embed``, ``lm_head``, ``forward_hidden``, ``forward``).
+
+Per layer (transformers ``modeling_laguna.py``, ``specs/laguna.md`` section 3)::
+
+    h = rms(x; attn_norm); q,k,v = h Wq, h Wk, h Wv; q,k = q_norm/k_norm per head, then RoPE
+    (per layer type: YaRN with partial rotary on full layers, plain on sliding ones; the YaRN
+    attention factor multiplies cos and sin once); GQA attention (causal; sliding layers see
+    keys with q - k < sliding_window); a *= softplus(float32(h Wg)) per head or per element;
+    x += a Wo; h2 = rms(x; mlp_norm); x += dense SwiGLU(h2) or MoE(h2).
+
+MoE: float32 router logits (optional tanh soft-cap), sigmoid scores, top-k chosen on
+``scores + e_score_correction_bias`` (the bias only picks experts), the chosen *unbiased* scores
+renormalised, cast to the hidden dtype; only the chosen experts run (tokens sorted by expert and
+``jax.lax.ragged_dot``); routed sum times ``routed_scaling_factor`` plus the always-on shared
+expert.
+
+Layers are grouped into *segments*: a pattern of ``p`` layer shapes repeated ``reps`` times
+(XS-2.1: layer 0, then ``[sliding x3, full] x 9``, then sliding x3); each segment is one
+``lax.scan`` over its repetitions with the pattern unrolled in the body.
+
+Parameter pytree (``[in, out]`` weights; ``seg{j}_{k}`` = pattern slot ``k`` of segment ``j``,
+each leaf stacked on a leading ``reps`` axis)::
+
+    {"embed": [V, H], "norm": [H], "lm_head": [H, V] (absent when tied),
+     "seg{j}_{k}": {"attn_norm": [H], "wq": [H, nh*D], "wk": [H, kv*D], "wv": [H, kv*D],
+                    "wo": [nh*D, H], "wg": [H, nh or nh*D], "q_norm": [D], "k_norm": [D],
+                    "mlp_norm": [H],
+                    dense:  "w_gate": [H, I], "w_up": [H, I], "w_down": [I, H],
+                    sparse: "router": [H, E], "router_bias": [E] (float32),
+                            "e_gate": [E, H, Im], "e_up": [E, H, Im], "e_down": [E, Im, H],
+                            "s_gate": [H, Is], "s_up": [H, Is], "s_down": [Is, H]}}
+
+KV cache (:class:`LagunaCache`): full-attention layers keep one slot per absolute position like
+:class:`dflash_jax.cache.KVCache`; sliding layers keep a ring of ``sliding_window + max_block``
+rows (slot ``p % R``) with the position each slot holds in ``ring_pos``. A forward attends the
+ring rows *older than its first position* plus its own new rows (kept in registers), then writes
+its rows into the ring; so a chunk longer than the ring is exact, and a rolled-back block never
+destroys a row that a later query inside the window needs (rows are at most ``max_block`` past
+the committed length). Positions ``>= capacity`` are treated as padding: never written, never seen.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+from jax import lax
+
+from dflash_jax.cache import Capture, write_rows
+from dflash_jax.config_laguna import LagunaConfig, LagunaRope, yarn_scale
+from dflash_jax.nn.attention import gqa_attention_parts, swiglu
+from dflash_jax.nn.norms import rms_norm
+from dflash_jax.nn.rope import apply_rope
+
+Params = dict[str, Any]
+
+
+# --------------------------------------------------------------------------------------------
+# Static structure
+
+
+def layer_signature(cfg: LagunaConfig, i: int) -> tuple:
+    """``(query heads, layer type, mlp type, gate per head)`` of layer ``i``: layers with equal
+    signatures have parameters and caches of equal shapes."""
+    return (cfg.heads_per_layer[i], cfg.layer_types[i], cfg.mlp_layer_types[i], cfg.gate_per_head[i])
+
+
+def segments(cfg: LagunaConfig, max_period: int = 8) -> tuple[tuple[int, int, int], ...]:
+    """Splits the layers into ``(first layer, period p, reps)`` runs of a repeated pattern.
+
+    Greedy from the first layer: the pattern length ``p <= max_period`` (repeated at least twice
+    when ``p > 1``) covering the most layers wins, shorter patterns on ties.
+    """
+    sig = [layer_signature(cfg, i) for i in range(cfg.num_hidden_layers)]
+    n, i, out = len(sig), 0, []
+    while i < n:
+        best = (1, 1)
+        r = 1
+        while i + r < n and sig[i + r] == sig[i]:
+            r += 1
+        best = (1, r)
+        for p in range(2, max_period + 1):
+            reps = 0
+            while i + (reps + 1) * p <= n and sig[i + reps * p : i + (reps + 1) * p] == sig[i : i + p]:
+                reps += 1
+            if reps >= 2 and p * reps > best[0] * best[1]:
+                best = (p, reps)
+        out.append((i, best[0], best[1]))
+        i += best[0] * best[1]
+    return tuple(out)
+
+
+def layer_slot(cfg: LagunaConfig, layer: int) -> tuple[str, int]:
+    """``(params key "seg{j}_{k}", repetition index)`` holding decoder layer ``layer``."""
+    for j, (start, p, reps) in enumerate(segments(cfg)):
+        if start <= layer < start + p * reps:
+            r, k = divmod(layer - start, p)
+            return f"seg{j}_{k}", r
+    raise IndexError(layer)
+
+
+def _layer_shapes(cfg: LagunaConfig, i: int) -> dict:
+    H, D, kv = cfg.hidden_size, cfg.head_dim, cfg.num_key_value_heads
+    nh = cfg.heads_per_layer[i]
+    s = {
+        "attn_norm": (H,), "wq": (H, nh * D), "wk": (H, kv * D), "wv": (H, kv * D), "wo": (nh * D, H),
+        "wg": (H, cfg.gate_width(i)), "q_norm": (D,), "k_norm": (D,), "mlp_norm": (H,),
+    }
+    if cfg.mlp_layer_types[i] == "dense":
+        I = cfg.intermediate_size
+        s.update(w_gate=(H, I), w_up=(H, I), w_down=(I, H))
+    else:
+        E, Im, Is = cfg.num_experts, cfg.moe_intermediate_size, cfg.shared_expert_intermediate_size
+        s.update(router=(H, E), router_bias=(E,), e_gate=(E, H, Im), e_up=(E, H, Im), e_down=(E, Im, H),
+                 s_gate=(H, Is), s_up=(H, Is), s_down=(Is, H))
+    return s
+
+
+def param_shapes(cfg: LagunaConfig) -> dict:
+    """The shape of every parameter leaf, as a pytree shaped like the params (module docstring)."""
+    shapes: dict = {"embed": (cfg.vocab_size, cfg.hidden_size), "norm": (cfg.hidden_size,)}
+    if not cfg.tie_word_embeddings:
+        shapes["lm_head"] = (cfg.hidden_size, cfg.vocab_size)
+    for j, (start, p, reps) in enumerate(segments(cfg)):
+        for k in range(p):
+            shapes[f"seg{j}_{k}"] = {n: (reps,) + s for n, s in _layer_shapes(cfg, start + k).items()}
+    return shapes
+
+
+_AXES = {
+    "attn_norm": ("embed",), "mlp_norm": ("embed",), "wq": ("embed", "q_heads"), "wk": ("embed", "kv_heads"),
+    "wv": ("embed", "kv_heads"), "wo": ("q_heads", "embed"), "wg": ("embed", "gate"), "q_norm": ("head_dim",),
+    "k_norm": ("head_dim",), "w_gate": ("embed", "mlp"), "w_up": ("embed", "mlp"), "w_down": ("mlp", "embed"),
+    "router": ("embed", "experts"), "router_bias": ("experts",), "e_gate": ("experts", "embed", "expert_mlp"),
+    "e_up": ("experts", "embed", "expert_mlp"), "e_down": ("experts", "expert_mlp", "embed"),
+    "s_gate": ("embed", "mlp"), "s_up": ("embed", "mlp"), "s_down": ("mlp", "embed"),
+}
+
+
+def param_axes(cfg: LagunaConfig) -> dict:
+    """Logical axis names of every parameter leaf (same tree as :func:`param_shapes`)."""
+    out: dict = {}
+    for key, val in param_shapes(cfg).items():
+        if isinstance(val, dict):
+            out[key] = {n: ("layers",) + _AXES[n] for n in val}
+        else:
+            out[key] = {"embed": ("vocab", "embed"), "norm": ("embed",), "lm_head": ("embed", "vocab")}[key]
+    return out
+
+
+def init_params(cfg: LagunaConfig, key: jax.Array, scale: float = 0.02) -> Params:
+    """Random parameters for tests: normal(``scale``) weights, norms near 1, router bias
+    ``normal(0.1)`` in float32 (so the selection bias matters)."""
+    shapes = param_shapes(cfg)
+    flat, treedef = jax.tree_util.tree_flatten_with_path(shapes, is_leaf=lambda x: isinstance(x, tuple))
+    keys = jax.random.split(key, len(flat))
+    out = []
+    for (path, shape), k in zip(flat, keys):
+        name = str(path[-1].key)
+        x = jax.random.normal(k, shape, jnp.float32)
+        if name == "router_bias":
+            out.append(0.1 * x)
+            continue
+        x = 1.0 + 0.1 * x if "norm" in name else scale * x
+        out.append(x.astype(cfg.dtype))
+    return jax.tree_util.tree_unflatten(treedef, out)
+
+
+# --------------------------------------------------------------------------------------------
+# Cache
+
+
+@struct.dataclass
+class LagunaCache:
+    """KV cache of a Laguna target.
+
+    Attributes:
+      kv: ``{"seg{j}_{k}": (k, v)}``; full layers ``[reps, B, S, Hkv, D]`` (slot = position),
+        sliding layers ``[reps, B, R, Hkv, D]`` (slot = position % R).
+      ring_pos: ``[B, R]`` int32 position held by each ring slot (-1 = empty).
+      length: ``[B]`` int32 committed positions per row.
+      capacity: static ``S``.
+    """
+
+    kv: dict
+    ring_pos: jnp.ndarray
+    length: jnp.ndarray
+    capacity: int = struct.field(pytree_node=False, default=0)
+
+    def rollback(self, length: jnp.ndarray) -> "LagunaCache":
+        """Sets the committed length per row (``[B]`` int32); the arrays are untouched."""
+        return self.replace(length=jnp.asarray(length, jnp.int32))
+
+
+def init_cache(cfg: LagunaConfig, batch: int, capacity: int) -> LagunaCache:
+    """An empty cache: ``capacity`` slots for full layers, ``cfg.ring_size`` for sliding ones."""
+    kv = {}
+    ring = cfg.ring_size if "sliding_attention" in cfg.layer_types else 1
+    for j, (start, p, reps) in enumerate(segments(cfg)):
+        for k in range(p):
+            rows = ring if cfg.layer_types[start + k] == "sliding_attention" else capacity
+            shape = (reps, batch, rows, cfg.num_key_value_heads, cfg.head_dim)
+            kv[f"seg{j}_{k}"] = (jnp.zeros(shape, cfg.dtype), jnp.zeros(shape, cfg.dtype))
+    return LagunaCache(kv=kv, ring_pos=jnp.full((batch, ring), -1, jnp.int32), length=jnp.zeros((batch,), jnp.int32),
+                       capacity=int(capacity))
+
+
+def cache_bytes(cfg: LagunaConfig, batch: int, capacity: int, itemsize: int = 2) -> int:
+    """Bytes of K and V for ``batch`` rows of ``capacity`` tokens (sliding layers: the ring)."""
+    per = 2 * cfg.num_key_value_heads * cfg.head_dim * itemsize * batch
+    return sum(per * (cfg.ring_size if t == "sliding_attention" else capacity) for t in cfg.layer_types)
+
+
+# --------------------------------------------------------------------------------------------
+# RoPE
+
+
+def rope_tables(rope: LagunaRope, head_dim: int, rule: str = "transformers") -> tuple[np.ndarray, float]:
+    """``(inv_freq [rot/2] float64, cos/sin scale)`` of one layer type.
+
+    ``rot = int(head_dim * partial)``; default ``theta^(-2j/rot)``; YaRN as transformers
+    ``_compute_yarn_parameters`` with ``dim = rot`` (correction range floored/ceiled when
+    ``truncate``, linear ramp, ``low == high`` nudged by 0.001). Scale from
+    :func:`dflash_jax.config_laguna.yarn_scale`.
+    """
+    rot = int(head_dim * rope.partial)
+    pos_freqs = rope.theta ** (np.arange(0, rot, 2, dtype=np.float64) / rot)
+    inv = 1.0 / pos_freqs
+    if rope.kind != "yarn":
+        return inv, 1.0
+
+    def corr(n_rot):
+        return rot * math.log(rope.original_max_position_embeddings / (n_rot * 2 * math.pi)) / (2 * math.log(rope.theta))
+
+    low, high = corr(rope.beta_fast), corr(rope.beta_slow)
+    if rope.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, rot - 1)
+    if low == high:
+        high += 0.001
+    ramp = np.clip((np.arange(rot // 2, dtype=np.float64) - low) / (high - low), 0, 1)
+    extrap = 1 - ramp
+    inv = (inv / rope.factor) * (1 - extrap) + inv * extrap
+    return inv, yarn_scale(rope, rule)
+
+
+# --------------------------------------------------------------------------------------------
+# Layers
+
+
+def moe(cfg: LagunaConfig, lp: dict, h: jnp.ndarray) -> jnp.ndarray:
+    """The sparse MoE block on ``h [..., H]`` -> ``[..., H]`` (module docstring).
+
+    Only the chosen experts are computed: the ``N*k`` (token, expert) pairs are sorted by expert
+    and run through ``jax.lax.ragged_dot`` with per-expert group sizes.
+    """
+    shape = h.shape
+    x = h.reshape(-1, shape[-1])
+    n, k, E = x.shape[0], cfg.num_experts_per_tok, cfg.num_experts
+    logits = jnp.dot(x.astype(jnp.float32), lp["router"].astype(jnp.float32), preferred_element_type=jnp.float32)
+    if cfg.router_softcap > 0:
+        logits = jnp.tanh(logits / cfg.router_softcap) * cfg.router_softcap
+    scores = jax.nn.sigmoid(logits) if cfg.router_score == "sigmoid" else jnp.sqrt(jax.nn.softplus(logits))
+    _, idx = lax.top_k(scores + lp["router_bias"].astype(jnp.float32), k)
+    w = jnp.take_along_axis(scores, idx, axis=-1)
+    w = (w / jnp.sum(w, axis=-1, keepdims=True)).astype(x.dtype)
+    flat_e = idx.reshape(-1)
+    order = jnp.argsort(flat_e, stable=True)
+    tok = order // k
+    sizes = jnp.bincount(flat_e, length=E).astype(jnp.int32)
+    xs = jnp.take(x, tok, axis=0)
+    g = lax.ragged_dot(xs, lp["e_gate"], sizes)
+    u = lax.ragged_dot(xs, lp["e_up"], sizes)
+    y = lax.ragged_dot(jax.nn.silu(g) * u, lp["e_down"], sizes)
+    y = y * jnp.take(w.reshape(-1), order)[:, None]
+    routed = jnp.zeros_like(x).at[tok].add(y.astype(x.dtype))
+    out = routed * jnp.asarray(cfg.routed_scaling_factor, x.dtype) + swiglu(x, lp["s_gate"], lp["s_up"], lp["s_down"])
+    return out.reshape(shape)
+
+
+def _layer(cfg: LagunaConfig, i: int, lp, x, kc, vc, positions, ring_pos, ring_idx, capacity):
+    """Decoder layer ``i`` (static) on ``x [B,T,H]``; returns ``(x, k cache, v cache)``."""
+    b, t, _ = x.shape
+    D, hkv = cfg.head_dim, cfg.num_key_value_heads
+    nh = cfg.heads_per_layer[i]
+    sliding = cfg.layer_types[i] == "sliding_attention"
+    rope = cfg.rope_sliding if sliding else cfg.rope_full
+    inv_freq, scale = rope_tables(rope, D, cfg.attention_factor_rule)
+    h = rms_norm(x, lp["attn_norm"], cfg.rms_norm_eps)
+    q = rms_norm((h @ lp["wq"]).reshape(b, t, nh, D), lp["q_norm"], cfg.rms_norm_eps)
+    k = rms_norm((h @ lp["wk"]).reshape(b, t, hkv, D), lp["k_norm"], cfg.rms_norm_eps)
+    v = (h @ lp["wv"]).reshape(b, t, hkv, D)
+    q = apply_rope(q, positions, inv_freq, scale)
+    k = apply_rope(k, positions, inv_freq, scale)
+    qpos = positions[:, :, None]
+    if sliding:
+        win = cfg.sliding_window
+        start = positions[:, :1]
+        old = (ring_pos >= 0) & (ring_pos < start)
+        ring_mask = old[:, None, :] & (qpos - ring_pos[:, None, :] < win)
+        kpos = positions[:, None, :]
+        self_mask = (kpos <= qpos) & (qpos - kpos < win) & (kpos < capacity)
+        a = gqa_attention_parts(q, ((kc, vc, ring_mask), (k, v, self_mask)))
+        kc, vc = write_rows(kc, k, ring_idx), write_rows(vc, v, ring_idx)
+    else:
+        kc, vc = write_rows(kc, k, positions), write_rows(vc, v, positions)
+        mask = jnp.arange(kc.shape[1], dtype=jnp.int32)[None, None, :] <= qpos
+        a = gqa_attention_parts(q, ((kc, vc, mask),))
+    g = jax.nn.softplus((h @ lp["wg"]).astype(jnp.float32)).astype(a.dtype)
+    if cfg.gate_per_head[i]:
+        a = (a * g[..., None]).reshape(b, t, nh * D)
+    else:
+        a = a.reshape(b, t, nh * D) * g
+    x = x + a @ lp["wo"]
+    h2 = rms_norm(x, lp["mlp_norm"], cfg.rms_norm_eps)
+    if cfg.mlp_layer_types[i] == "dense":
+        return x + swiglu(h2, lp["w_gate"], lp["w_up"], lp["w_down"]), kc, vc
+    return x + moe(cfg, lp, h2), kc, vc
+
+
+def embed(params: Params, tokens: jnp.ndarray) -> jnp.ndarray:
+    """``[B, T]`` int32 -> ``[B, T, H]`` embedding rows (no scaling)."""
+    return jnp.take(params["embed"], tokens, axis=0)
+
+
+def lm_head(params: Params, cfg: LagunaConfig, hidden: jnp.ndarray) -> jnp.ndarray:
+    """Final-normed hidden ``[..., H]`` -> float32 logits ``[..., V]`` (untied unless configured)."""
+    if "lm_head" in params:
+        return jnp.einsum("...h,hv->...v", hidden, params["lm_head"], preferred_element_type=jnp.float32)
+    return jnp.einsum("...h,vh->...v", hidden, params["embed"], preferred_element_type=jnp.float32)
+
+
+def forward_hidden(
+    params: Params,
+    cfg: LagunaConfig,
+    tokens: jnp.ndarray,
+    positions: jnp.ndarray,
+    cache: LagunaCache,
+    capture: Capture | None = None,
+) -> tuple[jnp.ndarray, LagunaCache, Capture | None]:
+    """Runs the decoder stack; returns the final-normed hidden states ``[B, T, H]``.
+
+    Args:
+      params: parameter pytree (module docstring).
+      cfg: static :class:`LagunaConfig`.
+      tokens: ``[B, T]`` int32.
+      positions: ``[B, T]`` int32 absolute positions, contiguous per row from the row's first
+        new position (at or before its committed length); trailing entries ``>= capacity`` are
+        padding (not written, not visible to real rows).
+      cache: :class:`LagunaCache`; returned with the rows written and ``length`` raised to the
+        last real position + 1.
+      capture: optional :class:`~dflash_jax.cache.Capture`; every row of every listed layer's
+        output residual (HF ``hidden_states[i + 1]``) is written at ``position - base``.
+    Returns:
+      ``(hidden [B, T, H] in cfg.dtype, cache, capture)``.
+    Source: transformers ``LagunaModel.forward`` / ``LagunaDecoderLayer``.
+    """
+    n_layers = cfg.num_hidden_layers
+    capacity = cache.capacity
+    positions = positions.astype(jnp.int32)
+    x = embed(params, tokens).astype(cfg.dtype)
+    real = positions < capacity
+    last = jnp.max(jnp.where(real, positions, -1), axis=1)
+    ring = cache.ring_pos.shape[1]
+    ring_ok = real & (positions > last[:, None] - ring)
+    ring_idx = jnp.where(ring_ok, positions % ring, ring)
+    n_cap = 0 if capture is None else len(capture.layer_ids)
+    slot_of = [n_cap] * n_layers
+    if capture is not None:
+        for s, i in enumerate(capture.layer_ids):
+            if not 0 <= i < n_layers:
+                raise ValueError(f"capture layer id {i} out of range for a {n_layers}-layer target")
+            slot_of[i] = s
+        cap = jnp.zeros((n_cap + 1,) + x.shape, x.dtype)
+    else:
+        cap = jnp.zeros((1, 1, 1, 1), x.dtype)
+    new_kv = {}
+    for j, (start, p, reps) in enumerate(segments(cfg)):
+        keys = [f"seg{j}_{k}" for k in range(p)]
+        slots = jnp.asarray(np.array(slot_of[start : start + p * reps], np.int32).reshape(reps, p))
+
+        def body(carry, xs, start=start, p=p):
+            x, cap = carry
+            lps, kvs, slot = xs
+            out = []
+            for k in range(p):
+                x, kc, vc = _layer(cfg, start + k, lps[k], x, kvs[k][0], kvs[k][1], positions, cache.ring_pos, ring_idx, capacity)
+                out.append((kc, vc))
+                if capture is not None:
+                    cap = lax.dynamic_update_index_in_dim(cap, x, slot[k], 0)
+            return (x, cap), out
+
+        (x, cap), out = lax.scan(body, (x, cap), ([params[key] for key in keys], [cache.kv[key] for key in keys], slots))
+        new_kv.update(zip(keys, [tuple(o) for o in out]))
+    ring_pos = write_rows(cache.ring_pos[..., None], positions[..., None], ring_idx)[..., 0]
+    new_len = jnp.minimum(jnp.maximum(cache.length, last + 1), capacity)
+    cache = cache.replace(kv=new_kv, ring_pos=ring_pos, length=new_len.astype(jnp.int32))
+    if capture is not None:
+        cap = cap[:-1]
+        if capture.post_norm_last and n_layers - 1 in capture.layer_ids:
+            s = capture.layer_ids.index(n_layers - 1)
+            cap = cap.at[s].set(rms_norm(cap[s], params["norm"], cfg.rms_norm_eps))
+        feats = jnp.moveaxis(cap, 0, 2)
+        feats = feats.reshape(feats.shape[0], feats.shape[1], -1)
+        idx = positions - capture.base[:, None]
+        idx = jnp.where((idx < 0) | ~real, capture.hidden.shape[1], idx)
+        capture = capture.replace(hidden=write_rows(capture.hidden, feats, idx))
+    return rms_norm(x, params["norm"], cfg.rms_norm_eps), cache, capture
+
+
+def forward(params: Params, cfg: LagunaConfig, tokens, positions, cache: LagunaCache, capture: Capture | None = None):
+    """:func:`forward_hidden` plus the LM head: ``(logits [B, T, V] float32, cache, capture)``."""
+    hidden, cache, capture = forward_hidden(params, cfg, tokens, positions, cache, capture)
+    return lm_head(params, cfg, hidden), cache, capture
