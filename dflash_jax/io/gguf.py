@@ -1,6 +1,7 @@
 """GGUF target checkpoints (llama.cpp format) -> :class:`TargetConfig` and a dense param pytree.
 
-Supported architectures: ``llama`` (SmolLM2, Llama 2/3, Mistral), ``qwen2`` and ``qwen3``.
+Supported architectures: ``llama`` (SmolLM2, Llama 2/3, Mistral), ``qwen2`` and ``qwen3``;
+``laguna`` files are handed to :mod:`dflash_jax.io.laguna_gguf` by :func:`load_gguf_target`.
 Tensors are read one at a time from the memory-mapped file and dequantized with
 ``gguf.quants.dequantize`` (F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K..Q6_K and the
 other types ``gguf`` can dequantize), then laid out as described in
@@ -39,7 +40,7 @@ import numpy as np
 from dflash_jax.config import RopeConfig, TargetConfig
 from dflash_jax.errors import DFlashError
 
-ARCHITECTURES = ("llama", "qwen2", "qwen3")
+ARCHITECTURES = ("llama", "qwen2", "qwen3")  # dense; "laguna" is dispatched in load_gguf_target
 
 # GGUF per-layer tensor base name -> dense.py layer key, and whether the weight is a [out, in]
 # matrix that must be transposed to [in, out].
@@ -198,9 +199,9 @@ def _f32(value) -> float:
 def _arch_config(reader, path: str) -> tuple[str, dict]:
     arch = metadata(reader, "general.architecture")
     if arch is None:
-        raise DFlashError(f"{path}: metadata general.architecture", "missing", f"one of {ARCHITECTURES}")
+        raise DFlashError(f"{path}: metadata general.architecture", "missing", f"one of {ARCHITECTURES + ('laguna',)}")
     if arch not in ARCHITECTURES:
-        raise DFlashError(f"{path}: metadata general.architecture", f"unsupported value {arch!r}", f"one of {ARCHITECTURES}")
+        raise DFlashError(f"{path}: metadata general.architecture", f"unsupported value {arch!r}", f"one of {ARCHITECTURES + ('laguna',)}")
 
     def req(key: str, types=(int,)):
         value = metadata(reader, f"{arch}.{key}")
@@ -459,12 +460,17 @@ def _write_cache(path: str, cfg: TargetConfig, params: dict) -> None:
 
 
 def load_gguf_config(path: str | os.PathLike, dtype: str = "float32") -> TargetConfig:
-    """The :class:`TargetConfig` of a GGUF target, from its metadata and tensor list only.
+    """The :class:`TargetConfig` of a GGUF target, from its metadata and tensor list only
+    (a :class:`~dflash_jax.config_laguna.LagunaConfig` for a ``laguna`` file).
 
     Raises:
       DFlashError: as :func:`load_gguf_target` for metadata problems.
     """
     reader = open_gguf(path)
+    if metadata(reader, "general.architecture") == "laguna":
+        from dflash_jax.io.laguna_gguf import laguna_gguf_config
+
+        return laguna_gguf_config(reader, str(path), dtype)[0]
     return _build_config(reader, str(path), dtype)[0]
 
 
@@ -475,7 +481,9 @@ def load_gguf_target(
     use_cache: bool = True,
     as_numpy: bool = False,
 ) -> tuple[TargetConfig, dict]:
-    """Loads a dense GGUF target (``llama``, ``qwen2``, ``qwen3``) as config and parameters.
+    """Loads a GGUF target as config and parameters: dense ``llama``, ``qwen2``, ``qwen3``, or
+    ``laguna`` (dispatched to :func:`dflash_jax.io.laguna_gguf.load_laguna_gguf_target`, which
+    returns ``(LagunaConfig, params of dflash_jax.models.laguna)`` and uses no weight cache).
 
     Args:
       path: the ``.gguf`` file.
@@ -495,6 +503,10 @@ def load_gguf_target(
         embedding rows. The message names the file and the tensor or key.
     """
     path = str(path)
+    if metadata(open_gguf(path), "general.architecture") == "laguna":
+        from dflash_jax.io.laguna_gguf import load_laguna_gguf_target
+
+        return load_laguna_gguf_target(path, dtype, as_numpy=as_numpy)
     cached = _read_cache(path) if use_cache else None
     if cached is not None:
         cfg, params = cached
