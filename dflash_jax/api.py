@@ -172,19 +172,21 @@ def encode_prompt(
     Args:
       target: a target with a tokenizer.
       text: the user message (or the whole prompt when ``raw``).
-      system: an optional system message (otherwise the template's own default, if any).
+      system: an optional system message (otherwise the template's own default, if any); an
+        error with ``raw``.
       raw: encode ``text`` as is, without the chat template (special tokens in it are still parsed;
         BOS follows the tokenizer's setting).
       chat_template_kwargs: extra variables for the template (for example ``enable_thinking``).
     Raises:
-      DFlashError: the target has no tokenizer; the tokenizer has no chat template (use ``raw``).
+      DFlashError: the target has no tokenizer; the tokenizer has no chat template (use ``raw``);
+        ``system`` together with ``raw``.
     """
     tok = target.tokenizer
     if tok is None:
         raise DFlashError(f"{target.source}: tokenizer", "missing (no tokenizer.json)", "a tokenizer, or prompt ids (--prompt-ids)")
     if raw:
         if system:
-            text = system + "\n" + text
+            raise DFlashError("--system", "not applied with --raw (no chat template)", "the system text inside the raw prompt")
         return tok.encode(text)
     msgs = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": text}]
     return tok.encode_chat(msgs, add_generation_prompt=True, **dict(chat_template_kwargs or {}))
@@ -431,7 +433,24 @@ def generate(
         jax.block_until_ready(state)
     decode_s = time.perf_counter() - t0 - callback_s
 
-    # ---- results
+    timings = dict(compile_time_s=compile_s, prefill_time_s=prefill_s, decode_time_s=decode_s)
+    return build_result(target, prompts, state, stop_texts, timings, mode="plain", max_len=max_len, chunk_size=chunk)
+
+
+def build_result(target: Target, prompts: list[list[int]], state, stop_texts: Sequence[str], timings: Mapping[str, float],
+                 **extra_stats) -> GenerationResult:
+    """Reads a finished decode state back into a :class:`GenerationResult` (shared by every mode).
+
+    Args:
+      target: the target (its tokenizer decodes the texts).
+      prompts: the prompts the state was built from.
+      state: a :class:`~dflash_jax.state.DecodeState` after generation.
+      stop_texts: multi-token stop texts to cut the outputs at (see :func:`split_stop`).
+      timings: ``compile_time_s``, ``prefill_time_s``, ``decode_time_s`` in seconds.
+      extra_stats: added to ``stats`` as given (``mode``, ``max_len``, ...).
+    """
+    tok = target.tokenizer
+    batch = len(prompts)
     tokens, plen, length, finish, gaps, steps = jax.device_get(
         (state.tokens, state.prompt_len, state.length, state.finish, state.gaps, state.steps)
     )
@@ -450,25 +469,23 @@ def generate(
             text = tok.decode(ids, skip_special_tokens=True)
             c = _find_stop(text, stop_texts)
             texts.append(text if c is None else text[:c])
-    # tokens actually generated (before any stop-text cut), for throughput
-    generated = int(np.sum(length - plen))
-    kept = sum(len(x) for x in out_ids)
-    decode_tokens = generated - batch
+    generated = int(np.sum(length - plen))  # before any stop-text cut: what the loop produced
+    decode_tokens = generated - batch  # each row's first token comes from prefill
+    prefill_s, decode_s = float(timings["prefill_time_s"]), float(timings["decode_time_s"])
     stats = dict(
         mode="plain",
         batch=batch,
         prompt_tokens=int(np.sum(plen)),
-        new_tokens=kept,
+        new_tokens=sum(len(x) for x in out_ids),
         generated_tokens=generated,
         steps=int(steps),
-        compile_time_s=round(compile_s, 6),
+        compile_time_s=round(float(timings["compile_time_s"]), 6),
         prefill_time_s=round(prefill_s, 6),
         decode_time_s=round(decode_s, 6),
         prefill_tokens_per_s=round(float(np.sum(plen)) / prefill_s, 3) if prefill_s > 0 else None,
         decode_tokens_per_s=round(decode_tokens / decode_s, 3) if decode_s > 0 and decode_tokens > 0 else 0.0,
-        max_len=max_len,
-        chunk_size=chunk,
-        dtype=cfg.dtype,
+        dtype=target.cfg.dtype,
     )
-    return GenerationResult(prompt_ids=prompts, output_ids=out_ids, finish_reason=reasons, top2_logit_gaps=out_gaps,
-                            texts=texts, stats=stats)
+    stats.update(extra_stats)
+    return GenerationResult(prompt_ids=[list(p) for p in prompts], output_ids=out_ids, finish_reason=reasons,
+                            top2_logit_gaps=out_gaps, texts=texts, stats=stats)

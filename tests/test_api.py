@@ -1,0 +1,187 @@
+"""The public Python API: load_target, encode_prompt, generate, TextStream, compile cache."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+
+import dflash_jax as dj
+from dflash_jax import api
+from dflash_jax.errors import DFlashError
+from dflash_jax.sampling import SamplingConfig
+from dflash_jax.testing import reference_greedy, tiny_target
+
+PROMPTS = [[5, 9, 17, 3, 22, 8, 1], [40, 2, 7], [11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21]]
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    cfg, params = tiny_target("llama", seed=1)
+    return dj.Target(cfg=cfg, params=params, tokenizer=None, source="tiny", eos_ids=())
+
+
+@pytest.fixture(scope="module")
+def hf_dir(tmp_path_factory):
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    import tiny_hf
+
+    return tiny_hf.make_tiny_hf(tmp_path_factory.mktemp("tiny_hf_api"))
+
+
+def test_public_names():
+    for name in ("load_target", "encode_prompt", "generate", "Target", "GenerationResult", "SamplingConfig", "DFlashError"):
+        assert hasattr(dj, name)
+
+
+def test_generate_batch_matches_oracle(tiny):
+    res = dj.generate(tiny, PROMPTS, max_new_tokens=6, chunk_size=4)
+    assert res.output_ids == [reference_greedy(tiny.params, tiny.cfg, p, 6) for p in PROMPTS]
+    assert res.finish_reason == ["length"] * 3
+    assert res.texts is None
+    assert [len(g) for g in res.top2_logit_gaps] == [6, 6, 6]
+    st = res.stats
+    assert st["new_tokens"] == 18 and st["batch"] == 3 and st["prompt_tokens"] == sum(map(len, PROMPTS))
+    assert st["max_len"] == 64 and st["chunk_size"] == 4 and st["steps"] == 5
+    assert st["decode_tokens_per_s"] == pytest.approx((18 - 3) / st["decode_time_s"], rel=1e-2)
+
+
+def test_chunk_size_does_not_change_the_result(tiny):
+    a = dj.generate(tiny, PROMPTS, 5, chunk_size=1)
+    b = dj.generate(tiny, PROMPTS, 5, chunk_size=256)
+    assert a.output_ids == b.output_ids
+    np.testing.assert_allclose(np.array(a.top2_logit_gaps), np.array(b.top2_logit_gaps), rtol=1e-5, atol=1e-5)
+    assert b.stats["chunk_size"] == 64  # capped at the longest prompt rounded up to 64
+
+
+def test_streaming_reports_every_token_once(tiny):
+    calls = []
+    res = dj.generate(tiny, PROMPTS, 5, on_tokens=calls.append)
+    got = [sum((c[b] for c in calls), []) for b in range(len(PROMPTS))]
+    assert got == res.output_ids == [reference_greedy(tiny.params, tiny.cfg, p, 5) for p in PROMPTS]
+    assert calls[0] == [[ids[0]] for ids in res.output_ids]  # the first call carries prefill's token
+
+
+def test_stop_ids_eos_and_capacity(tiny):
+    free = reference_greedy(tiny.params, tiny.cfg, PROMPTS[0], 10)
+    stop = free[3]
+    res = dj.generate(tiny, [PROMPTS[0]], 10, stop_ids=[stop])
+    assert res.output_ids[0] == free[: free.index(stop) + 1] and res.finish_reason == ["stop"]
+    with_eos = api.Target(tiny.cfg, tiny.params, None, "tiny", eos_ids=(stop,))
+    assert dj.generate(with_eos, [PROMPTS[0]], 10).output_ids[0] == free[: free.index(stop) + 1]
+    assert dj.generate(with_eos, [PROMPTS[0]], 10, ignore_eos=True).output_ids[0] == free
+    res = dj.generate(tiny, [PROMPTS[0]], 10, max_len=10)
+    assert res.output_ids[0] == free[:3] and res.finish_reason == ["capacity"]
+
+
+def test_sampling_seeded(tiny):
+    s = SamplingConfig(temperature=1.2, top_k=30, top_p=0.9)
+    a = dj.generate(tiny, PROMPTS, 8, sampling=s, seed=5).output_ids
+    assert a == dj.generate(tiny, PROMPTS, 8, sampling=s, seed=5, on_tokens=lambda n: None).output_ids
+    assert a != dj.generate(tiny, PROMPTS, 8, sampling=s, seed=6).output_ids
+
+
+@pytest.mark.parametrize(
+    "kwargs, needle",
+    [
+        (dict(prompts=[[1, 2, 500]]), "500"),
+        (dict(prompts=[[]]), "empty"),
+        (dict(prompts="hello"), "prompts"),
+        (dict(prompts=[[1, 2]], max_new_tokens=0), "--max-new-tokens"),
+        (dict(prompts=[[1, 2]], chunk_size=0), "--chunk-size"),
+        (dict(prompts=[list(range(1, 20))], max_len=19), "--max-len"),
+        (dict(prompts=[[1, 2]], stop=["x"]), "--stop"),
+    ],
+)
+def test_bad_input(tiny, kwargs, needle):
+    with pytest.raises(DFlashError, match=needle.replace("-", r"\-")):
+        dj.generate(tiny, **kwargs)
+
+
+def test_default_max_len():
+    assert api.default_max_len([[1] * 10], 54) == 64
+    assert api.default_max_len([[1] * 10, [1] * 11], 54) == 128
+
+
+def test_load_target_errors(tmp_path):
+    with pytest.raises(DFlashError, match="no such file"):
+        dj.load_target(tmp_path / "missing")
+    (tmp_path / "model.bin").write_bytes(b"\0" * 16)
+    with pytest.raises(DFlashError, match="model.bin"):
+        dj.load_target(tmp_path / "model.bin")
+    with pytest.raises(DFlashError, match="config.json"):
+        dj.load_target(tmp_path)
+    with pytest.raises(DFlashError, match="--dtype"):
+        dj.load_target(tmp_path, dtype="float64")
+    (tmp_path / "bad.gguf").write_bytes(b"GGUF\0\0")
+    with pytest.raises(DFlashError, match="bad.gguf"):
+        dj.load_target(tmp_path / "bad.gguf")
+
+
+def test_load_hf_target_with_tokenizer(hf_dir):
+    import tiny_hf
+
+    t = dj.load_target(hf_dir)
+    assert t.cfg.vocab_size == tiny_hf.VOCAB and t.eos_ids == (tiny_hf.IM_END,) and t.tokenizer is not None
+    assert t.source == str(hf_dir)
+    ids = dj.encode_prompt(t, "Hi")
+    assert ids == [tiny_hf.IM_START, *b"user\nHi", tiny_hf.IM_END, 10, tiny_hf.IM_START, *b"assistant\n"]
+    assert dj.encode_prompt(t, "Hi", raw=True) == list(b"Hi")
+    assert dj.encode_prompt(t, "Hi", system="S")[:10] == [tiny_hf.IM_START, *b"system\nS", tiny_hf.IM_END]
+    with pytest.raises(DFlashError, match="--system"):
+        dj.encode_prompt(t, "Hi", system="S", raw=True)
+    res = dj.generate(t, [ids], 12, ignore_eos=True)
+    assert res.texts[0] == t.tokenizer.decode(res.output_ids[0], skip_special_tokens=True)
+    half = dj.load_target(hf_dir, dtype="bfloat16")
+    assert half.cfg.dtype == "bfloat16" and jax.tree_util.tree_leaves(half.params)[0].dtype == "bfloat16"
+
+
+def test_load_hf_target_eos_without_tokenizer(hf_dir, tmp_path):
+    import tiny_hf
+
+    bare = tiny_hf.without_tokenizer(hf_dir, tmp_path / "bare")
+    t = dj.load_target(bare)
+    assert t.tokenizer is None and t.eos_ids == (tiny_hf.IM_END,)  # from generation_config.json
+    with pytest.raises(DFlashError, match="tokenizer"):
+        dj.encode_prompt(t, "Hi")
+
+
+def test_text_stream_partial_utf8_and_stop(hf_dir):
+    tok = dj.load_target(hf_dir).tokenizer
+    s = dj.TextStream(tok)
+    e_acute = list("é".encode())
+    assert s.feed([ord("a")]) == "a"
+    assert s.feed(e_acute[:1]) == ""  # an incomplete UTF-8 sequence is held back
+    assert s.feed(e_acute[1:]) == "é"
+    assert s.feed([257]) == ""  # special tokens are skipped
+    assert s.finish() == ""
+    s = dj.TextStream(tok, stop=["STOP"])
+    out = s.feed(list(b"abc ST"))
+    assert out == "abc " and not s.stopped  # "ST" could start the stop text
+    out += s.feed(list(b"O"))
+    out += s.feed(list(b"Pxyz"))
+    assert out == "abc " and s.stopped and s.text() == "abc "
+    assert s.feed(list(b"more")) == "" and s.finish() == ""
+    s = dj.TextStream(tok, stop=["STOP"])
+    assert s.feed(list(b"abc ST")) + s.feed(list(b"AR")) + s.finish() == "abc STAR"
+
+
+def test_split_stop(hf_dir):
+    tok = dj.load_target(hf_dir).tokenizer
+    ids, texts = api.split_stop(tok, ["x", "xy", "<|im_end|>"])
+    assert ids == [ord("x"), 257] and texts == ["xy"]
+    with pytest.raises(DFlashError, match="--stop"):
+        api.split_stop(tok, [""])
+
+
+def test_compile_cache_is_on_by_default():
+    if os.environ.get("JAX_COMPILATION_CACHE_DIR") or os.environ.get("DFLASH_JAX_NO_COMPILE_CACHE", "") not in ("", "0"):
+        pytest.skip("compile cache configured by the environment")
+    from dflash_jax.assets import cache_dir
+
+    assert dj.compile_cache_dir() == cache_dir() / "jax_cache"
+    assert Path(jax.config.jax_compilation_cache_dir) == dj.compile_cache_dir()

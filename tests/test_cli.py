@@ -1,0 +1,239 @@
+"""The ``dflash-jax generate`` command line, run in-process on a tiny HF checkpoint (and once on the default model)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+import tiny_hf  # noqa: E402
+
+from dflash_jax import cli  # noqa: E402
+from dflash_jax.io.hf import load_hf_target  # noqa: E402
+from dflash_jax.testing import reference_greedy  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+FIXTURE = REPO.parent / "shared" / "fixtures" / "smollm2_llamacpp_greedy.json"
+PROMPT_IDS = [256, 117, 115, 101, 114, 10, 72, 105, 257, 10, 256]
+STATS_KEYS = {"new_tokens", "compile_time_s", "prefill_time_s", "decode_time_s", "decode_tokens_per_s"}
+
+
+@pytest.fixture(scope="module")
+def hf_dir(tmp_path_factory):
+    return tiny_hf.make_tiny_hf(tmp_path_factory.mktemp("tiny_hf"))
+
+
+@pytest.fixture(scope="module")
+def bare_dir(hf_dir, tmp_path_factory):
+    return tiny_hf.without_tokenizer(hf_dir, tmp_path_factory.mktemp("tiny_hf_bare"))
+
+
+@pytest.fixture(scope="module")
+def model(hf_dir):
+    cfg, params = load_hf_target(hf_dir)
+    return cfg, params
+
+
+def run(capsys, *argv):
+    code = cli.main([str(a) for a in argv])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def run_json(capsys, *argv):
+    code, out, err = run(capsys, "generate", "--json", *argv)
+    assert code == 0, err
+    lines = out.splitlines()
+    assert len(lines) == 1, "stdout must hold exactly one JSON object"
+    return json.loads(lines[0]), err
+
+
+def assert_one_line_error(code, out, err, *needles):
+    assert code == 2
+    assert out == ""
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), err
+    for n in needles:
+        assert n in lines[0]
+    return lines[0]
+
+
+def test_json_schema_and_values_with_prompt_ids(capsys, hf_dir, model):
+    cfg, params = model
+    ids = ",".join(map(str, PROMPT_IDS))
+    obj, _ = run_json(capsys, "--target", hf_dir, "--prompt-ids", ids, "--max-new-tokens", 9, "--ignore-eos", "--chunk-size", 4)
+    assert set(obj) == {"prompt_ids", "output_ids", "text", "finish_reason", "top2_logit_gaps", "stats"}
+    assert obj["prompt_ids"] == PROMPT_IDS
+    assert obj["output_ids"] == reference_greedy(params, cfg, PROMPT_IDS, 9)
+    assert obj["finish_reason"] == "length"
+    assert len(obj["top2_logit_gaps"]) == 9 and all(g >= 0 for g in obj["top2_logit_gaps"])
+    assert isinstance(obj["text"], str)
+    st = obj["stats"]
+    assert STATS_KEYS <= set(st)
+    assert st["new_tokens"] == 9 and st["mode"] == "plain"
+    assert st["compile_time_s"] > 0 and st["prefill_time_s"] > 0 and st["decode_time_s"] > 0
+    assert st["decode_tokens_per_s"] == pytest.approx(8 / st["decode_time_s"], rel=1e-2)
+
+
+def test_text_prompt_streams_what_json_reports(capsys, hf_dir):
+    obj, _ = run_json(capsys, "--target", hf_dir, "Hello there", "--max-new-tokens", 24, "--ignore-eos")
+    code, out, err = run(capsys, "generate", "--target", hf_dir, "Hello there", "--max-new-tokens", 24, "--ignore-eos")
+    assert code == 0
+    assert out == obj["text"] + "\n"
+    assert obj["prompt_ids"][:2] == [tiny_hf.IM_START, ord("u")]  # chat template applied
+    last = err.strip().splitlines()[-1]
+    assert "plain decoding" in last and "tok/s" in last and "prefill" in last
+
+
+def test_raw_and_system(capsys, hf_dir):
+    obj, _ = run_json(capsys, "--target", hf_dir, "--raw", "Hi", "--max-new-tokens", 1)
+    assert obj["prompt_ids"] == [ord("H"), ord("i")]
+    obj, _ = run_json(capsys, "--target", hf_dir, "--system", "S", "Hi", "--max-new-tokens", 1)
+    assert obj["prompt_ids"][:10] == [tiny_hf.IM_START, *b"system\nS", tiny_hf.IM_END]
+
+
+def test_sampling_is_seeded(capsys, hf_dir):
+    args = ("--target", hf_dir, "--prompt-ids", "1,2,3", "--max-new-tokens", 12, "--ignore-eos", "--temperature", 1.0,
+            "--top-k", 40, "--top-p", 0.9)
+    a, _ = run_json(capsys, *args, "--seed", 1)
+    b, _ = run_json(capsys, *args, "--seed", 1)
+    c, _ = run_json(capsys, *args, "--seed", 2)
+    assert a["output_ids"] == b["output_ids"] != c["output_ids"]
+
+
+def test_stop_texts(capsys, hf_dir):
+    base, _ = run_json(capsys, "--target", hf_dir, "--prompt-ids", "1,2,3", "--max-new-tokens", 40, "--ignore-eos")
+    text = base["text"]
+    # a printable two-character stop text (two byte tokens: checked on the decoded text)
+    i = next(i for i in range(3, len(text) - 1) if text[i : i + 2].isascii() and text[i : i + 2].isprintable())
+    stop = text[i : i + 2]
+    first = text.index(stop)
+    obj, _ = run_json(capsys, "--target", hf_dir, "--prompt-ids", "1,2,3", "--max-new-tokens", 40, "--ignore-eos", "--stop", stop)
+    assert obj["finish_reason"] == "stop"
+    assert obj["text"] == text[:first]
+    n = len(obj["output_ids"])
+    assert obj["output_ids"] == base["output_ids"][:n] and len(obj["top2_logit_gaps"]) == n
+    # streamed output is cut at the same place
+    code, out, _ = run(capsys, "generate", "--target", hf_dir, "--prompt-ids", "1,2,3", "--max-new-tokens", 40, "--ignore-eos",
+                       "--stop", stop)
+    assert code == 0 and out == text[:first] + "\n"
+    # a one-token stop text becomes a stop id: the row ends on device, the token kept in output_ids
+    tok = stop[0]
+    obj, _ = run_json(capsys, "--target", hf_dir, "--prompt-ids", "1,2,3", "--max-new-tokens", 40, "--ignore-eos", "--stop", tok)
+    k = base["output_ids"].index(ord(tok))
+    assert obj["output_ids"] == base["output_ids"][: k + 1] and obj["finish_reason"] == "stop"
+    assert obj["stats"]["steps"] == k
+
+
+def test_eos_and_capacity(capsys, hf_dir, model):
+    cfg, params = model
+    free = reference_greedy(params, cfg, [1, 2, 3], 40)
+    obj, _ = run_json(capsys, "--target", hf_dir, "--prompt-ids", "1,2,3", "--max-new-tokens", 40)
+    if tiny_hf.IM_END in free:
+        assert obj["output_ids"] == free[: free.index(tiny_hf.IM_END) + 1] and obj["finish_reason"] == "stop"
+    else:
+        assert obj["output_ids"] == free and obj["finish_reason"] == "length"
+    obj, _ = run_json(capsys, "--target", hf_dir, "--prompt-ids", "1,2,3", "--max-new-tokens", 40, "--max-len", 8,
+                      "--ignore-eos")
+    assert obj["output_ids"] == free[:5] and obj["finish_reason"] == "capacity"
+
+
+def test_prompt_ids_without_tokenizer(capsys, bare_dir, model):
+    cfg, params = model
+    obj, _ = run_json(capsys, "--target", bare_dir, "--prompt-ids", "5,6,7", "--max-new-tokens", 4, "--ignore-eos")
+    assert obj["text"] is None and obj["output_ids"] == reference_greedy(params, cfg, [5, 6, 7], 4)
+    code, out, err = run(capsys, "generate", "--target", bare_dir, "--prompt-ids", "5,6,7", "--max-new-tokens", 3, "--ignore-eos")
+    assert code == 0 and out.split() == [str(i) for i in obj["output_ids"][:3]]
+    code, out, err = run(capsys, "generate", "--target", bare_dir, "Hello")
+    assert_one_line_error(code, out, err, "tokenizer", "--prompt-ids")
+
+
+def test_missing_target_is_one_line_error(capsys, tmp_path):
+    missing = tmp_path / "nope"
+    code, out, err = run(capsys, "generate", "--target", missing)
+    assert_one_line_error(code, out, err, str(missing))
+    (tmp_path / "file.bin").write_bytes(b"x")
+    code, out, err = run(capsys, "generate", "--target", tmp_path / "file.bin")
+    assert_one_line_error(code, out, err, "file.bin", "expected")
+    code, out, err = run(capsys, "generate", "--target", tmp_path)  # a folder without config.json
+    assert_one_line_error(code, out, err, "config.json")
+
+
+@pytest.mark.parametrize(
+    "args, needle",
+    [
+        (["--top-p", "1.5"], "--top-p"),
+        (["--top-p", "0"], "--top-p"),
+        (["--temperature", "-1"], "--temperature"),
+        (["--max-new-tokens", "0"], "--max-new-tokens"),
+        (["--chunk-size", "0"], "--chunk-size"),
+        (["--max-len", "4"], "--max-len"),  # the prompt is longer than the capacity
+        (["--prompt-ids", "1,2,999999"], "999999"),
+        (["--draft", "missing_drafter"], "missing_drafter"),
+    ],
+)
+def test_bad_options_are_one_line_errors(capsys, hf_dir, args, needle):
+    code, out, err = run(capsys, "generate", "--target", hf_dir, "--prompt-ids", "1,2,3,4,5", *args)
+    line = assert_one_line_error(code, out, err, needle)
+    assert "Traceback" not in err
+    if needle == "--max-len":
+        assert "expected" in line
+
+
+def test_draft_not_available_yet(capsys, hf_dir):
+    code, out, err = run(capsys, "generate", "--target", hf_dir, "--prompt-ids", "1,2", "--draft", hf_dir, "--block-size", 8)
+    assert_one_line_error(code, out, err, "--draft", "speculative")
+    obj, _ = run_json(capsys, "--target", hf_dir, "--prompt-ids", "1,2", "--draft", hf_dir, "--no-spec", "--max-new-tokens", 2)
+    assert obj["stats"]["mode"] == "plain"
+
+
+def test_debug_shows_traceback(capsys, tmp_path):
+    code, out, err = run(capsys, "generate", "--target", tmp_path / "nope", "--debug")
+    assert code == 2 and out == ""
+    assert "Traceback (most recent call last)" in err and "DFlashError" in err
+    assert err.strip().splitlines()[-1].startswith("error: ")
+
+
+def test_usage_errors_exit_2(capsys):
+    assert run(capsys, "generate", "--dtype", "float64")[0] == 2
+    assert run(capsys, "generate", "--prompt-ids", "1,x")[0] == 2
+    assert run(capsys, "generate", "--no-such-option")[0] == 2
+    assert run(capsys)[0] == 2
+    assert run(capsys, "generate", "--help")[0] == 0
+
+
+def test_prompt_and_prompt_ids_conflict(capsys, hf_dir):
+    code, out, err = run(capsys, "generate", "--target", hf_dir, "Hello", "--prompt-ids", "1,2")
+    assert_one_line_error(code, out, err, "--prompt-ids")
+
+
+def test_python_dash_m_entry_point(tmp_path):
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    proc = subprocess.run([sys.executable, "-m", "dflash_jax", "generate", "--target", str(tmp_path / "nope")],
+                          capture_output=True, text=True, env=env, cwd=REPO, timeout=300)
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert proc.stderr.strip().splitlines() == [f"error: {tmp_path / 'nope'}: no such file or folder "
+                                                "(expected a Hugging Face checkpoint folder or a .gguf file)"]
+
+
+@pytest.mark.slow
+def test_default_model_matches_llamacpp_greedy(capsys):
+    """The embedded default model, end to end through the CLI, against llama.cpp's greedy ids."""
+    if not FIXTURE.is_file():
+        pytest.skip(f"llama.cpp fixture not found at {FIXTURE}")
+    case = json.loads(FIXTURE.read_text(encoding="utf-8"))["cases"][0]
+    n = 0  # compare only while llama.cpp's choice is confident (ours may differ below a 0.25 gap)
+    while n < 8 and case["top2_logit_gap"][n] >= 0.25:
+        n += 1
+    assert n > 0
+    obj, _ = run_json(capsys, case["user_message"], "--max-new-tokens", 8, "--ignore-eos")
+    assert obj["prompt_ids"] == case["prompt_ids"]
+    assert obj["output_ids"][:n] == case["greedy_ids"][:n]
+    assert obj["stats"]["new_tokens"] == 8

@@ -1,0 +1,154 @@
+"""Plain-decoding throughput of a target (default: the embedded SmolLM2-135M-Instruct).
+
+Measures prefill and decode tokens/s through the public API (compiled ahead of time, so the times
+exclude compilation), repeats the run, and writes the median figures with machine details, the
+command and the date into a section of ``BENCHMARKS.md`` (replacing an earlier section for the
+same target and dtype)::
+
+    python tools/bench_decode.py                     # float32, 128 new tokens, 128-token prompt
+    python tools/bench_decode.py --dtype bfloat16 --repeats 5 --no-write
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import platform
+import re
+import shlex
+import statistics
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+TEXT = (
+    "The quick brown fox jumps over the lazy dog. Speculative decoding drafts several tokens at once and "
+    "verifies them with one pass of the target model, so the output is exactly what the target would write. "
+)
+
+
+def machine() -> dict:
+    import jax
+    import jaxlib
+
+    cpu = platform.processor() or "unknown"
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    mem = "unknown"
+    try:
+        kb = int(re.search(r"MemTotal:\s+(\d+)", Path("/proc/meminfo").read_text()).group(1))
+        mem = f"{kb / 2**20:.1f} GiB"
+    except (OSError, AttributeError):
+        pass
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:
+        cores = os.cpu_count()
+    dev = jax.devices()[0]
+    return dict(cpu=cpu, cores=cores, memory=mem, python=platform.python_version(), jax=jax.__version__,
+                jaxlib=jaxlib.__version__, device=f"{dev.platform} ({dev.device_kind})",
+                xla_flags=os.environ.get("XLA_FLAGS", ""))
+
+
+def busy_seconds() -> float | None:
+    """CPU seconds all processes have spent busy (``/proc/stat``), or ``None`` off Linux."""
+    try:
+        f = [int(x) for x in Path("/proc/stat").read_text().splitlines()[0].split()[1:]]
+    except (OSError, ValueError, IndexError):
+        return None
+    idle = f[3] + (f[4] if len(f) > 4 else 0)
+    return (sum(f[:8]) - idle) / os.sysconf("SC_CLK_TCK")
+
+
+def prompt_ids(target, n: int) -> list[int]:
+    tok = target.tokenizer
+    if tok is None:
+        return [(7 * i + 3) % target.cfg.vocab_size for i in range(n)]
+    ids: list[int] = []
+    while len(ids) < n:
+        ids += tok.encode(TEXT, add_bos=False)
+    return ids[:n]
+
+
+def write_section(path: Path, key: str, body: str) -> None:
+    begin, end = f"<!-- bench_decode {key} -->", f"<!-- /bench_decode {key} -->"
+    block = f"{begin}\n{body.rstrip()}\n{end}\n"
+    text = path.read_text(encoding="utf-8") if path.is_file() else "# Benchmarks\n\nFigures written by the tools in `tools/`.\n"
+    pattern = re.compile(re.escape(begin) + r".*?" + re.escape(end) + r"\n?", re.S)
+    if pattern.search(text):
+        text = pattern.sub(lambda _: block, text)
+    else:
+        text = text.rstrip() + "\n\n" + block
+    path.write_text(text, encoding="utf-8")
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--target", default=None, help="HF folder or .gguf (default: the embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--prompt-len", type=int, default=128)
+    p.add_argument("--chunk-size", type=int, default=256)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--output", default=str(REPO / "BENCHMARKS.md"))
+    p.add_argument("--no-write", action="store_true", help="print the figures only")
+    args = p.parse_args(argv)
+
+    import dflash_jax as dj
+
+    target = dj.load_target(args.target, dtype=args.dtype)
+    ids = prompt_ids(target, args.prompt_len)
+    m = machine()
+    busy0, own0, wall0 = busy_seconds(), sum(os.times()[:4]), time.perf_counter()
+    runs = []
+    for r in range(args.repeats):
+        res = dj.generate(target, [ids], args.max_new_tokens, chunk_size=args.chunk_size, ignore_eos=True)
+        st = res.stats
+        runs.append(st)
+        print(f"run {r + 1}/{args.repeats}: prefill {st['prefill_tokens_per_s']:.1f} tok/s ({st['prefill_time_s']:.3f} s), "
+              f"decode {st['decode_tokens_per_s']:.2f} tok/s ({st['decode_time_s']:.3f} s), "
+              f"compile {st['compile_time_s']:.2f} s", file=sys.stderr)
+    busy1, own1, wall1 = busy_seconds(), sum(os.times()[:4]), time.perf_counter()
+    others = "n/a"
+    if busy0 is not None and busy1 is not None:
+        share = max(0.0, (busy1 - busy0) - (own1 - own0)) / ((wall1 - wall0) * (m["cores"] or 1))
+        others = f"{100 * share:.0f}%"
+    med = lambda k: statistics.median(s[k] for s in runs)  # noqa: E731
+    best = lambda k: max(s[k] for s in runs)  # noqa: E731
+    name = Path(target.source).name
+    cmd = "python tools/bench_decode.py " + " ".join(shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:]))
+    date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    c = target.cfg
+    n_params = sum(int(x.size) for x in __import__("jax").tree_util.tree_leaves(target.params))
+    body = f"""## Plain decoding: {name}, {args.dtype}
+
+`{cmd.strip()}` ({date})
+
+| | median | best |
+|---|---|---|
+| prefill ({args.prompt_len}-token prompt, chunk {runs[0]['chunk_size']}) | {med('prefill_tokens_per_s'):.1f} tok/s | {best('prefill_tokens_per_s'):.1f} tok/s |
+| decode ({args.max_new_tokens} new tokens, batch 1) | **{med('decode_tokens_per_s'):.2f} tok/s** | {best('decode_tokens_per_s'):.2f} tok/s |
+| decode time per token | {1000 / med('decode_tokens_per_s'):.1f} ms | |
+
+Model: {c.family}, {c.num_hidden_layers} layers, hidden {c.hidden_size}, vocab {c.vocab_size}, {n_params / 1e6:.1f} M parameters
+({n_params * __import__('numpy').dtype(args.dtype if args.dtype != 'bfloat16' else 'float16').itemsize / 2**20:.0f} MiB of weights in {args.dtype}); capacity {runs[0]['max_len']}; {args.repeats} runs.
+
+Machine: {m['cpu']}, {m['cores']} cores, {m['memory']} RAM; {m['device']}; Python {m['python']}, jax {m['jax']}, jaxlib {m['jaxlib']}{'; XLA_FLAGS=' + m['xla_flags'] if m['xla_flags'] else ''};
+other processes kept {others} of the CPU time busy during the runs ("best" is the least disturbed run).
+"""
+    print(body)
+    if not args.no_write:
+        write_section(Path(args.output), f"{name} {args.dtype}", body)
+        print(f"wrote {args.output}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
