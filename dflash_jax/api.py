@@ -27,6 +27,7 @@ streaming decoding continues on device and the output is cut afterwards. Either 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import os
 import time
@@ -38,6 +39,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from dflash_jax import decode
+from dflash_jax.spec import generate as spec
 from dflash_jax.config import TargetConfig
 from dflash_jax.errors import DFlashError
 from dflash_jax.sampling import SamplingConfig
@@ -51,8 +53,9 @@ class Target:
     """A loaded target model.
 
     Attributes:
-      cfg: static :class:`~dflash_jax.config.TargetConfig` (its ``dtype`` is the compute dtype).
-      params: parameter pytree of :mod:`dflash_jax.models.dense` (jax arrays).
+      cfg: static :class:`~dflash_jax.config.TargetConfig` or
+        :class:`~dflash_jax.config_laguna.LagunaConfig` (its ``dtype`` is the compute dtype).
+      params: parameter pytree of :mod:`dflash_jax.models.dense` or ``models.laguna``.
       tokenizer: :class:`~dflash_jax.io.tokenizer.Tokenizer`, or ``None`` (ids only).
       source: the file or folder it was loaded from.
       eos_ids: end-of-generation token ids (from the tokenizer, else from ``config.json`` /
@@ -121,7 +124,13 @@ def load_target(path: str | os.PathLike | None = None, dtype: str = "float32") -
     if p.is_dir():
         if not (p / "config.json").is_file():
             raise DFlashError(str(p), "folder has no config.json", "a Hugging Face checkpoint folder or a .gguf file")
-        from dflash_jax.io.hf import load_hf_target
+        from dflash_jax.config import read_json
+        from dflash_jax.config_laguna import is_laguna
+
+        if is_laguna(read_json(p / "config.json")):
+            from dflash_jax.io.laguna import load_laguna_target as load_hf_target
+        else:
+            from dflash_jax.io.hf import load_hf_target
 
         cfg, params = load_hf_target(p, dtype=dtype)
         tok = None
@@ -145,6 +154,55 @@ def load_target(path: str | os.PathLike | None = None, dtype: str = "float32") -
         raise DFlashError(f"{p}: tokenizer", f"{tok.vocab_size} ids but the embedding has {cfg.vocab_size} rows",
                           "a tokenizer no larger than the embedding")
     return Target(cfg=cfg, params=params, tokenizer=tok, source=str(p), eos_ids=eos)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Drafter:
+    """A loaded DFlash drafter.
+
+    Attributes:
+      cfg: static :class:`~dflash_jax.config.DrafterConfig`.
+      params: parameter pytree of :mod:`dflash_jax.models.drafter`.
+      source: the folder or file it was loaded from.
+    """
+
+    cfg: Any
+    params: Any
+    source: str = ""
+
+
+def load_drafter(path: str | os.PathLike, target: Target, dtype: str | None = None) -> Drafter:
+    """Loads a DFlash drafter for ``target`` (z-lab folder, or a Laguna drafter GGUF file).
+
+    Args:
+      path: drafter checkpoint folder (``config.json`` + safetensors) or ``.gguf`` file.
+      target: the target it drafts for; the drafter is checked against it.
+      dtype: parameter dtype (default: the target's).
+    Raises:
+      DFlashError: a missing path, bad config fields, tensors, or a drafter that does not fit
+        the target (the message names the file and field).
+    """
+    p = Path(path).expanduser()
+    dtype = dtype or target.cfg.dtype
+    if p.is_file() and p.suffix.lower() == ".gguf":
+        from dflash_jax.io.laguna_drafter import load_laguna_drafter_gguf
+
+        cfg, params = load_laguna_drafter_gguf(p, target.cfg, dtype=dtype)
+    elif p.is_dir():
+        from dflash_jax.io.drafter import load_drafter as _load
+
+        cfg, params = _load(p, target.cfg, dtype=dtype)
+    else:
+        raise DFlashError(str(p), "no such folder or .gguf file", "a DFlash drafter checkpoint")
+    return Drafter(cfg=cfg, params=params, source=str(p))
+
+
+def shipped_drafter(target: Target, dtype: str | None = None) -> Drafter | None:
+    """The drafter shipped inside the package for ``target``, or ``None`` if there is none."""
+    from dflash_jax.assets import shipped_drafter_path
+
+    folder = shipped_drafter_path(target.source)
+    return None if folder is None else load_drafter(folder, target, dtype)
 
 
 def _hf_eos_ids(folder: Path) -> tuple[int, ...]:
@@ -337,6 +395,9 @@ def generate(
     ignore_eos: bool = False,
     seed: int = 0,
     on_tokens: Callable[[list[list[int]]], Any] | None = None,
+    drafter: Drafter | None = None,
+    n_max: int | None = None,
+    draft_mode: str = "argmax",
 ) -> GenerationResult:
     """Plain (non-speculative) generation for a batch of prompts.
 
@@ -355,6 +416,13 @@ def generate(
       on_tokens: streaming callback, called with ``B`` lists of the ids each row committed since
         the previous call (the first call carries the token from prefill). With it, decoding is
         stepped from Python (``decode.stream``); without, it runs as one on-device loop.
+      drafter: a :class:`Drafter` for DFlash speculative decoding (``None``: plain decoding).
+        Stats then add ``tau`` (mean tokens committed per verify step, bonus included),
+        ``verify_steps``, ``accepted_per_position`` (fraction of verify steps in which draft
+        position ``i`` was accepted), ``drafted_tokens`` and ``accepted_tokens``.
+      n_max: drafted tokens per block (default ``block_size - 1`` of the drafter).
+      draft_mode: ``"argmax"`` (default) or ``"sample"`` proposals, see
+        :func:`dflash_jax.spec.propose.propose_fn`.
     Returns:
       :class:`GenerationResult`.
     Raises:
@@ -384,21 +452,28 @@ def generate(
     # ---- compile ahead of time (lowering traces shapes only; nothing runs); the compiled
     # functions take the dynamic arguments only
     t0 = time.perf_counter()
-    state = decode.init_state(cfg, prompts, max_len, int(max_new_tokens), stops, seed)
     acc = jnp.zeros((batch, cfg.vocab_size), jnp.float32)
-    chunk_fn = decode.prefill_chunk.lower(params, cfg, state, acc, jnp.int32(0), chunk).compile()
-    first_fn = decode.finish_prefill.lower(state, acc, sampling).compile()
-    if on_tokens is None:
-        loop_fn = decode.generate.lower(params, cfg, state, sampling).compile()
+    # uniform callables over the mode: chunk(state, acc, start), loop(state), step(state)
+    if drafter is None:
+        state = decode.init_state(cfg, prompts, max_len, int(max_new_tokens), stops, seed)
+        weights = (params,)
+        chunk_c = decode.prefill_chunk.lower(params, cfg, state, acc, jnp.int32(0), chunk).compile()
+        run_c = (decode.generate if on_tokens is None else decode.decode_step).lower(params, cfg, state, sampling).compile()
     else:
-        step_fn = decode.decode_step.lower(params, cfg, state, sampling).compile()
+        dcfg, dparams = drafter.cfg, drafter.params
+        state = spec.init_state(cfg, dcfg, prompts, max_len, int(max_new_tokens), stops, seed, n_max)
+        weights = (params, dparams)
+        chunk_c = spec.prefill_chunk.lower(params, cfg, dparams, dcfg, state, acc, jnp.int32(0), chunk).compile()
+        run = spec.generate if on_tokens is None else spec.step
+        run_c = run.lower(params, cfg, dparams, dcfg, state, sampling, draft_mode).compile()
+    first_fn = decode.finish_prefill.lower(state, acc, sampling).compile()
     compile_s = time.perf_counter() - t0
 
     # ---- prefill (+ first token)
     jax.block_until_ready((params, state, acc))
     t0 = time.perf_counter()
     for start in range(0, max_prompt, chunk):
-        state, acc = chunk_fn(params, state, acc, jnp.int32(start))
+        state, acc = chunk_c(*weights, state, acc, jnp.int32(start))
     state = first_fn(state, acc)
     jax.block_until_ready(state)
     prefill_s = time.perf_counter() - t0
@@ -408,7 +483,7 @@ def generate(
     forced = np.zeros(batch, bool)
     t0 = time.perf_counter()
     if on_tokens is None:
-        state = loop_fn(params, state)
+        state = run_c(*weights, state)
         jax.block_until_ready(state)
     else:
         streams = [TextStream(tok, stop_texts) for _ in range(batch)] if stop_texts else None
@@ -416,7 +491,7 @@ def generate(
         def step(s):
             if forced.any():  # a stop text ended these rows: freeze them
                 s = s.replace(done=s.done | jnp.asarray(forced), finish=jnp.where(jnp.asarray(forced) & ~s.done, STOP, s.finish))
-            return step_fn(params, s)
+            return run_c(*weights, s)
 
         for state, toks, counts in decode.stream(params, cfg, state, sampling, step=step):
             new = [[int(t) for t in toks[b, : counts[b]]] if not forced[b] else [] for b in range(batch)]
@@ -434,7 +509,28 @@ def generate(
     decode_s = time.perf_counter() - t0 - callback_s
 
     timings = dict(compile_time_s=compile_s, prefill_time_s=prefill_s, decode_time_s=decode_s)
-    return build_result(target, prompts, state, stop_texts, timings, mode="plain", max_len=max_len, chunk_size=chunk)
+    extra = {} if drafter is None else spec_stats(state)
+    mode = "plain" if drafter is None else "dflash"
+    return build_result(target, prompts, state, stop_texts, timings, mode=mode, max_len=max_len, chunk_size=chunk, **extra)
+
+
+def spec_stats(state) -> dict:
+    """Speculative statistics of a finished state, summed over rows (``specs/dflash.md`` 2.3).
+
+    ``tau``: tokens committed per verify step, bonus included (the first token comes from
+    prefill and is not counted, as in z-lab's benchmark). ``accepted_per_position[i]``: the
+    fraction of verify steps in which draft position ``i + 1`` was accepted.
+    """
+    sp = jax.device_get(state.spec)
+    steps = int(np.sum(sp.verify_steps))
+    return dict(
+        tau=round(float(np.sum(sp.committed)) / steps, 4) if steps else 0.0,
+        verify_steps=int(jax.device_get(state.steps)),
+        accepted_per_position=[round(float(x) / steps, 4) if steps else 0.0 for x in np.sum(sp.accepted_per_position, axis=0)],
+        drafted_tokens=int(np.sum(sp.drafted)),
+        accepted_tokens=int(np.sum(sp.accepted)),
+        n_max=int(sp.accepted_per_position.shape[1]),
+    )
 
 
 def build_result(target: Target, prompts: list[list[int]], state, stop_texts: Sequence[str], timings: Mapping[str, float],

@@ -32,6 +32,16 @@ def _prompt_ids(text: str) -> list[int]:
     return ids
 
 
+def _json_object(text: str) -> dict:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not valid JSON ({e.msg}) (expected a JSON object)") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"got {type(value).__name__} (expected a JSON object)")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="dflash-jax", description="DFlash speculative decoding in JAX.")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
@@ -66,33 +76,48 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--prompt-ids", type=_prompt_ids, default=None, metavar="1,2,3", help="token ids instead of a text prompt")
     g.add_argument("--debug", action="store_true", help="show tracebacks on errors")
     g.add_argument("--json", action="store_true", help="print one JSON object (no streaming)")
+    g.add_argument("--chat-template-kwargs", type=_json_object, default=None, metavar="JSON",
+                   help='extra chat-template variables, e.g. \'{"enable_thinking": false}\'')
     return parser
 
 
-def _run_spec(args, target, prompt_ids: list[int], sampling, on_tokens):
-    """Hook for speculative decoding (``--draft``, ``--block-size``, ``--n-max``).
+def _drafter(args, target):
+    """``(drafter or None, why)``: ``--draft``, else the drafter shipped for the target, else none.
 
-    Must return a :class:`dflash_jax.api.GenerationResult` for the single prompt ``prompt_ids``
-    (``stats["mode"]`` naming the mode), streaming through ``on_tokens`` when it is not ``None``.
+    ``--no-spec`` always gives plain decoding; ``why`` says which mode runs and why.
     """
-    from pathlib import Path
+    from dflash_jax import api
 
+    if args.no_spec:
+        return None, "--no-spec"
+    if args.draft is not None:
+        d = api.load_drafter(args.draft, target, dtype=args.dtype)
+        return d, f"drafter {d.source}"
+    d = api.shipped_drafter(target, dtype=args.dtype)
+    if d is None:
+        return None, "no drafter ships for this target; --draft PATH to speculate"
+    return d, f"shipped drafter {d.source}"
+
+
+def _n_max(args, drafter) -> int | None:
+    """Draft depth from ``--n-max`` / ``--block-size`` (verify width ``n_max + 1``)."""
     from dflash_jax.errors import DFlashError
 
-    if args.draft is not None and not Path(args.draft).exists():
-        raise DFlashError(args.draft, "no such file or folder", "a DFlash drafter checkpoint")
-    raise DFlashError("--draft", "speculative decoding is not available yet", "--no-spec, or no --draft")
-
-
-def _use_spec(args) -> bool:
-    """Whether this run decodes speculatively (``--draft`` given and no ``--no-spec``)."""
-    return args.draft is not None and not args.no_spec
+    n = args.n_max
+    if args.block_size is not None:
+        if n is not None and n != args.block_size - 1:
+            raise DFlashError("--n-max", f"{n} disagrees with --block-size {args.block_size}", f"{args.block_size - 1} (block size - 1), or only one of them")
+        n = args.block_size - 1
+    if n is not None and drafter is None:
+        raise DFlashError("--n-max" if args.n_max is not None else "--block-size", "given without a drafter", "--draft PATH, or a target with a shipped drafter")
+    return n
 
 
 def _stats_line(stats: dict, finish: str) -> str:
     mode = "plain decoding" if stats.get("mode", "plain") == "plain" else f"{stats['mode']} decoding"
+    spec = f"tau {stats['tau']:.2f} over {stats['verify_steps']} verify steps | " if "tau" in stats else ""
     return (
-        f"[{mode}] {stats['new_tokens']} new tokens ({finish}) | "
+        f"[{mode}] {stats['new_tokens']} new tokens ({finish}) | {spec}"
         f"decode {stats['decode_tokens_per_s']:.2f} tok/s in {stats['decode_time_s']:.3f} s | "
         f"prefill {stats['prompt_tokens']} tokens in {stats['prefill_time_s']:.3f} s | "
         f"compile {stats['compile_time_s']:.2f} s"
@@ -125,7 +150,10 @@ def _generate(args) -> int:
         text = DEFAULT_PROMPT if args.prompt is None else args.prompt
         if tok is None:
             raise DFlashError(f"{target.source}: tokenizer", "missing, so a text prompt cannot be encoded", "--prompt-ids 1,2,3")
-        prompt_ids = api.encode_prompt(target, text, system=args.system, raw=args.raw)
+        prompt_ids = api.encode_prompt(target, text, system=args.system, raw=args.raw,
+                                       chat_template_kwargs=args.chat_template_kwargs)
+    drafter, why = _drafter(args, target)
+    n_max = _n_max(args, drafter)
 
     out = sys.stdout
     stream = None
@@ -147,12 +175,9 @@ def _generate(args) -> int:
 
     kwargs = dict(
         max_new_tokens=args.max_new_tokens, sampling=sampling, max_len=args.max_len, chunk_size=args.chunk_size,
-        stop=args.stop, ignore_eos=args.ignore_eos, seed=args.seed, on_tokens=on_tokens,
+        stop=args.stop, ignore_eos=args.ignore_eos, seed=args.seed, on_tokens=on_tokens, drafter=drafter, n_max=n_max,
     )
-    if _use_spec(args):
-        res = _run_spec(args, target, prompt_ids, sampling, on_tokens)
-    else:
-        res = api.generate(target, [prompt_ids], **kwargs)
+    res = api.generate(target, [prompt_ids], **kwargs)
 
     stats = res.stats
     if args.json:
@@ -171,7 +196,7 @@ def _generate(args) -> int:
             out.write(stream.finish())
         out.write("\n")
         out.flush()
-        print(_stats_line(stats, res.finish_reason[0]), file=sys.stderr, flush=True)
+        print(_stats_line(stats, res.finish_reason[0]) + f" | {why}", file=sys.stderr, flush=True)
     return 0
 
 

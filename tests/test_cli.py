@@ -187,9 +187,54 @@ def test_bad_options_are_one_line_errors(capsys, hf_dir, args, needle):
         assert "expected" in line
 
 
-def test_draft_not_available_yet(capsys, hf_dir):
-    code, out, err = run(capsys, "generate", "--target", hf_dir, "--prompt-ids", "1,2", "--draft", hf_dir, "--block-size", 8)
-    assert_one_line_error(code, out, err, "--draft", "speculative")
+@pytest.fixture(scope="module")
+def draft_dir(hf_dir, tmp_path_factory):
+    """A tiny random DFlash drafter for the tiny target, in the z-lab layout."""
+    from dflash_jax import api
+    from dflash_jax.testing import tiny_drafter
+    from dflash_jax.train.export import export_drafter
+
+    cfg, params = tiny_drafter(api.load_target(hf_dir).cfg, seed=3, layer_ids=(0, 1), block_size=4)
+    folder = tmp_path_factory.mktemp("draft")
+    export_drafter(folder, cfg, params, dtype="float32")
+    return folder
+
+
+def test_speculative_json_equals_plain_and_reports_acceptance(capsys, hf_dir, draft_dir):
+    common = ("--target", hf_dir, "--prompt-ids", "5,6,7,8", "--max-new-tokens", 12, "--ignore-eos")
+    spec_obj, _ = run_json(capsys, *common, "--draft", draft_dir)
+    plain_obj, _ = run_json(capsys, *common, "--no-spec")
+    assert spec_obj["output_ids"] == plain_obj["output_ids"] and len(spec_obj["output_ids"]) == 12
+    st = spec_obj["stats"]
+    assert st["mode"] == "dflash" and plain_obj["stats"]["mode"] == "plain"
+    assert len(st["accepted_per_position"]) == 3 and st["verify_steps"] >= 1
+    assert st["tau"] == pytest.approx(11 / st["verify_steps"], abs=1e-3)  # the first token comes from prefill
+    assert st["drafted_tokens"] >= st["accepted_tokens"] >= 0
+    short, _ = run_json(capsys, *common, "--draft", draft_dir, "--n-max", 2)
+    assert len(short["stats"]["accepted_per_position"]) == 2 and short["output_ids"] == plain_obj["output_ids"]
+
+
+def test_speculative_streaming_says_which_mode(capsys, hf_dir, draft_dir):
+    code, out, err = run(capsys, "generate", "--target", hf_dir, "hi", "--draft", draft_dir, "--max-new-tokens", 6)
+    assert code == 0 and "dflash decoding" in err and "tau" in err and str(draft_dir) in err
+    code, out, err = run(capsys, "generate", "--target", hf_dir, "hi", "--max-new-tokens", 3)
+    assert code == 0 and "plain decoding" in err and "no drafter ships" in err
+
+
+@pytest.mark.parametrize(
+    "args,needle",
+    [(["--n-max", "4"], "--n-max"), (["--block-size", "6"], "--n-max"), (["--n-max", "2", "--block-size", "4"], "--n-max")],
+)
+def test_bad_speculative_options(capsys, hf_dir, draft_dir, args, needle):
+    code, out, err = run(capsys, "generate", "--target", hf_dir, "--prompt-ids", "1,2", "--draft", draft_dir, *args)
+    assert_one_line_error(code, out, err, needle)
+
+
+def test_bad_draft_paths_and_depth_without_drafter(capsys, hf_dir, tmp_path):
+    code, out, err = run(capsys, "generate", "--target", hf_dir, "--prompt-ids", "1,2", "--draft", tmp_path / "nope")
+    assert_one_line_error(code, out, err, "nope")
+    code, out, err = run(capsys, "generate", "--target", hf_dir, "--prompt-ids", "1,2", "--n-max", 3)
+    assert_one_line_error(code, out, err, "--n-max", "without a drafter")
     obj, _ = run_json(capsys, "--target", hf_dir, "--prompt-ids", "1,2", "--draft", hf_dir, "--no-spec", "--max-new-tokens", 2)
     assert obj["stats"]["mode"] == "plain"
 
