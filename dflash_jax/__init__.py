@@ -4,7 +4,8 @@ Public API (see :mod:`dflash_jax.api`)::
 
     import dflash_jax as dj
     target = dj.load_target()                       # embedded default, or an HF folder / .gguf
-    res = dj.generate(target, [dj.encode_prompt(target, "Hi!")], max_new_tokens=32)
+    drafter = dj.shipped_drafter(target)            # or dj.load_drafter(path, target); None: plain
+    res = dj.generate(target, [dj.encode_prompt(target, "Hi!")], max_new_tokens=32, drafter=drafter)
 
 Importing the package turns on JAX's persistent compilation cache in
 ``<cache folder>/jax_cache`` (cache folder: ``$DFLASH_JAX_CACHE``, else
@@ -44,18 +45,22 @@ def _enable_compile_cache() -> None:
 _enable_compile_cache()
 
 from dflash_jax.api import (  # noqa: E402
+    Drafter,
     GenerationResult,
     Target,
     TextStream,
     encode_prompt,
     generate,
+    load_drafter,
     load_target,
+    shipped_drafter,
 )
 from dflash_jax.errors import DFlashError  # noqa: E402
 from dflash_jax.sampling import SamplingConfig  # noqa: E402
 
 __all__ = [
     "DFlashError",
+    "Drafter",
     "GenerationResult",
     "SamplingConfig",
     "Target",
@@ -63,5 +68,7 @@ __all__ = [
     "compile_cache_dir",
     "encode_prompt",
     "generate",
+    "load_drafter",
     "load_target",
+    "shipped_drafter",
 ]

@@ -14,8 +14,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import os
-import platform
-import re
 import shlex
 import statistics
 import sys
@@ -23,48 +21,12 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from benchlib import busy_seconds, machine, write_section  # noqa: E402
 TEXT = (
     "The quick brown fox jumps over the lazy dog. Speculative decoding drafts several tokens at once and "
     "verifies them with one pass of the target model, so the output is exactly what the target would write. "
 )
-
-
-def machine() -> dict:
-    import jax
-    import jaxlib
-
-    cpu = platform.processor() or "unknown"
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    mem = "unknown"
-    try:
-        kb = int(re.search(r"MemTotal:\s+(\d+)", Path("/proc/meminfo").read_text()).group(1))
-        mem = f"{kb / 2**20:.1f} GiB"
-    except (OSError, AttributeError):
-        pass
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except AttributeError:
-        cores = os.cpu_count()
-    dev = jax.devices()[0]
-    return dict(cpu=cpu, cores=cores, memory=mem, python=platform.python_version(), jax=jax.__version__,
-                jaxlib=jaxlib.__version__, device=f"{dev.platform} ({dev.device_kind})",
-                xla_flags=os.environ.get("XLA_FLAGS", ""))
-
-
-def busy_seconds() -> float | None:
-    """CPU seconds all processes have spent busy (``/proc/stat``), or ``None`` off Linux."""
-    try:
-        f = [int(x) for x in Path("/proc/stat").read_text().splitlines()[0].split()[1:]]
-    except (OSError, ValueError, IndexError):
-        return None
-    idle = f[3] + (f[4] if len(f) > 4 else 0)
-    return (sum(f[:8]) - idle) / os.sysconf("SC_CLK_TCK")
 
 
 def prompt_ids(target, n: int) -> list[int]:
@@ -75,18 +37,6 @@ def prompt_ids(target, n: int) -> list[int]:
     while len(ids) < n:
         ids += tok.encode(TEXT, add_bos=False)
     return ids[:n]
-
-
-def write_section(path: Path, key: str, body: str) -> None:
-    begin, end = f"<!-- bench_decode {key} -->", f"<!-- /bench_decode {key} -->"
-    block = f"{begin}\n{body.rstrip()}\n{end}\n"
-    text = path.read_text(encoding="utf-8") if path.is_file() else "# Benchmarks\n\nFigures written by the tools in `tools/`.\n"
-    pattern = re.compile(re.escape(begin) + r".*?" + re.escape(end) + r"\n?", re.S)
-    if pattern.search(text):
-        text = pattern.sub(lambda _: block, text)
-    else:
-        text = text.rstrip() + "\n\n" + block
-    path.write_text(text, encoding="utf-8")
 
 
 def main(argv=None) -> int:
