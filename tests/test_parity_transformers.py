@@ -134,6 +134,19 @@ def test_capture_matches_hidden_states(case):
     assert _rel(feats[:, :, 0], ref["hidden"][L]) > 1e-2
 
 
+def test_capture_post_norm_reading_of_last_layer(case):
+    """The post-norm option reads the last layer as transformers' ``hidden_states[L]`` (what
+    z-lab's PyTorch reference feeds a drafter that taps layer L-1); other layers are unchanged."""
+    _, cfg, params, tokens, ref = case
+    L = cfg.num_hidden_layers
+    positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
+    capture = init_capture((0, L - 1), B, T, cfg.hidden_size, jnp.float32, post_norm_last=True)
+    _, _, capture = _forward(params, cfg, jnp.asarray(tokens), positions, dense.init_cache(cfg, B, T), capture)
+    feats = np.asarray(capture.hidden).reshape(B, T, 2, cfg.hidden_size)
+    assert _rel(feats[:, :, 0], ref["hidden"][1]) < TOL
+    assert _rel(feats[:, :, 1], ref["hidden"][L]) < TOL
+
+
 def test_llama3_rope_scaling_matters(case):
     """Guards the llama3 case against passing vacuously: default RoPE must not match."""
     name, cfg, params, tokens, ref = case
