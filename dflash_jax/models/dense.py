@@ -11,7 +11,7 @@ with ``lax.scan``)::
                 #           "q_norm","k_norm" [L, D] (qk_norm), "b_gate","b_up" [L, I], "b_down" [L, H]
                },
      "norm": [H],
-     "lm_head": [H, V]}          # absent when tie_word_embeddings (embed.T is used)
+     "lm_head": [H, V]}          # optional when tie_word_embeddings (embed.T is used; api adds a copy)
 
 Source: transformers ``modeling_llama.py``, ``modeling_qwen2.py``, ``modeling_qwen3.py``.
 """
