@@ -1,0 +1,277 @@
+"""Logical-axis sharding: map the models' logical axis names onto a device mesh.
+
+Every parameter leaf has a tuple of logical axis names (``param_axes(cfg)`` of each model module:
+``"layers"``, ``"embed"``, ``"vocab"``, ``"q_heads"``, ``"kv_heads"``, ``"head_dim"``, ``"mlp"``,
+``"features"``, ``"experts"``, ...) and every cache array has :data:`dflash_jax.cache.KV_AXES`.
+:class:`ShardingRules` maps each logical name to a mesh axis (or to nothing: replicated), and
+:func:`logical_to_spec` turns one leaf's names into a :class:`jax.sharding.PartitionSpec`. The
+models themselves never mention devices: jit propagates the shardings of its inputs.
+
+Mesh axes (:func:`make_mesh`): ``"data"`` (batch rows), ``"model"`` (tensor parallel: heads, MLP
+width, vocabulary), ``"expert"`` (expert parallel). On several hosts, build the mesh over
+``jax.devices()`` (all processes) the same way on every host.
+
+Uneven sizes: a mesh axis that does not divide the dimension it would split is dropped from that
+dimension (the dimension is replicated over it) unless ``strict=True``, which raises instead. A mesh
+axis is used at most once per spec: the first logical axis (left to right) that claims it gets it,
+later ones are replicated over it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from typing import Any, Sequence
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from dflash_jax.cache import KV_AXES
+from dflash_jax.errors import DFlashError
+
+MESH_AXES = ("data", "model", "expert")
+
+MeshAxes = str | tuple[str, ...] | None
+
+
+class ShardingRules(Mapping):
+    """A frozen, hashable mapping ``logical axis name -> mesh axis name | tuple of names | None``.
+
+    Names not in the mapping are replicated (``rules.get(name)`` is ``None``). Build a variant with
+    :meth:`replace`, e.g. ``DEFAULT_RULES.replace(seq="data", batch=None)`` or
+    ``DEFAULT_RULES.replace(batch=("data", "expert"))``.
+    """
+
+    __slots__ = ("_items",)
+
+    def __init__(self, rules: Mapping[str, MeshAxes] | None = None, **kw: MeshAxes):
+        d = dict(rules or {})
+        d.update(kw)
+        for k, v in d.items():
+            if not (v is None or isinstance(v, str) or (isinstance(v, tuple) and all(isinstance(a, str) for a in v))):
+                raise DFlashError(f"sharding rule {k!r}", f"got {v!r}", "a mesh axis name, a tuple of names or None")
+        object.__setattr__(self, "_items", tuple(sorted(d.items())))
+
+    def __setattr__(self, name, value):
+        raise AttributeError("ShardingRules is frozen; use .replace(...)")
+
+    def __getitem__(self, key: str) -> MeshAxes:
+        return dict(self._items)[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return (k for k, _ in self._items)
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def __hash__(self) -> int:
+        return hash(self._items)
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, ShardingRules) and self._items == other._items
+
+    def __repr__(self) -> str:
+        return f"ShardingRules({dict(self._items)!r})"
+
+    def replace(self, **kw: MeshAxes) -> "ShardingRules":
+        """A copy with the given logical names remapped (``None`` replicates)."""
+        return ShardingRules(dict(self._items), **kw)
+
+    def mesh_axes(self, name: str | None) -> tuple[str, ...]:
+        """The mesh axes (possibly none) the logical axis ``name`` is split over."""
+        v = self.get(name) if name is not None else None
+        if v is None:
+            return ()
+        return (v,) if isinstance(v, str) else tuple(v)
+
+
+DEFAULT_RULES = ShardingRules(
+    batch="data",
+    q_heads="model",
+    kv_heads="model",
+    mlp="model",
+    vocab="model",
+    experts="expert",
+    expert_mlp="model",
+)
+"""Data parallel over rows, tensor parallel over heads / MLP width / vocabulary (and each expert's
+MLP width), expert parallel over experts; ``layers``, ``embed``, ``seq``, ``head_dim``,
+``features``, ``gate``, ``captures`` are replicated."""
+
+
+def make_mesh(data: int = 1, model: int = 1, expert: int = 1, devices: Sequence[Any] | None = None) -> Mesh:
+    """A ``(data, model, expert)`` :class:`jax.sharding.Mesh` over ``devices`` (default ``jax.devices()``).
+
+    The first ``data * model * expert`` devices are used, in order (``model`` and ``expert``
+    neighbours are adjacent devices).
+
+    Raises:
+      DFlashError: a size below 1, or more devices asked for than available.
+    """
+    sizes = (int(data), int(model), int(expert))
+    if min(sizes) < 1:
+        raise DFlashError("mesh", f"sizes data={data}, model={model}, expert={expert}", "every size >= 1")
+    devices = list(jax.devices() if devices is None else devices)
+    n = int(np.prod(sizes))
+    if n > len(devices):
+        raise DFlashError("mesh", f"data*model*expert = {n} devices asked for, {len(devices)} available", f"at most {len(devices)}")
+    return Mesh(np.asarray(devices[:n], dtype=object).reshape(sizes), MESH_AXES)
+
+
+def logical_to_spec(
+    axes: Sequence[str | None],
+    rules: ShardingRules = DEFAULT_RULES,
+    mesh: Mesh | None = None,
+    shape: Sequence[int] | None = None,
+    strict: bool = False,
+) -> PartitionSpec:
+    """The :class:`PartitionSpec` of one array whose dimensions have logical names ``axes``.
+
+    Args:
+      axes: one logical name (or ``None``) per dimension.
+      rules: logical -> mesh axis mapping.
+      mesh: when given, mesh axes it does not have, or of size 1, are left out.
+      shape: when given (with ``mesh``), a mesh axis whose size does not divide its dimension is
+        left out (that dimension is replicated over it), or an error with ``strict``.
+      strict: raise on a non-dividing mesh axis instead of dropping it.
+    Returns:
+      A spec of ``len(axes)`` entries: ``None``, a mesh axis name or a tuple of names. No mesh axis
+      appears twice: the leftmost logical axis that claims it keeps it.
+    Raises:
+      DFlashError: ``shape`` of another rank than ``axes``; with ``strict``, a non-dividing axis.
+    """
+    axes = tuple(axes)
+    if shape is not None and len(shape) != len(axes):
+        raise DFlashError("sharding", f"shape {tuple(shape)} has rank {len(shape)} but logical axes {axes} name {len(axes)}", "equal ranks")
+    sizes = dict(mesh.shape) if mesh is not None else None
+    used: set[str] = set()
+    out = []
+    for i, name in enumerate(axes):
+        keep = []
+        dim = None if shape is None else int(shape[i])
+        split = 1
+        for ax in rules.mesh_axes(name):
+            if ax in used:
+                continue
+            if sizes is not None:
+                if sizes.get(ax, 1) == 1:
+                    continue
+                if dim is not None and dim % (split * sizes[ax]):
+                    if strict:
+                        prior = f" times the {split}-way split before it" if split > 1 else ""
+                        raise DFlashError(
+                            "sharding", f"dimension {i} ({name!r}) of shape {tuple(shape)} is {dim}, not divisible by mesh axis "
+                            f"{ax!r} of size {sizes[ax]}{prior}", f"a multiple of {split * sizes[ax]}, or strict=False to replicate it",
+                        )
+                    continue
+                split *= sizes[ax]
+            keep.append(ax)
+            used.add(ax)
+        out.append(None if not keep else keep[0] if len(keep) == 1 else tuple(keep))
+    return PartitionSpec(*out)
+
+
+def _is_axes(x) -> bool:
+    return isinstance(x, tuple) and all(a is None or isinstance(a, str) for a in x)
+
+
+def tree_shardings(tree, axes, mesh: Mesh, rules: ShardingRules = DEFAULT_RULES, strict: bool = False):
+    """:class:`NamedSharding` for every array of ``tree`` from the parallel tree of logical ``axes``.
+
+    Raises:
+      DFlashError: ``axes`` not shaped like ``tree``, a leaf whose rank differs from its axes,
+        or (``strict``) a non-dividing mesh axis.
+    """
+    ax_leaves, ax_def = jax.tree_util.tree_flatten(axes, is_leaf=_is_axes)
+    leaves, tdef = jax.tree_util.tree_flatten(tree)
+    if ax_def.num_leaves != tdef.num_leaves or jax.tree_util.tree_structure(ax_def.unflatten([0] * len(ax_leaves))) != tdef:
+        raise DFlashError("sharding", f"logical axes tree {ax_def} does not match the array tree {tdef}", "param_axes(cfg) of the same config")
+    paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
+    out = []
+    for path, leaf, ax in zip(paths, leaves, ax_leaves):
+        try:
+            spec = logical_to_spec(ax, rules, mesh, np.shape(leaf), strict)
+        except DFlashError as e:
+            raise DFlashError(f"sharding {path}", e.what, e.expected) from None
+        out.append(NamedSharding(mesh, spec))
+    return jax.tree_util.tree_unflatten(tdef, out)
+
+
+def param_shardings(params, axes, mesh: Mesh, rules: ShardingRules = DEFAULT_RULES, strict: bool = False):
+    """The :class:`NamedSharding` tree of ``params`` (e.g. for ``jax.jit(out_shardings=...)`` when loading)."""
+    return tree_shardings(params, axes, mesh, rules, strict)
+
+
+def shard_params(params, axes, mesh: Mesh, rules: ShardingRules = DEFAULT_RULES, strict: bool = False):
+    """``params`` placed on ``mesh`` (``jax.device_put`` with :func:`param_shardings`).
+
+    Args:
+      params: a parameter pytree of any model module.
+      axes: the same module's ``param_axes(cfg)`` (tuples of logical names, one per dimension).
+      mesh, rules, strict: see :func:`logical_to_spec`.
+    Raises:
+      DFlashError: as :func:`tree_shardings`.
+    """
+    return jax.device_put(params, param_shardings(params, axes, mesh, rules, strict))
+
+
+# --------------------------------------------------------------------------------------------
+# Decode state
+
+_BATCH_FIELDS = {  # DecodeState / SpecState / cache field -> logical axes
+    "tokens": ("batch", "seq"), "gaps": ("batch", "seq"), "length": ("batch",), "prompt_len": ("batch",),
+    "max_new": ("batch",), "done": ("batch",), "finish": ("batch",), "verify_steps": ("batch",),
+    "committed": ("batch",), "drafted": ("batch",), "accepted": ("batch",), "accepted_per_position": ("batch", None),
+    "ring_pos": ("batch", None), "base": ("batch",), "hidden": ("batch", "seq", None),
+    "k": KV_AXES, "v": KV_AXES, "ctx_k": KV_AXES, "ctx_v": KV_AXES,
+}
+
+
+def _leaf_axes(path, leaf) -> tuple:
+    names = [p.name if hasattr(p, "name") else p.key if hasattr(p, "key") else None for p in path]
+    ndim = np.ndim(leaf)
+    # LagunaCache.kv: {"seg{j}_{k}": (k, v)} of [reps, B, rows, Hkv, D]
+    if "kv" in names and ndim == len(KV_AXES):
+        return KV_AXES
+    for n in reversed(names):
+        if isinstance(n, str) and n in _BATCH_FIELDS and len(_BATCH_FIELDS[n]) == ndim:
+            return _BATCH_FIELDS[n]
+    return (None,) * ndim  # stop_ids, rng, steps and anything unknown: replicated
+
+
+def state_axes(state) -> Any:
+    """Logical axes of every array of a :class:`~dflash_jax.state.DecodeState` (same tree).
+
+    ``tokens``/``gaps`` ``[B, S]`` -> ``("batch", "seq")``; per-row vectors ``[B]`` -> ``("batch",)``;
+    target cache ``k``/``v`` ``[L, B, S, Hkv, D]`` (Laguna: every ``kv`` pair, ring layers too) and
+    drafter context ``ctx_k``/``ctx_v`` ``[Ld, B, S, Hkv, D]`` -> :data:`~dflash_jax.cache.KV_AXES`;
+    ``accepted_per_position`` ``[B, n]`` and Laguna ``ring_pos`` ``[B, R]`` -> ``("batch", None)``;
+    ``stop_ids``, ``rng``, ``steps`` and unknown leaves are replicated.
+    """
+    flat, tdef = jax.tree_util.tree_flatten_with_path(state)
+    return jax.tree_util.tree_unflatten(tdef, [_leaf_axes(p, x) for p, x in flat])
+
+
+def state_shardings(state, mesh: Mesh, rules: ShardingRules = DEFAULT_RULES, strict: bool = False):
+    """:class:`NamedSharding` of every array of a decode state (see :func:`state_axes`).
+
+    With the default rules, rows split over ``"data"`` and cache/context heads over ``"model"``
+    (``B`` and ``Hkv`` that the axis sizes do not divide are replicated, or raise with ``strict``).
+
+    Raises:
+      DFlashError: with ``strict``, a non-dividing mesh axis.
+    """
+    flat, tdef = jax.tree_util.tree_flatten_with_path(state)
+    out = []
+    for path, leaf in flat:
+        try:
+            spec = logical_to_spec(_leaf_axes(path, leaf), rules, mesh, np.shape(leaf), strict)
+        except DFlashError as e:
+            raise DFlashError(f"sharding state{jax.tree_util.keystr(path)}", e.what, e.expected) from None
+        out.append(NamedSharding(mesh, spec))
+    return jax.tree_util.tree_unflatten(tdef, out)
+
+
+def shard_state(state, mesh: Mesh, rules: ShardingRules = DEFAULT_RULES, strict: bool = False):
+    """``state`` placed on ``mesh`` (``jax.device_put`` with :func:`state_shardings`)."""
+    return jax.device_put(state, state_shardings(state, mesh, rules, strict))

@@ -1,0 +1,162 @@
+"""Logical-axis sharding: PartitionSpec rules, and sharded speculative decoding on a 4-device CPU mesh.
+
+conftest.py pins the test process to one CPU device, so the multi-device run happens in a
+subprocess with ``--xla_force_host_platform_device_count=4``. Its oracle is the same generation
+with unsharded params and state: greedy tokens must match exactly.
+"""
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import jax
+import pytest
+from jax.sharding import AbstractMesh, PartitionSpec as P
+
+from dflash_jax import sharding as shd
+from dflash_jax.cache import KV_AXES
+from dflash_jax.errors import DFlashError
+from dflash_jax.models import dense, drafter
+from dflash_jax.spec import generate as spec
+from dflash_jax.testing import tiny_drafter_config, tiny_target_config
+
+MESH = AbstractMesh((2, 2, 1), shd.MESH_AXES)  # data=2, model=2, expert=1 (shape only)
+
+
+def test_default_rules_and_replicated_axes():
+    r = shd.DEFAULT_RULES
+    assert r["batch"] == "data" and r["q_heads"] == r["kv_heads"] == r["mlp"] == r["vocab"] == "model"
+    assert r["experts"] == "expert"
+    for name in ("layers", "embed", "seq", "head_dim", "features", "captures", None):
+        assert r.mesh_axes(name) == ()
+    assert shd.logical_to_spec(("layers", "embed", "q_heads"), r, MESH, (3, 64, 64)) == P(None, None, "model")
+    assert shd.logical_to_spec(KV_AXES, r, MESH, (3, 2, 16, 2, 16)) == P(None, "data", None, "model", None)
+    assert shd.logical_to_spec(("layers", "embed"), r, MESH, (3, 64)) == P(None, None)
+    # no mesh: the rules alone
+    assert shd.logical_to_spec(("experts", "embed", "expert_mlp"), r) == P("expert", None, "model")
+
+
+def test_rules_are_frozen_and_hashable():
+    r = shd.DEFAULT_RULES.replace(batch=None, seq="data")
+    assert r["seq"] == "data" and r.get("batch") is None and shd.DEFAULT_RULES["batch"] == "data"
+    assert hash(r) == hash(shd.DEFAULT_RULES.replace(batch=None, seq="data"))
+    with pytest.raises(AttributeError):
+        r.x = 1
+    with pytest.raises(DFlashError, match="mesh axis name"):
+        shd.ShardingRules(batch=3)
+
+
+def test_non_dividing_axis_is_replicated_or_raises():
+    r = shd.DEFAULT_RULES
+    # 3 kv heads * 5 = 15 does not split 2 ways: replicated by default
+    assert shd.logical_to_spec(("layers", "embed", "kv_heads"), r, MESH, (3, 64, 15)) == P(None, None, None)
+    assert shd.logical_to_spec(KV_AXES, r, MESH, (3, 3, 16, 2, 16)) == P(None, None, None, "model", None)
+    with pytest.raises(DFlashError, match=r"dimension 2 \('kv_heads'\).*not divisible by mesh axis 'model'"):
+        shd.logical_to_spec(("layers", "embed", "kv_heads"), r, MESH, (3, 64, 15), strict=True)
+    with pytest.raises(DFlashError, match="rank"):
+        shd.logical_to_spec(("layers", "embed"), r, MESH, (3, 64, 15))
+    # a tuple of mesh axes: the second is dropped when the product does not divide
+    r2 = r.replace(batch=("data", "model"))
+    assert shd.logical_to_spec(("batch",), r2, MESH, (4,)) == P(("data", "model"))
+    assert shd.logical_to_spec(("batch",), r2, MESH, (6,)) == P("data")
+
+
+def test_mesh_axis_used_once_per_spec():
+    r = shd.DEFAULT_RULES
+    assert shd.logical_to_spec(("q_heads", "kv_heads"), r, MESH, (4, 4)) == P("model", None)
+    assert shd.logical_to_spec(("mlp", "vocab"), r, None) == P("model", None)
+    # first claimant can't take it (uneven): the next one may
+    assert shd.logical_to_spec(("q_heads", "kv_heads"), r, MESH, (3, 4)) == P(None, "model")
+
+
+def test_size_one_and_missing_mesh_axes_are_dropped():
+    r = shd.DEFAULT_RULES.replace(layers="pipeline")
+    assert shd.logical_to_spec(("layers", "experts", "embed"), r, MESH, (2, 8, 4)) == P(None, None, None)
+
+
+def test_make_mesh_errors():
+    m = shd.make_mesh()
+    assert dict(m.shape) == {"data": 1, "model": 1, "expert": 1}
+    with pytest.raises(DFlashError, match="devices asked for"):
+        shd.make_mesh(data=len(jax.devices()) + 1)
+    with pytest.raises(DFlashError, match=">= 1"):
+        shd.make_mesh(model=0)
+
+
+def test_state_axes_cover_cache_and_context():
+    cfg = tiny_target_config("qwen3")
+    dcfg = tiny_drafter_config(cfg)
+    st = spec.init_state(cfg, dcfg, [[1, 2, 3], [4, 5]], 16, 4)
+    ax = shd.state_axes(st)
+    assert ax.tokens == ("batch", "seq") and ax.length == ("batch",) and ax.cache.length == ("batch",)
+    assert ax.cache.k == KV_AXES and ax.spec.ctx_k == KV_AXES and ax.spec.ctx_v == KV_AXES
+    assert ax.spec.accepted_per_position == ("batch", None)
+    assert ax.stop_ids == (None,) and ax.steps == ()
+    # the one-device mesh: everything replicated, placement works (typed PRNG key included)
+    placed = shd.shard_state(st, shd.make_mesh())
+    assert placed.tokens.sharding.spec == P(None, None)
+
+
+def test_axes_tree_mismatch_raises():
+    cfg = tiny_target_config("qwen3")
+    shapes = dense.param_shapes(cfg)
+    params = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s, cfg.dtype), shapes, is_leaf=lambda x: isinstance(x, tuple))
+    good = shd.param_shardings(params, dense.param_axes(cfg), shd.make_mesh())
+    assert good["layers"]["wq"].spec == P(None, None, None)
+    with pytest.raises(DFlashError, match="does not match"):
+        shd.param_shardings(params, drafter.param_axes(tiny_drafter_config(cfg)), shd.make_mesh())
+
+
+_MULTI_DEVICE = textwrap.dedent(
+    """
+    import jax, numpy as np
+    jax.config.update("jax_default_matmul_precision", "highest")
+    from dflash_jax import sharding as shd
+    from dflash_jax.models import dense, drafter
+    from dflash_jax.sampling import SamplingConfig
+    from dflash_jax.spec import generate as spec
+    from dflash_jax.testing import tiny_drafter, tiny_target
+
+    assert len(jax.devices()) == 4, jax.devices()
+    cfg, p = tiny_target("qwen3", seed=3, num_attention_heads=4, num_key_value_heads=2)
+    dcfg, dp = tiny_drafter(cfg, seed=1, num_attention_heads=4, num_key_value_heads=2)
+    prompts = [[5, 9, 17, 3], [40, 2, 7]]
+    greedy = SamplingConfig()
+
+    def run(p, dp, mesh=None):
+        st = spec.init_state(cfg, dcfg, prompts, 24, 10)
+        if mesh is not None:
+            st = shd.shard_state(st, mesh)
+        st = spec.prefill(p, cfg, dp, dcfg, st, 4, greedy, max_prompt_len=4)
+        return spec.generate(p, cfg, dp, dcfg, st, greedy)
+
+    ref = run(p, dp)
+    mesh = shd.make_mesh(data=2, model=2)
+    sp = shd.shard_params(p, dense.param_axes(cfg), mesh)
+    sdp = shd.shard_params(dp, drafter.param_axes(dcfg), mesh)
+    split = [k for k, x in jax.tree_util.tree_flatten_with_path({"t": sp, "d": sdp})[0]
+             if x.sharding.shard_shape(x.shape) != x.shape]
+    assert split, "no parameter is split"
+    wq = sp["layers"]["wq"]
+    assert wq.sharding.shard_shape(wq.shape) == (wq.shape[0], wq.shape[1], wq.shape[2] // 2)
+    out = run(sp, sdp, mesh)
+    k = out.cache.k
+    assert k.sharding.shard_shape(k.shape)[1] == 1, k.sharding   # rows still split after generate
+    ck = out.spec.ctx_k
+    assert len(ck.sharding.device_set) == 4
+    a, b = jax.device_get((ref.tokens, out.tokens))
+    la, lb = jax.device_get((ref.length, out.length))
+    assert (la == lb).all() and (a == b).all(), (a, b)
+    assert (lb > np.array([4, 3])).all()
+    print("OK", len(split), "split leaves")
+    """
+)
+
+
+def test_sharded_spec_generate_matches_unsharded():
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=4")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    r = subprocess.run([sys.executable, "-c", _MULTI_DEVICE], cwd=root, env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-6000:]
+    assert "OK" in r.stdout
