@@ -11,22 +11,10 @@ import os
 
 from dflash_jax.config import DrafterConfig, TargetConfig, check_drafter_fits, drafter_config_from_hf, read_json
 from dflash_jax.errors import DFlashError
-from dflash_jax.io.hf import Checkpoint, _np_dtype, load_named
+from dflash_jax.io.hf import ATTENTION_NAMES, MLP_NAMES, QK_NORM_NAMES, Checkpoint, _np_dtype, load_named
 from dflash_jax.models import drafter
 
-_PER_LAYER = {
-    "input_layernorm.weight": ("attn_norm", False),
-    "post_attention_layernorm.weight": ("mlp_norm", False),
-    "self_attn.q_proj.weight": ("wq", True),
-    "self_attn.k_proj.weight": ("wk", True),
-    "self_attn.v_proj.weight": ("wv", True),
-    "self_attn.o_proj.weight": ("wo", True),
-    "self_attn.q_norm.weight": ("q_norm", False),
-    "self_attn.k_norm.weight": ("k_norm", False),
-    "mlp.gate_proj.weight": ("w_gate", True),
-    "mlp.up_proj.weight": ("w_up", True),
-    "mlp.down_proj.weight": ("w_down", True),
-}
+_PER_LAYER = {**ATTENTION_NAMES, **QK_NORM_NAMES, **MLP_NAMES}
 _BIASES = {f"self_attn.{p}_proj.bias": (f"b{p}", False) for p in "qkvo"}
 
 

@@ -205,6 +205,19 @@ class Checkpoint:
         return self.where[name].read(name)
 
 
+# Per-layer tensor names shared by Llama-style decoders: {suffix: (params leaf, transpose)}.
+ATTENTION_NAMES = {
+    "input_layernorm.weight": ("attn_norm", False),
+    "post_attention_layernorm.weight": ("mlp_norm", False),
+    "self_attn.q_proj.weight": ("wq", True),
+    "self_attn.k_proj.weight": ("wk", True),
+    "self_attn.v_proj.weight": ("wv", True),
+    "self_attn.o_proj.weight": ("wo", True),
+}
+MLP_NAMES = {"mlp.gate_proj.weight": ("w_gate", True), "mlp.up_proj.weight": ("w_up", True), "mlp.down_proj.weight": ("w_down", True)}
+QK_NORM_NAMES = {"self_attn.q_norm.weight": ("q_norm", False), "self_attn.k_norm.weight": ("k_norm", False)}
+
+
 def hf_target_names(cfg: TargetConfig) -> dict[str, tuple[tuple[str, ...], int | None, bool]]:
     """The HF tensor names of a target: ``{hf_name: (pytree path, layer index or None, transpose)}``.
 
@@ -217,17 +230,7 @@ def hf_target_names(cfg: TargetConfig) -> dict[str, tuple[tuple[str, ...], int |
     }
     if not cfg.tie_word_embeddings:
         names["lm_head.weight"] = (("lm_head",), None, True)
-    per_layer = {
-        "input_layernorm.weight": ("attn_norm", False),
-        "post_attention_layernorm.weight": ("mlp_norm", False),
-        "self_attn.q_proj.weight": ("wq", True),
-        "self_attn.k_proj.weight": ("wk", True),
-        "self_attn.v_proj.weight": ("wv", True),
-        "self_attn.o_proj.weight": ("wo", True),
-        "mlp.gate_proj.weight": ("w_gate", True),
-        "mlp.up_proj.weight": ("w_up", True),
-        "mlp.down_proj.weight": ("w_down", True),
-    }
+    per_layer = {**ATTENTION_NAMES, **MLP_NAMES}
     if cfg.qkv_bias:
         per_layer.update({"self_attn.q_proj.bias": ("bq", False), "self_attn.k_proj.bias": ("bk", False),
                           "self_attn.v_proj.bias": ("bv", False)})
@@ -237,7 +240,7 @@ def hf_target_names(cfg: TargetConfig) -> dict[str, tuple[tuple[str, ...], int |
         per_layer.update({"mlp.gate_proj.bias": ("b_gate", False), "mlp.up_proj.bias": ("b_up", False),
                           "mlp.down_proj.bias": ("b_down", False)})
     if cfg.qk_norm:
-        per_layer.update({"self_attn.q_norm.weight": ("q_norm", False), "self_attn.k_norm.weight": ("k_norm", False)})
+        per_layer.update(QK_NORM_NAMES)
     for i in range(cfg.num_hidden_layers):
         for suffix, (leaf, transpose) in per_layer.items():
             names[f"model.layers.{i}.{suffix}"] = (("layers", leaf), i, transpose)

@@ -28,20 +28,10 @@ import numpy as np
 from dflash_jax.config import read_json
 from dflash_jax.config_laguna import LagunaConfig, laguna_config_from_hf
 from dflash_jax.errors import DFlashError
-from dflash_jax.io.hf import Checkpoint, TensorInfo, _np_dtype, load_named
+from dflash_jax.io.hf import ATTENTION_NAMES, MLP_NAMES, QK_NORM_NAMES, Checkpoint, TensorInfo, _np_dtype, load_named
 
-_ATTN = {
-    "input_layernorm.weight": ("attn_norm", False),
-    "post_attention_layernorm.weight": ("mlp_norm", False),
-    "self_attn.q_proj.weight": ("wq", True),
-    "self_attn.k_proj.weight": ("wk", True),
-    "self_attn.v_proj.weight": ("wv", True),
-    "self_attn.o_proj.weight": ("wo", True),
-    "self_attn.g_proj.weight": ("wg", True),
-    "self_attn.q_norm.weight": ("q_norm", False),
-    "self_attn.k_norm.weight": ("k_norm", False),
-}
-_DENSE = {"mlp.gate_proj.weight": ("w_gate", True), "mlp.up_proj.weight": ("w_up", True), "mlp.down_proj.weight": ("w_down", True)}
+_ATTN = {**ATTENTION_NAMES, "self_attn.g_proj.weight": ("wg", True), **QK_NORM_NAMES}
+_DENSE = MLP_NAMES
 _SPARSE = {
     "mlp.gate.weight": ("router", True),
     "mlp.shared_expert.gate_proj.weight": ("s_gate", True),

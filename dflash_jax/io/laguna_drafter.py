@@ -28,22 +28,9 @@ import numpy as np
 
 from dflash_jax.config import LAGUNA_DRAFTER, DrafterConfig, RopeConfig, check_drafter_fits
 from dflash_jax.errors import DFlashError
-from dflash_jax.io.hf import Checkpoint, load_named
+from dflash_jax.io.hf import ATTENTION_NAMES, MLP_NAMES, QK_NORM_NAMES, Checkpoint, load_named
 
-_PER_LAYER = {
-    "input_layernorm.weight": ("attn_norm", False),
-    "post_attention_layernorm.weight": ("mlp_norm", False),
-    "self_attn.q_proj.weight": ("wq", True),
-    "self_attn.k_proj.weight": ("wk", True),
-    "self_attn.v_proj.weight": ("wv", True),
-    "self_attn.o_proj.weight": ("wo", True),
-    "self_attn.g_proj.weight": ("wg", True),
-    "self_attn.q_norm.weight": ("q_norm", False),
-    "self_attn.k_norm.weight": ("k_norm", False),
-    "mlp.gate_proj.weight": ("w_gate", True),
-    "mlp.up_proj.weight": ("w_up", True),
-    "mlp.down_proj.weight": ("w_down", True),
-}
+_PER_LAYER = {**ATTENTION_NAMES, "self_attn.g_proj.weight": ("wg", True), **QK_NORM_NAMES, **MLP_NAMES}
 
 
 def laguna_drafter_names(cfg: DrafterConfig, prefix: str = "") -> dict:
