@@ -66,7 +66,13 @@ def target(tmp_path_factory):
 
 
 @pytest.mark.parametrize(
-    "variant", [dict(), dict(layer_types=["sliding_attention", "full_attention"], sliding_window=5), dict(is_causal=True)]
+    "variant",
+    [
+        dict(),
+        dict(layer_types=["sliding_attention", "full_attention"], sliding_window=5),
+        dict(is_causal=True),
+        dict(input_embedding_scale=1.7, output_multiplier=0.6, final_logit_softcapping=2.5),
+    ],
 )
 def test_drafter_logits_match_reference(tmp_path, target, variant):
     t_model, t_cfg, t_params = target
@@ -77,7 +83,8 @@ def test_drafter_logits_match_reference(tmp_path, target, variant):
     feats = rs.randn(1, ctx_len, 2 * H).astype(np.float32)
     block = np.array([[7] + [V - 1] * (w - 1)])
     with torch.no_grad():
-        emb = t_model.get_input_embeddings().weight[torch.tensor(block)]
+        # z-lab's dflash_generate scales the raw embedding rows by input_embedding_scale
+        emb = t_model.get_input_embeddings().weight[torch.tensor(block)] * variant.get("input_embedding_scale", 1.0)
         hid = ref(position_ids=torch.arange(ctx_len + w)[None], noise_embedding=emb, target_hidden=torch.tensor(feats))
         want = ref.compute_logits(hid, t_model.lm_head).numpy()
     s = 16  # context capacity larger than used: unused slots must stay masked
@@ -137,3 +144,16 @@ def test_config_field_locations(tmp_path):
     assert drafter_config_from_hf(flat) == nested
     assert (nested.block_size, nested.mask_token_id, nested.target_layer_ids) == (4, V - 1, (0, 2))
     json.dumps(base)  # the reference config is plain JSON
+
+
+def test_fc_width_must_fit_captured_layers(tmp_path, target):
+    """An ``fc`` whose input width is not ``len(target_layer_ids) * hidden_size`` is refused by name."""
+    from dflash_jax.errors import DFlashError
+
+    _, folder = make_drafter(tmp_path, "d", 4)
+    cfg_path = folder / "config.json"
+    data = json.loads(cfg_path.read_text())
+    data["dflash_config"]["target_layer_ids"] = [0, 1, 2]
+    cfg_path.write_text(json.dumps(data))
+    with pytest.raises(DFlashError, match=r"fc\.weight.*3 captured layers"):
+        load_drafter(folder, target[1])
