@@ -19,15 +19,14 @@ second run).
 Stop strings (``stop=``): a stop text that encodes to exactly one token id becomes a stop id and
 ends its row on device, like EOS. A longer stop text is checked on the decoded text: when
 streaming (``on_tokens`` given) a row stops at the step whose text first contains it; without
-streaming decoding continues on device and the output is cut afterwards. Either way the row's
-``output_ids`` end with the token that completed the stop text, ``texts`` end just before it, and
-``finish_reason`` is ``"stop"``.
+streaming decoding continues on device and the output is cut afterwards. Either way (one token or
+several) the row's ``output_ids`` end with the token that completed the first stop text in the
+decoded output, ``texts`` end just before that stop text, and ``finish_reason`` is ``"stop"``.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 import os
 import time
@@ -119,7 +118,12 @@ def load_target(path: str | os.PathLike | None = None, dtype: str = "float32") -
     if path is None:
         from dflash_jax.assets import default_target_path
 
-        path = default_target_path()
+        p = default_target_path()
+        try:
+            return load_target(p, dtype=dtype)
+        except DFlashError as e:  # a damaged cached copy (e.g. an interrupted extraction)
+            hint = f"delete {p} so that it is fetched again"
+            raise DFlashError(e.where, e.what, f"{e.expected}; the cached default model looks damaged: {hint}" if e.expected else hint) from e
     p = Path(path).expanduser()
     if p.is_dir():
         if not (p / "config.json").is_file():
@@ -203,6 +207,9 @@ def load_drafter(path: str | os.PathLike, target: Target, dtype: str | None = No
         from dflash_jax.io.drafter import load_drafter as _load
 
         cfg, params = _load(p, target.cfg, dtype=dtype)
+    elif p.exists():
+        raise DFlashError(str(p), "exists but is neither a folder nor a .gguf file",
+                          "a DFlash drafter checkpoint folder (config.json + safetensors) or a drafter .gguf file")
     else:
         raise DFlashError(str(p), "no such folder or .gguf file", "a DFlash drafter checkpoint")
     return Drafter(cfg=cfg, params=params, source=str(p))
@@ -250,6 +257,13 @@ def encode_prompt(
       DFlashError: the target has no tokenizer; the tokenizer has no chat template (use ``raw``);
         ``system`` together with ``raw``.
     """
+    _check_target(target)
+    if not isinstance(text, str):
+        raise DFlashError("text", f"got {type(text).__name__}", "a str (the user message; token ids go straight to generate)")
+    if system is not None and not isinstance(system, str):
+        raise DFlashError("system", f"got {type(system).__name__}", "a str or None")
+    if chat_template_kwargs is not None and not isinstance(chat_template_kwargs, Mapping):
+        raise DFlashError("chat_template_kwargs", f"got {type(chat_template_kwargs).__name__}", "a dict of template variables or None")
     tok = target.tokenizer
     if tok is None:
         raise DFlashError(f"{target.source}: tokenizer", "missing (no tokenizer.json)", "a tokenizer, or prompt ids (--prompt-ids)")
@@ -325,6 +339,12 @@ def _find_stop(text: str, stop: Sequence[str]) -> int | None:
     return min(hits) if hits else None
 
 
+def _str_list(value, name: str, option: str) -> list[str]:
+    if isinstance(value, (str, bytes)) or not isinstance(value, Sequence) or not all(isinstance(x, str) for x in value):
+        raise DFlashError(name, f"got {value!r}", f"a list of strings (one per {option})")
+    return list(value)
+
+
 def split_stop(tokenizer, stop: Sequence[str]) -> tuple[list[int], list[str]]:
     """Splits stop texts into single-token stop ids and texts checked on the decoded output.
 
@@ -377,13 +397,37 @@ def effective_chunk_size(chunk_size: int, max_prompt_len: int) -> int:
     return max(1, min(int(chunk_size), 64 * math.ceil(max_prompt_len / 64)))
 
 
+def _check_target(target) -> None:
+    if not isinstance(target, Target):
+        raise DFlashError("target", f"got {type(target).__name__}", "a Target from load_target")
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_))
+
+
 def _check_prompts(prompts, vocab_size: int) -> list[list[int]]:
+    """``prompts`` as ``list[list[int]]``: rows may be lists, tuples, numpy or JAX integer arrays
+    (a 2-D integer array is a batch of equal-length rows)."""
+    if hasattr(prompts, "__array__") and not isinstance(prompts, (list, tuple)):
+        arr = np.asarray(prompts)
+        if arr.ndim != 2:
+            raise DFlashError("prompts", f"array of shape {arr.shape}", "a [batch, length] integer array or a list of token-id lists")
+        prompts = list(arr)
     if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence) or not prompts:
         raise DFlashError("prompts", "not a non-empty list of token-id lists", "[[id, ...], ...]")
     out = []
     for b, p in enumerate(prompts):
-        if isinstance(p, (str, bytes)) or not isinstance(p, (Sequence, np.ndarray)):
+        if hasattr(p, "__array__") and not isinstance(p, (list, tuple)):
+            arr = np.asarray(p)
+            if arr.ndim != 1 or not (arr.size == 0 or np.issubdtype(arr.dtype, np.integer)):
+                raise DFlashError("prompts", f"prompt {b} is a {arr.dtype} array of shape {arr.shape}", "a 1-D integer array or a list of token ids")
+            p = arr.tolist()
+        if isinstance(p, (str, bytes)) or not isinstance(p, Sequence):
             raise DFlashError("prompts", f"prompt {b} is {type(p).__name__}", "a list of token ids (see encode_prompt)")
+        for i in p:
+            if not _is_int(i):
+                raise DFlashError("prompt", f"prompt {b} holds {i!r} ({type(i).__name__})", "integer token ids")
         ids = [int(i) for i in p]
         if not ids:
             raise DFlashError("prompt", f"prompt {b} is empty", "at least one token")
@@ -414,16 +458,18 @@ def generate(
 
     Args:
       target: from :func:`load_target`.
-      prompts: ``B`` lists of token ids (lengths may differ).
+      prompts: ``B`` lists of token ids (lengths may differ); rows may also be 1-D integer numpy
+        or JAX arrays, or the whole batch one ``[B, P]`` integer array.
       max_new_tokens: new-token budget per row (>= 1).
       sampling: :class:`~dflash_jax.sampling.SamplingConfig` (default greedy).
       max_len: capacity per row, prompt included; default: longest prompt + ``max_new_tokens``
-        rounded up to a multiple of 64. A row that fills it finishes with ``"capacity"``.
+        rounded up to a multiple of 64 (capped at the target's ``max_position_embeddings``, which
+        neither may exceed). A row that fills it finishes with ``"capacity"``.
       chunk_size: prompt tokens per prefill pass (capped, see :func:`effective_chunk_size`).
       stop_ids: extra token ids that end a row (kept in the output).
       stop: stop texts (module docstring for how they are applied).
       ignore_eos: do not stop at the target's EOS ids.
-      seed: PRNG seed for sampling.
+      seed: PRNG seed for sampling, an integer in ``[0, 2**63)``.
       on_tokens: streaming callback, called with ``B`` lists of the ids each row committed since
         the previous call (the first call carries the token from prefill). With it, decoding is
         stepped from Python (``decode.stream``); without, it runs as one on-device loop.
@@ -437,21 +483,46 @@ def generate(
     Returns:
       :class:`GenerationResult`.
     Raises:
-      DFlashError: bad prompts, a prompt that does not fit ``max_len``, bad sizes, stop texts
-        without a tokenizer.
+      DFlashError: bad prompts (non-integer or out-of-vocabulary ids), a prompt that does not fit
+        ``max_len``, bad sizes, a capacity beyond the target's ``max_position_embeddings``, stop
+        texts without a tokenizer, or an argument of the wrong type (the message names it).
     """
+    _check_target(target)
     cfg, params, tok = target.cfg, target.params, target.tokenizer
     prompts = _check_prompts(prompts, cfg.vocab_size)
-    if not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 1:
+    if not _is_int(max_new_tokens) or max_new_tokens < 1:
         raise DFlashError("--max-new-tokens", f"got {max_new_tokens!r}", "an integer >= 1")
-    if not isinstance(chunk_size, (int, np.integer)) or chunk_size < 1:
+    if not _is_int(chunk_size) or chunk_size < 1:
         raise DFlashError("--chunk-size", f"got {chunk_size!r}", "an integer >= 1")
+    if not isinstance(sampling, SamplingConfig):
+        raise DFlashError("sampling", f"got {type(sampling).__name__}", "a SamplingConfig, e.g. SamplingConfig(temperature=0.7)")
+    if not _is_int(seed) or not 0 <= seed < 2**63:
+        raise DFlashError("--seed", f"got {seed!r}", "an integer in [0, 2**63)")
+    if drafter is not None and not isinstance(drafter, Drafter):
+        raise DFlashError("drafter", f"got {type(drafter).__name__}", "a Drafter from load_drafter or shipped_drafter, or None")
+    if n_max is not None and not _is_int(n_max):
+        raise DFlashError("--n-max", f"got {n_max!r}", "an integer or None")
+    if on_tokens is not None and not callable(on_tokens):
+        raise DFlashError("on_tokens", f"got {type(on_tokens).__name__}", "a callable or None")
+    stop = _str_list(stop, "stop", "--stop")
+    if isinstance(stop_ids, (str, bytes)) or not isinstance(stop_ids, (Sequence, np.ndarray)) or not all(_is_int(i) for i in stop_ids):
+        raise DFlashError("stop_ids", f"got {stop_ids!r}", "a list of integer token ids")
+    limit = int(cfg.max_position_embeddings)
+    longest = max(len(p) for p in prompts)
     if max_len is None:
-        max_len = default_max_len(prompts, max_new_tokens)
-    elif not isinstance(max_len, (int, np.integer)) or max_len < 2:
+        if longest + max_new_tokens > limit:
+            raise DFlashError("--max-new-tokens", f"{max_new_tokens} after a prompt of {longest} tokens needs {longest + max_new_tokens} "
+                              f"positions; the target has {limit} (max_position_embeddings)", f"at most {max(limit - longest, 0)}")
+        max_len = min(default_max_len(prompts, max_new_tokens), limit)
+    elif not _is_int(max_len) or max_len < 2:
         raise DFlashError("--max-len", f"got {max_len!r}", "an integer >= 2")
+    elif max_len > limit:
+        raise DFlashError("--max-len", f"{max_len} exceeds the target's {limit} positions (max_position_embeddings)", f"an integer in [2, {limit}]")
     max_len = int(max_len)
-    stop_tok_ids, stop_texts = split_stop(tok, list(stop))
+    # a budget beyond the capacity never applies; capping it keeps it within int32
+    max_new_tokens = min(int(max_new_tokens), max_len)
+    stop_tok_ids, _ = split_stop(tok, stop)
+    stop_texts = list(stop)  # every stop text cuts the text, see the module docstring
     stops = [] if ignore_eos else list(target.eos_ids)
     for i in list(stop_ids) + stop_tok_ids:
         if int(i) not in stops:
@@ -466,13 +537,13 @@ def generate(
     acc = jnp.zeros((batch, cfg.vocab_size), jnp.float32)
     # uniform callables over the mode: chunk(state, acc, start), loop(state), step(state)
     if drafter is None:
-        state = decode.init_state(cfg, prompts, max_len, int(max_new_tokens), stops, seed)
+        state = decode.init_state(cfg, prompts, max_len, int(max_new_tokens), stops, int(seed))
         weights = (params,)
         chunk_c = decode.prefill_chunk.lower(params, cfg, state, acc, jnp.int32(0), chunk).compile()
         run_c = (decode.generate if on_tokens is None else decode.decode_step).lower(params, cfg, state, sampling).compile()
     else:
         dcfg, dparams = drafter.cfg, drafter.params
-        state = spec.init_state(cfg, dcfg, prompts, max_len, int(max_new_tokens), stops, seed, n_max)
+        state = spec.init_state(cfg, dcfg, prompts, max_len, int(max_new_tokens), stops, int(seed), n_max)
         weights = (params, dparams)
         chunk_c = spec.prefill_chunk.lower(params, cfg, dparams, dcfg, state, acc, jnp.int32(0), chunk).compile()
         run = spec.generate if on_tokens is None else spec.step
@@ -552,7 +623,8 @@ def build_result(target: Target, prompts: list[list[int]], state, stop_texts: Se
       target: the target (its tokenizer decodes the texts).
       prompts: the prompts the state was built from.
       state: a :class:`~dflash_jax.state.DecodeState` after generation.
-      stop_texts: multi-token stop texts to cut the outputs at (see :func:`split_stop`).
+      stop_texts: stop texts to cut the outputs at: each row's ids end with the token that
+        completed the first stop text, its text just before it.
       timings: ``compile_time_s``, ``prefill_time_s``, ``decode_time_s`` in seconds.
       extra_stats: added to ``stats`` as given (``mode``, ``max_len``, ...).
     """

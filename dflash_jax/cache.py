@@ -7,7 +7,6 @@ stale slots beyond ``length`` are overwritten before any query can see them.
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 from flax import struct
 

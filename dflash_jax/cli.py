@@ -5,28 +5,93 @@ applies the chat template (unless ``--raw`` or ``--prompt-ids``), streams the an
 then prints one statistics line to stderr. ``--json`` prints a single JSON object on stdout
 instead (nothing streamed).
 
-Error contract: bad input (:class:`~dflash_jax.errors.DFlashError`, unreadable files) exits with
-code 2 and one line ``error: <message>`` on stderr; ``--debug`` adds the traceback. Usage errors
-from argparse also exit with code 2.
+Error contract: bad input (:class:`~dflash_jax.errors.DFlashError`, unreadable files) and usage
+errors (unknown options, values of the wrong type) exit with code 2 and one line
+``error: <option or file>: <what> (expected <what>)`` on stderr; ``--debug`` adds the traceback
+(for errors found after the options parsed). ``--help`` prints help and exits with 0.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
-import time
 import traceback
 from typing import Sequence
 
 DEFAULT_PROMPT = "What is the capital of France? Answer in one sentence."
+
+_TYPE_NAMES = {"int": "an integer", "float": "a number"}
+
+
+class UsageError(Exception):
+    """A command-line usage error, already in the ``<option>: <what> (expected <what>)`` form."""
+
+
+def _usage_message(prog: str, message: str) -> str:
+    """Rewrites one argparse error message into the ``<option>: <what> (expected <what>)`` form."""
+    m = re.fullmatch(r"argument (\S+): (.*)", message, re.S)
+    if m:
+        name, rest = m.group(1).split("/")[-1], m.group(2)
+        inv = re.fullmatch(r"invalid (\w+) value: (.*)", rest, re.S)
+        if inv:
+            return f"{name}: got {inv.group(2)} (expected {_TYPE_NAMES.get(inv.group(1), 'a ' + inv.group(1))})"
+        ch = re.fullmatch(r"invalid choice: (.*?) \(choose from (.*)\)", rest, re.S)
+        if ch:
+            choices = ", ".join(c.strip().strip("'") for c in ch.group(2).split(","))
+            if name == "COMMAND":
+                return f"{ch.group(1).strip(chr(39))}: unknown command (expected one of: {choices})"
+            return f"{name}: got {ch.group(1)} (expected one of: {choices})"
+        if rest.startswith("expected ") and "argument" in rest:
+            return f"{name}: missing value (expected a value after {name})"
+        if rest.startswith("ignored explicit argument"):
+            return f"{name}: {rest} (expected no value)"
+        if "(expected " in rest:
+            return f"{name}: {rest}"
+        return f"{name}: {rest} (expected a valid value, see {prog} --help)"
+    m = re.fullmatch(r"unrecognized arguments: (.*)", message, re.S)
+    if m:
+        return _extra_message(prog, m.group(1).split())
+    m = re.fullmatch(r"ambiguous option: (\S+) could match (.*)", message, re.S)
+    if m:
+        return f"{m.group(1)}: ambiguous option (expected one of: {m.group(2)})"
+    m = re.fullmatch(r"the following arguments are required: (.*)", message, re.S)
+    if m:
+        return f"{m.group(1)}: missing (expected a value)"
+    return f"{prog}: {message} (expected a valid command line, see {prog} --help)"
+
+
+def _extra_message(prog: str, extras: Sequence[str]) -> str:
+    first = extras[0]
+    if first.startswith("-") and len(first) > 1:
+        return f"{first}: unknown option (expected an option listed by {prog} --help)"
+    return f"{first}: unexpected extra argument (expected at most one PROMPT; quote a prompt that has spaces)"
+
+
+class _Parser(argparse.ArgumentParser):
+    """An ``ArgumentParser`` whose usage errors raise :class:`UsageError` (one line, no usage block).
+
+    Subparsers inherit the class, so a new subcommand gets the same behaviour. ``--help`` still
+    prints help and exits with 0.
+    """
+
+    def parse_args(self, args=None, namespace=None):
+        ns, extras = self.parse_known_args(args, namespace)
+        if extras:  # named with the subcommand whose options were parsed
+            command = getattr(ns, "command", None)
+            raise UsageError(_extra_message(f"{self.prog} {command}" if command else self.prog, extras))
+        return ns
+
+    def error(self, message):
+        raise UsageError(_usage_message(self.prog, message))
 
 
 def _prompt_ids(text: str) -> list[int]:
     try:
         ids = [int(x) for x in text.replace(" ", "").split(",") if x != ""]
     except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of integers (expected e.g. 1,2,3)") from None
+        raise argparse.ArgumentTypeError(f"got {text!r} (expected a comma-separated list of integers, e.g. 1,2,3)") from None
     if not ids:
         raise argparse.ArgumentTypeError("empty list (expected e.g. 1,2,3)")
     return ids
@@ -43,7 +108,7 @@ def _json_object(text: str) -> dict:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="dflash-jax", description="DFlash speculative decoding in JAX.")
+    parser = _Parser(prog="dflash-jax", description="DFlash speculative decoding in JAX.")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     g = sub.add_parser(
         "generate",
@@ -100,16 +165,28 @@ def _drafter(args, target):
 
 
 def _n_max(args, drafter) -> int | None:
-    """Draft depth from ``--n-max`` / ``--block-size`` (verify width ``n_max + 1``)."""
+    """Draft depth from ``--n-max`` / ``--block-size`` (verify width ``n_max + 1``).
+
+    Errors name the option the user gave: ``--block-size`` is checked against the drafter's
+    ``block_size`` here (``check_n_max`` would name ``--n-max``), and either option with
+    ``--no-spec`` is a conflict rather than a missing drafter.
+    """
     from dflash_jax.errors import DFlashError
 
     n = args.n_max
+    opt = "--n-max" if args.n_max is not None else "--block-size"
     if args.block_size is not None:
         if n is not None and n != args.block_size - 1:
             raise DFlashError("--n-max", f"{n} disagrees with --block-size {args.block_size}", f"{args.block_size - 1} (block size - 1), or only one of them")
         n = args.block_size - 1
     if n is not None and drafter is None:
-        raise DFlashError("--n-max" if args.n_max is not None else "--block-size", "given without a drafter", "--draft PATH, or a target with a shipped drafter")
+        if args.no_spec:
+            raise DFlashError(opt, "conflicts with --no-spec (plain decoding drafts nothing)", f"either {opt} or --no-spec, not both")
+        raise DFlashError(opt, "given without a drafter", "--draft PATH, or a target with a shipped drafter")
+    if args.block_size is not None and drafter is not None:
+        top = drafter.cfg.block_size
+        if not 2 <= args.block_size <= top:
+            raise DFlashError("--block-size", f"got {args.block_size}", f"an integer in [2, {top}] (the drafter's block_size)")
     return n
 
 
@@ -129,16 +206,23 @@ def _generate(args) -> int:
     from dflash_jax.errors import DFlashError
     from dflash_jax.sampling import SamplingConfig
 
-    if args.prompt_ids is not None and args.prompt is not None:
-        raise DFlashError("--prompt-ids", "given together with a PROMPT text", "one of them")
+    if args.prompt_ids is not None:
+        if args.prompt is not None:
+            raise DFlashError("--prompt-ids", "given together with a PROMPT text", "one of them")
+        for opt, given in (("--system", args.system is not None), ("--raw", args.raw),
+                           ("--chat-template-kwargs", args.chat_template_kwargs is not None)):
+            if given:
+                raise DFlashError(opt, "not used with --prompt-ids (the ids are passed as they are)", f"{opt} with a text PROMPT, or the ids alone")
     for name in ("max_new_tokens", "chunk_size"):
         if getattr(args, name) < 1:
             raise DFlashError("--" + name.replace("_", "-"), f"got {getattr(args, name)}", "an integer >= 1")
-    for name in ("block_size", "n_max"):
-        v = getattr(args, name)
-        if v is not None and v < 1:
-            raise DFlashError("--" + name.replace("_", "-"), f"got {v}", "an integer >= 1")
+    if args.n_max is not None and args.n_max < 1:
+        raise DFlashError("--n-max", f"got {args.n_max}", "an integer >= 1")
+    if args.block_size is not None and args.block_size < 2:
+        raise DFlashError("--block-size", f"got {args.block_size}", "an integer >= 2")
     sampling = SamplingConfig(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
+    if not 0 <= args.seed < 2**63:
+        raise DFlashError("--seed", f"got {args.seed}", "an integer in [0, 2**63)")
     if args.max_len is not None and args.max_len < 2:
         raise DFlashError("--max-len", f"got {args.max_len}", "an integer >= 2")
 
@@ -177,7 +261,13 @@ def _generate(args) -> int:
         max_new_tokens=args.max_new_tokens, sampling=sampling, max_len=args.max_len, chunk_size=args.chunk_size,
         stop=args.stop, ignore_eos=args.ignore_eos, seed=args.seed, on_tokens=on_tokens, drafter=drafter, n_max=n_max,
     )
-    res = api.generate(target, [prompt_ids], **kwargs)
+    try:
+        res = api.generate(target, [prompt_ids], **kwargs)
+    except DFlashError as e:
+        if e.where != "prompt":
+            raise
+        # the API names its argument; on the command line the prompt came from an option
+        raise DFlashError("--prompt-ids" if args.prompt_ids is not None else "PROMPT", e.what, e.expected) from e
 
     stats = res.stats
     if args.json:
@@ -200,6 +290,14 @@ def _generate(args) -> int:
     return 0
 
 
+def _commands(parser: argparse.ArgumentParser) -> list[str]:
+    """The subcommand names of ``parser``."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            return list(action.choices)
+    return []
+
+
 def _one_line(msg: str) -> str:
     return " ".join(str(msg).split())
 
@@ -209,11 +307,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     try:
         args = parser.parse_args(argv)
-    except SystemExit as e:  # usage errors (2) and --help (0)
+    except UsageError as e:
+        print(f"error: {_one_line(e)}", file=sys.stderr, flush=True)
+        return 2
+    except SystemExit as e:  # --help (0)
         return int(e.code or 0) if not isinstance(e.code, str) else 2
     if args.command is None:
-        parser.print_usage(sys.stderr)
-        print("dflash-jax: error: a command is required (expected: generate)", file=sys.stderr)
+        commands = ", ".join(_commands(parser))
+        print(f"error: COMMAND: missing (expected one of: {commands}; see dflash-jax --help)", file=sys.stderr, flush=True)
         return 2
 
     from dflash_jax.errors import DFlashError

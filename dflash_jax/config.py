@@ -266,13 +266,24 @@ class DrafterConfig:
         return dataclasses.replace(self, dtype=str(dtype))
 
 
-def _dflash_value(cfg: Mapping[str, Any], key: str, default=None):
-    """A drafter field from ``dflash_config`` first, then the top level (z-lab ``_draft_value``)."""
+def _dflash_value(cfg: Mapping[str, Any], key: str, default=None, source: str = "config.json"):
+    """A drafter field from ``dflash_config`` first, then the top level (z-lab ``_draft_value``).
+
+    Raises:
+      DFlashError: the field set in both places to different values (naming both).
+    """
     sub = cfg.get("dflash_config") or {}
+    top = cfg.get(key)
     if key in sub and sub[key] is not None:
+        if top is not None and _normalized(top) != _normalized(sub[key]):
+            raise DFlashError(f"{source}: field {key}", f"top level {top!r} contradicts dflash_config.{key} {sub[key]!r}",
+                              "one value (set it in one place, or the same in both)")
         return sub[key]
-    value = cfg.get(key)
-    return default if value is None else value
+    return default if top is None else top
+
+
+def _normalized(value):
+    return list(value) if isinstance(value, tuple) else value
 
 
 def drafter_config_from_hf(cfg: Mapping[str, Any], source: str = "config.json") -> DrafterConfig:
@@ -306,7 +317,7 @@ def drafter_config_from_hf(cfg: Mapping[str, Any], source: str = "config.json") 
     n_layers = _positive(_get(cfg, "num_hidden_layers", source, int), "num_hidden_layers", source)
 
     def need(key, types):
-        value = _dflash_value(cfg, key)
+        value = _dflash_value(cfg, key, source=source)
         if value is None:
             raise DFlashError(f"{source}: field {key}", "missing (top level or dflash_config)", f"a value of type {_tname(types)}")
         if isinstance(value, bool) or not isinstance(value, types):
@@ -320,7 +331,10 @@ def drafter_config_from_hf(cfg: Mapping[str, Any], source: str = "config.json") 
     layer_ids = need("target_layer_ids", (list, tuple))
     if not layer_ids or not all(isinstance(i, int) and not isinstance(i, bool) for i in layer_ids):
         raise DFlashError(f"{source}: field target_layer_ids", f"got {layer_ids!r}", "a non-empty list of layer indices")
-    num_target_layers = _dflash_value(cfg, "num_target_layers")
+    dup = sorted({i for i in layer_ids if list(layer_ids).count(i) > 1})
+    if dup:
+        raise DFlashError(f"{source}: field target_layer_ids", f"layer {dup[0]} listed more than once in {list(layer_ids)!r}", "distinct layer indices")
+    num_target_layers = _dflash_value(cfg, "num_target_layers", source=source)
     if num_target_layers is None:
         raise DFlashError(f"{source}: field num_target_layers", "missing", "the target's number of decoder layers")
     layer_types = cfg.get("layer_types") or ["full_attention"] * n_layers
@@ -337,7 +351,7 @@ def drafter_config_from_hf(cfg: Mapping[str, Any], source: str = "config.json") 
             raise DFlashError(f"{source}: field sliding_window", "missing for a sliding_attention layer", "a positive window")
         causal.append(sliding if is_causal is None else bool(is_causal))
         windows.append(int(window) if sliding else 0)
-    softcap = _dflash_value(cfg, "final_logit_softcapping")
+    softcap = _dflash_value(cfg, "final_logit_softcapping", source=source)
     return DrafterConfig(
         hidden_size=hidden,
         intermediate_size=_positive(_get(cfg, "intermediate_size", source, int), "intermediate_size", source),
@@ -355,10 +369,10 @@ def drafter_config_from_hf(cfg: Mapping[str, Any], source: str = "config.json") 
         rms_norm_eps=float(_get(cfg, "rms_norm_eps", source, (int, float), 1e-6)),
         rope=parse_rope(cfg, source, int(head_dim)),
         attention_bias=bool(cfg.get("attention_bias", False)),
-        input_embedding_scale=float(_dflash_value(cfg, "input_embedding_scale", 1.0)),
-        output_multiplier=float(_dflash_value(cfg, "output_multiplier", 1.0)),
+        input_embedding_scale=float(_dflash_value(cfg, "input_embedding_scale", 1.0, source)),
+        output_multiplier=float(_dflash_value(cfg, "output_multiplier", 1.0, source)),
         final_logit_softcapping=float(softcap) if softcap else 0.0,
-        post_norm_last=bool(_dflash_value(cfg, "post_norm_last", False)),
+        post_norm_last=bool(_dflash_value(cfg, "post_norm_last", False, source)),
         architecture=arch,
     )
 

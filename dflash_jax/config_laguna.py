@@ -356,7 +356,7 @@ def laguna_drafter_config_from_hf(cfg: Mapping[str, Any], source: str = "config.
         raise DFlashError(f"{where}: field draft_vocab_size", f"{dv} differs from vocab_size", f"{vocab}")
 
     def need(key):
-        v = _dflash_value(cfg, key)
+        v = _dflash_value(cfg, key, source=where)
         if v is None or isinstance(v, bool) or not isinstance(v, int):
             raise DFlashError(f"{where}: field {key}", "missing (top level or dflash_config)" if v is None else f"got {v!r}", "an integer")
         return int(v)
@@ -364,7 +364,7 @@ def laguna_drafter_config_from_hf(cfg: Mapping[str, Any], source: str = "config.
     block = need("block_size")
     if block < 2:
         raise DFlashError(f"{where}: field block_size", f"got {block}", "an integer >= 2")
-    ids = _dflash_value(cfg, "target_layer_ids")
+    ids = _dflash_value(cfg, "target_layer_ids", source=where)
     eagle = cfg.get("eagle_aux_hidden_state_layer_ids")
     if ids is None and eagle is not None:
         ids = [int(i) - 1 for i in eagle]
@@ -374,7 +374,7 @@ def laguna_drafter_config_from_hf(cfg: Mapping[str, Any], source: str = "config.
         raise DFlashError(f"{where}: field eagle_aux_hidden_state_layer_ids", f"{eagle} is not target_layer_ids + 1 ({list(ids)})", "ids + 1")
     if any(b <= a for a, b in zip(ids, ids[1:])):
         raise DFlashError(f"{where}: field target_layer_ids", f"got {list(ids)}", "strictly increasing ids")
-    causal = _dflash_value(cfg, "causal", True)
+    causal = _dflash_value(cfg, "causal", True, where)
     types = _layer_list(cfg, "layer_types", where, n, LAYER_TYPES, ["sliding_attention"] * n)
     window = 0
     if "sliding_attention" in types:

@@ -57,7 +57,8 @@ def init_state(
       seed: int seed or a PRNG key.
       spec: optional speculative-decoding extension (see ``dflash_jax.spec``).
     Raises:
-      DFlashError: a prompt that leaves no room for one new token within ``max_len``.
+      DFlashError: a prompt that leaves no room for one new token within ``max_len``; a seed that
+        is neither an integer in ``[0, 2**63)`` nor a key.
     """
     toks, lens = pad_prompts(prompts)
     if int(lens.max()) + 1 > max_len:
@@ -71,7 +72,14 @@ def init_state(
     if (max_new < 1).any():
         raise DFlashError("--max-new-tokens", f"got {int(max_new.min())}", "an integer >= 1")
     stops = np.asarray(list(stop_ids) or [-1], np.int32)
-    key = jax.random.key(seed) if isinstance(seed, int) else seed
+    if isinstance(seed, (int, np.integer)) and not isinstance(seed, (bool, np.bool_)):
+        if not 0 <= seed < 2**63:
+            raise DFlashError("--seed", f"got {seed}", "an integer in [0, 2**63)")
+        key = jax.random.key(int(seed))
+    elif isinstance(seed, jax.Array):
+        key = seed
+    else:
+        raise DFlashError("--seed", f"got {seed!r}", "an integer in [0, 2**63) or a PRNG key")
     mod = module_for(cfg)
     return DecodeState(
         tokens=jnp.asarray(tokens),

@@ -7,6 +7,8 @@ decoding, speculative acceptance, resampling), so all paths sample one distribut
 from __future__ import annotations
 
 import dataclasses
+import math
+import numbers
 
 import jax
 import jax.numpy as jnp
@@ -19,7 +21,8 @@ class SamplingConfig:
     """Static sampling settings. ``temperature == 0`` means greedy (argmax).
 
     ``top_k == 0`` and ``top_p == 1.0`` disable those filters. Raises DFlashError on values out
-    of range (negative temperature or top_k, top_p outside (0, 1]).
+    of range (negative temperature or top_k, top_p outside (0, 1]), non-finite values (nan, inf)
+    and values of the wrong type.
     """
 
     temperature: float = 0.0
@@ -27,6 +30,12 @@ class SamplingConfig:
     top_p: float = 1.0
 
     def __post_init__(self):
+        for name in ("temperature", "top_p"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, numbers.Real) or not math.isfinite(v):
+                raise DFlashError("--" + name.replace("_", "-"), f"got {v!r}", "a finite number")
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, numbers.Integral):
+            raise DFlashError("--top-k", f"got {self.top_k!r}", "an integer >= 0")
         if self.temperature < 0:
             raise DFlashError("--temperature", f"got {self.temperature}", "a value >= 0")
         if self.top_k < 0:

@@ -185,3 +185,115 @@ def test_compile_cache_is_on_by_default():
 
     assert dj.compile_cache_dir() == cache_dir() / "jax_cache"
     assert Path(jax.config.jax_compilation_cache_dir) == dj.compile_cache_dir()
+
+
+@pytest.mark.parametrize(
+    "kwargs, where, expected",
+    [
+        (dict(sampling={"temperature": 1}), "sampling", "SamplingConfig"),
+        (dict(stop=[2]), "stop", "list of strings"),
+        (dict(stop="\n"), "stop", "list of strings"),
+        (dict(stop_ids=[1.5]), "stop_ids", "integer"),
+        (dict(drafter="path/to/drafter"), "drafter", "Drafter"),
+        (dict(seed="x"), "--seed", "[0, 2**63)"),
+        (dict(seed=2**63), "--seed", "[0, 2**63)"),
+        (dict(seed=-1), "--seed", "[0, 2**63)"),
+        (dict(seed=1.0), "--seed", "[0, 2**63)"),
+        (dict(max_new_tokens=2.0), "--max-new-tokens", "integer"),
+        (dict(on_tokens=5), "on_tokens", "callable"),
+        (dict(prompts=[[1, 2.5]]), "prompt", "integer token ids"),
+        (dict(prompts=[[1, True]]), "prompt", "integer token ids"),
+        (dict(prompts=[np.array([1.0, 2.0])]), "prompts", "integer array"),
+        (dict(prompts=np.zeros((2, 2, 2), np.int32)), "prompts", "[batch, length]"),
+    ],
+)
+def test_wrong_argument_types_are_dflash_errors(tiny, kwargs, where, expected):
+    kwargs = dict(dict(prompts=[[1, 2]], max_new_tokens=2), **kwargs)
+    with pytest.raises(DFlashError) as e:
+        dj.generate(tiny, **kwargs)
+    assert e.value.where == where and expected in (e.value.expected or ""), str(e.value)
+
+
+def test_generate_refuses_a_non_target():
+    with pytest.raises(DFlashError, match="target"):
+        dj.generate("model.gguf", [[1, 2]])
+
+
+def test_prompts_as_numpy_and_jax_arrays(tiny):
+    import jax.numpy as jnp
+
+    want = dj.generate(tiny, [[5, 9, 17], [40, 2, 7]], 3).output_ids
+    assert dj.generate(tiny, [jnp.asarray([5, 9, 17]), np.asarray([40, 2, 7], np.int64)], 3).output_ids == want
+    assert dj.generate(tiny, jnp.asarray([[5, 9, 17], [40, 2, 7]], jnp.int32), 3).output_ids == want
+    assert dj.generate(tiny, [[np.int32(5), 9, 17], (40, 2, 7)], 3).output_ids == want
+
+
+def test_capacity_is_bounded_by_max_position_embeddings(tiny):
+    import dataclasses
+
+    small = dj.Target(cfg=dataclasses.replace(tiny.cfg, max_position_embeddings=40), params=tiny.params, source="tiny")
+    prompt = [[5, 9, 17, 3, 22, 8, 1]]  # 7 tokens
+    # 7 + 33 = 40 fits exactly: the default capacity (rounded up to 64) is capped at the limit
+    res = dj.generate(small, prompt, 33)
+    assert res.stats["max_len"] == 40 and len(res.output_ids[0]) == 33
+    with pytest.raises(DFlashError) as e:
+        dj.generate(small, prompt, 34)
+    assert e.value.where == "--max-new-tokens" and "40" in e.value.what and e.value.expected == "at most 33"
+    with pytest.raises(DFlashError) as e:
+        dj.generate(small, prompt, 4, max_len=41)
+    assert e.value.where == "--max-len" and e.value.expected == "an integer in [2, 40]"
+    # a budget far beyond a given capacity is harmless (the capacity ends the row)
+    res = dj.generate(small, prompt, 10**12, max_len=12)
+    assert res.finish_reason == ["capacity"] and len(res.output_ids[0]) == 5
+
+
+@pytest.mark.parametrize("text", [5, None, ["Hi"], b"Hi"])
+def test_encode_prompt_wants_a_str(hf_dir, text):
+    t = dj.load_target(hf_dir)
+    with pytest.raises(DFlashError) as e:
+        dj.encode_prompt(t, text)
+    assert e.value.where == "text" and "str" in e.value.expected
+
+
+def test_encode_prompt_option_types(hf_dir):
+    t = dj.load_target(hf_dir)
+    with pytest.raises(DFlashError, match="^system: "):
+        dj.encode_prompt(t, "Hi", system=3)
+    with pytest.raises(DFlashError, match="^chat_template_kwargs: "):
+        dj.encode_prompt(t, "Hi", chat_template_kwargs=["enable_thinking"])
+
+
+def test_one_token_stop_text_is_cut_from_the_text_like_a_longer_one(hf_dir):
+    t = dj.load_target(hf_dir)
+    ids = [1, 2, 3]
+    base = dj.generate(t, [ids], 40, ignore_eos=True)
+    text = base.texts[0]
+    ch = next(c for c in text[2:] if c.isascii() and c.isalnum())
+    assert api.split_stop(t.tokenizer, [ch])[0] == [ord(ch)]  # a one-token stop text: a stop id
+    for on_tokens in (None, lambda new: None):
+        res = dj.generate(t, [ids], 40, ignore_eos=True, stop=[ch], on_tokens=on_tokens)
+        assert res.texts[0] == text[: text.index(ch)]
+        assert res.output_ids[0][-1] == ord(ch) and res.finish_reason == ["stop"]
+        assert res.output_ids[0] == base.output_ids[0][: len(res.output_ids[0])]
+
+
+def test_load_drafter_names_an_existing_file_that_is_not_a_checkpoint(tiny, tmp_path):
+    f = tmp_path / "notafolder.txt"
+    f.write_text("x")
+    with pytest.raises(DFlashError) as e:
+        dj.load_drafter(f, tiny)
+    assert e.value.where == str(f) and "exists" in e.value.what and "neither a folder nor a .gguf" in e.value.what
+    with pytest.raises(DFlashError, match="no such folder"):
+        dj.load_drafter(tmp_path / "missing", tiny)
+
+
+def test_damaged_cached_default_model_says_to_delete_it(tmp_path, monkeypatch):
+    from dflash_jax.assets import GGUF_NAME
+
+    monkeypatch.setenv("DFLASH_JAX_CACHE", str(tmp_path))
+    bad = tmp_path / GGUF_NAME
+    bad.write_bytes(b"GGUF\0\0")  # truncated
+    with pytest.raises(DFlashError) as e:
+        dj.load_target()
+    msg = str(e.value)
+    assert msg.startswith(str(bad)) and f"delete {bad}" in msg and "fetched again" in msg

@@ -130,6 +130,11 @@ def test_stop_texts(capsys, hf_dir):
     k = base["output_ids"].index(ord(tok))
     assert obj["output_ids"] == base["output_ids"][: k + 1] and obj["finish_reason"] == "stop"
     assert obj["stats"]["steps"] == k
+    # ... and its text ends just before the stop text, like a longer one (and like the stream)
+    assert obj["text"] == text[: text.index(tok)]
+    code, out, _ = run(capsys, "generate", "--target", hf_dir, "--prompt-ids", "1,2,3", "--max-new-tokens", 40, "--ignore-eos",
+                       "--stop", tok)
+    assert code == 0 and out == obj["text"] + "\n"
 
 
 def test_eos_and_capacity(capsys, hf_dir, model):
@@ -223,11 +228,20 @@ def test_speculative_streaming_says_which_mode(capsys, hf_dir, draft_dir):
 
 @pytest.mark.parametrize(
     "args,needle",
-    [(["--n-max", "4"], "--n-max"), (["--block-size", "6"], "--n-max"), (["--n-max", "2", "--block-size", "4"], "--n-max")],
+    [
+        (["--n-max", "4"], "--n-max: got 4"),
+        (["--block-size", "6"], "--block-size: got 6 (expected an integer in [2, 4] (the drafter's block_size))"),
+        (["--block-size", "20"], "--block-size: got 20 (expected an integer in [2, 4]"),
+        (["--block-size", "1"], "--block-size: got 1"),
+        (["--n-max", "2", "--block-size", "4"], "--n-max"),
+        (["--no-spec", "--n-max", "3"], "--n-max: conflicts with --no-spec"),
+        (["--no-spec", "--block-size", "3"], "--block-size: conflicts with --no-spec"),
+    ],
 )
 def test_bad_speculative_options(capsys, hf_dir, draft_dir, args, needle):
     code, out, err = run(capsys, "generate", "--target", hf_dir, "--prompt-ids", "1,2", "--draft", draft_dir, *args)
-    assert_one_line_error(code, out, err, needle)
+    line = assert_one_line_error(code, out, err, needle)
+    assert "(expected " in line
 
 
 def test_bad_draft_paths_and_depth_without_drafter(capsys, hf_dir, tmp_path):
@@ -246,12 +260,107 @@ def test_debug_shows_traceback(capsys, tmp_path):
     assert err.strip().splitlines()[-1].startswith("error: ")
 
 
-def test_usage_errors_exit_2(capsys):
-    assert run(capsys, "generate", "--dtype", "float64")[0] == 2
-    assert run(capsys, "generate", "--prompt-ids", "1,x")[0] == 2
-    assert run(capsys, "generate", "--no-such-option")[0] == 2
-    assert run(capsys)[0] == 2
-    assert run(capsys, "generate", "--help")[0] == 0
+@pytest.mark.parametrize(
+    "argv, line",
+    [
+        (["generate", "--max-new-tokens", "abc"], "error: --max-new-tokens: got 'abc' (expected an integer)"),
+        (["generate", "--temperature", "warm"], "error: --temperature: got 'warm' (expected a number)"),
+        (["generate", "--chat-template-kwargs", "{bad"], "error: --chat-template-kwargs: not valid JSON"),
+        (["generate", "--chat-template-kwargs", "[1]"], "error: --chat-template-kwargs: got list (expected a JSON object)"),
+        (["generate", "--prompt-ids", "1,x"], "error: --prompt-ids: got '1,x' (expected a comma-separated list of integers"),
+        (["generate", "--dtype", "int8"], "error: --dtype: got 'int8' (expected one of: float32, bfloat16, float16)"),
+        (["generate", "--no-such-option"], "error: --no-such-option: unknown option (expected an option listed by dflash-jax generate --help)"),
+        (["--no-such-option"], "error: --no-such-option: unknown option (expected an option listed by dflash-jax --help)"),
+        (["generate", "one", "two"], "error: two: unexpected extra argument (expected at most one PROMPT"),
+        (["frobnicate"], "error: frobnicate: unknown command (expected one of: generate)"),
+        ([], "error: COMMAND: missing (expected one of: generate"),
+        (["generate", "--seed"], "error: --seed: missing value (expected a value after --seed)"),
+        (["generate", "--json=1"], "error: --json: ignored explicit argument '1' (expected no value)"),
+    ],
+)
+def test_usage_errors_are_one_line_and_exit_2(capsys, argv, line):
+    code, out, err = run(capsys, *argv)
+    got = assert_one_line_error(code, out, err)
+    assert got.startswith(line) and got.endswith(")"), got
+    assert "usage:" not in err and "Traceback" not in err
+
+
+def test_help_still_prints_and_exits_0(capsys):
+    code, out, err = run(capsys, "generate", "--help")
+    assert code == 0 and out.startswith("usage: dflash-jax generate") and "--max-new-tokens" in out
+    code, out, err = run(capsys, "--help")
+    assert code == 0 and "generate" in out
+
+
+@pytest.mark.parametrize(
+    "args, start",
+    [
+        (["--seed", "99999999999999999999"], "error: --seed: got 99999999999999999999 (expected an integer in [0, 2**63))"),
+        (["--seed", "-1"], "error: --seed: got -1"),
+        (["--max-new-tokens", "100000000"], "error: --max-new-tokens: 100000000 after a prompt of 3 tokens"),
+        (["--max-len", "100000000"], "error: --max-len: 100000000 exceeds the target's 512 positions"),
+        (["--temperature", "nan"], "error: --temperature: got nan (expected a finite number)"),
+        (["--temperature", "inf"], "error: --temperature: got inf (expected a finite number)"),
+        (["--top-p", "nan"], "error: --top-p: got nan (expected a finite number)"),
+        (["--prompt-ids", "1,99999"], "error: --prompt-ids: token id 99999 outside the vocabulary (expected ids in [0, 260))"),
+        (["--system", "S"], "error: --system: not used with --prompt-ids"),
+        (["--raw"], "error: --raw: not used with --prompt-ids"),
+        (["--chat-template-kwargs", '{"a": 1}'], "error: --chat-template-kwargs: not used with --prompt-ids"),
+    ],
+)
+def test_out_of_range_and_ignored_options_are_one_line_errors(capsys, hf_dir, args, start):
+    argv = ["generate", "--target", hf_dir, *args]
+    if "--prompt-ids" not in args:
+        argv += ["--prompt-ids", "1,2,3"]
+    code, out, err = run(capsys, *argv)
+    line = assert_one_line_error(code, out, err)
+    assert line.startswith(start) and "(expected " in line, line
+
+
+def test_empty_raw_prompt_names_prompt(capsys, hf_dir):
+    code, out, err = run(capsys, "generate", "--target", hf_dir, "--raw", "")
+    line = assert_one_line_error(code, out, err)
+    assert line.startswith("error: PROMPT: ") and "(expected at least one token)" in line
+
+
+def test_max_len_limit_is_the_targets(capsys, hf_dir):
+    obj, _ = run_json(capsys, "--target", hf_dir, "--prompt-ids", "1,2,3", "--max-new-tokens", 2, "--max-len", 512)
+    assert obj["stats"]["max_len"] == 512
+    code, out, err = run(capsys, "generate", "--target", hf_dir, "--prompt-ids", "1,2,3", "--max-len", 513)
+    assert_one_line_error(code, out, err, "--max-len", "(expected an integer in [2, 512])")
+    code, out, err = run(capsys, "generate", "--target", hf_dir, "--prompt-ids", "1,2,3", "--max-new-tokens", 510)
+    assert_one_line_error(code, out, err, "--max-new-tokens", "(expected at most 509)")
+
+
+def _with_template(hf_dir, folder, template):
+    import shutil
+
+    shutil.copytree(hf_dir, folder)
+    cfg_path = folder / "tokenizer_config.json"
+    cfg = json.loads(cfg_path.read_text())
+    cfg["chat_template"] = template
+    cfg_path.write_text(json.dumps(cfg))
+    return folder
+
+
+def test_chat_template_errors_follow_the_contract(capsys, hf_dir, tmp_path):
+    refuses = _with_template(hf_dir, tmp_path / "refuses", "{% if messages[0]['role'] == 'system' %}"
+                             "{{ raise_exception('System role not supported') }}{% endif %}{{ messages[0]['content'] }}")
+    code, out, err = run(capsys, "generate", "--target", refuses, "--system", "S", "Hi")
+    line = assert_one_line_error(code, out, err)
+    assert line.startswith(f"error: {refuses}: chat template: ") and "System role not supported" in line
+    assert "(expected " in line
+    evil = _with_template(hf_dir, tmp_path / "evil", "{{ messages.__class__.__mro__[1].__subclasses__() }}")
+    code, out, err = run(capsys, "generate", "--target", evil, "Hi")
+    line = assert_one_line_error(code, out, err)
+    assert line.startswith(f"error: {evil}: chat template: ") and "sandbox" in line and "(expected " in line
+
+
+def test_draft_that_is_an_existing_plain_file(capsys, hf_dir, tmp_path):
+    f = tmp_path / "notafolder.txt"
+    f.write_text("x")
+    code, out, err = run(capsys, "generate", "--target", hf_dir, "--prompt-ids", "1,2", "--draft", f)
+    assert_one_line_error(code, out, err, str(f), "exists but is neither a folder nor a .gguf file", "(expected ")
 
 
 def test_prompt_and_prompt_ids_conflict(capsys, hf_dir):

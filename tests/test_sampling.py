@@ -52,3 +52,25 @@ def test_greedy_and_gap():
 def test_bad_settings_name_the_option(kw, opt):
     with pytest.raises(DFlashError, match=opt):
         SamplingConfig(**kw)
+
+
+@pytest.mark.parametrize(
+    "kw,opt",
+    [
+        (dict(temperature=float("nan")), "--temperature"),
+        (dict(temperature=float("inf")), "--temperature"),
+        (dict(top_p=float("nan")), "--top-p"),
+        (dict(temperature=1.0, top_p=float("inf")), "--top-p"),
+        (dict(temperature="1"), "--temperature"),
+        (dict(top_k=2.5), "--top-k"),
+        (dict(top_k=True), "--top-k"),
+    ],
+)
+def test_non_finite_and_mistyped_values_are_refused(kw, opt):
+    with pytest.raises(DFlashError) as e:
+        SamplingConfig(**kw)
+    assert str(e.value).startswith(opt + ": ") and "(expected " in str(e.value)
+
+
+def test_numpy_scalars_are_accepted():
+    assert SamplingConfig(temperature=np.float32(0.5), top_k=np.int64(3), top_p=np.float64(0.9)).top_k == 3

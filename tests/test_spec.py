@@ -268,6 +268,29 @@ def test_bug_config_schema_refuses_what_it_cannot_run(target):
         check_drafter_fits(bad, target[0])
 
 
+def test_config_fields_set_twice_must_agree_and_layer_ids_be_distinct():
+    from dflash_jax.config import drafter_config_from_hf
+
+    base = {
+        "architectures": ["DFlashDraftModel"], "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 128, "num_target_layers": 3,
+        "dflash_config": {"mask_token_id": 127, "target_layer_ids": [0, 2], "block_size": 8},
+    }
+    # the same value in both places is fine (a tuple-vs-list difference is not a contradiction)
+    same = dict(base, block_size=8, mask_token_id=127, target_layer_ids=[0, 2])
+    assert drafter_config_from_hf(same).block_size == 8
+    for field, other in (("block_size", 4), ("mask_token_id", 5), ("target_layer_ids", [0, 1])):
+        with pytest.raises(DFlashError) as e:
+            drafter_config_from_hf(dict(base, **{field: other}), "d/config.json")
+        msg = str(e.value)
+        assert msg.startswith(f"d/config.json: field {field}:") and f"dflash_config.{field}" in msg and "top level" in msg
+        assert repr(other) in msg and "(expected " in msg
+    for ids in ([1, 1, 2], [0, 2, 0]):
+        with pytest.raises(DFlashError, match="more than once") as e:
+            drafter_config_from_hf(dict(base, dflash_config=dict(base["dflash_config"], target_layer_ids=ids)), "d/config.json")
+        assert "target_layer_ids" in str(e.value) and "distinct" in str(e.value)
+
+
 def test_bug_rng_streams_are_independent(target):
     """Draft, accept and resample keys are distinct streams split from the carry each step."""
     from dflash_jax.spec.generate import _keys

@@ -396,6 +396,7 @@ class Tokenizer:
           DFlashError: no chat template, or the template raised (``raise_exception``) or failed.
         """
         import jinja2
+        from jinja2.sandbox import SecurityError
 
         if self._template is None:
             raise DFlashError(f"{self.source}: chat template", "missing", "a tokenizer with a chat template")
@@ -403,10 +404,18 @@ class Tokenizer:
         ctx.update(template_kwargs)
         try:
             return self._template.render(messages=list(messages), add_generation_prompt=add_generation_prompt, **ctx)
-        except DFlashError:
-            raise
+        except DFlashError as e:
+            if e.where != "chat template":
+                raise
+            # raise_exception(...) inside the template: name the file the template came from
+            raise DFlashError(f"{self.source}: chat template", f"refused the messages: {e.what}",
+                              "messages this template accepts (for example no --system, or other --chat-template-kwargs)") from None
+        except SecurityError as e:
+            raise DFlashError(f"{self.source}: chat template", f"blocked by the sandbox ({e})",
+                              "a template that uses only what the jinja2 sandbox allows") from None
         except jinja2.TemplateError as e:
-            raise DFlashError(f"{self.source}: chat template", f"failed to render ({e})") from None
+            raise DFlashError(f"{self.source}: chat template", f"failed to render ({e})",
+                              "a template that renders these messages and --chat-template-kwargs") from None
 
     def encode_chat(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True,
                     **template_kwargs) -> list[int]:

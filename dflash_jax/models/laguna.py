@@ -263,7 +263,7 @@ def moe(cfg: LagunaConfig, lp: dict, h: jnp.ndarray) -> jnp.ndarray:
     """
     shape = h.shape
     x = h.reshape(-1, shape[-1])
-    n, k, E = x.shape[0], cfg.num_experts_per_tok, cfg.num_experts
+    k, E = cfg.num_experts_per_tok, cfg.num_experts
     logits = jnp.dot(x.astype(jnp.float32), lp["router"].astype(jnp.float32), preferred_element_type=jnp.float32)
     if cfg.router_softcap > 0:
         logits = jnp.tanh(logits / cfg.router_softcap) * cfg.router_softcap
