@@ -106,6 +106,25 @@ def verify_cost(target, context: int, repeats: int = 7) -> list[float]:
     return times
 
 
+def propose_cost(target, drafter, ids, args, n_max, repeats: int = 7) -> float:
+    """Median seconds of one jitted propose (drafter forward + LM head over the block)."""
+    import jax
+
+    from dflash_jax.sampling import SamplingConfig
+    from dflash_jax.spec import generate as spec
+
+    t, d = target, drafter
+    st = spec.init_state(t.cfg, d.cfg, [ids], args.max_len, args.max_new_tokens, n_max=n_max)
+    st = spec.prefill(t.params, t.cfg, d.params, d.cfg, st, args.chunk_size, SamplingConfig())
+    jax.block_until_ready(spec.propose(t.params, t.cfg, d.params, d.cfg, st))
+    ts = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        jax.block_until_ready(spec.propose(t.params, t.cfg, d.params, d.cfg, st))
+        ts.append(time.perf_counter() - t0)
+    return statistics.median(ts)
+
+
 def summarize(name, results, n_max):
     steps = sum(r["dflash"]["steps"] for r in results)
     committed = sum(r["dflash"]["committed"] for r in results)
@@ -206,6 +225,7 @@ def main(argv=None) -> int:
         sweep.append((n, summarize(f"n_max={n}", [run_one(target, drafter, ids, args, n, greedy) for ids in prompts], n)))
         print(f"sweep n_max={n}: tau {sweep[-1][1]['tau']:.2f} speedup {sweep[-1][1]['speedup']:.2f}", file=sys.stderr)
     costs = verify_cost(target, context=256)
+    draft_s = propose_cost(target, drafter, first, args, n_max)
     plots(sets, sweep, REPO / "tools" / "results")
 
     m = machine()
@@ -239,7 +259,9 @@ n_max sweep (first {args.sweep_prompts} HumanEval prompts):
 {sweep_rows}
 
 Cost of one target pass over B tokens relative to one decode step (B = 1..16, 256 tokens of context):
-{cost_row} (B = 1 takes {1000 * costs[0]:.1f} ms).
+{cost_row} (B = 1 takes {1000 * costs[0]:.1f} ms). One propose (drafter + LM head over {n_max} draft slots)
+takes {1000 * draft_s:.1f} ms = {draft_s / costs[0]:.2f} decode steps. A DFlash step costs about
+verify(n_max + 1) + propose decode steps and commits tau tokens.
 
 XLA compilations during the measured generations after warm-up: **{main_compiles}**.
 Plots: `tools/results/acceptance.png`, `tools/results/n_max_sweep.png`.
