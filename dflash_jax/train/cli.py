@@ -1,0 +1,198 @@
+"""``dflash-jax train``: trains a DFlash drafter for a target on a self-distillation dataset.
+
+Example (the shipped SmolLM2 drafter; see ``dflash_jax/drafters/smollm2-135m-instruct``)::
+
+    python tools/make_train_data.py --out data/smollm2
+    dflash-jax train --data data/smollm2 --out runs/smollm2 --mask-token-id 16 \\
+        --layers 2 --target-layer-ids 1,10,18,27 --steps 1000
+
+Rerunning the same command resumes from the newest checkpoint in ``--out`` (the settings must
+be the same); ``--time-limit`` / ``--stop-at`` pause a run so that no single command has to run
+for long. When the last step is done the drafter is exported in the z-lab layout to
+``--export`` (default ``<out>/drafter``) with ``training_curve.csv`` (tau versus training tokens).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import sys
+import time
+from pathlib import Path
+
+from dflash_jax.errors import DFlashError
+
+
+def _ids(text: str) -> tuple:
+    try:
+        return tuple(int(x) for x in text.replace(" ", "").split(",") if x)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser of ``dflash-jax train``."""
+    ap = argparse.ArgumentParser(prog="dflash-jax train", description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__.split("\n\n", 1)[1])
+    g = ap.add_argument_group("data and target")
+    g.add_argument("--data", required=True, help="dataset folder (tools/make_train_data.py, TokenDataset)")
+    g.add_argument("--out", required=True, help="run folder: checkpoints, logs, tau curve (resumed when it exists)")
+    g.add_argument("--target", default=None, help="target .gguf or HF folder (default: embedded SmolLM2-135M-Instruct)")
+    g.add_argument("--features", default=None, help="target-feature cache folder (default <out>/features; built when missing)")
+    g.add_argument("--no-feature-cache", action="store_true", help="recompute target features in every step instead")
+    g = ap.add_argument_group("drafter (defaults follow the target)")
+    g.add_argument("--layers", type=int, default=2, help="draft layers (default 2)")
+    g.add_argument("--target-layer-ids", type=_ids, default=None,
+                   help="captured target layers, e.g. 1,10,18,27 (default: z-lab's spread for --layers taps)")
+    g.add_argument("--mask-token-id", type=int, required=True,
+                   help="id of the block's MASK token: a row of the target embedding that never appears in the data "
+                        "(an unused special token)")
+    g.add_argument("--block-size", type=int, default=16, help="training block size (default 16)")
+    g.add_argument("--intermediate-size", type=int, default=None, help="MLP width (default: the target's)")
+    g.add_argument("--causal", action="store_true", help="causal attention inside the block (default bidirectional)")
+    g = ap.add_argument_group("optimisation (specs/dflash.md 3.7)")
+    g.add_argument("--steps", type=int, default=1000)
+    g.add_argument("--batch-size", type=int, default=8, help="sequences per step (default 8)")
+    g.add_argument("--max-len", type=int, default=512, help="padded sequence length; longer sequences are truncated")
+    g.add_argument("--num-anchors", type=int, default=32, help="blocks per sequence (default 32)")
+    g.add_argument("--gamma", type=float, default=None, help="loss decay (default 7 for block 16, 5 for 10, 4 for 8)")
+    g.add_argument("--lr", type=float, default=6e-4)
+    g.add_argument("--warmup-ratio", type=float, default=0.04)
+    g.add_argument("--decay", choices=("cosine", "linear", "constant"), default="cosine")
+    g.add_argument("--final-lr-ratio", type=float, default=0.0)
+    g.add_argument("--weight-decay", type=float, default=0.01)
+    g.add_argument("--grad-clip", type=float, default=1.0)
+    g.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="compute dtype (master weights float32)")
+    g.add_argument("--seed", type=int, default=0)
+    g = ap.add_argument_group("run")
+    g.add_argument("--ckpt-every", type=int, default=100, help="steps between checkpoints (default 100)")
+    g.add_argument("--keep", type=int, default=3, help="checkpoints kept (default 3)")
+    g.add_argument("--eval-every", type=int, default=0, help="steps between tau evaluations (0: start and end only)")
+    g.add_argument("--eval-prompts", default=None, help="JSON with 'ids' or 'texts' (default <data>/eval_prompts.json)")
+    g.add_argument("--eval-max-new", type=int, default=64)
+    g.add_argument("--time-limit", type=float, default=None, help="minutes; checkpoint and stop after this")
+    g.add_argument("--stop-at", type=int, default=None, help="checkpoint and stop after this step")
+    g.add_argument("--export", default=None, help="exported drafter folder (default <out>/drafter)")
+    g.add_argument("--export-dtype", choices=("bfloat16", "float16", "float32"), default="bfloat16")
+    g.add_argument("--no-progress", action="store_true")
+    return ap
+
+
+def default_layer_ids(num_target_layers: int, n: int) -> tuple:
+    """z-lab's spread of ``n`` captured layers over ``[1, L - 3]`` (``build_target_layer_ids``)."""
+    if n == 1:
+        return (num_target_layers // 2,)
+    start, end = 1, num_target_layers - 3
+    return tuple(int(round(start + i * (end - start) / (n - 1))) for i in range(n))
+
+
+def default_gamma(block_size: int) -> float:
+    """Paper defaults (``specs/dflash.md`` 3.6): 7 for B=16, 5 for B=10, 4 for B=8; else B/2.3."""
+    return {16: 7.0, 10: 5.0, 8: 4.0}.get(block_size, round(block_size / 2.3, 2))
+
+
+def drafter_config_for(target_cfg, layers: int, layer_ids, mask_token_id: int, block_size: int, intermediate_size=None, causal=False):
+    """A generic DFlash drafter config sized like ``target_cfg`` (hidden size, heads, head dim,
+    MLP width, norm eps and RoPE of the target).
+
+    Raises:
+      DFlashError: layer ids out of range or a mask id outside the target's vocabulary.
+    """
+    from dflash_jax.config import DrafterConfig, check_drafter_fits
+
+    layer_ids = tuple(layer_ids) if layer_ids else default_layer_ids(target_cfg.num_hidden_layers, layers)
+    cfg = DrafterConfig(
+        hidden_size=target_cfg.hidden_size, intermediate_size=int(intermediate_size or target_cfg.intermediate_size),
+        num_hidden_layers=int(layers), num_attention_heads=target_cfg.num_attention_heads,
+        num_key_value_heads=target_cfg.num_key_value_heads, head_dim=target_cfg.head_dim, vocab_size=target_cfg.vocab_size,
+        block_size=int(block_size), mask_token_id=int(mask_token_id), target_layer_ids=layer_ids,
+        num_target_layers=target_cfg.num_hidden_layers, layer_causal=(bool(causal),) * int(layers), layer_window=(0,) * int(layers),
+        rms_norm_eps=target_cfg.rms_norm_eps, rope=target_cfg.rope,
+    )
+    check_drafter_fits(cfg, target_cfg, source="dflash-jax train")
+    return cfg
+
+
+def load_eval_prompts(path, tokenizer) -> list[list[int]]:
+    """Evaluation prompts from a JSON file: ``{"ids": [[...], ...]}``, ``{"texts": [...]}`` or a
+    list of strings (texts are rendered with the target's chat template as one user turn)."""
+    data = json.loads(Path(path).read_text(encoding="utf-8"))
+    if isinstance(data, dict) and data.get("ids"):
+        return [list(map(int, x)) for x in data["ids"]]
+    texts = data.get("texts") if isinstance(data, dict) else data
+    if not texts or tokenizer is None:
+        raise DFlashError(str(path), "no 'ids' (or 'texts' with a tokenizer)", "evaluation prompts")
+    return [tokenizer.encode_chat([{"role": "user", "content": t}]) for t in texts]
+
+
+def main(argv=None) -> int:
+    """Runs ``dflash-jax train``; returns the exit status (0 finished or paused, 2 bad input).
+
+    Args:
+      argv: arguments without the program and subcommand names (default ``sys.argv[1:]``).
+    """
+    args = build_parser().parse_args(argv)
+    try:
+        return _run(args, argv)
+    except DFlashError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+def _run(args, argv) -> int:
+    from dflash_jax.api import load_target
+    from dflash_jax.train.data import Batcher, FeatureCache, TokenDataset, cache_features, count_valid_anchors
+    from dflash_jax.train.export import export_drafter
+    from dflash_jax.train.trainer import TrainConfig, train, write_training_curve
+
+    out = Path(args.out)
+    target = load_target(args.target)
+    cfg = drafter_config_for(target.cfg, args.layers, args.target_layer_ids, args.mask_token_id, args.block_size,
+                             args.intermediate_size, args.causal)
+    ds = TokenDataset.load(args.data)
+    if (ds.tokens == cfg.mask_token_id).any():
+        print(f"warning: the mask token id {cfg.mask_token_id} occurs in the data", file=sys.stderr)
+    gamma = args.gamma if args.gamma is not None else default_gamma(cfg.block_size)
+    tc = TrainConfig(steps=args.steps, batch_size=args.batch_size, max_len=args.max_len, num_anchors=args.num_anchors, gamma=gamma,
+                     lr=args.lr, warmup_ratio=args.warmup_ratio, decay=args.decay, final_lr_ratio=args.final_lr_ratio,
+                     weight_decay=args.weight_decay, grad_clip=args.grad_clip, compute_dtype=args.dtype, seed=args.seed)
+    features = None
+    if not args.no_feature_cache:
+        fdir = Path(args.features) if args.features else out / "features"
+        try:
+            features = FeatureCache.load(fdir, ds, cfg.target_layer_ids)
+        except (DFlashError, FileNotFoundError):
+            features = cache_features(target.params, target.cfg, ds, cfg.target_layer_ids, fdir, post_norm_last=cfg.post_norm_last,
+                                      progress=not args.no_progress)
+    batcher = Batcher(ds, tc.batch_size, tc.max_len, seed=tc.seed, features=features)
+    print(f"data: {len(batcher)} sequences, {int(ds.lengths.sum())} tokens, {count_valid_anchors(ds, tc.max_len)} anchor positions; "
+          f"drafter: {cfg.num_hidden_layers} layers, taps {list(cfg.target_layer_ids)}, block {cfg.block_size}, mask id "
+          f"{cfg.mask_token_id}", file=sys.stderr)
+    eval_path = args.eval_prompts or (Path(args.data) / "eval_prompts.json")
+    eval_prompts = load_eval_prompts(eval_path, target.tokenizer) if Path(eval_path).is_file() else None
+    t0 = time.time()
+    state, summary = train(out, target.params, target.cfg, cfg, batcher, tc, eval_prompts=eval_prompts, eval_max_new=args.eval_max_new,
+                           eval_every=args.eval_every, stop_ids=target.eos_ids, ckpt_every=args.ckpt_every, keep=args.keep,
+                           time_limit=None if args.time_limit is None else args.time_limit * 60.0, stop_at=args.stop_at,
+                           progress=not args.no_progress)
+    tau = summary.get("tau") or {}
+    print(f"step {summary['step']}/{tc.steps} ({'finished' if summary['finished'] else 'paused'}); "
+          f"{summary['tokens_seen']} tokens seen; loss {summary['last'].get('loss')}; tau {tau.get('tau')}; "
+          f"{time.time() - t0:.0f}s this run", file=sys.stderr)
+    if summary["finished"]:
+        mask_text = target.tokenizer.decode([cfg.mask_token_id]) if target.tokenizer is not None else None
+        extra = {"dflash_jax": {
+            "trained_with": "dflash-jax train " + " ".join(shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:])),
+            "target": Path(str(target.source)).name, "mask_token": mask_text, "dataset": ds.fingerprint(),
+            "dataset_sequences": len(batcher), "tokens_seen": summary["tokens_seen"], "steps": summary["step"],
+            "train_seconds": summary["seconds"], "tau_eval": tau.get("tau"), "gamma": gamma,
+        }}
+        folder = export_drafter(args.export or out / "drafter", cfg, state.params, args.export_dtype, extra)
+        write_training_curve(out, folder / "training_curve.csv")
+        print(f"exported the drafter to {folder}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

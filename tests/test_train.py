@@ -1,0 +1,401 @@
+"""The DFlash training objective, trainer, checkpoints and export (specs/dflash.md section 3).
+
+Every test uses tiny random models. The bug-kind tests follow specs/bug_reports.md B52 and the
+training gotchas of specs/dflash.md 3.8.
+"""
+
+import json
+import math
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from dflash_jax.models import drafter
+from dflash_jax.testing import tiny_drafter, tiny_target
+from dflash_jax.train import objective
+from dflash_jax.train.data import Batcher, FeatureCache, TokenDataset, cache_features, target_features
+from dflash_jax.train.export import drafter_hf_config, export_drafter
+from dflash_jax.train.trainer import TrainConfig, init_train_state, latest_checkpoint, lr_schedule, train
+
+GAMMA = 7.0
+
+
+@pytest.fixture(scope="module")
+def models():
+    t_cfg, t_params = tiny_target("llama", seed=0)
+    d_cfg, d_params = tiny_drafter(t_cfg, layer_ids=(0, 2), block_size=8, seed=1, scale=0.2)
+    return t_cfg, t_params, d_cfg, d_params
+
+
+def make_batch(lengths, s, prompt=4, seed=0, width=128):
+    """Right-padded random batch: prompt tokens unsupervised, padding junk with loss_mask 0."""
+    rs = np.random.RandomState(seed)
+    b = len(lengths)
+    tokens = rs.randint(0, 127, (b, s)).astype(np.int32)  # junk in the padding too
+    mask = np.zeros((b, s), np.float32)
+    for r, n in enumerate(lengths):
+        mask[r, prompt:n] = 1
+    feats = rs.randn(b, s, width).astype(np.float32)
+    return tokens, mask, feats
+
+
+_loss_terms = jax.jit(objective.loss_terms, static_argnames=("cfg", "target_cfg", "gamma"))
+
+
+def terms(models, tokens, mask, feats, anchors, valid):
+    t_cfg, t_params, d_cfg, d_params = models
+    return _loss_terms(d_params, d_cfg, t_params, t_cfg, jnp.asarray(tokens), jnp.asarray(mask), jnp.asarray(feats),
+                       jnp.asarray(anchors, jnp.int32), jnp.asarray(valid), GAMMA)
+
+
+@pytest.fixture(scope="module")
+def zref(models):
+    """z-lab's PyTorch drafter (PyPI ``dflash==0.1.0``) holding the same weights."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    zlab = pytest.importorskip("dflash.model")
+    from dflash_jax.train.export import drafter_tensors
+
+    t_cfg, t_params, d_cfg, d_params = models
+    model = zlab.DFlashDraftModel(transformers.Qwen3Config(**drafter_hf_config(d_cfg, "float32"))).eval().float()
+    missing, unexpected = model.load_state_dict({k: torch.tensor(v) for k, v in drafter_tensors(d_cfg, d_params, "float32").items()}, strict=False)
+    assert not unexpected and all(m.endswith("inv_freq") for m in missing)
+    return model
+
+
+def reference_block(models, zref, tokens, mask, feats, a):
+    """One block at anchor ``a``, written out by hand with z-lab's reference drafter: its
+    ``target_hidden`` is explicitly the features of positions ``0 .. a-1`` and nothing else.
+
+    Returns ``(sum w*CE, sum w, [per-slot CE or None])``."""
+    import torch
+
+    t_cfg, t_params, d_cfg, _ = models
+    w = d_cfg.block_size
+    s = len(tokens)
+    emb = np.asarray(t_params["embed"], np.float32)
+    block = [int(tokens[a])] + [d_cfg.mask_token_id] * (w - 1)
+    with torch.no_grad():
+        hid = zref(position_ids=torch.arange(a + w)[None], noise_embedding=torch.tensor(emb[block])[None],
+                   target_hidden=torch.tensor(np.asarray(feats[:a], np.float32))[None])
+        lg = (hid[0] @ torch.tensor(emb).T).double().numpy()
+    ce_sum = w_sum = 0.0
+    slots = []
+    for k in range(1, w):
+        p = a + k
+        if p >= s or mask[p] == 0:
+            slots.append(None)
+            continue
+        logp = lg[k] - lg[k].max()
+        logp = logp - math.log(np.exp(logp).sum())
+        ce = -logp[tokens[p]]
+        wk = math.exp(-(k - 1) / GAMMA)
+        ce_sum += wk * ce
+        w_sum += wk
+        slots.append(ce)
+    return ce_sum, w_sum, slots
+
+
+def test_loss_matches_hand_written_per_block_loop(models, zref):
+    tokens, mask, feats = make_batch([30, 21], 32, seed=1)
+    anchors, valid = objective.sample_anchors(jax.random.key(3), jnp.asarray(mask), 8)
+    anchors, valid = np.asarray(anchors), np.asarray(valid)
+    assert valid.all()
+    got = terms(models, tokens, mask, feats, anchors, valid)
+    total_ce = total_w = 0.0
+    for b in range(2):
+        for j in range(anchors.shape[1]):
+            ce, w, _ = reference_block(models, zref, tokens[b], mask[b], feats[b], int(anchors[b, j]))
+            np.testing.assert_allclose(float(got["ce"][b, j]), ce, rtol=2e-5, atol=1e-5)
+            np.testing.assert_allclose(float(got["weight"][b, j]), w, rtol=1e-6)
+            total_ce, total_w = total_ce + ce, total_w + w
+    t_cfg, t_params, d_cfg, d_params = models
+    loss, m = jax.jit(objective.dflash_loss, static_argnames=("cfg", "target_cfg", "gamma"))(d_params, d_cfg, t_params, t_cfg, jnp.asarray(tokens), jnp.asarray(mask), jnp.asarray(feats),
+                                    jnp.asarray(anchors), jnp.asarray(valid), GAMMA)
+    np.testing.assert_allclose(float(loss), total_ce / total_w, rtol=2e-5)
+    np.testing.assert_allclose(float(m["weight_sum"]), total_w, rtol=1e-6)
+
+
+def test_anchor_at_position_zero_and_near_the_end(models, zref):
+    tokens, mask, feats = make_batch([20], 20, prompt=0, seed=2)
+    anchors = np.array([[0, 15, 18]])
+    got = terms(models, tokens, mask, feats, anchors, np.ones_like(anchors, bool))
+    for j, a in enumerate(anchors[0]):
+        ce, w, _ = reference_block(models, zref, tokens[0], mask[0], feats[0], int(a))
+        np.testing.assert_allclose(float(got["ce"][0, j]), ce, rtol=2e-5, atol=1e-5)
+        np.testing.assert_allclose(float(got["weight"][0, j]), w, rtol=1e-6)
+    assert float(got["weight"][0, 2]) == pytest.approx(1.0)  # a = 18, S = 20: only slot 1 exists
+
+
+def test_labels_not_off_by_one(models, zref):
+    t_cfg, t_params, d_cfg, d_params = models
+    w = d_cfg.block_size
+    tokens, mask, feats = make_batch([32], 32, seed=3)
+    a = 9
+    labels, weights = objective.block_targets(jnp.asarray(tokens), jnp.asarray(mask), jnp.array([[a]]), jnp.array([[True]]), w, GAMMA)
+    assert np.asarray(labels)[0, 0, 1:].tolist() == tokens[0, a + 1 : a + w].tolist()  # same position, not a + k + 1
+    assert float(weights[0, 0, 0]) == 0.0  # the anchor slot is never supervised
+    np.testing.assert_allclose(np.asarray(weights)[0, 0, 1:], np.exp(-np.arange(w - 1) / GAMMA), rtol=1e-6)
+    # per-slot CE is -log p(token at the slot's own position)
+    got = terms(models, tokens, mask, feats, [[a]], [[True]])
+    _, _, slots = reference_block(models, zref, tokens[0], mask[0], feats[0], a)
+    np.testing.assert_allclose(np.asarray(got["slots"])[0, 0], np.array(slots, np.float64), rtol=2e-5, atol=1e-5)
+    # the token right after the block (what shifted labels would use for the last slot) is not a label
+    t2 = tokens.copy()
+    t2[0, a + w] = (t2[0, a + w] + 1) % 127
+    assert float(terms(models, t2, mask, feats, [[a]], [[True]])["ce"][0, 0]) == float(got["ce"][0, 0])
+    t3 = tokens.copy()
+    t3[0, a + w - 1] = (t3[0, a + w - 1] + 1) % 127
+    assert float(terms(models, t3, mask, feats, [[a]], [[True]])["ce"][0, 0]) != float(got["ce"][0, 0])
+
+
+def test_context_excludes_the_anchor(models):
+    tokens, mask, feats = make_batch([32], 32, seed=4)
+    a = 12
+    base = float(terms(models, tokens, mask, feats, [[a]], [[True]])["ce"][0, 0])
+    rs = np.random.RandomState(9)
+    for p in (a, a + 1, a + 5, 31):  # the anchor's own features and everything after it
+        f2 = feats.copy()
+        f2[0, p:] += 3.0 * rs.randn(*f2[0, p:].shape)
+        assert float(terms(models, tokens, mask, f2, [[a]], [[True]])["ce"][0, 0]) == base, p
+    f3 = feats.copy()
+    f3[0, a - 1] += 3.0  # the last context position must matter
+    assert abs(float(terms(models, tokens, mask, f3, [[a]], [[True]])["ce"][0, 0]) - base) > 1e-4
+
+
+def test_no_block_mask_leak_between_overlapping_anchors(models):
+    """B52: anchors spaced 3 apart with block size 8, so blocks overlap."""
+    assert models[2].block_size == 8
+    tokens, mask, feats = make_batch([40], 40, seed=5)
+    anchors = np.array([[5, 8, 11, 14, 17, 20]])
+    joint = terms(models, tokens, mask, feats, anchors, np.ones_like(anchors, bool))
+    for j, a in enumerate(anchors[0]):
+        alone = terms(models, tokens, mask, feats, [[a]], [[True]])
+        np.testing.assert_allclose(np.asarray(joint["slots"][0, j]), np.asarray(alone["slots"][0, 0]), rtol=2e-6, atol=2e-6)
+    # hidden states at positions a later block predicts must not reach an earlier block
+    f2 = feats.copy()
+    f2[0, 9:] += 5.0
+    moved = terms(models, tokens, mask, f2, anchors, np.ones_like(anchors, bool))
+    np.testing.assert_array_equal(np.asarray(moved["ce"][0, :2]), np.asarray(joint["ce"][0, :2]))  # anchors 5, 8 < 9
+    assert (np.abs(np.asarray(moved["ce"][0, 2:]) - np.asarray(joint["ce"][0, 2:])) > 1e-5).all()
+
+
+def test_padding_does_not_change_the_loss(models):
+    """B52: a right-padded batch of two sequences of lengths 40 and 25."""
+    tokens, mask, feats = make_batch([40, 25], 48, seed=6)
+    anchors, valid = objective.sample_anchors(jax.random.key(1), jnp.asarray(mask), 12)
+    anchors, valid = np.asarray(anchors), np.asarray(valid)
+    batch = terms(models, tokens, mask, feats, anchors, valid)
+    for b, n in enumerate([40, 25]):
+        alone = terms(models, tokens[b : b + 1, :n], mask[b : b + 1, :n], feats[b : b + 1, :n], anchors[b : b + 1], valid[b : b + 1])
+        np.testing.assert_allclose(np.asarray(batch["ce"][b]), np.asarray(alone["ce"][0]), rtol=1e-6, atol=1e-6)
+        np.testing.assert_array_equal(np.asarray(batch["weight"][b]), np.asarray(alone["weight"][0]))
+    # different junk in the padding: identical loss
+    t2, f2 = tokens.copy(), feats.copy()
+    t2[1, 25:], f2[1, 25:] = 0, 100.0
+    again = terms(models, t2, mask, f2, anchors, valid)
+    np.testing.assert_array_equal(np.asarray(again["ce"]), np.asarray(batch["ce"]))
+    # anchors never land on padding or prompt, for many draws
+    for seed in range(20):
+        an, ok = objective.sample_anchors(jax.random.key(seed), jnp.asarray(mask), 12)
+        an, ok = np.asarray(an), np.asarray(ok)
+        for b, n in enumerate([40, 25]):
+            sel = an[b][ok[b]]
+            assert ((sel >= 4) & (sel < n - 1)).all()
+
+
+def test_sample_anchors_distinct_sorted_and_short_sequences():
+    mask = np.zeros((3, 30), np.float32)
+    mask[0, 2:30] = 1
+    mask[1, 10:14] = 1  # 3 valid anchors only
+    mask[2, 5] = 1  # a single supervised token: no valid anchor
+    an, ok = objective.sample_anchors(jax.random.key(0), jnp.asarray(mask), 8)
+    an, ok = np.asarray(an), np.asarray(ok)
+    assert ok[0].all() and len(set(an[0])) == 8 and (np.diff(an[0]) > 0).all()
+    assert ok[1].tolist() == [True] * 3 + [False] * 5 and an[1][:3].tolist() == [10, 11, 12]
+    assert not ok[2].any()
+
+
+def test_bf16_compute_close_to_f32(models):
+    t_cfg, t_params, d_cfg, d_params = models
+    tokens, mask, feats = make_batch([30], 32, seed=7)
+    args = (jnp.asarray(tokens), jnp.asarray(mask), jnp.asarray(feats), jnp.array([[6, 12, 20]]), jnp.ones((1, 3), bool), GAMMA)
+    f = jax.jit(objective.dflash_loss, static_argnames=("cfg", "target_cfg", "gamma"))
+    l32, _ = f(d_params, d_cfg, t_params, t_cfg, *args)
+    bf = jax.tree_util.tree_map(lambda p: p.astype(jnp.bfloat16), d_params)
+    l16, _ = f(bf, d_cfg.with_dtype("bfloat16"), t_params, t_cfg, *args)
+    assert abs(float(l16) - float(l32)) < 0.05 * float(l32)
+
+
+# ------------------------------------------------------------------------------ data
+
+
+def greedy_dataset(t_cfg, t_params, n=12, seed=0):
+    """Self-distillation in miniature: the tiny target's greedy continuations of random prompts."""
+    from dflash_jax import decode
+    from dflash_jax.sampling import SamplingConfig
+
+    rs = np.random.RandomState(seed)
+    prompts = [rs.randint(0, 127, rs.randint(3, 7)).tolist() for _ in range(n)]
+    st = decode.init_state(t_cfg, prompts, 40, 24)
+    st = decode.prefill(t_params, t_cfg, st, 8, SamplingConfig())
+    st = decode.generate(t_params, t_cfg, st, SamplingConfig())
+    toks, lens = np.asarray(st.tokens), np.asarray(st.length)
+    seqs = [toks[i, : lens[i]].tolist() for i in range(n)]
+    masks = [[0] * len(p) + [1] * (lens[i] - len(p)) for i, p in enumerate(prompts)]
+    return TokenDataset.from_sequences(seqs, masks, {"recipe": "test"})
+
+
+def test_dataset_roundtrip_features_and_batches(tmp_path, models):
+    t_cfg, t_params, d_cfg, _ = models
+    ds = greedy_dataset(t_cfg, t_params, n=6)
+    ds.save(tmp_path / "ds")
+    ds2 = TokenDataset.load(tmp_path / "ds")
+    assert ds2.fingerprint() == ds.fingerprint() and json.loads((tmp_path / "ds" / "meta.json").read_text())["recipe"] == "test"
+    fc = cache_features(t_params, t_cfg, ds2, d_cfg.target_layer_ids, tmp_path / "feat", tokens_per_batch=64, round_to=8, progress=False)
+    assert FeatureCache.load(tmp_path / "feat", ds2, d_cfg.target_layer_ids).features.shape == fc.features.shape
+    with pytest.raises(ValueError):
+        FeatureCache.load(tmp_path / "feat", ds2, (1,))
+    b1 = Batcher(ds2, 4, 32, seed=5, features=fc)
+    b2 = Batcher(ds2, 4, 32, seed=5, features=fc)
+    for step in (0, 1, 7):
+        x, y = b1.batch(step), b2.batch(step)
+        assert all(np.array_equal(np.asarray(x[k], np.float32), np.asarray(y[k], np.float32)) for k in x)
+    x = b1.batch(0)
+    want = target_features(t_params, t_cfg, jnp.asarray(x["tokens"]), d_cfg.target_layer_ids)
+    real = x["loss_mask"] > 0
+    got = np.asarray(x["features"], np.float32)
+    np.testing.assert_allclose(got[real], np.asarray(want)[real], rtol=1e-2, atol=1e-2)  # bfloat16 storage
+    ids = np.concatenate([b1.sequence_ids(s) for s in range(3)])  # 12 samples = two epochs of 6
+    assert sorted(ids[:6]) == sorted(ids[6:]) == list(range(6)) and b1.cursor(2) == {"sample": 8, "epoch": 1, "offset": 2}
+
+
+# ------------------------------------------------------------------------------ trainer
+
+
+def test_schedule_warmup_and_decay():
+    tc = TrainConfig(steps=100, lr=1e-3, warmup_ratio=0.1, decay="cosine")
+    s = lr_schedule(tc)
+    assert float(s(0)) == 0.0 and float(s(10)) == pytest.approx(1e-3) and float(s(100)) == pytest.approx(0.0, abs=1e-9)
+    assert float(s(5)) == pytest.approx(5e-4) and float(s(55)) == pytest.approx(5e-4, rel=1e-3)
+    lin = lr_schedule(TrainConfig(steps=100, lr=1e-3, warmup_ratio=0.0, decay="linear", final_lr_ratio=0.1))
+    assert float(lin(0)) == pytest.approx(1e-3) and float(lin(100)) == pytest.approx(1e-4)
+
+
+@pytest.fixture(scope="module")
+def tiny_run(models):
+    t_cfg, t_params, _, _ = models
+    d_cfg, _ = tiny_drafter(t_cfg, layer_ids=(0, 2), block_size=4)
+    ds = greedy_dataset(t_cfg, t_params, n=12)
+    return t_cfg, t_params, d_cfg, ds
+
+
+def test_resume_is_bit_identical(tmp_path, tiny_run):
+    t_cfg, t_params, d_cfg, ds = tiny_run
+    tc = TrainConfig(steps=6, batch_size=4, max_len=32, num_anchors=4, lr=3e-3, warmup_ratio=0.2, seed=3)
+    batcher = Batcher(ds, 4, 32, seed=3)
+    full, s_full = train(tmp_path / "a", t_params, t_cfg, d_cfg, batcher, tc, ckpt_every=100, progress=False)
+    assert s_full["finished"] and s_full["step"] == 6
+    part, s_part = train(tmp_path / "b", t_params, t_cfg, d_cfg, batcher, tc, ckpt_every=2, stop_at=3, progress=False)
+    assert not s_part["finished"] and latest_checkpoint(tmp_path / "b" / "checkpoints").name == "step_00000003"
+    resumed, s_res = train(tmp_path / "b", t_params, t_cfg, d_cfg, Batcher(ds, 4, 32, seed=3), tc, ckpt_every=2, progress=False)
+    assert s_res["finished"] and s_res["tokens_seen"] == s_full["tokens_seen"]
+    for x, y in zip(jax.tree_util.tree_leaves((full.params, full.opt_state)), jax.tree_util.tree_leaves((resumed.params, resumed.opt_state))):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+    log = [json.loads(l) for l in (tmp_path / "b" / "log.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in log] == list(range(1, 7))
+    with pytest.raises(ValueError, match="settings differ"):
+        train(tmp_path / "b", t_params, t_cfg, d_cfg, batcher, TrainConfig(steps=6, batch_size=4, max_len=32, num_anchors=4, lr=1e-3), progress=False)
+
+
+def test_training_reduces_the_loss_and_raises_tau(tmp_path, tiny_run):
+    t_cfg, t_params, d_cfg, ds = tiny_run
+    tc = TrainConfig(steps=60, batch_size=6, max_len=32, num_anchors=8, lr=1e-2, warmup_ratio=0.05, seed=0)
+    losses = []
+    prompts = [ds.sequence(i)[0][:4].tolist() for i in range(3)]
+    state, summary = train(tmp_path / "t", t_params, t_cfg, d_cfg, Batcher(ds, 6, 32, seed=0), tc, eval_prompts=prompts,
+                           eval_max_new=16, ckpt_every=1000, progress=False, on_step=lambda s, m: losses.append(m["loss"]))
+    assert np.mean(losses[-5:]) < 0.6 * np.mean(losses[:5])
+    curve = json.loads((tmp_path / "t" / "tau_curve.json").read_text())
+    assert [r["step"] for r in curve] == [0, 60] and curve[-1]["tau"] > curve[0]["tau"]
+
+
+# ------------------------------------------------------------------------------ export
+
+
+@pytest.mark.parametrize("variant", ["plain", "sliding"])
+def test_export_config_roundtrip(variant, models):
+    from dflash_jax.config import drafter_config_from_hf
+
+    t_cfg = models[0]
+    over = {} if variant == "plain" else dict(layer_causal=(True, False), layer_window=(5, 0))
+    d_cfg, _ = tiny_drafter(t_cfg, **over)
+    assert drafter_config_from_hf(json.loads(json.dumps(drafter_hf_config(d_cfg)))) == d_cfg
+
+
+def test_export_loads_in_our_loader_and_the_zlab_reference(tmp_path, models):
+    torch = pytest.importorskip("torch")
+    zlab = pytest.importorskip("dflash.model")
+    from dflash_jax.io.drafter import load_drafter
+
+    t_cfg, t_params, d_cfg, d_params = models
+    f32 = export_drafter(tmp_path / "f32", d_cfg, d_params, dtype="float32", extra={"dflash_jax": {"note": "test"}})
+    cfg2, p2 = load_drafter(f32, t_cfg)
+    assert cfg2 == d_cfg
+    for x, y in zip(jax.tree_util.tree_leaves(d_params), jax.tree_util.tree_leaves(p2)):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+    bf = export_drafter(tmp_path / "bf16", d_cfg, d_params)
+    _, p3 = load_drafter(bf, t_cfg)
+    for x, y in zip(jax.tree_util.tree_leaves(d_params), jax.tree_util.tree_leaves(p3)):
+        np.testing.assert_array_equal(np.asarray(jnp.asarray(x).astype(jnp.bfloat16).astype(jnp.float32)), np.asarray(y))
+
+    ref = zlab.DFlashDraftModel.from_pretrained(str(f32)).eval().float()
+    assert ref.block_size == d_cfg.block_size and ref.mask_token_id == d_cfg.mask_token_id
+    assert list(ref.target_layer_ids) == list(d_cfg.target_layer_ids)
+    ctx, w = 9, d_cfg.block_size
+    rs = np.random.RandomState(0)
+    feats = rs.randn(1, ctx, 2 * t_cfg.hidden_size).astype(np.float32)
+    block = np.array([[7] + [d_cfg.mask_token_id] * (w - 1)])
+    emb = np.asarray(t_params["embed"])
+    with torch.no_grad():
+        hid = ref(position_ids=torch.arange(ctx + w)[None], noise_embedding=torch.tensor(emb[block]), target_hidden=torch.tensor(feats))
+        want = (hid @ torch.tensor(emb).T).numpy()
+    k, v = drafter.context_kv(d_params, d_cfg, jnp.asarray(feats), jnp.arange(ctx, dtype=jnp.int32)[None])
+    out = drafter.forward(d_params, d_cfg, t_params, t_cfg, jnp.asarray(block), ctx + jnp.arange(w, dtype=jnp.int32)[None], k, v, jnp.array([ctx]))
+    got = np.asarray(drafter.logits(t_params, t_cfg, d_cfg, out))
+    assert np.abs(got - want).max() / np.abs(want).max() < 1e-4
+
+
+def test_cli_trains_resumes_and_exports(tmp_path, capsys):
+    pytest.importorskip("transformers")
+    sys.path.insert(0, str(Path(__file__).parent))
+    from tiny_hf import make_tiny_hf
+
+    from dflash_jax.io.drafter import load_drafter
+    from dflash_jax.io.hf import load_hf_target
+    from dflash_jax.train.cli import main
+
+    target = make_tiny_hf(tmp_path / "target")
+    rs = np.random.RandomState(0)
+    seqs = [rs.randint(0, 256, rs.randint(12, 30)).tolist() for _ in range(6)]
+    TokenDataset.from_sequences(seqs, [[0] * 4 + [1] * (len(s) - 4) for s in seqs]).save(tmp_path / "data")
+    argv = ["--data", str(tmp_path / "data"), "--out", str(tmp_path / "run"), "--target", str(target), "--mask-token-id", "258",
+            "--layers", "1", "--target-layer-ids", "0,1", "--block-size", "4", "--steps", "4", "--batch-size", "2",
+            "--max-len", "32", "--num-anchors", "4", "--ckpt-every", "2", "--no-progress"]
+    assert main(argv + ["--stop-at", "2"]) == 0
+    assert not (tmp_path / "run" / "drafter").exists()
+    assert main(argv) == 0
+    err = capsys.readouterr().err
+    assert "step 4/4 (finished)" in err and "exported" in err
+    t_cfg, _ = load_hf_target(target)
+    cfg, _ = load_drafter(tmp_path / "run" / "drafter", t_cfg)
+    assert cfg.target_layer_ids == (0, 1) and cfg.mask_token_id == 258 and cfg.block_size == 4
+    assert json.loads((tmp_path / "run" / "drafter" / "config.json").read_text())["dflash_jax"]["steps"] == 4
+    assert (tmp_path / "run" / "drafter" / "training_curve.csv").read_text().startswith("step,tokens_seen")
+    bad = [("999" if a == "258" else a) for a in argv]
+    assert main(bad) == 2  # outside the vocabulary: one-line error
+    assert "mask_token_id" in capsys.readouterr().err

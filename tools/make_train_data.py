@@ -1,0 +1,334 @@
+"""Self-distillation data for a DFlash drafter: offline prompts, responses written by the target.
+
+Recipe (deterministic; recorded in ``<out>/meta.json``; ``specs/dflash.md`` 3.1):
+
+* prompts, all built offline on this machine:
+  - code prompts from the Python standard library: public functions and methods with a
+    docstring in a fixed list of modules, asked in several fixed templates (complete the
+    function from its signature and docstring in a code block, as the HumanEval benchmark asks;
+    write it from a description; explain it with an example; write tests);
+  - general instructions: fixed templates x fixed topics;
+  - shuffled with ``random.Random(seed)``; prompts equal to a held-out evaluation prompt (ours,
+    and ``tools/prompts.py``'s chat set) are dropped. HumanEval is never read;
+* responses: the target's own greedy continuation (SmolLM2-135M-Instruct by default) of each
+  prompt rendered with its chat template (default system prompt), batched with
+  ``dflash_jax.decode`` (one compiled shape: ``--prompt-cap + --max-new`` slots), stopping at
+  the tokenizer's end-of-generation ids (the stop token is kept);
+* stored as token ids (prompt + response) with ``loss_mask`` 1 on the response
+  (:class:`dflash_jax.train.data.TokenDataset`), plus ``prompts.jsonl`` and ``eval_prompts.json``
+  (held-out, never trained on).
+
+Generation is resumable: every batch is saved under ``<out>/shards/`` as it completes and skipped
+on a rerun; ``--time-limit`` stops starting new batches, and the dataset is assembled from the
+shards present::
+
+    python tools/make_train_data.py --out data/smollm2 --num-prompts 1024 --time-limit 1800
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import json
+import os
+import random
+import re
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parents[1]
+
+# Modules whose import has no side effects; sorted names make the list order deterministic.
+TRAIN_MODULES = sorted([
+    "abc", "argparse", "array", "ast", "base64", "binascii", "bisect", "bz2", "calendar", "cmath", "codecs", "collections",
+    "colorsys", "configparser", "contextlib", "copy", "csv", "dataclasses", "datetime", "decimal", "difflib", "email.utils",
+    "enum", "filecmp", "fnmatch", "fractions", "functools", "getopt", "glob", "graphlib", "gzip", "hashlib", "heapq", "hmac",
+    "html", "html.parser", "http.cookies", "io", "ipaddress", "itertools",
+    "json", "keyword", "linecache", "locale", "logging", "lzma", "math", "mimetypes", "numbers", "operator",
+    "pathlib", "pickletools", "pprint", "queue", "quopri", "random", "re", "reprlib", "sched", "secrets", "shlex", "shutil",
+    "statistics", "string", "struct", "tarfile", "tempfile", "textwrap", "threading", "timeit", "tokenize", "tomllib",
+    "traceback", "types", "typing", "unicodedata", "urllib.parse", "uuid", "warnings", "wave", "weakref", "xml.dom.minidom",
+    "zipfile", "zlib",
+])
+# Held out of training (``os.path`` is ``posixpath`` here, so it is not in the list above): their
+# functions make the code half of the evaluation prompts.
+EVAL_MODULES = ["posixpath"]
+
+CODE_TEMPLATES = [
+    ("complete", "Complete the following Python function. Reply with the whole function in a code block.\n\n```python\n{stub}```"),
+    ("complete", "Complete the following Python function. Reply with the whole function in a code block.\n\n```python\n{stub}```"),
+    ("describe", "Write a Python function `{name}{sig}` that does the following: {summary}"),
+    ("scratch", "Implement `{name}{sig}` in Python from scratch, without importing `{module}`. {summary}"),
+    ("explain", "Explain what `{qual}` does in Python and show a short example of how to use it."),
+    ("tests", "Write a few pytest unit tests for the Python standard library function `{qual}{sig}`."),
+]
+
+GENERAL_TEMPLATES = [
+    "Explain {t} in simple terms.",
+    "Write a short paragraph about {t}.",
+    "Give me three practical tips about {t}.",
+    "What are the advantages and disadvantages of {t}?",
+    "Describe {t} to a high-school student.",
+    "List five interesting facts about {t}.",
+    "Write a short story that involves {t}.",
+    "What are common misconceptions about {t}?",
+    "How would you teach {t} to a beginner? Give a step-by-step plan.",
+    "Write a friendly email to a colleague about {t}.",
+]
+GENERAL_TOPICS = [
+    "the water cycle", "black holes", "machine learning", "time management", "the French Revolution", "volcanoes",
+    "recycling", "learning a new language", "the internet", "electric cars", "coffee", "public speaking", "climate change",
+    "the human heart", "budgeting money", "gardening", "the Roman Empire", "earthquakes", "vaccines", "solar energy",
+    "chess", "meditation", "the stock market", "renewable energy", "honeybees", "cloud computing", "the printing press",
+    "rainforests", "job interviews", "version control with git", "databases", "the moon landing", "healthy eating",
+    "running a marathon", "the immune system", "artificial intelligence", "the Great Wall of China", "volunteering",
+    "writing a resume", "the periodic table", "friendship", "bread baking", "traveling on a budget", "ocean tides",
+    "electricity", "the theory of evolution", "smartphones", "urban planning", "open-source software", "team work",
+    "dinosaurs", "the Olympic Games", "music theory", "cybersecurity", "remote work", "antibiotics", "glaciers",
+    "composting", "the stock exchange", "3D printing", "the Renaissance", "sleep hygiene for students", "wind turbines",
+    "linear algebra", "probability", "unit testing", "sorting algorithms", "regular expressions", "binary numbers",
+    "object-oriented programming", "the SQL language", "operating systems", "compilers", "computer networks",
+]
+CODING_TASKS = [
+    "counts the vowels in a string", "merges two sorted lists into one sorted list", "returns the n-th Fibonacci number",
+    "checks whether a string is a palindrome, ignoring case and spaces", "flattens a nested list", "computes the factorial of n",
+    "removes duplicates from a list while keeping the order", "returns the most common word in a text",
+    "converts a temperature from Celsius to Fahrenheit", "finds the second largest number in a list",
+    "groups a list of words by their first letter", "checks whether two strings are anagrams", "computes the GCD of two numbers",
+    "reads a CSV file and returns the rows as dictionaries", "validates an email address with a regular expression",
+    "rotates a list by k positions", "computes the running average of a list of numbers", "transposes a matrix",
+    "counts the lines, words and characters in a file", "implements binary search on a sorted list",
+    "converts a Roman numeral to an integer", "splits a list into chunks of size n", "returns all prime numbers below n",
+    "capitalizes the first letter of every word", "computes the dot product of two vectors", "parses a date string",
+    "sums the digits of an integer", "finds the longest common prefix of a list of strings", "implements a stack class",
+    "implements a queue using two stacks", "counts the frequency of each character", "checks if a year is a leap year",
+    "converts a decimal number to binary", "finds all pairs in a list that sum to a target", "reverses the words in a sentence",
+    "computes the median of a list", "normalizes a list of numbers to the range 0 to 1", "deep-copies a nested dictionary",
+    "computes the Levenshtein distance between two strings", "implements bubble sort",
+]
+CODING_TEMPLATES = [
+    "Write a Python function that {task}.",
+    "Write a Python function that {task}. Include a docstring and an example.",
+    "How can I write a Python function that {task}?",
+]
+
+EVAL_CHAT = [  # held out: none of these, nor their topics, are in the training prompts
+    "What are some good ways to stay focused while studying?",
+    "Write a short thank-you note to a teacher.",
+    "Explain how a refrigerator keeps food cold.",
+    "What is the difference between weather and climate?",
+]
+
+
+def _summary(doc: str, limit: int = 300) -> str:
+    first = doc.strip().split("\n\n")[0]
+    first = " ".join(first.split())
+    return first if len(first) <= limit else first[:limit].rsplit(" ", 1)[0] + " ..."
+
+
+def _functions(modname: str):
+    """``(module, qualname, name, signature, docstring)`` of public documented functions and
+    methods defined in ``modname``, in sorted order."""
+    import importlib
+
+    try:
+        mod = importlib.import_module(modname)
+    except Exception:
+        return []
+    out = []
+    for name, obj in sorted(vars(mod).items()):
+        if name.startswith("_"):
+            continue
+        owner = getattr(obj, "__module__", None)
+        if owner is None or not (owner == mod.__name__ or owner.lstrip("_") == mod.__name__):
+            continue
+        items = []
+        if inspect.isfunction(obj) or inspect.isbuiltin(obj):
+            items.append((f"{modname}.{name}", name, obj))
+        elif inspect.isclass(obj):
+            for mname, m in sorted(vars(obj).items()):
+                if not mname.startswith("_") and (inspect.isfunction(m) or inspect.ismethoddescriptor(m)):
+                    items.append((f"{modname}.{name}.{mname}", mname, m))
+        for qual, fname, f in items:
+            doc = inspect.getdoc(f)
+            if not doc or len(doc) < 20:
+                continue
+            try:
+                sig = str(inspect.signature(f))
+            except (TypeError, ValueError):
+                continue
+            if len(sig) > 120:
+                continue
+            out.append((modname, qual, fname, sig, doc))
+    return out
+
+
+def _stub(name: str, sig: str, doc: str) -> str:
+    body = textwrap.indent(_summary(doc, 400).replace('"""', "'''"), "    ")
+    return f'def {name}{sig}:\n    """\n{body}\n    """\n'
+
+
+def code_prompts(modules, rng: random.Random) -> list[dict]:
+    out = []
+    for modname in modules:
+        for module, qual, name, sig, doc in _functions(modname):
+            kind, tmpl = CODE_TEMPLATES[rng.randrange(len(CODE_TEMPLATES))]
+            text = tmpl.format(stub=_stub(name, sig, doc), name=name, sig=sig, summary=_summary(doc), module=module, qual=qual)
+            out.append({"source": f"stdlib:{qual}", "kind": kind, "text": text})
+    return out
+
+
+def general_prompts() -> list[dict]:
+    out = [{"source": "general", "kind": "general", "text": t.format(t=topic)} for topic in GENERAL_TOPICS for t in GENERAL_TEMPLATES]
+    out += [{"source": "coding", "kind": "coding", "text": t.format(task=task)} for task in CODING_TASKS for t in CODING_TEMPLATES]
+    return out
+
+
+def held_out_prompts() -> list[str]:
+    """Evaluation prompts never trained on: :data:`EVAL_CHAT` plus four held-out stdlib functions
+    asked like the HumanEval benchmark."""
+    rng = random.Random(1234)
+    funcs = [f for m in EVAL_MODULES for f in _functions(m)]
+    rng.shuffle(funcs)
+    code = [CODE_TEMPLATES[0][1].format(stub=_stub(name, sig, doc)) for _, _, name, sig, doc in funcs[:4]]
+    return EVAL_CHAT + code
+
+
+def build_prompts(seed: int, code_fraction: float) -> list[dict]:
+    """The full deterministic prompt list (shuffled), held-out prompts removed."""
+    rng = random.Random(seed)
+    code = code_prompts(TRAIN_MODULES, rng)
+    general = general_prompts()
+    rng.shuffle(code)
+    rng.shuffle(general)
+    # interleave to the requested code fraction, so any prefix of the list has the same mix
+    out, ci, gi = [], 0, 0
+    while ci < len(code) or gi < len(general):
+        take_code = gi >= len(general) or (ci < len(code) and ci < code_fraction * (ci + gi + 1))
+        if take_code:
+            out.append(code[ci])
+            ci += 1
+        else:
+            out.append(general[gi])
+            gi += 1
+    banned = {p.strip().lower() for p in held_out_prompts()}
+    try:
+        sys.path.insert(0, str(REPO / "tools"))
+        from prompts import CHAT_PROMPTS  # the benchmark's chat prompts, when present
+
+        banned |= {p.strip().lower() for p in CHAT_PROMPTS}
+    except Exception:
+        pass
+    finally:
+        sys.path.pop(0)
+    return [p for p in out if p["text"].strip().lower() not in banned]
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", required=True, help="output dataset folder")
+    ap.add_argument("--target", default=None, help="target .gguf or HF folder (default: embedded SmolLM2-135M-Instruct)")
+    ap.add_argument("--num-prompts", type=int, default=1024, help="prompts to answer (a prefix of the shuffled list)")
+    ap.add_argument("--code-fraction", type=float, default=0.65, help="share of code prompts (default 0.65)")
+    ap.add_argument("--max-new", type=int, default=160, help="new tokens per response at most (default 160)")
+    ap.add_argument("--prompt-cap", type=int, default=128, help="longest prompt in tokens; longer ones are skipped (default 128)")
+    ap.add_argument("--batch-size", type=int, default=32, help="prompts per generation batch (default 32)")
+    ap.add_argument("--seed", type=int, default=0, help="prompt shuffle seed (default 0)")
+    ap.add_argument("--time-limit", type=float, default=None, help="seconds; no new batch starts after this")
+    ap.add_argument("--list-prompts", action="store_true", help="print the prompt list and exit")
+    args = ap.parse_args(argv)
+
+    import jax
+
+    from dflash_jax import decode
+    from dflash_jax.api import load_target
+    from dflash_jax.sampling import SamplingConfig
+    from dflash_jax.train.data import TokenDataset
+
+    prompts = build_prompts(args.seed, args.code_fraction)
+    if args.list_prompts:
+        for p in prompts[: args.num_prompts]:
+            print(json.dumps(p))
+        return 0
+    t0 = time.time()
+    target = load_target(args.target)
+    tok = target.tokenizer
+    out = Path(args.out)
+    shards = out / "shards"
+    shards.mkdir(parents=True, exist_ok=True)
+    selected, ids = [], []
+    for p in prompts:
+        if len(selected) >= args.num_prompts:
+            break
+        enc = tok.encode_chat([{"role": "user", "content": p["text"]}])
+        if len(enc) > args.prompt_cap:
+            continue
+        selected.append(p)
+        ids.append(enc)
+    with open(out / "prompts.jsonl", "w", encoding="utf-8") as f:
+        for p, e in zip(selected, ids):
+            f.write(json.dumps(dict(p, prompt_tokens=len(e))) + "\n")
+    held = held_out_prompts()
+    (out / "eval_prompts.json").write_text(json.dumps({"texts": held, "ids": [tok.encode_chat([{"role": "user", "content": t}]) for t in held]}, indent=1))
+
+    cap = args.prompt_cap + args.max_new
+    sampling = SamplingConfig()
+    nb = -(-len(ids) // args.batch_size)
+    done_tokens = 0
+    for b in range(nb):
+        path = shards / f"batch_{b:05d}.npz"
+        if path.is_file():
+            continue
+        if args.time_limit is not None and time.time() - t0 > args.time_limit:
+            print(f"time limit reached before batch {b}/{nb}", file=sys.stderr, flush=True)
+            break
+        chunk = ids[b * args.batch_size : (b + 1) * args.batch_size]
+        tb = time.time()
+        st = decode.init_state(target.cfg, chunk, cap, args.max_new, stop_ids=target.eos_ids)
+        st = decode.prefill(target.params, target.cfg, st, 32, sampling, max_prompt_len=max(len(c) for c in chunk))
+        st = decode.generate(target.params, target.cfg, st, sampling)
+        toks, length, plen = (np.asarray(a) for a in jax.device_get((st.tokens, st.length, st.prompt_len)))
+        flat = np.concatenate([toks[i, : length[i]] for i in range(len(chunk))]).astype(np.int32)
+        tmp = path.with_name(path.name + ".tmp.npz")
+        np.savez(tmp, tokens=flat, lengths=length.astype(np.int64), prompt_lens=plen.astype(np.int64))
+        os.replace(tmp, path)
+        new = int((length - plen).sum())
+        done_tokens += new
+        el = time.time() - t0
+        print(f"batch {b + 1}/{nb}: {new} new tokens in {time.time() - tb:.1f}s ({new / (time.time() - tb):.1f} tok/s); "
+              f"{el / 60:.1f} min elapsed", file=sys.stderr, flush=True)
+
+    seqs, masks, sources = [], [], []
+    for b in range(nb):
+        path = shards / f"batch_{b:05d}.npz"
+        if not path.is_file():
+            break  # a prefix of the batches: the dataset stays a prefix of the prompt list
+        z = np.load(path, allow_pickle=False)
+        off = np.concatenate([[0], np.cumsum(z["lengths"])])
+        for i in range(len(z["lengths"])):
+            s = z["tokens"][off[i] : off[i + 1]]
+            seqs.append(s)
+            masks.append(np.r_[np.zeros(z["prompt_lens"][i], np.uint8), np.ones(len(s) - z["prompt_lens"][i], np.uint8)])
+            sources.append(selected[b * args.batch_size + i]["source"])
+    meta = {
+        "recipe": "tools/make_train_data.py",
+        "command": "python " + " ".join([os.path.relpath(__file__, REPO)] + list(argv if argv is not None else sys.argv[1:])),
+        "target": str(target.source), "python": sys.version.split()[0], "seed": args.seed, "code_fraction": args.code_fraction,
+        "max_new": args.max_new, "prompt_cap": args.prompt_cap, "batch_size": args.batch_size, "decoding": "greedy",
+        "chat_template": "target tokenizer's, default system prompt, one user turn", "stop_ids": list(target.eos_ids),
+        "num_prompts_requested": args.num_prompts, "num_batches": nb,
+        "sources": {k: sum(1 for s in sources if s.startswith(k)) for k in ("stdlib", "general", "coding")},
+        "heldout": "eval_prompts.json; HumanEval never used",
+    }
+    ds = TokenDataset.from_sequences(seqs, masks, meta)
+    ds.save(out)
+    print(f"dataset: {len(ds)} sequences, {len(ds.tokens)} tokens, {int(ds.loss_mask.sum())} response tokens -> {out}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
