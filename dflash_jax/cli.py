@@ -110,6 +110,7 @@ def _json_object(text: str) -> dict:
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="dflash-jax", description="DFlash speculative decoding in JAX.")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub.add_parser("train", help="train a DFlash drafter (dflash-jax train --help)", add_help=False)
     g = sub.add_parser(
         "generate",
         help="generate text from a prompt",
@@ -304,6 +305,11 @@ def _one_line(msg: str) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Runs the command line; returns the exit code (0 ok, 2 bad input or usage)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["train"]:  # its own parser and error handling: dflash_jax.train.cli
+        from dflash_jax.train.cli import main as train_main
+
+        return train_main(argv[1:])
     parser = build_parser()
     try:
         args = parser.parse_args(argv)

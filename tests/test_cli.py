@@ -391,3 +391,11 @@ def test_default_model_matches_llamacpp_greedy(capsys):
     assert obj["prompt_ids"] == case["prompt_ids"]
     assert obj["output_ids"][:n] == case["greedy_ids"][:n]
     assert obj["stats"]["new_tokens"] == 8
+
+
+def test_train_subcommand_dispatch_and_errors(capsys, tmp_path):
+    """`dflash-jax train` reaches the trainer's CLI, with the same one-line error contract."""
+    code, out, err = run(capsys, "train", "--out", tmp_path / "o", "--mask-token-id", 16)
+    assert_one_line_error(code, out, err, "--data")
+    code, out, err = run(capsys, "train", "--data", tmp_path / "nope", "--out", tmp_path / "o", "--mask-token-id", 16)
+    assert_one_line_error(code, out, err, "nope")

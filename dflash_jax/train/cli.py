@@ -33,7 +33,9 @@ def _ids(text: str) -> tuple:
 
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of ``dflash-jax train``."""
-    ap = argparse.ArgumentParser(prog="dflash-jax train", description=__doc__.split("\n\n")[0],
+    from dflash_jax.cli import _Parser  # one-line usage errors, as `dflash-jax generate`
+
+    ap = _Parser(prog="dflash-jax train", description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__.split("\n\n", 1)[1])
     g = ap.add_argument_group("data and target")
     g.add_argument("--data", required=True, help="dataset folder (tools/make_train_data.py, TokenDataset)")
@@ -132,7 +134,15 @@ def main(argv=None) -> int:
     Args:
       argv: arguments without the program and subcommand names (default ``sys.argv[1:]``).
     """
-    args = build_parser().parse_args(argv)
+    from dflash_jax.cli import UsageError
+
+    try:
+        args = build_parser().parse_args(argv)
+    except UsageError as e:
+        print(f"error: {' '.join(str(e).split())}", file=sys.stderr, flush=True)
+        return 2
+    except SystemExit as e:  # --help
+        return int(e.code or 0) if not isinstance(e.code, str) else 2
     try:
         return _run(args, argv)
     except DFlashError as e:
