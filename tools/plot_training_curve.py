@@ -1,0 +1,36 @@
+"""Plots tau versus training tokens from a drafter's ``training_curve.csv``.
+
+    python tools/plot_training_curve.py dflash_jax/drafters/smollm2-135m-instruct/training_curve.csv
+"""
+
+from __future__ import annotations
+
+import csv
+import sys
+from pathlib import Path
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    src = Path(argv[0] if argv else Path(__file__).resolve().parents[1] / "dflash_jax/drafters/smollm2-135m-instruct/training_curve.csv")
+    out = Path(argv[1]) if len(argv) > 1 else Path(__file__).resolve().parent / "results" / "tau_curve.png"
+    rows = list(csv.DictReader(src.open()))
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    x = [int(r["supervised_seen"]) / 1e6 for r in rows]
+    fig, ax = plt.subplots(figsize=(5, 3.2))
+    ax.plot(x, [float(r["tau"]) for r in rows], marker="o", label="tau (held-out chat prompts, greedy)")
+    ax.set(xlabel="supervised training tokens seen (millions)", ylabel="tau", title=src.parent.name)
+    ax.legend()
+    fig.tight_layout()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=110)
+    print(out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
