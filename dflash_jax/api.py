@@ -179,11 +179,15 @@ class Drafter:
       cfg: static :class:`~dflash_jax.config.DrafterConfig`.
       params: parameter pytree of :mod:`dflash_jax.models.drafter`.
       source: the folder or file it was loaded from.
+      n_max: the draft depth recorded with the checkpoint (``config.json`` field
+        ``dflash_jax.n_max``, the best depth its benchmark measured), used when :func:`generate`
+        is given none; ``None``: ``block_size - 1``.
     """
 
     cfg: Any
     params: Any
     source: str = ""
+    n_max: int | None = None
 
 
 def load_drafter(path: str | os.PathLike, target: Target, dtype: str | None = None) -> Drafter:
@@ -203,16 +207,28 @@ def load_drafter(path: str | os.PathLike, target: Target, dtype: str | None = No
         from dflash_jax.io.laguna_drafter import load_laguna_drafter_gguf
 
         cfg, params = load_laguna_drafter_gguf(p, target.cfg, dtype=dtype)
+        n_max = None
     elif p.is_dir():
         from dflash_jax.io.drafter import load_drafter as _load
 
         cfg, params = _load(p, target.cfg, dtype=dtype)
+        n_max = _recorded_n_max(p / "config.json")
     elif p.exists():
         raise DFlashError(str(p), "exists but is neither a folder nor a .gguf file",
                           "a DFlash drafter checkpoint folder (config.json + safetensors) or a drafter .gguf file")
     else:
         raise DFlashError(str(p), "no such folder or .gguf file", "a DFlash drafter checkpoint")
-    return Drafter(cfg=cfg, params=params, source=str(p))
+    return Drafter(cfg=cfg, params=params, source=str(p), n_max=n_max)
+
+
+def _recorded_n_max(config_path: Path) -> int | None:
+    """``dflash_jax.n_max`` of a drafter ``config.json`` (validated against ``block_size`` on use)."""
+    from dflash_jax.config import read_json
+
+    value = (read_json(config_path).get("dflash_jax") or {}).get("n_max")
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+        raise DFlashError(f"{config_path}: field dflash_jax.n_max", f"got {value!r}", "an integer")
+    return value
 
 
 def shipped_drafter(target: Target, dtype: str | None = None) -> Drafter | None:
@@ -477,7 +493,8 @@ def generate(
         Stats then add ``tau`` (mean tokens committed per verify step, bonus included),
         ``verify_steps``, ``accepted_per_position`` (fraction of verify steps in which draft
         position ``i`` was accepted), ``drafted_tokens`` and ``accepted_tokens``.
-      n_max: drafted tokens per block (default ``block_size - 1`` of the drafter).
+      n_max: drafted tokens per block (default: the drafter's recorded ``n_max``, else its
+        ``block_size - 1``).
       draft_mode: ``"argmax"`` (default) or ``"sample"`` proposals, see
         :func:`dflash_jax.spec.propose.propose_fn`.
     Returns:
@@ -543,6 +560,7 @@ def generate(
         run_c = (decode.generate if on_tokens is None else decode.decode_step).lower(params, cfg, state, sampling).compile()
     else:
         dcfg, dparams = drafter.cfg, drafter.params
+        n_max = drafter.n_max if n_max is None else n_max
         state = spec.init_state(cfg, dcfg, prompts, max_len, int(max_new_tokens), stops, int(seed), n_max)
         weights = (params, dparams)
         chunk_c = spec.prefill_chunk.lower(params, cfg, dparams, dcfg, state, acc, jnp.int32(0), chunk).compile()

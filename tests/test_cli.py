@@ -399,3 +399,24 @@ def test_train_subcommand_dispatch_and_errors(capsys, tmp_path):
     assert_one_line_error(code, out, err, "--data")
     code, out, err = run(capsys, "train", "--data", tmp_path / "nope", "--out", tmp_path / "o", "--mask-token-id", 16)
     assert_one_line_error(code, out, err, "nope")
+
+
+def test_drafter_recorded_n_max_is_the_default_depth(capsys, hf_dir, draft_dir, tmp_path):
+    """`dflash_jax.n_max` in a drafter's config.json sets the depth when none is given."""
+    import json
+    import shutil
+
+    folder = tmp_path / "d2"
+    shutil.copytree(draft_dir, folder)
+    cfg = json.loads((folder / "config.json").read_text())
+    cfg["dflash_jax"] = {"n_max": 2}
+    (folder / "config.json").write_text(json.dumps(cfg))
+    common = ("--target", hf_dir, "--prompt-ids", "5,6,7", "--max-new-tokens", 6, "--draft", folder)
+    obj, _ = run_json(capsys, *common)
+    assert obj["stats"]["n_max"] == 2
+    obj, _ = run_json(capsys, *common, "--n-max", 3)
+    assert obj["stats"]["n_max"] == 3
+    cfg["dflash_jax"] = {"n_max": "two"}
+    (folder / "config.json").write_text(json.dumps(cfg))
+    code, out, err = run(capsys, "generate", *common)
+    assert_one_line_error(code, out, err, "dflash_jax.n_max")

@@ -28,6 +28,7 @@ from benchlib import machine, write_section  # noqa: E402
 from prompts import CHAT_PROMPTS, humaneval_chat_prompts  # noqa: E402
 
 TIE_GAP = 1e-3  # a first difference at a step whose top-2 logit gap is below this is a near-tie
+compiles = [0]  # XLA compilations inside prefill + generate of the measured runs
 
 
 def run_one(target, drafter, ids, args, n_max, greedy):
@@ -35,29 +36,33 @@ def run_one(target, drafter, ids, args, n_max, greedy):
     import jax
 
     from dflash_jax import decode
+    from dflash_jax.compile_count import count_compilations
     from dflash_jax.spec import generate as spec
 
     cfg, params = target.cfg, target.params
     out = {}
     for mode in ("plain", "dflash"):
-        if mode == "plain":
-            st = decode.init_state(cfg, [ids], args.max_len, args.max_new_tokens, target.eos_ids)
-            st = decode.prefill(params, cfg, st, args.chunk_size, greedy, max_prompt_len=len(ids))
+        with count_compilations() as compiled:  # prefill + generate only
+            if mode == "plain":
+                st = decode.init_state(cfg, [ids], args.max_len, args.max_new_tokens, target.eos_ids)
+                st = decode.prefill(params, cfg, st, args.chunk_size, greedy, max_prompt_len=len(ids))
+                jax.block_until_ready(st)
+                t0 = time.perf_counter()
+                st = decode.generate(params, cfg, st, greedy)
+            else:
+                dc, dp = drafter.cfg, drafter.params
+                st = spec.init_state(cfg, dc, [ids], args.max_len, args.max_new_tokens, target.eos_ids, n_max=n_max)
+                st = spec.prefill(params, cfg, dp, dc, st, args.chunk_size, greedy, max_prompt_len=len(ids))
+                jax.block_until_ready(st)
+                t0 = time.perf_counter()
+                st = spec.generate(params, cfg, dp, dc, st, greedy)
             jax.block_until_ready(st)
-            t0 = time.perf_counter()
-            st = decode.generate(params, cfg, st, greedy)
-        else:
-            dc, dp = drafter.cfg, drafter.params
-            st = spec.init_state(cfg, dc, [ids], args.max_len, args.max_new_tokens, target.eos_ids, n_max=n_max)
-            st = spec.prefill(params, cfg, dp, dc, st, args.chunk_size, greedy, max_prompt_len=len(ids))
-            jax.block_until_ready(st)
-            t0 = time.perf_counter()
-            st = spec.generate(params, cfg, dp, dc, st, greedy)
-        jax.block_until_ready(st)
-        dt = time.perf_counter() - t0
-        n = int(st.length[0] - st.prompt_len[0])
-        rec = dict(ids=[int(t) for t in st.tokens[0, len(ids) : len(ids) + n]],
-                   gaps=[float(g) for g in st.gaps[0, len(ids) : len(ids) + n]], seconds=dt, decode_tokens=n - 1)
+            dt = time.perf_counter() - t0
+            compiles[0] += compiled()
+        tokens, gaps, length = jax.device_get((st.tokens, st.gaps, st.length))  # slice on the host
+        n = int(length[0]) - len(ids)
+        rec = dict(ids=[int(t) for t in tokens[0, len(ids) : len(ids) + n]],
+                   gaps=[float(g) for g in gaps[0, len(ids) : len(ids) + n]], seconds=dt, decode_tokens=n - 1)
         if mode == "dflash":
             sp = jax.device_get(st.spec)
             rec.update(steps=int(sp.verify_steps[0]), committed=int(sp.committed[0]),
@@ -184,7 +189,6 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
 
     import dflash_jax as dj
-    from dflash_jax.compile_count import count_compilations
     from dflash_jax.sampling import SamplingConfig
 
     target = dj.load_target(args.target, dtype=args.dtype)
@@ -192,7 +196,7 @@ def main(argv=None) -> int:
     if drafter is None:
         print("error: no drafter ships for this target (expected --draft PATH)", file=sys.stderr)
         return 2
-    n_max = args.n_max or drafter.cfg.block_size - 1
+    n_max = args.n_max or drafter.n_max or drafter.cfg.block_size - 1
     greedy = SamplingConfig()
     texts = {}
     if "humaneval" in args.sets:
@@ -204,18 +208,18 @@ def main(argv=None) -> int:
     first = next(iter(enc.values()))[0]
     run_one(target, drafter, first, args, n_max, greedy)  # warm-up: compiles everything
     sets = []
-    with count_compilations() as compiled:
-        for name, prompts in enc.items():
-            results = []
-            for i, ids in enumerate(prompts):
-                results.append(run_one(target, drafter, ids, args, n_max, greedy))
-                r = results[-1]
-                print(f"{name} {i + 1}/{len(prompts)}: tau {r['dflash']['committed'] / max(r['dflash']['steps'], 1):.2f} "
-                      f"plain {r['plain']['decode_tokens'] / r['plain']['seconds']:.1f} tok/s "
-                      f"dflash {r['dflash']['decode_tokens'] / r['dflash']['seconds']:.1f} tok/s {compare(r['plain'], r['dflash'])}",
-                      file=sys.stderr)
-            sets.append(summarize(name, results, n_max))
-        main_compiles = compiled()
+    compiles[0] = 0
+    for name, prompts in enc.items():
+        results = []
+        for i, ids in enumerate(prompts):
+            results.append(run_one(target, drafter, ids, args, n_max, greedy))
+            r = results[-1]
+            print(f"{name} {i + 1}/{len(prompts)}: tau {r['dflash']['committed'] / max(r['dflash']['steps'], 1):.2f} "
+                  f"plain {r['plain']['decode_tokens'] / r['plain']['seconds']:.1f} tok/s "
+                  f"dflash {r['dflash']['decode_tokens'] / r['dflash']['seconds']:.1f} tok/s {compare(r['plain'], r['dflash'])}",
+                  file=sys.stderr)
+        sets.append(summarize(name, results, n_max))
+    main_compiles = compiles[0]
     sweep = []
     for n in [int(x) for x in args.sweep.split(",") if x] if args.sweep else []:
         if not 1 <= n <= drafter.cfg.block_size - 1:
@@ -263,7 +267,7 @@ Cost of one target pass over B tokens relative to one decode step (B = 1..16, 25
 takes {1000 * draft_s:.1f} ms = {draft_s / costs[0]:.2f} decode steps. A DFlash step costs about
 verify(n_max + 1) + propose decode steps and commits tau tokens.
 
-XLA compilations during the measured generations after warm-up: **{main_compiles}**.
+XLA compilations inside prefill and generate of the measured runs after warm-up: **{main_compiles}**.
 Plots: `tools/results/acceptance.png`, `tools/results/n_max_sweep.png`.
 
 Machine: {m['cpu']}, {m['cores']} cores, {m['memory']} RAM; {m['device']}; Python {m['python']}, jax {m['jax']}.
