@@ -4,6 +4,7 @@ Every test uses tiny random models. The bug-kind tests follow specs/bug_reports.
 training gotchas of specs/dflash.md 3.8.
 """
 
+import dataclasses
 import json
 import math
 import sys
@@ -19,7 +20,7 @@ from dflash_jax.testing import tiny_drafter, tiny_target
 from dflash_jax.train import objective
 from dflash_jax.train.data import Batcher, FeatureCache, TokenDataset, cache_features, target_features
 from dflash_jax.train.export import drafter_hf_config, export_drafter
-from dflash_jax.train.trainer import TrainConfig, init_train_state, latest_checkpoint, lr_schedule, train
+from dflash_jax.train.trainer import TrainConfig, latest_checkpoint, lr_schedule, train
 
 GAMMA = 7.0
 
@@ -286,6 +287,9 @@ def test_schedule_warmup_and_decay():
     assert float(lin(0)) == pytest.approx(1e-3) and float(lin(100)) == pytest.approx(1e-4)
 
 
+TC = TrainConfig(steps=40, batch_size=6, max_len=32, num_anchors=8, lr=1e-2, warmup_ratio=0.05, seed=3)
+
+
 @pytest.fixture(scope="module")
 def tiny_run(models):
     t_cfg, t_params, _, _ = models
@@ -294,34 +298,41 @@ def tiny_run(models):
     return t_cfg, t_params, d_cfg, ds
 
 
-def test_resume_is_bit_identical(tmp_path, tiny_run):
+@pytest.fixture(scope="module")
+def full_run(tmp_path_factory, tiny_run):
+    """An uninterrupted 40-step run with tau measured at the start and the end."""
     t_cfg, t_params, d_cfg, ds = tiny_run
-    tc = TrainConfig(steps=6, batch_size=4, max_len=32, num_anchors=4, lr=3e-3, warmup_ratio=0.2, seed=3)
-    batcher = Batcher(ds, 4, 32, seed=3)
-    full, s_full = train(tmp_path / "a", t_params, t_cfg, d_cfg, batcher, tc, ckpt_every=100, progress=False)
-    assert s_full["finished"] and s_full["step"] == 6
-    part, s_part = train(tmp_path / "b", t_params, t_cfg, d_cfg, batcher, tc, ckpt_every=2, stop_at=3, progress=False)
-    assert not s_part["finished"] and latest_checkpoint(tmp_path / "b" / "checkpoints").name == "step_00000003"
-    resumed, s_res = train(tmp_path / "b", t_params, t_cfg, d_cfg, Batcher(ds, 4, 32, seed=3), tc, ckpt_every=2, progress=False)
+    out = tmp_path_factory.mktemp("full")
+    losses = []
+    prompts = [ds.sequence(i)[0][:4].tolist() for i in range(3)]
+    state, summary = train(out, t_params, t_cfg, d_cfg, Batcher(ds, TC.batch_size, TC.max_len, seed=TC.seed), TC, eval_prompts=prompts,
+                           eval_max_new=16, ckpt_every=1000, progress=False, on_step=lambda s, m: losses.append(m["loss"]))
+    return out, state, summary, losses
+
+
+def test_resume_is_bit_identical(tmp_path, tiny_run, full_run):
+    t_cfg, t_params, d_cfg, ds = tiny_run
+    _, full, s_full, _ = full_run
+    assert s_full["finished"] and s_full["step"] == TC.steps
+    batcher = Batcher(ds, TC.batch_size, TC.max_len, seed=TC.seed)
+    part, s_part = train(tmp_path / "b", t_params, t_cfg, d_cfg, batcher, TC, ckpt_every=5, stop_at=17, progress=False)
+    assert not s_part["finished"] and latest_checkpoint(tmp_path / "b" / "checkpoints").name == "step_00000017"
+    resumed, s_res = train(tmp_path / "b", t_params, t_cfg, d_cfg, Batcher(ds, TC.batch_size, TC.max_len, seed=TC.seed), TC,
+                           ckpt_every=5, progress=False)
     assert s_res["finished"] and s_res["tokens_seen"] == s_full["tokens_seen"]
     for x, y in zip(jax.tree_util.tree_leaves((full.params, full.opt_state)), jax.tree_util.tree_leaves((resumed.params, resumed.opt_state))):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
     log = [json.loads(l) for l in (tmp_path / "b" / "log.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in log] == list(range(1, 7))
+    assert [r["step"] for r in log] == list(range(1, TC.steps + 1))
     with pytest.raises(ValueError, match="settings differ"):
-        train(tmp_path / "b", t_params, t_cfg, d_cfg, batcher, TrainConfig(steps=6, batch_size=4, max_len=32, num_anchors=4, lr=1e-3), progress=False)
+        train(tmp_path / "b", t_params, t_cfg, d_cfg, batcher, dataclasses.replace(TC, lr=1e-3), progress=False)
 
 
-def test_training_reduces_the_loss_and_raises_tau(tmp_path, tiny_run):
-    t_cfg, t_params, d_cfg, ds = tiny_run
-    tc = TrainConfig(steps=60, batch_size=6, max_len=32, num_anchors=8, lr=1e-2, warmup_ratio=0.05, seed=0)
-    losses = []
-    prompts = [ds.sequence(i)[0][:4].tolist() for i in range(3)]
-    state, summary = train(tmp_path / "t", t_params, t_cfg, d_cfg, Batcher(ds, 6, 32, seed=0), tc, eval_prompts=prompts,
-                           eval_max_new=16, ckpt_every=1000, progress=False, on_step=lambda s, m: losses.append(m["loss"]))
+def test_training_reduces_the_loss_and_raises_tau(full_run):
+    out, _, _, losses = full_run
     assert np.mean(losses[-5:]) < 0.6 * np.mean(losses[:5])
-    curve = json.loads((tmp_path / "t" / "tau_curve.json").read_text())
-    assert [r["step"] for r in curve] == [0, 60] and curve[-1]["tau"] > curve[0]["tau"]
+    curve = json.loads((out / "tau_curve.json").read_text())
+    assert [r["step"] for r in curve] == [0, TC.steps] and curve[-1]["tau"] > curve[0]["tau"]
 
 
 # ------------------------------------------------------------------------------ export

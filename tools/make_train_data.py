@@ -32,7 +32,6 @@ import inspect
 import json
 import os
 import random
-import re
 import sys
 import textwrap
 import time
