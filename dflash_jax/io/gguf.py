@@ -31,12 +31,12 @@ import json
 import math
 import os
 import sys
-import tempfile
 from pathlib import Path
 from typing import Any, Callable
 
 import numpy as np
 
+from dflash_jax.io.files import atomic_path
 from dflash_jax.config import RopeConfig, TargetConfig
 from dflash_jax.errors import DFlashError
 
@@ -441,17 +441,8 @@ def _write_cache(path: str, cfg: TargetConfig, params: dict) -> None:
     cpath = cache_path(path)
     meta = {"format": _CACHE_FORMAT, "source_key": _cache_key(path), "config": _cfg_to_json(cfg.with_dtype("float32"))}
     try:
-        fd, tmp = tempfile.mkstemp(prefix=cpath.name + ".", suffix=".tmp", dir=str(cpath.parent))
-        os.close(fd)
-        try:
-            save_file(_flatten(params), tmp, metadata=meta)
-            umask = os.umask(0)
-            os.umask(umask)
-            os.chmod(tmp, 0o666 & ~umask)
-            os.replace(tmp, cpath)
-        finally:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
+        with atomic_path(cpath) as tmp:
+            save_file(_flatten(params), str(tmp), metadata=meta)
     except OSError as e:  # read-only directory, full disk: loading still works, just slower next time
         print(f"dflash_jax: could not write the weight cache {cpath} ({e})", file=sys.stderr)
 

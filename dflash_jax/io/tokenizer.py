@@ -22,6 +22,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
 
+from dflash_jax.io.files import atomic_path
 from dflash_jax.errors import DFlashError
 
 # llama.cpp token types (gguf.TokenType).
@@ -120,7 +121,6 @@ def _read_tok_cache(path: str) -> "Tokenizer | None":
 
 def _write_tok_cache(path: str, tok: "Tokenizer") -> None:
     import sys
-    import tempfile
 
     from dflash_jax.io.gguf import _cache_key
 
@@ -128,17 +128,8 @@ def _write_tok_cache(path: str, tok: "Tokenizer") -> None:
     d = dict(format=_TOK_CACHE_FORMAT, source_key=_cache_key(path), tokenizer=tok._tok.to_str(), bos_token_id=tok.bos_token_id,
              eos_token_ids=list(tok.eos_token_ids), add_bos=tok.add_bos, chat_template=tok.chat_template)
     try:
-        fd, tmp = tempfile.mkstemp(prefix=cpath.name + ".", suffix=".tmp", dir=str(cpath.parent))
-        try:
-            with os.fdopen(fd, "w", encoding="utf-8") as f:
-                json.dump(d, f, ensure_ascii=False)
-            umask = os.umask(0)
-            os.umask(umask)
-            os.chmod(tmp, 0o666 & ~umask)
-            os.replace(tmp, cpath)
-        finally:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
+        with atomic_path(cpath) as tmp, open(tmp, "w", encoding="utf-8") as f:
+            json.dump(d, f, ensure_ascii=False)
     except OSError as e:
         print(f"dflash_jax: could not write the tokenizer cache {cpath} ({e})", file=sys.stderr)
 

@@ -31,6 +31,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
+from dflash_jax.io.files import atomic_path
 from dflash_jax.cache import init_capture
 from dflash_jax.config import TargetConfig
 from dflash_jax.errors import DFlashError
@@ -38,21 +39,13 @@ from dflash_jax.models.target import module_for
 
 
 def _atomic_save_npy(path: Path, arr: np.ndarray) -> None:
-    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
-    with open(tmp, "wb") as f:
+    with atomic_path(path) as tmp, open(tmp, "wb") as f:
         np.save(f, arr, allow_pickle=False)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 def _atomic_write_text(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    with atomic_path(path) as tmp:
+        tmp.write_text(text, encoding="utf-8")
 
 
 class TokenDataset:

@@ -20,6 +20,7 @@ import jax
 import ml_dtypes
 import numpy as np
 
+from dflash_jax.io.files import atomic_path
 from dflash_jax.config import DrafterConfig
 from dflash_jax.errors import DFlashError
 
@@ -62,15 +63,11 @@ def write_safetensors(path: str | os.PathLike, tensors: Mapping[str, np.ndarray]
         off += len(data)
     raw = json.dumps(header, separators=(",", ":")).encode("utf-8")
     raw += b" " * (-len(raw) % 8)
-    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
-    with open(tmp, "wb") as f:
+    with atomic_path(path) as tmp, open(tmp, "wb") as f:
         f.write(struct.pack("<Q", len(raw)))
         f.write(raw)
         for b in blobs:
             f.write(b)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
     return path
 
 
