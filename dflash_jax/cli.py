@@ -110,7 +110,6 @@ def _json_object(text: str) -> dict:
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="dflash-jax", description="DFlash speculative decoding in JAX.")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    sub.add_parser("train", help="train a DFlash drafter (dflash-jax train --help)", add_help=False)
     g = sub.add_parser(
         "generate",
         help="generate text from a prompt",
@@ -144,6 +143,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--json", action="store_true", help="print one JSON object (no streaming)")
     g.add_argument("--chat-template-kwargs", type=_json_object, default=None, metavar="JSON",
                    help='extra chat-template variables, e.g. \'{"enable_thinking": false}\'')
+    sub.add_parser("train", help="train a DFlash drafter (dflash-jax train --help)", add_help=False)
     return parser
 
 
