@@ -26,6 +26,7 @@ import dataclasses
 import math
 from typing import Any, Mapping
 
+from dflash_jax.config import _get
 from dflash_jax.errors import DFlashError
 
 LAYER_TYPES = ("full_attention", "sliding_attention")
@@ -137,15 +138,8 @@ class LagunaConfig:
 
 
 def _num(cfg: Mapping[str, Any], key: str, where: str, types, default=dataclasses.MISSING):
-    if key not in cfg or cfg[key] is None:
-        if default is dataclasses.MISSING:
-            raise DFlashError(f"{where}: field {key}", "missing", f"a value of type {' or '.join(t.__name__ for t in types)}")
-        return default
-    v = cfg[key]
-    if isinstance(v, bool) or not isinstance(v, types):
-        raise DFlashError(f"{where}: field {key}", f"got {v!r}", " or ".join(t.__name__ for t in types))
-    return v
-
+    """A typed field (bools refused), as :func:`dflash_jax.config._get`."""
+    return _get(cfg, key, where, types, default)
 
 def _pos_int(cfg, key, where, default=dataclasses.MISSING) -> int:
     v = _num(cfg, key, where, (int,), default)

@@ -195,23 +195,11 @@ def test_spec_greedy_lossless(target, draft, chunk):
 def test_scripted_rejections_across_window(target, draft, corrupt_at):
     """Drafts from the target's own greedy continuation, wrong at ``corrupt_at``: every block
     is rolled back there; blocks straddle position multiples of the window and ring size."""
-    cfg, params = target
-    dcfg, dparams = draft
+    from test_spec import scripted_run
+
     n_new = 14
-    ref = plain_greedy(target, PROMPT, n_new + dcfg.block_size)
-    full = list(PROMPT) + ref
-    st = spec.init_state(cfg, dcfg, [PROMPT], 48, n_new)
-    st = spec.prefill(params, cfg, dparams, dcfg, st, 3, GREEDY)
-    n = dcfg.block_size - 1
-    accepts = []
-    while not bool(st.done[0]):
-        length = int(st.length[0])
-        drafts = [full[length + i] if length + i < len(full) else 0 for i in range(n)]
-        if corrupt_at is not None:
-            drafts[corrupt_at] = (drafts[corrupt_at] + 1) % cfg.vocab_size
-        before = int(st.spec.accepted[0])
-        st = spec.verify(params, cfg, dparams, dcfg, st, jnp.asarray([drafts], jnp.int32))
-        accepts.append(int(st.spec.accepted[0]) - before)
+    st, accepts, ref = scripted_run(target, draft, PROMPT, n_new, corrupt_at=corrupt_at, max_len=48)
+    n = draft[0].block_size - 1
     assert [int(t) for t in np.asarray(st.tokens[0, len(PROMPT) : int(st.length[0])])] == ref[:n_new]
     if corrupt_at is not None:
         assert all(a <= corrupt_at for a in accepts) and accepts[0] == corrupt_at

@@ -19,22 +19,12 @@ TEMPLATE = (
 )
 
 
-def _bytes_to_unicode() -> dict[int, str]:
-    keep = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
-    out, n = {}, 0
-    for b in range(256):
-        if b in keep:
-            out[b] = chr(b)
-        else:
-            out[b] = chr(256 + n)
-            n += 1
-    return out
-
-
 def write_tokenizer(folder: Path) -> None:
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
-    alphabet = _bytes_to_unicode()
+    from test_tokenizer import byte_alphabet
+
+    alphabet = dict(enumerate(byte_alphabet()))
     vocab = {alphabet[b]: b for b in range(256)}
     tok = Tokenizer(models.BPE(vocab=vocab, merges=[], fuse_unk=False))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
