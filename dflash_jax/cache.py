@@ -54,6 +54,14 @@ def write_rows(buf: jnp.ndarray, rows: jnp.ndarray, index: jnp.ndarray) -> jnp.n
     return buf.at[b, index].set(rows.astype(buf.dtype), mode="drop")
 
 
+def write_layer_rows(buf: jnp.ndarray, layer, rows: jnp.ndarray, index: jnp.ndarray) -> jnp.ndarray:
+    """Scatters ``rows[b, t]`` into ``buf[layer, b, index[b, t]]`` (stacked ``[L, B, S, ...]``
+    cache); indices outside the capacity are dropped. ``layer`` is a traced int32 scalar, so the
+    scatter updates the carried stack in place inside a layer scan."""
+    b = jnp.arange(buf.shape[1])[:, None]
+    return buf.at[layer, b, index].set(rows.astype(buf.dtype), mode="drop")
+
+
 @struct.dataclass
 class Capture:
     """Hidden states of chosen target layers, written at ``positions - base`` of each row.

@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from dflash_jax.cache import Capture, KVCache, write_rows
+from dflash_jax.cache import Capture, KVCache, write_layer_rows, write_rows
 from dflash_jax.config import TargetConfig
 from dflash_jax.nn.attention import causal_mask, gqa_attention, swiglu
 from dflash_jax.nn.norms import rms_norm
@@ -110,8 +110,9 @@ def lm_head(params: Params, cfg: TargetConfig, hidden: jnp.ndarray) -> jnp.ndarr
     return jnp.einsum("...h,vh->...v", hidden, params["embed"], preferred_element_type=jnp.float32)
 
 
-def _layer(cfg: TargetConfig, inv_freq, x, lp, k_cache, v_cache, positions):
-    """One decoder layer over ``x [B,T,H]``; writes this layer's K/V rows into the cache slices."""
+def _layer(cfg: TargetConfig, inv_freq, x, lp, k_all, v_all, positions, layer):
+    """One decoder layer over ``x [B,T,H]``; writes this layer's K/V rows into the stacked cache
+    ``[L, B, S, Hkv, D]`` in place at index ``layer`` (carried through the scan, never copied)."""
     b, t, _ = x.shape
     D, hq, hkv = cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads
     h = rms_norm(x, lp["attn_norm"], cfg.rms_norm_eps)
@@ -124,8 +125,9 @@ def _layer(cfg: TargetConfig, inv_freq, x, lp, k_cache, v_cache, positions):
         k = rms_norm(k, lp["k_norm"], cfg.rms_norm_eps)
     q = apply_rope(q, positions, inv_freq)
     k = apply_rope(k, positions, inv_freq)
-    k_cache = write_rows(k_cache, k, positions)
-    v_cache = write_rows(v_cache, v, positions)
+    k_all = write_layer_rows(k_all, layer, k, positions)
+    v_all = write_layer_rows(v_all, layer, v, positions)
+    k_cache, v_cache = k_all[layer], v_all[layer]
     mask = causal_mask(positions, k_cache.shape[1])
     a = gqa_attention(q, k_cache, v_cache, mask).reshape(b, t, hq * D) @ lp["wo"]
     if cfg.o_bias:
@@ -133,7 +135,7 @@ def _layer(cfg: TargetConfig, inv_freq, x, lp, k_cache, v_cache, positions):
     x = x + a
     h = rms_norm(x, lp["mlp_norm"], cfg.rms_norm_eps)
     x = x + swiglu(h, lp["w_gate"], lp["w_up"], lp["w_down"], lp.get("b_gate"), lp.get("b_up"), lp.get("b_down"))
-    return x, k_cache, v_cache
+    return x, k_all, v_all
 
 
 def forward_hidden(
@@ -166,14 +168,15 @@ def forward_hidden(
         slot_of, cap = jnp.zeros((n_layers,), jnp.int32), jnp.zeros((1, 1, 1, 1), x.dtype)
 
     def body(carry, xs):
-        x, cap = carry
-        lp, kc, vc, slot = xs
-        x, kc, vc = _layer(cfg, inv_freq, x, lp, kc, vc, positions)
+        x, cap, k_all, v_all = carry
+        lp, slot, i = xs
+        x, k_all, v_all = _layer(cfg, inv_freq, x, lp, k_all, v_all, positions, i)
         if capture is not None:
             cap = lax.dynamic_update_index_in_dim(cap, x, slot, 0)
-        return (x, cap), (kc, vc)
+        return (x, cap, k_all, v_all), None
 
-    (x, cap), (k_new, v_new) = lax.scan(body, (x, cap), (params["layers"], cache.k, cache.v, slot_of))
+    layer_ids = jnp.arange(n_layers, dtype=jnp.int32)
+    (x, cap, k_new, v_new), _ = lax.scan(body, (x, cap, cache.k, cache.v), (params["layers"], slot_of, layer_ids))
     new_len = jnp.minimum(jnp.maximum(cache.length, positions[:, -1] + 1), cache.capacity)
     cache = KVCache(k=k_new, v=v_new, length=new_len.astype(jnp.int32))
     if capture is not None:
