@@ -38,6 +38,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from dflash_jax import decode
+from dflash_jax import draft_vocab as dv
 from dflash_jax.spec import generate as spec
 from dflash_jax.config import TargetConfig
 from dflash_jax.errors import DFlashError
@@ -190,13 +191,16 @@ class Drafter:
     n_max: int | None = None
 
 
-def load_drafter(path: str | os.PathLike, target: Target, dtype: str | None = None) -> Drafter:
+def load_drafter(path: str | os.PathLike, target: Target, dtype: str | None = None, draft_vocab: bool = True) -> Drafter:
     """Loads a DFlash drafter for ``target`` (z-lab folder, or a Laguna drafter GGUF file).
 
     Args:
       path: drafter checkpoint folder (``config.json`` + safetensors) or ``.gguf`` file.
       target: the target it drafts for; the drafter is checked against it.
       dtype: parameter dtype (default: the target's).
+      draft_vocab: draft over the reduced vocabulary stored with the checkpoint
+        (``draft_vocab.safetensors``, :mod:`dflash_jax.draft_vocab`) when there is one;
+        ``False`` drafts over the target's whole vocabulary.
     Raises:
       DFlashError: a missing path, bad config fields, tensors, or a drafter that does not fit
         the target (the message names the file and field).
@@ -213,6 +217,9 @@ def load_drafter(path: str | os.PathLike, target: Target, dtype: str | None = No
 
         cfg, params = _load(p, target.cfg, dtype=dtype)
         n_max = _recorded_n_max(p / "config.json")
+        ids = dv.load(p, cfg.vocab_size) if draft_vocab else None
+        if ids is not None:
+            cfg, params = dv.attach(cfg, params, target.params, ids)
     elif p.exists():
         raise DFlashError(str(p), "exists but is neither a folder nor a .gguf file",
                           "a DFlash drafter checkpoint folder (config.json + safetensors) or a drafter .gguf file")

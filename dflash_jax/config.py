@@ -235,6 +235,9 @@ class DrafterConfig:
     per-capture aux norms, context through each layer's input norm, and a softplus output gate
     ``gate`` = ``"head"`` or ``"element"`` (``gating_explicit``: named by the config, so a
     contradicting ``g_proj`` width is refused).
+
+    ``draft_vocab_size``: 0 drafts over the target's whole vocabulary; ``Vd > 0`` over the
+    ``Vd`` ids in the params' ``draft_ids`` (see :mod:`dflash_jax.draft_vocab`).
     """
 
     hidden_size: int
@@ -260,6 +263,7 @@ class DrafterConfig:
     architecture: str = "DFlashDraftModel"
     gate: str = ""
     gating_explicit: bool = False
+    draft_vocab_size: int = 0
     dtype: str = "float32"
 
     def with_dtype(self, dtype: str) -> "DrafterConfig":

@@ -41,7 +41,7 @@ def param_shapes(cfg: DrafterConfig) -> dict:
     """Expected shape of every drafter parameter, as a pytree shaped like the params
     (dispatches to :mod:`dflash_jax.models.laguna_drafter` for Laguna drafters)."""
     if _laguna(cfg):
-        return _laguna(cfg).param_shapes(cfg)
+        return _with_draft_vocab(cfg, _laguna(cfg).param_shapes(cfg), (cfg.draft_vocab_size,), (cfg.hidden_size, cfg.draft_vocab_size))
     L, H, I = cfg.num_hidden_layers, cfg.hidden_size, cfg.intermediate_size
     qd, kd, D = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim, cfg.head_dim
     layers = {
@@ -51,20 +51,27 @@ def param_shapes(cfg: DrafterConfig) -> dict:
     }
     if cfg.attention_bias:
         layers.update(bq=(L, qd), bk=(L, kd), bv=(L, kd), bo=(L, H))
-    return {"fc": (len(cfg.target_layer_ids) * H, H), "hidden_norm": (H,), "norm": (H,), "layers": layers}
+    shapes = {"fc": (len(cfg.target_layer_ids) * H, H), "hidden_norm": (H,), "norm": (H,), "layers": layers}
+    return _with_draft_vocab(cfg, shapes, (cfg.draft_vocab_size,), (H, cfg.draft_vocab_size))
+
+
+def _with_draft_vocab(cfg: DrafterConfig, tree: dict, ids, head) -> dict:
+    """Adds the reduced-vocabulary leaves ``draft_ids`` / ``draft_head`` when the config has them."""
+    return dict(tree, draft_ids=ids, draft_head=head) if cfg.draft_vocab_size else tree
 
 
 def param_axes(cfg: DrafterConfig) -> dict:
     """Logical axis names of every drafter parameter leaf."""
     if _laguna(cfg):
-        return _laguna(cfg).param_axes(cfg)
+        return _with_draft_vocab(cfg, _laguna(cfg).param_axes(cfg), ("draft_vocab",), ("embed", "draft_vocab"))
     from dflash_jax.models.dense import _AXES  # same leaf names as the dense target
 
     shapes = param_shapes(cfg)
-    return {
+    axes = {
         "fc": ("features", "embed"), "hidden_norm": ("embed",), "norm": ("embed",),
         "layers": {k: _AXES[k] for k in shapes["layers"]},
     }
+    return _with_draft_vocab(cfg, axes, ("draft_vocab",), ("embed", "draft_vocab"))
 
 
 def init_params(cfg: DrafterConfig, key: jax.Array, scale: float = 0.02) -> dict:
@@ -74,6 +81,9 @@ def init_params(cfg: DrafterConfig, key: jax.Array, scale: float = 0.02) -> dict
     keys = jax.random.split(key, len(flat))
     out = []
     for (path, shape), k in zip(flat, keys):
+        if str(path[-1].key) == "draft_ids":
+            out.append(jnp.arange(shape[0], dtype=jnp.int32))
+            continue
         x = jax.random.normal(k, shape, jnp.float32)
         x = 1.0 + 0.1 * x if "norm" in str(path[-1].key) else scale * x
         out.append(x.astype(cfg.dtype))
@@ -193,10 +203,31 @@ def forward(
     return rms_norm(x, params["norm"], cfg.rms_norm_eps)
 
 
-def logits(target_params: dict, target_cfg: TargetConfig, cfg: DrafterConfig, hidden: jnp.ndarray) -> jnp.ndarray:
-    """Draft logits ``[..., V]`` float32 through the target's LM head, with the drafter's
-    ``output_multiplier`` and optional tanh soft-cap (z-lab ``compute_logits``)."""
-    out = module_for(target_cfg).lm_head(target_params, target_cfg, hidden) * cfg.output_multiplier
+def logits(target_params: dict, target_cfg: TargetConfig, cfg: DrafterConfig, hidden: jnp.ndarray, params: dict | None = None) -> jnp.ndarray:
+    """Draft logits float32 through the target's LM head, with the drafter's
+    ``output_multiplier`` and optional tanh soft-cap (z-lab ``compute_logits``).
+
+    Returns ``[..., V]``, or ``[..., Vd]`` over the draft vocabulary when
+    ``cfg.draft_vocab_size`` is set (then ``params`` must carry ``draft_head``; map indices
+    back to target ids with :func:`draft_token_ids`).
+    """
+    if cfg.draft_vocab_size:
+        return head_logits(cfg, hidden, params["draft_head"])
+    return _finish_logits(cfg, module_for(target_cfg).lm_head(target_params, target_cfg, hidden))
+
+
+def head_logits(cfg: DrafterConfig, hidden: jnp.ndarray, head: jnp.ndarray) -> jnp.ndarray:
+    """Draft logits ``[..., N]`` float32 through ``head [H, N]`` (columns of the target head)."""
+    return _finish_logits(cfg, jnp.einsum("...h,hv->...v", hidden, head.astype(hidden.dtype), preferred_element_type=jnp.float32))
+
+
+def draft_token_ids(params: dict, cfg: DrafterConfig, index: jnp.ndarray) -> jnp.ndarray:
+    """Target token ids of draft-logit indices (the identity without a draft vocabulary)."""
+    return (jnp.take(params["draft_ids"], index) if cfg.draft_vocab_size else index).astype(jnp.int32)
+
+
+def _finish_logits(cfg: DrafterConfig, out: jnp.ndarray) -> jnp.ndarray:
+    out = out * cfg.output_multiplier
     if cfg.final_logit_softcapping > 0:
         cap = cfg.final_logit_softcapping
         out = jnp.tanh(out / cap) * cap

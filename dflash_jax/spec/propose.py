@@ -40,7 +40,8 @@ def propose_fn(
       key: PRNG key for ``"sample"``.
     Returns:
       ``(drafts [B, W-1] int32, q [B, W-1, V] float32 or None)``; ``q`` is the proposal
-      distribution when it is not one-hot.
+      distribution when it is not one-hot (zero outside a draft vocabulary, when the drafter
+      has one).
     """
     if draft_mode not in DRAFT_MODES:
         raise ValueError(f"draft_mode must be one of {DRAFT_MODES}, got {draft_mode!r}")
@@ -49,8 +50,11 @@ def propose_fn(
     b = anchor.shape[0]
     block = jnp.concatenate([anchor, jnp.full((b, width - 1), cfg_d.mask_token_id, jnp.int32)], axis=1)
     hidden = drafter.forward(params_d, cfg_d, params_t, cfg_t, block, positions, state.spec.ctx_k, state.spec.ctx_v, start, block_len)
-    lg = drafter.logits(params_t, cfg_t, cfg_d, hidden[:, 1:])
+    lg = drafter.logits(params_t, cfg_t, cfg_d, hidden[:, 1:], params_d)
     if sampling.greedy or draft_mode == "argmax":
-        return jnp.argmax(lg, axis=-1).astype(jnp.int32), None
-    drafts = jax.random.categorical(key, warp_logits(lg, sampling), axis=-1).astype(jnp.int32)
-    return drafts, probabilities(lg, sampling)
+        return drafter.draft_token_ids(params_d, cfg_d, jnp.argmax(lg, axis=-1)), None
+    drafts = drafter.draft_token_ids(params_d, cfg_d, jax.random.categorical(key, warp_logits(lg, sampling), axis=-1))
+    q = probabilities(lg, sampling)
+    if cfg_d.draft_vocab_size:  # no proposal mass outside the draft vocabulary
+        q = jnp.zeros(q.shape[:-1] + (cfg_d.vocab_size,), q.dtype).at[..., params_d["draft_ids"]].set(q)
+    return drafts, q

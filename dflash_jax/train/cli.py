@@ -21,6 +21,7 @@ import sys
 import time
 from pathlib import Path
 
+from dflash_jax import draft_vocab
 from dflash_jax.errors import DFlashError
 
 
@@ -59,6 +60,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--max-len", type=int, default=512, help="padded sequence length; longer sequences are truncated")
     g.add_argument("--num-anchors", type=int, default=32, help="blocks per sequence (default 32)")
     g.add_argument("--gamma", type=float, default=None, help="loss decay (default 7 for block 16, 5 for 10, 4 for 8)")
+    g.add_argument("--draft-vocab", type=int, default=0,
+                   help="train and draft over the N tokens most frequent in the responses (default 0: the whole vocabulary)")
     g.add_argument("--lr", type=float, default=6e-4)
     g.add_argument("--warmup-ratio", type=float, default=0.04)
     g.add_argument("--decay", choices=("cosine", "linear", "constant"), default="cosine")
@@ -164,7 +167,7 @@ def _run(args, argv) -> int:
     if (ds.tokens == cfg.mask_token_id).any():
         print(f"warning: the mask token id {cfg.mask_token_id} occurs in the data", file=sys.stderr)
     gamma = args.gamma if args.gamma is not None else default_gamma(cfg.block_size)
-    tc = TrainConfig(steps=args.steps, batch_size=args.batch_size, max_len=args.max_len, num_anchors=args.num_anchors, gamma=gamma,
+    tc = TrainConfig(steps=args.steps, batch_size=args.batch_size, max_len=args.max_len, num_anchors=args.num_anchors, gamma=gamma, draft_vocab=args.draft_vocab,
                      lr=args.lr, warmup_ratio=args.warmup_ratio, decay=args.decay, final_lr_ratio=args.final_lr_ratio,
                      weight_decay=args.weight_decay, grad_clip=args.grad_clip, compute_dtype=args.dtype, seed=args.seed)
     features = None
@@ -198,7 +201,11 @@ def _run(args, argv) -> int:
             "dataset_sequences": len(batcher), "tokens_seen": summary["tokens_seen"], "steps": summary["step"],
             "train_seconds": summary["seconds"], "tau_eval": tau.get("tau"), "gamma": gamma,
         }}
-        folder = export_drafter(args.export or out / "drafter", cfg, state.params, args.export_dtype, extra)
+        ids = summary["draft_ids"]
+        if ids is not None:
+            extra["dflash_jax"]["draft_vocab"] = {"size": len(ids), "file": draft_vocab.FILE_NAME,
+                                                  "response_coverage": round(draft_vocab.coverage(ids, ds.tokens, ds.loss_mask), 5)}
+        folder = export_drafter(args.export or out / "drafter", cfg, state.params, args.export_dtype, extra, draft_ids=ids)
         write_training_curve(out, folder / "training_curve.csv")
         print(f"exported the drafter to {folder}", file=sys.stderr)
     return 0

@@ -20,6 +20,7 @@ import jax
 import ml_dtypes
 import numpy as np
 
+from dflash_jax import draft_vocab
 from dflash_jax.io.files import atomic_path
 from dflash_jax.config import DrafterConfig
 from dflash_jax.errors import DFlashError
@@ -177,7 +178,8 @@ def drafter_tensors(cfg: DrafterConfig, params: dict, dtype: str = "bfloat16") -
     return out
 
 
-def export_drafter(folder: str | os.PathLike, cfg: DrafterConfig, params: dict, dtype: str = "bfloat16", extra: Mapping | None = None) -> Path:
+def export_drafter(folder: str | os.PathLike, cfg: DrafterConfig, params: dict, dtype: str = "bfloat16", extra: Mapping | None = None,
+                   draft_ids=None) -> Path:
     """Writes ``config.json`` and ``model.safetensors`` into ``folder`` (created; files replaced
     atomically).
 
@@ -185,6 +187,8 @@ def export_drafter(folder: str | os.PathLike, cfg: DrafterConfig, params: dict, 
       cfg, params: the drafter (:mod:`dflash_jax.models.drafter` pytree, any float dtype).
       dtype: stored dtype, ``"bfloat16"`` (default), ``"float16"`` or ``"float32"``.
       extra: provenance fields for ``config.json`` (see :func:`drafter_hf_config`).
+      draft_ids: optional ``[Vd]`` draft vocabulary, written to ``draft_vocab.safetensors``
+        (:mod:`dflash_jax.draft_vocab`); without it a stale file of an earlier export is removed.
     Returns:
       the folder path. Size: about ``2 * num_params`` bytes in bfloat16.
     """
@@ -194,6 +198,10 @@ def export_drafter(folder: str | os.PathLike, cfg: DrafterConfig, params: dict, 
     folder.mkdir(parents=True, exist_ok=True)
     hf = drafter_hf_config(cfg, dtype, extra)
     write_safetensors(folder / "model.safetensors", drafter_tensors(cfg, params, dtype), {"format": "pt"})
+    if draft_ids is not None:
+        draft_vocab.save(folder, draft_vocab.check_ids(draft_ids, cfg.vocab_size, "draft_ids"))
+    else:
+        (folder / draft_vocab.FILE_NAME).unlink(missing_ok=True)
     tmp = folder / f"config.json.tmp{os.getpid()}"
     tmp.write_text(json.dumps(hf, indent=2) + "\n", encoding="utf-8")
     os.replace(tmp, folder / "config.json")

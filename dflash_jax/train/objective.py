@@ -28,6 +28,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from dflash_jax import draft_vocab
 from dflash_jax.config import DrafterConfig, TargetConfig
 from dflash_jax.models import drafter
 
@@ -146,6 +147,7 @@ def loss_terms(
     anchors: jnp.ndarray,
     block_valid: jnp.ndarray,
     gamma: float,
+    draft_ids: jnp.ndarray | None = None,
 ) -> dict:
     """Per-block sums of the weighted cross-entropy (no normalisation; pure, differentiable).
 
@@ -155,6 +157,9 @@ def loss_terms(
       tokens: ``[B, S]`` int32; loss_mask: ``[B, S]`` (0 on prompt and padding);
       features: ``[B, S, K*H]`` captured target features; anchors, block_valid: ``[B, N]``.
       gamma: position-decay constant (``specs/dflash.md`` 3.6; 7 for block size 16).
+      draft_ids: optional ``[Vd]`` sorted token ids (:mod:`dflash_jax.draft_vocab`): the softmax
+        runs over these columns of the target head only; a label outside them gets no
+        cross-entropy weight and counts as a miss for ``correct`` and ``accept``.
     Returns:
       dict of float32 arrays: ``ce [B, N]`` (sum of ``w * CE`` per block), ``weight [B, N]``
       (sum of ``w``), ``correct [B, N]`` (sum of ``w * [argmax == label]``), ``accept [B, N]``
@@ -165,22 +170,30 @@ def loss_terms(
     blk, pos = block_inputs(tokens, anchors, w, cfg.mask_token_id)
     labels, weights = block_targets(tokens, loss_mask, anchors, block_valid, w, gamma)
     hidden = block_hidden(params, cfg, target_params, target_cfg, features.astype(cfg.dtype), blk, pos, anchors)
-    lg = drafter.logits(target_params, target_cfg, cfg, hidden[:, :, 1:])  # slot 0 never has a loss
-    lab, wt = labels[:, :, 1:], weights[:, :, 1:]
+    lab, wt = labels[:, :, 1:], weights[:, :, 1:]  # slot 0 never has a loss
+    if draft_ids is None:
+        lg = drafter.logits(target_params, target_cfg, cfg, hidden[:, :, 1:])
+        ce_wt = wt
+    else:
+        head = jax.lax.stop_gradient(draft_vocab.head_columns(target_params, draft_ids))
+        lg = drafter.head_logits(cfg, hidden[:, :, 1:], head)
+        to_draft = jnp.full((cfg.vocab_size,), -1, jnp.int32).at[draft_ids].set(jnp.arange(draft_ids.shape[0], dtype=jnp.int32))
+        lab = to_draft[lab]  # -1: not in the draft vocabulary
+        ce_wt = jnp.where(lab >= 0, wt, 0.0)
     lse = jax.nn.logsumexp(lg, axis=-1)
-    picked = jnp.take_along_axis(lg, lab[..., None], axis=-1)[..., 0]
+    picked = jnp.take_along_axis(lg, jnp.maximum(lab, 0)[..., None], axis=-1)[..., 0]
     ce = lse - picked
     hit = (jnp.argmax(lg, axis=-1) == lab) & (wt > 0)
     return {
-        "ce": jnp.sum(wt * ce, axis=-1),
-        "weight": jnp.sum(wt, axis=-1),
+        "ce": jnp.sum(ce_wt * ce, axis=-1),
+        "weight": jnp.sum(ce_wt, axis=-1),
         "correct": jnp.sum(wt * hit, axis=-1),
         "accept": jnp.sum(jnp.cumprod(hit, axis=-1), axis=-1).astype(jnp.float32),
         "slots": ce,
     }
 
 
-def dflash_loss(params, cfg, target_params, target_cfg, tokens, loss_mask, features, anchors, block_valid, gamma: float):
+def dflash_loss(params, cfg, target_params, target_cfg, tokens, loss_mask, features, anchors, block_valid, gamma: float, draft_ids=None):
     """The DFlash loss ``sum(w * CE) / sum(w)`` over the batch and scalar metrics.
 
     Args: as :func:`loss_terms`.
@@ -189,7 +202,7 @@ def dflash_loss(params, cfg, target_params, target_cfg, tokens, loss_mask, featu
       ``ce_sum``, ``weight_sum``, ``acc`` (weighted argmax accuracy), ``accept_len`` (mean
       greedy acceptance length of the valid blocks, bonus token excluded), ``blocks``.
     """
-    t = loss_terms(params, cfg, target_params, target_cfg, tokens, loss_mask, features, anchors, block_valid, gamma)
+    t = loss_terms(params, cfg, target_params, target_cfg, tokens, loss_mask, features, anchors, block_valid, gamma, draft_ids)
     ce, wsum = jnp.sum(t["ce"]), jnp.sum(t["weight"])
     denom = jnp.maximum(wsum, 1e-9)
     nblk = jnp.sum(block_valid)

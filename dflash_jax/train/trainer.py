@@ -37,6 +37,7 @@ import optax
 from flax import struct
 
 from dflash_jax.config import DrafterConfig, TargetConfig
+from dflash_jax import draft_vocab
 from dflash_jax.errors import DFlashError
 from dflash_jax.models import drafter
 from dflash_jax.train import objective
@@ -58,6 +59,9 @@ class TrainConfig:
       num_anchors: blocks per sequence (``specs/dflash.md`` 3.3; ``~ S / block_size`` covers
         every position once per step on average).
       gamma: loss position decay (3.6; 7 for block size 16).
+      draft_vocab: 0 trains over the target's whole vocabulary; ``Vd > 0`` over the ``Vd``
+        tokens most frequent in the data's responses (:mod:`dflash_jax.draft_vocab`), which the
+        exported drafter then drafts over.
       lr: peak learning rate; warmup_ratio: fraction of ``steps`` of linear warmup from 0;
       decay: ``"cosine"``, ``"linear"`` or ``"constant"`` after warmup, down to
       ``lr * final_lr_ratio``.
@@ -73,6 +77,7 @@ class TrainConfig:
     max_len: int = 512
     num_anchors: int = 32
     gamma: float = 7.0
+    draft_vocab: int = 0
     lr: float = 6e-4
     warmup_ratio: float = 0.04
     decay: str = "cosine"
@@ -147,9 +152,10 @@ def _compute(params, cfg: DrafterConfig, tc: TrainConfig):
     return jax.tree_util.tree_map(lambda p: p.astype(dt), params), cfg.with_dtype(tc.compute_dtype)
 
 
-def batch_loss(params, cfg: DrafterConfig, target_params, target_cfg: TargetConfig, tc: TrainConfig, batch: dict, key):
+def batch_loss(params, cfg: DrafterConfig, target_params, target_cfg: TargetConfig, tc: TrainConfig, batch: dict, key, draft_ids=None):
     """Anchors from ``key``, features from the batch (or recomputed by the frozen target), then
-    :func:`dflash_jax.train.objective.dflash_loss`. Returns ``(loss, metrics)``."""
+    :func:`dflash_jax.train.objective.dflash_loss` (over ``draft_ids`` when given). Returns
+    ``(loss, metrics)``."""
     tokens, mask = batch["tokens"], batch["loss_mask"]
     feats = batch.get("features")
     if feats is None:
@@ -157,11 +163,11 @@ def batch_loss(params, cfg: DrafterConfig, target_params, target_cfg: TargetConf
     anchors, valid = objective.sample_anchors(key, mask, tc.num_anchors)
     p, c = _compute(params, cfg, tc)
     tp = jax.lax.stop_gradient(target_params)
-    return objective.dflash_loss(p, c, tp, target_cfg, tokens, mask, feats, anchors, valid, tc.gamma)
+    return objective.dflash_loss(p, c, tp, target_cfg, tokens, mask, feats, anchors, valid, tc.gamma, draft_ids)
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "target_cfg", "tc"), donate_argnames=("state",))
-def train_step(state: TrainState, target_params, batch: dict, cfg: DrafterConfig, target_cfg: TargetConfig, tc: TrainConfig):
+def train_step(state: TrainState, target_params, batch: dict, cfg: DrafterConfig, target_cfg: TargetConfig, tc: TrainConfig, draft_ids=None):
     """One optimizer step (jitted; ``state`` donated).
 
     Args:
@@ -169,12 +175,13 @@ def train_step(state: TrainState, target_params, batch: dict, cfg: DrafterConfig
       target_params: the frozen target pytree (never differentiated).
       batch: ``tokens [B, S]`` int32, ``loss_mask [B, S]`` float32 and optionally cached
         ``features [B, S, K*H]`` (recomputed with the target when absent).
+      draft_ids: ``[Vd]`` int32 draft vocabulary (``tc.draft_vocab`` ids) or ``None``.
     Returns:
       ``(state, metrics)``: metrics are float32 scalars ``loss``, ``acc``, ``accept_len``,
       ``grad_norm``, ``lr``, ``weight_sum``, ``blocks``.
     """
     rng, key = jax.random.split(state.rng)
-    (loss, m), grads = jax.value_and_grad(batch_loss, has_aux=True)(state.params, cfg, target_params, target_cfg, tc, batch, key)
+    (loss, m), grads = jax.value_and_grad(batch_loss, has_aux=True)(state.params, cfg, target_params, target_cfg, tc, batch, key, draft_ids)
     updates, opt_state = make_optimizer(tc).update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
     metrics = dict(m, loss=loss, grad_norm=_global_norm(grads), lr=lr_schedule(tc)(state.step))
@@ -284,10 +291,12 @@ def evaluate_tau(
     stop_ids: Sequence[int] = (),
     n_max: int | None = None,
     chunk_size: int = 128,
+    draft_ids=None,
 ) -> dict:
     """Greedy DFlash speculative decoding of ``prompts`` (one batch) and its acceptance.
 
-    Uses :mod:`dflash_jax.spec.generate` (the inference path), drafter in float32.
+    Uses :mod:`dflash_jax.spec.generate` (the inference path), drafter in float32, drafting over
+    ``draft_ids`` when given.
 
     Returns:
       dict: ``tau`` (mean tokens committed per verify step, bonus included: the paper's
@@ -299,6 +308,8 @@ def evaluate_tau(
 
     cfg32 = cfg.with_dtype("float32")
     p32 = jax.tree_util.tree_map(lambda a: jnp.asarray(a, jnp.float32), params)
+    if draft_ids is not None:
+        cfg32, p32 = draft_vocab.attach(cfg32, p32, target_params, draft_ids)
     t0 = time.time()
     max_len = max(len(p) for p in prompts) + int(max_new_tokens)
     st = spec.init_state(target_cfg, cfg32, [list(p) for p in prompts], max_len, int(max_new_tokens), stop_ids, 0, n_max)
@@ -403,7 +414,7 @@ def train(
       on_step: called with ``(step, metrics)`` after every step (host floats).
     Returns:
       ``(state, summary)``: summary has ``step``, ``finished`` (bool), ``seconds``,
-      ``tokens_seen`` and the last metrics and tau.
+      ``tokens_seen``, the last metrics and tau, and ``draft_ids`` (``[Vd]`` int32 or ``None``).
     Raises:
       DFlashError: settings that differ from the checkpointed run's.
     """
@@ -425,6 +436,10 @@ def train(
     else:
         _write_json_atomic(run_file, {"signature": sig, "created": time.strftime("%Y-%m-%d %H:%M:%S")})
 
+    draft_ids = None
+    if tc.draft_vocab:
+        ds = batcher.dataset
+        draft_ids = jnp.asarray(draft_vocab.most_frequent(ds.tokens, ds.loss_mask, tc.draft_vocab, cfg.vocab_size))
     state = init_train_state(cfg, tc)
     ck = latest_checkpoint(ckpt_dir)
     meta: dict = {"tokens_seen": 0, "supervised_seen": 0, "seconds": 0.0}
@@ -456,7 +471,7 @@ def train(
     def do_eval(step):
         if not eval_prompts:
             return None
-        r = evaluate_tau(target_params, target_cfg, state.params, cfg, eval_prompts, eval_max_new, stop_ids)
+        r = evaluate_tau(target_params, target_cfg, state.params, cfg, eval_prompts, eval_max_new, stop_ids, draft_ids=draft_ids)
         r.update(step=step, tokens_seen=tokens_seen, supervised_seen=sup_seen)
         tau_curve.append(r)
         _write_json_atomic(tau_path, tau_curve)
@@ -476,7 +491,7 @@ def train(
             b = batcher.batch(step)
             lengths = b.pop("lengths")
             t0 = time.time()
-            state, m = train_step(state, target_params, b, cfg, target_cfg, tc)
+            state, m = train_step(state, target_params, b, cfg, target_cfg, tc, draft_ids)
             m = {k: float(v) for k, v in jax.device_get(m).items()}
             dt = time.time() - t0
             tokens_seen += int(lengths.sum())
@@ -514,5 +529,6 @@ def train(
         for sgn, h in old_handlers.items():
             signal.signal(sgn, h)
     summary = {"step": int(state.step), "finished": bool(finished), "seconds": round(seconds0 + time.time() - t_start, 1),
-               "tokens_seen": tokens_seen, "supervised_seen": sup_seen, "last": metrics, "tau": last_tau}
+               "tokens_seen": tokens_seen, "supervised_seen": sup_seen, "last": metrics, "tau": last_tau,
+               "draft_ids": None if draft_ids is None else np.asarray(draft_ids)}
     return state, summary
