@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from dflash_jax import draft_vocab
 from dflash_jax.models import drafter
 from dflash_jax.testing import tiny_drafter, tiny_target
 from dflash_jax.train import objective
@@ -393,10 +394,13 @@ def test_cli_trains_resumes_and_exports(tmp_path, capsys):
     target = make_tiny_hf(tmp_path / "target")
     rs = np.random.RandomState(0)
     seqs = [rs.randint(0, 256, rs.randint(12, 30)).tolist() for _ in range(6)]
-    TokenDataset.from_sequences(seqs, [[0] * 4 + [1] * (len(s) - 4) for s in seqs]).save(tmp_path / "data")
+    ds = TokenDataset.from_sequences(seqs, [[0] * 4 + [1] * (len(s) - 4) for s in seqs])
+    ds.save(tmp_path / "data")
+    (tmp_path / "eval.json").write_text(json.dumps({"ids": [seqs[0][:6]]}))
     argv = ["--data", str(tmp_path / "data"), "--out", str(tmp_path / "run"), "--target", str(target), "--mask-token-id", "258",
             "--layers", "1", "--target-layer-ids", "0,1", "--block-size", "4", "--steps", "4", "--batch-size", "2",
-            "--max-len", "32", "--num-anchors", "4", "--ckpt-every", "2", "--no-progress"]
+            "--max-len", "32", "--num-anchors", "4", "--ckpt-every", "2", "--no-progress", "--draft-vocab", "48",
+            "--eval-prompts", str(tmp_path / "eval.json"), "--eval-max-new", "6"]
     assert main(argv + ["--stop-at", "2"]) == 0
     assert not (tmp_path / "run" / "drafter").exists()
     assert main(argv) == 0
@@ -405,7 +409,13 @@ def test_cli_trains_resumes_and_exports(tmp_path, capsys):
     t_cfg, _ = load_hf_target(target)
     cfg, _ = load_drafter(tmp_path / "run" / "drafter", t_cfg)
     assert cfg.target_layer_ids == (0, 1) and cfg.mask_token_id == 258 and cfg.block_size == 4
-    assert json.loads((tmp_path / "run" / "drafter" / "config.json").read_text())["dflash_jax"]["steps"] == 4
+    recorded = json.loads((tmp_path / "run" / "drafter" / "config.json").read_text())["dflash_jax"]
+    assert recorded["steps"] == 4 and recorded["draft_vocab"]["size"] == 48
+    ids = draft_vocab.load(tmp_path / "run" / "drafter", t_cfg.vocab_size)
+    np.testing.assert_array_equal(ids, draft_vocab.most_frequent(ds.tokens, ds.loss_mask, 48, t_cfg.vocab_size))
+    assert recorded["draft_vocab"]["response_coverage"] == round(draft_vocab.coverage(ids, ds.tokens, ds.loss_mask), 5) < 1.0
+    tau = json.loads((tmp_path / "run" / "tau_curve.json").read_text())
+    assert [r["step"] for r in tau] == [0, 4] and all(r["verify_steps"] > 0 for r in tau)  # evaluated over the draft vocabulary
     assert (tmp_path / "run" / "drafter" / "training_curve.csv").read_text().startswith("step,tokens_seen")
     bad = [("999" if a == "258" else a) for a in argv]
     assert main(bad) == 2  # outside the vocabulary: one-line error
