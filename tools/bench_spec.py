@@ -241,9 +241,12 @@ def main(argv=None) -> int:
     pos = "\n".join(f"| {s['name']} | " + " | ".join(f"{x:.2f}" for x in s["per_pos"]) + " |" for s in sets)
     sweep_rows = "\n".join(f"| {n} | {s['tau']:.2f} | {s['plain_tps']:.1f} | {s['spec_tps']:.1f} | {s['speedup']:.2f}x |" for n, s in sweep)
     cost_row = " | ".join(f"{c / costs[0]:.2f}" for c in costs)
+    dc = drafter.cfg
+    vocab = f"draft vocabulary {dc.draft_vocab_size}" if dc.draft_vocab_size else "full draft vocabulary"
     body = f"""## DFlash vs plain decoding: {Path(target.source).name}, {args.dtype}, drafter `{Path(drafter.source).name}`
 
-`{cmd.strip()}` ({date}); greedy, {args.max_new_tokens} new tokens, batch 1, n_max {n_max}, capacity {args.max_len}.
+`{cmd.strip()}` ({date}); greedy, {args.max_new_tokens} new tokens, batch 1, n_max {n_max}, capacity {args.max_len};
+drafter: {dc.num_hidden_layers} layers, block size {dc.block_size}, {vocab}.
 Plain and DFlash runs alternate prompt by prompt in one process; decode time excludes prefill and compilation.
 
 | prompts | n | tau | plain tok/s | DFlash tok/s | speedup | outputs equal / near-tie / mismatch |
