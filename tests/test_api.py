@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import os
-from pathlib import Path
+import subprocess
+import sys
 
 import jax
 import numpy as np
@@ -178,13 +179,16 @@ def test_split_stop(hf_dir):
         api.split_stop(tok, [""])
 
 
-def test_compile_cache_is_on_by_default():
-    if os.environ.get("JAX_COMPILATION_CACHE_DIR") or os.environ.get("DFLASH_JAX_NO_COMPILE_CACHE", "") not in ("", "0"):
-        pytest.skip("compile cache configured by the environment")
-    from dflash_jax.assets import cache_dir
-
-    assert dj.compile_cache_dir() == cache_dir() / "jax_cache"
-    assert Path(jax.config.jax_compilation_cache_dir) == dj.compile_cache_dir()
+def test_compile_cache_is_on_by_default(tmp_path):
+    # A fresh interpreter without the test session's own cache folder (conftest.py).
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("JAX_COMPILATION_CACHE", "JAX_PERSISTENT_CACHE", "DFLASH_JAX_NO_COMPILE"))}
+    env["DFLASH_JAX_CACHE"] = str(tmp_path)
+    code = "import jax, dflash_jax as dj; print(jax.config.jax_compilation_cache_dir); print(dj.compile_cache_dir())"
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout.split()
+    assert out == [str(tmp_path / "jax_cache")] * 2
+    env["DFLASH_JAX_NO_COMPILE_CACHE"] = "1"
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout.split()
+    assert out[0] in ("None", "")
 
 
 @pytest.mark.parametrize(
