@@ -1,15 +1,17 @@
-"""Test set-up: CPU, float32, a persistent compilation cache shared by all tests of this run.
+"""Test set-up: CPU, float32, a persistent compilation cache of this test session's own.
 
-The cache lives in a fresh folder per test session (inherited by the CLI and notebook
-subprocesses through ``JAX_COMPILATION_CACHE_DIR``), never in the user's cache: a test run then
-never loads executables written by another process, such as a training job running meanwhile
-(XLA:CPU once aborted while deserialising one under such concurrent use).
+The cache lives in a fresh folder per session (inherited by the CLI and notebook subprocesses
+through ``JAX_COMPILATION_CACHE_DIR``) and is removed at exit, so a test run is self-contained:
+it neither reads nor fills the user's cache.
 """
 
 import atexit
+import gc
 import os
 import shutil
 import tempfile
+
+import pytest
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=1")
@@ -22,3 +24,16 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
 import jax  # noqa: E402
 
 jax.config.update("jax_default_matmul_precision", "highest")
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _release_compiled_programs():
+    """Drops JAX's compiled programs after each test module.
+
+    Every XLA:CPU executable keeps memory mappings of its own; a whole-suite run in one process
+    otherwise reaches the kernel's per-process mapping limit (``vm.max_map_count``, 65530 by
+    default) and LLVM aborts with "Cannot allocate memory" late in the run.
+    """
+    yield
+    jax.clear_caches()
+    gc.collect()
