@@ -1,0 +1,63 @@
+"""The drafter shipped for the default target: it loads in our loader and in the z-lab reference,
+its recorded settings hold, and speculative decoding with it is lossless and accepts drafts."""
+
+from __future__ import annotations
+
+import json
+
+import jax
+import numpy as np
+import pytest
+
+import dflash_jax as dj
+from dflash_jax import draft_vocab
+from dflash_jax.assets import shipped_drafter_path
+
+pytestmark = pytest.mark.slow
+
+PROMPTS = [
+    "Write a Python function that returns the sum of the squares of a list of numbers.",
+    "Explain what a hash table is in two sentences.",
+]
+
+
+@pytest.fixture(scope="module")
+def pair():
+    target = dj.load_target()
+    folder = shipped_drafter_path(target.source)
+    assert folder is not None, "no drafter ships for the default target"
+    return target, folder, dj.shipped_drafter(target)
+
+
+def test_recorded_settings(pair):
+    target, folder, drafter = pair
+    config = json.loads((folder / "config.json").read_text())
+    recorded = config["dflash_jax"]
+    assert drafter.cfg.block_size == config["dflash_config"]["block_size"]
+    assert 1 <= drafter.n_max == recorded["n_max"] <= drafter.cfg.block_size - 1
+    ids = draft_vocab.load(folder, target.cfg.vocab_size)
+    assert ids is not None and drafter.cfg.draft_vocab_size == len(ids) == recorded["draft_vocab"]["size"]
+    np.testing.assert_array_equal(np.asarray(drafter.params["draft_head"]), np.asarray(target.params["lm_head"])[:, ids])
+    assert target.tokenizer.decode([drafter.cfg.mask_token_id]) == recorded["mask_token"]
+    assert drafter.cfg.mask_token_id not in ids.tolist()  # never a draft
+
+
+def test_loads_in_the_zlab_reference(pair):
+    zlab = pytest.importorskip("dflash.model")
+    target, folder, drafter = pair
+    ref = zlab.DFlashDraftModel.from_pretrained(str(folder))
+    assert ref.block_size == drafter.cfg.block_size and ref.mask_token_id == drafter.cfg.mask_token_id
+    assert list(ref.target_layer_ids) == list(drafter.cfg.target_layer_ids)
+    w = ref.state_dict()["fc.weight"].float().numpy()  # [out, in]
+    np.testing.assert_array_equal(w.T, np.asarray(drafter.params["fc"]))
+
+
+def test_lossless_and_accepts_drafts(pair):
+    target, _, drafter = pair
+    for text in PROMPTS:
+        ids = dj.encode_prompt(target, text)
+        spec = dj.generate(target, [ids], max_new_tokens=48, drafter=drafter)
+        plain = dj.generate(target, [ids], max_new_tokens=48)
+        assert spec.output_ids == plain.output_ids
+        assert spec.stats["accepted_tokens"] > 0, f"no draft accepted for {text!r}"
+    jax.clear_caches()
