@@ -222,7 +222,8 @@ def head_logits(cfg: DrafterConfig, hidden: jnp.ndarray, head: jnp.ndarray) -> j
 
 
 def draft_token_ids(params: dict, cfg: DrafterConfig, index: jnp.ndarray) -> jnp.ndarray:
-    """Target token ids of draft-logit indices (the identity without a draft vocabulary)."""
+    """Target token ids of draft-logit indices: ``index [...]`` int -> ``[...]`` int32
+    (``draft_ids[index]``; the identity without a draft vocabulary)."""
     return (jnp.take(params["draft_ids"], index) if cfg.draft_vocab_size else index).astype(jnp.int32)
 
 
