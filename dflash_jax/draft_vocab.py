@@ -68,7 +68,7 @@ def check_ids(ids, vocab_size: int, where: str) -> np.ndarray:
 
 def save(folder: str | os.PathLike, ids) -> Path:
     """Writes ``<folder>/draft_vocab.safetensors`` (``draft_ids [Vd]`` int32) atomically."""
-    from dflash_jax.train.export import write_safetensors
+    from dflash_jax.io.files import write_safetensors
 
     return write_safetensors(Path(folder) / FILE_NAME, {TENSOR_NAME: np.asarray(ids, np.int32)}, {"format": "pt"})
 

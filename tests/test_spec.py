@@ -321,37 +321,39 @@ def _chi2_threshold(df, z=3.29):  # Wilson-Hilferty, upper 0.9995 quantile
 def test_sampled_tokens_follow_target_distribution(mode, sampling):
     """Chi-square of (t1, t2, t3) over many independent rows against the exact enumerated target
     distribution, on an 8-token vocabulary (two of three tokens come from a verify step)."""
-    from dflash_jax.models import dense
-    from dflash_jax.sampling import probabilities
-
     cfg, params = tiny_target("llama", seed=11, vocab_size=8, scale=0.5)
     d = tiny_drafter(cfg, seed=1, block_size=4, layer_ids=(0, 2), scale=0.5)
     prompt = [1, 5, 2]
     n = 6000
     st = run_spec((cfg, params), d, [prompt] * n, 3, chunk=4, max_len=8, sampling=sampling, seed=123, mode=mode)
-    toks = np.asarray(st.tokens[:, 3:6])
     assert (np.asarray(st.length) == 6).all()
     assert int(np.asarray(st.spec.accepted).sum()) > n // 10, "the drafter should get some tokens accepted"
-    # exact joint distribution by enumeration
+    assert_follows_target(cfg, params, prompt, sampling, np.asarray(st.tokens[:, 3:6]))
+
+
+def assert_follows_target(cfg, params, prompt, sampling, toks):
+    """Chi-square test of sampled continuations ``toks [n, 3]`` of ``prompt`` against the target's
+    exact joint distribution of its next three tokens (enumerated; vocabulary of 8). Returns the
+    joint ``[8, 8, 8]``."""
+    from dflash_jax.models import dense
+    from dflash_jax.sampling import probabilities
+
+    n = len(toks)
     seqs = np.array([[*prompt, a, b] for a in range(8) for b in range(8)], np.int32)
     logits, _, _ = dense.forward(params, cfg, jnp.asarray(seqs), jnp.broadcast_to(jnp.arange(5), seqs.shape), dense.init_cache(cfg, 64, 8))
     p = np.asarray(probabilities(logits, sampling))
-    p1 = p[0, 2]
-    p2 = p[::8, 3]  # [a, b]
-    p3 = p[:, 4].reshape(8, 8, 8)
-    joint = p1[:, None, None] * p2[:, :, None] * p3
+    joint = p[0, 2][:, None, None] * p[::8, 3][:, :, None] * p[:, 4].reshape(8, 8, 8)  # p(t1) p(t2 | t1) p(t3 | t1 t2)
     counts = np.zeros((8, 8, 8))
-    np.add.at(counts, tuple(toks.T), 1)
-    exp = joint.ravel() * n
-    obs = counts.ravel()
+    np.add.at(counts, tuple(np.asarray(toks).T), 1)
+    exp, obs = joint.ravel() * n, counts.ravel()
     assert obs[exp == 0].sum() == 0, "a token outside the sampling support was emitted"
-    big = exp >= 5
+    big, small = exp >= 5, (exp < 5) & (exp > 0)
     chi2 = ((obs[big] - exp[big]) ** 2 / exp[big]).sum()
-    rest_o, rest_e = obs[~big & (exp > 0)].sum(), exp[~big & (exp > 0)].sum()
-    if rest_e > 0:
-        chi2 += (rest_o - rest_e) ** 2 / rest_e
-    df = int(big.sum()) + (rest_e > 0) - 1
+    if exp[small].sum() > 0:
+        chi2 += (obs[small].sum() - exp[small].sum()) ** 2 / exp[small].sum()
+    df = int(big.sum()) + int(exp[small].sum() > 0) - 1
     assert chi2 < _chi2_threshold(df), (chi2, df)
+    return joint
 
 
 def test_no_compilation_during_generation_after_warmup(target):

@@ -21,7 +21,7 @@ from dflash_jax.testing import tiny_drafter, tiny_target
 from dflash_jax.train import objective
 from dflash_jax.train.data import Batcher, FeatureCache, TokenDataset, cache_features, target_features
 from dflash_jax.train.export import drafter_hf_config, export_drafter
-from dflash_jax.train.trainer import TrainConfig, latest_checkpoint, lr_schedule, train
+from dflash_jax.train.trainer import TrainConfig, latest_checkpoint, lr_schedule, params_fingerprint, train
 
 GAMMA = 7.0
 
@@ -276,6 +276,26 @@ def test_dataset_roundtrip_features_and_batches(tmp_path, models):
     assert sorted(ids[:6]) == sorted(ids[6:]) == list(range(6)) and b1.cursor(2) == {"sample": 8, "epoch": 1, "offset": 2}
 
 
+def test_grown_dataset_reuses_cached_rows(tmp_path, models):
+    """Rebuilding the cache for a dataset that keeps some sequences (in another order) and adds
+    others copies the kept rows and computes only the new ones; every row equals a fresh cache's."""
+    t_cfg, t_params, d_cfg, _ = models
+    a, b = greedy_dataset(t_cfg, t_params, n=5, seed=1), greedy_dataset(t_cfg, t_params, n=3, seed=2)
+    ids = d_cfg.target_layer_ids
+    cache_features(t_params, t_cfg, a, ids, tmp_path / "feat", tokens_per_batch=64, round_to=8, progress=False)
+    keep = [3, 0, 4]  # sequences of ``a`` kept, reordered, then all of ``b``
+    rows = [a.sequence(i) for i in keep] + [b.sequence(i) for i in range(len(b))]
+    grown = TokenDataset.from_sequences([t for t, _ in rows], [m for _, m in rows])
+    fc = cache_features(t_params, t_cfg, grown, ids, tmp_path / "feat", tokens_per_batch=64, round_to=8, progress=False)
+    assert fc.meta["reused_tokens"] == int(sum(a.lengths[i] for i in keep)) > 0
+    fresh = cache_features(t_params, t_cfg, grown, ids, tmp_path / "fresh", tokens_per_batch=64, round_to=8, progress=False)
+    assert fresh.meta["reused_tokens"] == 0
+    np.testing.assert_allclose(np.asarray(fc.features, np.float32), np.asarray(fresh.features, np.float32), rtol=1e-2, atol=1e-2)
+    assert FeatureCache.load(tmp_path / "feat", grown, ids).meta["dataset"] == grown.fingerprint()
+    other = cache_features(t_params, t_cfg, grown, ids[:1], tmp_path / "feat", tokens_per_batch=64, round_to=8, progress=False)
+    assert other.meta["reused_tokens"] == 0  # other layer ids: nothing to reuse
+
+
 # ------------------------------------------------------------------------------ trainer
 
 
@@ -334,6 +354,26 @@ def test_training_reduces_the_loss_and_raises_tau(full_run):
     assert np.mean(losses[-5:]) < 0.6 * np.mean(losses[:5])
     curve = json.loads((out / "tau_curve.json").read_text())
     assert [r["step"] for r in curve] == [0, TC.steps] and curve[-1]["tau"] > curve[0]["tau"]
+
+
+def test_continue_from_trained_weights(tmp_path, tiny_run, full_run):
+    """``init_params`` starts a run from a trained drafter: its step-0 tau is the trained
+    drafter's final tau, the weights are part of the run's signature, wrong shapes are refused."""
+    t_cfg, t_params, d_cfg, ds = tiny_run
+    out, full, _, _ = full_run
+    prompts = [ds.sequence(i)[0][:4].tolist() for i in range(3)]
+    tc = dataclasses.replace(TC, steps=3)
+    batcher = Batcher(ds, tc.batch_size, tc.max_len, seed=tc.seed)
+    _, s = train(tmp_path / "c", t_params, t_cfg, d_cfg, batcher, tc, eval_prompts=prompts, eval_max_new=16, progress=False,
+                 init_params=full.params)
+    curve = json.loads((tmp_path / "c" / "tau_curve.json").read_text())
+    assert s["finished"] and curve[0]["tau"] == json.loads((out / "tau_curve.json").read_text())[-1]["tau"]
+    assert json.loads((tmp_path / "c" / "run.json").read_text())["signature"]["init"] == params_fingerprint(full.params)
+    with pytest.raises(ValueError, match=r"settings differ from the checkpointed run.s \(init\)"):
+        train(tmp_path / "c", t_params, t_cfg, d_cfg, batcher, tc, progress=False)
+    bad = dict(full.params, fc=full.params["fc"][:, :-1])
+    with pytest.raises(ValueError, match=r"\['fc'\] is"):
+        train(tmp_path / "d", t_params, t_cfg, d_cfg, batcher, tc, progress=False, init_params=bad)
 
 
 # ------------------------------------------------------------------------------ export
@@ -420,3 +460,13 @@ def test_cli_trains_resumes_and_exports(tmp_path, capsys):
     bad = [("999" if a == "258" else a) for a in argv]
     assert main(bad) == 2  # outside the vocabulary: one-line error
     assert "mask_token_id" in capsys.readouterr().err
+    # continue the exported drafter in a new run: it starts where the first run ended
+    more = [("run2" if a == str(tmp_path / "run") else a) for a in argv]
+    more[more.index("run2")] = str(tmp_path / "run2")
+    assert main(more + ["--init-from", str(tmp_path / "run" / "drafter"), "--steps", "2"]) == 0
+    tau2 = json.loads((tmp_path / "run2" / "tau_curve.json").read_text())
+    assert tau2[0]["tau"] == pytest.approx(tau[-1]["tau"], abs=0.15)  # bfloat16 export of the same weights
+    assert json.loads((tmp_path / "run2" / "drafter" / "config.json").read_text())["dflash_jax"]["init_from"]["steps"] == 4
+    capsys.readouterr()
+    assert main(more + ["--init-from", str(tmp_path / "run" / "drafter"), "--target-layer-ids", "1,0", "--out", str(tmp_path / "r3")]) == 2
+    assert "config.json: target_layer_ids (0, 1)" in capsys.readouterr().err

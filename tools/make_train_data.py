@@ -6,7 +6,9 @@ Recipe (deterministic; recorded in ``<out>/meta.json``; ``specs/dflash.md`` 3.1)
   - code prompts from the Python standard library: public functions and methods with a
     docstring in a fixed list of modules, asked in several fixed templates (complete the
     function from its signature and docstring in a code block, as the HumanEval benchmark asks;
-    write it from a description; explain it with an example; write tests);
+    write it from a description; explain it with an example; write tests); round 1 asks each
+    function once, round 2 (appended after everything else, so older prompt lists stay a prefix)
+    asks it again in another template, ``complete`` where round 1 used another;
   - general instructions: fixed templates x fixed topics;
   - shuffled with ``random.Random(seed)``; prompts equal to a held-out evaluation prompt (ours,
     and ``tools/prompts.py``'s chat set) are dropped. HumanEval is never read;
@@ -14,7 +16,8 @@ Recipe (deterministic; recorded in ``<out>/meta.json``; ``specs/dflash.md`` 3.1)
   prompt rendered with its chat template (default system prompt), batched with
   ``dflash_jax.decode`` (one compiled shape: ``--prompt-cap + --max-new`` slots), stopping at
   the tokenizer's end-of-generation ids (the stop token is kept);
-* stored as token ids (prompt + response) with ``loss_mask`` 1 on the response
+* stored as token ids (prompt + response) with ``loss_mask`` 1 on the response, each distinct
+  sequence once (a few prompts coincide: one method inherited by several classes)
   (:class:`dflash_jax.train.data.TokenDataset`), plus ``prompts.jsonl`` and ``eval_prompts.json``
   (held-out, never trained on).
 
@@ -32,6 +35,7 @@ import inspect
 import json
 import os
 import random
+import re
 import sys
 import textwrap
 import time
@@ -160,6 +164,7 @@ def _functions(modname: str):
                 sig = str(inspect.signature(f))
             except (TypeError, ValueError):
                 continue
+            sig = re.sub(r" at 0x[0-9a-fA-F]+", "", sig)  # default values' reprs hold memory addresses
             if len(sig) > 120:
                 continue
             out.append((modname, qual, fname, sig, doc))
@@ -171,14 +176,21 @@ def _stub(name: str, sig: str, doc: str) -> str:
     return f'def {name}{sig}:\n    """\n{body}\n    """\n'
 
 
-def code_prompts(modules, rng: random.Random) -> list[dict]:
-    out = []
+def code_prompts(modules, rng: random.Random, rng2: random.Random) -> tuple[list[dict], list[dict]]:
+    """Two rounds of prompts over the documented functions of ``modules``: round 1 asks each
+    function in one template drawn from :data:`CODE_TEMPLATES` with ``rng``; round 2 asks it
+    again, as the HumanEval benchmark does (``complete``) when round 1 did not, otherwise in
+    another template drawn with ``rng2`` (a generator of its own, so round 1 does not change)."""
+    first, second = [], []
     for modname in modules:
         for module, qual, name, sig, doc in _functions(modname):
+            fields = dict(stub=_stub(name, sig, doc), name=name, sig=sig, summary=_summary(doc), module=module, qual=qual)
             kind, tmpl = CODE_TEMPLATES[rng.randrange(len(CODE_TEMPLATES))]
-            text = tmpl.format(stub=_stub(name, sig, doc), name=name, sig=sig, summary=_summary(doc), module=module, qual=qual)
-            out.append({"source": f"stdlib:{qual}", "kind": kind, "text": text})
-    return out
+            first.append({"source": f"stdlib:{qual}", "kind": kind, "text": tmpl.format(**fields)})
+            others = [t for t in CODE_TEMPLATES if t[0] != kind]
+            kind2, tmpl2 = CODE_TEMPLATES[0] if kind != "complete" else others[rng2.randrange(len(others))]
+            second.append({"source": f"stdlib:{qual}", "kind": kind2, "text": tmpl2.format(**fields)})
+    return first, second
 
 
 def general_prompts() -> list[dict]:
@@ -200,10 +212,11 @@ def held_out_prompts() -> list[str]:
 def build_prompts(seed: int, code_fraction: float) -> list[dict]:
     """The full deterministic prompt list (shuffled), held-out prompts removed."""
     rng = random.Random(seed)
-    code = code_prompts(TRAIN_MODULES, rng)
+    code, code2 = code_prompts(TRAIN_MODULES, rng, random.Random(seed + 1))
     general = general_prompts()
     rng.shuffle(code)
     rng.shuffle(general)
+    rng.shuffle(code2)
     # interleave to the requested code fraction, so any prefix of the list has the same mix
     out, ci, gi = [], 0, 0
     while ci < len(code) or gi < len(general):
@@ -214,6 +227,7 @@ def build_prompts(seed: int, code_fraction: float) -> list[dict]:
         else:
             out.append(general[gi])
             gi += 1
+    out += code2  # appended, so the round-1 list stays a prefix of the whole list
     banned = {p.strip().lower() for p in held_out_prompts()}
     try:
         sys.path.insert(0, str(REPO / "tools"))
@@ -225,6 +239,17 @@ def build_prompts(seed: int, code_fraction: float) -> list[dict]:
     finally:
         sys.path.pop(0)
     return [p for p in out if p["text"].strip().lower() not in banned]
+
+
+def _shard_answers(path: Path, chunk: list[list[int]]) -> bool:
+    """Whether the generation shard at ``path`` holds one sequence per prompt of ``chunk``, each
+    starting with that prompt's token ids (a shard kept from a run with other settings does not)."""
+    z = np.load(path, allow_pickle=False)
+    if len(z["lengths"]) != len(chunk):
+        return False
+    off = np.concatenate([[0], np.cumsum(z["lengths"])])
+    return all(int(z["prompt_lens"][i]) == len(p) and np.array_equal(z["tokens"][off[i] : off[i] + len(p)], p)
+               for i, p in enumerate(chunk))
 
 
 def main(argv=None) -> int:
@@ -245,6 +270,7 @@ def main(argv=None) -> int:
 
     from dflash_jax import decode
     from dflash_jax.api import load_target
+    from dflash_jax.io.files import atomic_path
     from dflash_jax.sampling import SamplingConfig
     from dflash_jax.train.data import TokenDataset
 
@@ -280,36 +306,42 @@ def main(argv=None) -> int:
     done_tokens = 0
     for b in range(nb):
         path = shards / f"batch_{b:05d}.npz"
+        chunk = ids[b * args.batch_size : (b + 1) * args.batch_size]
         if path.is_file():
-            continue
+            if _shard_answers(path, chunk):
+                continue
+            print(f"batch {b + 1}/{nb}: {path} holds other prompts (another --num-prompts, --batch-size or recipe); "
+                  "generating it again", file=sys.stderr, flush=True)
         if args.time_limit is not None and time.time() - t0 > args.time_limit:
             print(f"time limit reached before batch {b}/{nb}", file=sys.stderr, flush=True)
             break
-        chunk = ids[b * args.batch_size : (b + 1) * args.batch_size]
         tb = time.time()
         st = decode.init_state(target.cfg, chunk, cap, args.max_new, stop_ids=target.eos_ids)
         st = decode.prefill(target.params, target.cfg, st, 32, sampling, max_prompt_len=max(len(c) for c in chunk))
         st = decode.generate(target.params, target.cfg, st, sampling)
         toks, length, plen = (np.asarray(a) for a in jax.device_get((st.tokens, st.length, st.prompt_len)))
         flat = np.concatenate([toks[i, : length[i]] for i in range(len(chunk))]).astype(np.int32)
-        tmp = path.with_name(path.name + ".tmp.npz")
-        np.savez(tmp, tokens=flat, lengths=length.astype(np.int64), prompt_lens=plen.astype(np.int64))
-        os.replace(tmp, path)
+        with atomic_path(path) as tmp, open(tmp, "wb") as f:
+            np.savez(f, tokens=flat, lengths=length.astype(np.int64), prompt_lens=plen.astype(np.int64))
         new = int((length - plen).sum())
         done_tokens += new
         el = time.time() - t0
         print(f"batch {b + 1}/{nb}: {new} new tokens in {time.time() - tb:.1f}s ({new / (time.time() - tb):.1f} tok/s); "
               f"{el / 60:.1f} min elapsed", file=sys.stderr, flush=True)
 
-    seqs, masks, sources = [], [], []
+    seqs, masks, sources, seen, dropped = [], [], [], set(), 0
     for b in range(nb):
         path = shards / f"batch_{b:05d}.npz"
-        if not path.is_file():
+        if not path.is_file() or not _shard_answers(path, ids[b * args.batch_size : (b + 1) * args.batch_size]):
             break  # a prefix of the batches: the dataset stays a prefix of the prompt list
         z = np.load(path, allow_pickle=False)
         off = np.concatenate([[0], np.cumsum(z["lengths"])])
         for i in range(len(z["lengths"])):
             s = z["tokens"][off[i] : off[i + 1]]
+            if s.tobytes() in seen:  # a prompt asked twice (one method inherited by several classes): kept once
+                dropped += 1
+                continue
+            seen.add(s.tobytes())
             seqs.append(s)
             masks.append(np.r_[np.zeros(z["prompt_lens"][i], np.uint8), np.ones(len(s) - z["prompt_lens"][i], np.uint8)])
             sources.append(selected[b * args.batch_size + i]["source"])
@@ -319,7 +351,7 @@ def main(argv=None) -> int:
         "target": str(target.source), "python": sys.version.split()[0], "seed": args.seed, "code_fraction": args.code_fraction,
         "max_new": args.max_new, "prompt_cap": args.prompt_cap, "batch_size": args.batch_size, "decoding": "greedy",
         "chat_template": "target tokenizer's, default system prompt, one user turn", "stop_ids": list(target.eos_ids),
-        "num_prompts_requested": args.num_prompts, "num_batches": nb,
+        "num_prompts_requested": args.num_prompts, "num_batches": nb, "duplicates_dropped": dropped,
         "sources": {k: sum(1 for s in sources if s.startswith(k)) for k in ("stdlib", "general", "coding")},
         "heldout": "eval_prompts.json; HumanEval never used",
     }

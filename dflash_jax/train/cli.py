@@ -54,6 +54,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--block-size", type=int, default=16, help="training block size (default 16)")
     g.add_argument("--intermediate-size", type=int, default=None, help="MLP width (default: the target's)")
     g.add_argument("--causal", action="store_true", help="causal attention inside the block (default bidirectional)")
+    g.add_argument("--init-from", default=None, metavar="DRAFTER",
+                   help="start from this drafter's weights (z-lab folder) instead of random ones, e.g. to continue "
+                        "a shipped drafter on more data; its layers, taps, MLP width and mask id must equal this run's")
     g = ap.add_argument_group("optimisation (specs/dflash.md 3.7)")
     g.add_argument("--steps", type=int, default=1000)
     g.add_argument("--batch-size", type=int, default=8, help="sequences per step (default 8)")
@@ -119,6 +122,34 @@ def drafter_config_for(target_cfg, layers: int, layer_ids, mask_token_id: int, b
     return cfg
 
 
+def init_weights(path, target_cfg, cfg):
+    """Float32 weights of the drafter at ``path`` (z-lab folder) to start training ``cfg`` from.
+
+    Raises:
+      DFlashError: a drafter that does not load for the target, or whose layers, captured target
+        layers, MLP width or mask token id differ from ``cfg``'s (names the field and both values).
+    """
+    from dflash_jax.io.drafter import load_drafter
+
+    got, params = load_drafter(path, target_cfg, dtype="float32")
+    for field, flag in (("num_hidden_layers", "--layers"), ("target_layer_ids", "--target-layer-ids"),
+                        ("intermediate_size", "--intermediate-size"), ("mask_token_id", "--mask-token-id")):
+        if getattr(got, field) != getattr(cfg, field):
+            raise DFlashError(f"{path}/config.json", f"{field} {getattr(got, field)}",
+                              f"{getattr(cfg, field)} ({flag} of this run); pass the drafter's value")
+    return params
+
+
+def _init_record(path) -> dict:
+    """What an exported drafter records about the drafter it was continued from."""
+    p = Path(path)
+    try:
+        rec = json.loads((p / "config.json").read_text(encoding="utf-8")).get("dflash_jax", {})
+    except (OSError, ValueError):
+        rec = {}
+    return {"drafter": p.name, "dataset": rec.get("dataset"), "steps": rec.get("steps"), "tokens_seen": rec.get("tokens_seen")}
+
+
 def load_eval_prompts(path, tokenizer) -> list[list[int]]:
     """Evaluation prompts from a JSON file: ``{"ids": [[...], ...]}``, ``{"texts": [...]}`` or a
     list of strings (texts are rendered with the target's chat template as one user turn)."""
@@ -163,6 +194,7 @@ def _run(args, argv) -> int:
     target = load_target(args.target)
     cfg = drafter_config_for(target.cfg, args.layers, args.target_layer_ids, args.mask_token_id, args.block_size,
                              args.intermediate_size, args.causal)
+    init_params = init_weights(args.init_from, target.cfg, cfg) if args.init_from else None
     ds = TokenDataset.load(args.data)
     if (ds.tokens == cfg.mask_token_id).any():
         print(f"warning: the mask token id {cfg.mask_token_id} occurs in the data", file=sys.stderr)
@@ -188,7 +220,7 @@ def _run(args, argv) -> int:
     state, summary = train(out, target.params, target.cfg, cfg, batcher, tc, eval_prompts=eval_prompts, eval_max_new=args.eval_max_new,
                            eval_every=args.eval_every, stop_ids=target.eos_ids, ckpt_every=args.ckpt_every, keep=args.keep,
                            time_limit=None if args.time_limit is None else args.time_limit * 60.0, stop_at=args.stop_at,
-                           progress=not args.no_progress)
+                           progress=not args.no_progress, init_params=init_params)
     tau = summary.get("tau") or {}
     print(f"step {summary['step']}/{tc.steps} ({'finished' if summary['finished'] else 'paused'}); "
           f"{summary['tokens_seen']} tokens seen; loss {summary['last'].get('loss')}; tau {tau.get('tau')}; "
@@ -201,6 +233,8 @@ def _run(args, argv) -> int:
             "dataset_sequences": len(batcher), "tokens_seen": summary["tokens_seen"], "steps": summary["step"],
             "train_seconds": summary["seconds"], "tau_eval": tau.get("tau"), "gamma": gamma,
         }}
+        if args.init_from:
+            extra["dflash_jax"]["init_from"] = _init_record(args.init_from)
         ids = summary["draft_ids"]
         if ids is not None:
             extra["dflash_jax"]["draft_vocab"] = {"size": len(ids), "file": draft_vocab.FILE_NAME,

@@ -9,6 +9,7 @@ On disk (never pickle; every array is loaded with ``allow_pickle=False``)::
 
     <features>/features.npy   [T, K*H] uint16  bfloat16 bit patterns, row = token of tokens.npy
     <features>/features.json  layer ids, hidden size, target fingerprint, dataset fingerprint
+    <features>/index.npz      per-sequence token hashes and offsets (lets a grown dataset reuse rows)
 
 Target features are the residual stream after each captured target layer (``specs/dflash.md``
 3.2), computed with :func:`target_features` (``dense.forward_hidden`` with a ``Capture``). They
@@ -31,21 +32,11 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
-from dflash_jax.io.files import atomic_path
+from dflash_jax.io.files import atomic_path, save_npy, write_text
 from dflash_jax.cache import init_capture
 from dflash_jax.config import TargetConfig
 from dflash_jax.errors import DFlashError
 from dflash_jax.models.target import module_for
-
-
-def _atomic_save_npy(path: Path, arr: np.ndarray) -> None:
-    with atomic_path(path) as tmp, open(tmp, "wb") as f:
-        np.save(f, arr, allow_pickle=False)
-
-
-def _atomic_write_text(path: Path, text: str) -> None:
-    with atomic_path(path) as tmp:
-        tmp.write_text(text, encoding="utf-8")
 
 
 class TokenDataset:
@@ -93,6 +84,11 @@ class TokenDataset:
         a, b = self.offsets[i], self.offsets[i + 1]
         return self.tokens[a:b], self.loss_mask[a:b]
 
+    def sequence_hashes(self) -> np.ndarray:
+        """``[n]`` uint64: a hash of each sequence's token ids (blake2b, 8 bytes)."""
+        return np.array([int.from_bytes(hashlib.blake2b(np.ascontiguousarray(self.sequence(i)[0], np.int32).tobytes(),
+                                                        digest_size=8).digest(), "little") for i in range(len(self))], np.uint64)
+
     def fingerprint(self) -> str:
         """sha256 (hex, 16 chars) of the token, mask and offset arrays."""
         h = hashlib.sha256()
@@ -104,12 +100,12 @@ class TokenDataset:
         """Writes the four files (each atomically) into ``folder`` (created); returns the path."""
         folder = Path(folder)
         folder.mkdir(parents=True, exist_ok=True)
-        _atomic_save_npy(folder / "tokens.npy", self.tokens)
-        _atomic_save_npy(folder / "loss_mask.npy", self.loss_mask)
-        _atomic_save_npy(folder / "offsets.npy", self.offsets)
+        save_npy(folder / "tokens.npy", self.tokens)
+        save_npy(folder / "loss_mask.npy", self.loss_mask)
+        save_npy(folder / "offsets.npy", self.offsets)
         meta = dict(self.meta, num_sequences=len(self), num_tokens=int(len(self.tokens)),
                     num_supervised=int(self.loss_mask.sum()), fingerprint=self.fingerprint())
-        _atomic_write_text(folder / "meta.json", json.dumps(meta, indent=1, sort_keys=True))
+        write_text(folder / "meta.json", json.dumps(meta, indent=1, sort_keys=True))
         return folder
 
     @classmethod
@@ -195,6 +191,25 @@ class FeatureCache:
             raise DFlashError(str(meta_path), f"layer ids {meta['layer_ids']}", f"{list(layer_ids)} (the drafter's target_layer_ids)")
         return cls(raw.view(ml_dtypes.bfloat16), meta)
 
+    @classmethod
+    def reusable(cls, folder: str | os.PathLike, target_fp: str, layer_ids, post_norm_last: bool) -> tuple["FeatureCache", dict] | None:
+        """An existing cache in ``folder`` whose rows a new dataset may copy: same target, layer
+        ids and ``post_norm_last``, with its sequence index (``index.npz``); ``None`` otherwise.
+        Returns ``(cache, {sequence hash: (offset, length)})``."""
+        folder = Path(folder)
+        try:
+            cache = cls.load(folder, layer_ids=layer_ids)
+            z = np.load(folder / "index.npz", allow_pickle=False)
+        except (DFlashError, OSError, ValueError):
+            return None
+        m = cache.meta
+        if m.get("target") != target_fp or bool(m.get("post_norm_last")) != bool(post_norm_last):
+            return None
+        off, hashes = z["offsets"], z["hashes"]
+        if len(off) != len(hashes) + 1 or int(off[-1]) != cache.features.shape[0]:
+            return None
+        return cache, {int(h): (int(off[i]), int(off[i + 1] - off[i])) for i, h in enumerate(hashes)}
+
 
 def target_fingerprint(target_cfg: TargetConfig, target_params) -> str:
     """A short fingerprint of a target: config plus a checksum of its embedding (hex, 16 chars)."""
@@ -221,6 +236,10 @@ def cache_features(
     Sequences are sorted by length and batched with about ``tokens_per_batch`` padded tokens per
     forward, padded to a multiple of ``round_to`` (few compilations). The array is written to a
     temporary file and renamed when complete, so an interrupted run leaves no partial cache.
+    When ``folder`` already holds a cache of the same target and layers for another dataset
+    (:meth:`FeatureCache.reusable`), the rows of every sequence it holds with identical token ids
+    are copied instead of recomputed, so a dataset grown by new sequences only runs the target
+    over those (a feature row depends only on its own sequence's tokens: the target is causal).
 
     Args:
       layer_ids: captured target layers (the drafter's ``target_layer_ids``).
@@ -235,35 +254,51 @@ def cache_features(
     layer_ids = tuple(int(i) for i in layer_ids)
     width = len(layer_ids) * target_cfg.hidden_size
     lens = dataset.lengths
-    order = np.argsort(lens, kind="stable")
-    tmp = folder / f"features.npy.tmp{os.getpid()}"
-    out = np.lib.format.open_memmap(tmp, mode="w+", dtype=np.uint16, shape=(len(dataset.tokens), width))
-    bar = tqdm(total=int(lens.sum()), unit="tok", desc="target features", disable=not progress, mininterval=2.0)
-    t0 = time.time()
-    i = 0
-    while i < len(order):
-        s = int(-(-max(int(lens[order[i]]), 1) // round_to) * round_to)
-        nb = max(1, tokens_per_batch // s)
-        idx = order[i : i + nb]
-        s = int(-(-max(int(lens[idx].max()), 1) // round_to) * round_to)
-        toks = np.zeros((len(idx), s), np.int32)
-        for r, j in enumerate(idx):
-            toks[r, : lens[j]] = dataset.sequence(j)[0]
-        feats = np.asarray(jax.device_get(_features_jit(target_params, target_cfg, jnp.asarray(toks), layer_ids, post_norm_last)))
-        bits = feats.view(np.uint16)
-        for r, j in enumerate(idx):
-            a = dataset.offsets[j]
-            out[a : a + lens[j]] = bits[r, : lens[j]]
-        bar.update(int(lens[idx].sum()))
-        i += len(idx)
-    bar.close()
-    out.flush()
-    del out
-    os.replace(tmp, folder / "features.npy")
+    hashes = dataset.sequence_hashes()
+    tfp = target_fingerprint(target_cfg, target_params)
+    with atomic_path(folder / "features.npy") as tmp:  # an interrupted run leaves the old cache as it was
+        out = np.lib.format.open_memmap(tmp, mode="w+", dtype=np.uint16, shape=(len(dataset.tokens), width))
+        t0 = time.time()
+        todo = np.ones(len(dataset), bool)
+        old = FeatureCache.reusable(folder, tfp, layer_ids, post_norm_last)
+        if old is not None:
+            cache, where = old
+            old_bits = cache.features.view(np.uint16)
+            for j, h in enumerate(hashes):
+                hit = where.get(int(h))
+                if hit is not None and hit[1] == lens[j]:
+                    a = dataset.offsets[j]
+                    out[a : a + lens[j]] = old_bits[hit[0] : hit[0] + hit[1]]
+                    todo[j] = False
+        reused = int(lens[~todo].sum())
+        order = np.array([j for j in np.argsort(lens, kind="stable") if todo[j]], np.int64)
+        bar = tqdm(total=int(lens[todo].sum()), unit="tok", desc="target features", disable=not progress, mininterval=2.0)
+        i = 0
+        while i < len(order):
+            s = int(-(-max(int(lens[order[i]]), 1) // round_to) * round_to)
+            nb = max(1, tokens_per_batch // s)
+            idx = order[i : i + nb]
+            s = int(-(-max(int(lens[idx].max()), 1) // round_to) * round_to)
+            toks = np.zeros((len(idx), s), np.int32)
+            for r, j in enumerate(idx):
+                toks[r, : lens[j]] = dataset.sequence(j)[0]
+            feats = np.asarray(jax.device_get(_features_jit(target_params, target_cfg, jnp.asarray(toks), layer_ids, post_norm_last)))
+            bits = feats.view(np.uint16)
+            for r, j in enumerate(idx):
+                a = dataset.offsets[j]
+                out[a : a + lens[j]] = bits[r, : lens[j]]
+            bar.update(int(lens[idx].sum()))
+            i += len(idx)
+        bar.close()
+        out.flush()
+        del out
+        (folder / "features.json").unlink(missing_ok=True)  # never a json naming the wrong array
+    with atomic_path(folder / "index.npz") as p, open(p, "wb") as f:
+        np.savez(f, hashes=hashes, offsets=dataset.offsets)
     meta = {"layer_ids": list(layer_ids), "hidden_size": target_cfg.hidden_size, "dtype": "bfloat16",
-            "post_norm_last": bool(post_norm_last), "dataset": dataset.fingerprint(),
-            "target": target_fingerprint(target_cfg, target_params), "seconds": round(time.time() - t0, 1)}
-    _atomic_write_text(folder / "features.json", json.dumps(meta, indent=1))
+            "post_norm_last": bool(post_norm_last), "dataset": dataset.fingerprint(), "target": tfp,
+            "seconds": round(time.time() - t0, 1), "reused_tokens": reused}
+    write_text(folder / "features.json", json.dumps(meta, indent=1))
     return FeatureCache.load(folder, dataset, layer_ids)
 
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import hashlib
 import json
 import os
 import shutil
@@ -42,7 +43,7 @@ from dflash_jax.errors import DFlashError
 from dflash_jax.models import drafter
 from dflash_jax.train import objective
 from dflash_jax.train.data import Batcher, target_features
-from dflash_jax.train.export import write_safetensors
+from dflash_jax.io.files import write_safetensors, write_text
 
 DECAYS = ("cosine", "linear", "constant")
 _global_norm = getattr(getattr(optax, "tree", None), "norm", None) or optax.global_norm
@@ -137,12 +138,33 @@ class TrainState:
     step: jnp.ndarray
 
 
-def init_train_state(cfg: DrafterConfig, tc: TrainConfig) -> TrainState:
-    """Random drafter weights (:func:`dflash_jax.models.drafter.init_params`, float32) from
-    ``tc.seed`` and a fresh optimizer state."""
+def init_train_state(cfg: DrafterConfig, tc: TrainConfig, init_params=None) -> TrainState:
+    """Drafter weights and a fresh optimizer state: random (:func:`dflash_jax.models.drafter.init_params`,
+    float32, from ``tc.seed``), or ``init_params`` (a drafter's weights to continue from, cast to
+    float32; the run's PRNG still comes from ``tc.seed``).
+
+    Raises:
+      DFlashError: ``init_params`` whose names or shapes differ from ``cfg``'s drafter.
+    """
     k_init, k_run = jax.random.split(jax.random.key(tc.seed))
     params = drafter.init_params(cfg.with_dtype("float32"), k_init, scale=tc.init_scale)
+    if init_params is not None:
+        want = {jax.tree_util.keystr(k): v.shape for k, v in jax.tree_util.tree_leaves_with_path(params)}
+        got = {jax.tree_util.keystr(k): tuple(v.shape) for k, v in jax.tree_util.tree_leaves_with_path(init_params)}
+        if want != got:
+            bad = sorted(k for k in want.keys() | got.keys() if want.get(k) != got.get(k))
+            raise DFlashError("initial drafter weights", f"{bad[0]} is {got.get(bad[0])}", f"{want.get(bad[0])} (the drafter being trained)")
+        params = jax.tree_util.tree_map(lambda x: jnp.array(x, jnp.float32, copy=True), init_params)  # steps donate
     return TrainState(params=params, opt_state=make_optimizer(tc).init(params), rng=k_run, step=jnp.zeros((), jnp.int32))
+
+
+def params_fingerprint(params) -> str:
+    """sha256 (hex, 16 chars) of a parameter pytree's names, shapes and float32 values."""
+    h = hashlib.sha256()
+    for k, v in jax.tree_util.tree_leaves_with_path(params):
+        h.update(jax.tree_util.keystr(k).encode())
+        h.update(np.ascontiguousarray(np.asarray(jax.device_get(v), np.float32)).tobytes())
+    return h.hexdigest()[:16]
 
 
 def _compute(params, cfg: DrafterConfig, tc: TrainConfig):
@@ -234,9 +256,7 @@ def save_checkpoint(ckpt_dir: str | os.PathLike, state: TrainState, extra: dict,
     if final.exists():
         shutil.rmtree(final)
     os.rename(tmp, final)
-    latest_tmp = ckpt_dir / f"latest.json.tmp{os.getpid()}"
-    latest_tmp.write_text(json.dumps({"checkpoint": name, "step": step}), encoding="utf-8")
-    os.replace(latest_tmp, ckpt_dir / "latest.json")
+    write_text(ckpt_dir / "latest.json", json.dumps({"checkpoint": name, "step": step}))
     done = sorted(p for p in ckpt_dir.glob("step_*") if p.is_dir())
     for old in done[: max(len(done) - keep, 0)]:
         if old != final:
@@ -336,12 +356,6 @@ def _read_jsonl(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
 
 
-def _write_json_atomic(path: Path, obj) -> None:
-    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
-    tmp.write_text(json.dumps(obj, indent=1), encoding="utf-8")
-    os.replace(tmp, path)
-
-
 def training_curve(out_dir: str | os.PathLike, window: int = 50) -> list[dict]:
     """Rows of the tau-versus-tokens curve of a run folder: every tau evaluation with the
     training loss, accuracy and in-training acceptance length averaged over the ``window``
@@ -372,12 +386,16 @@ def write_training_curve(out_dir: str | os.PathLike, path: str | os.PathLike) ->
     return path
 
 
-def run_signature(cfg: DrafterConfig, tc: TrainConfig, batcher: Batcher) -> dict:
-    """The settings a resumed run must share with the run that wrote the checkpoints."""
+def run_signature(cfg: DrafterConfig, tc: TrainConfig, batcher: Batcher, init_params=None) -> dict:
+    """The settings a resumed run must share with the run that wrote the checkpoints (with the
+    :func:`params_fingerprint` of the initial weights when the run continues a drafter)."""
     d = dataclasses.asdict(cfg)
     d.pop("dtype", None)
-    return {"drafter": json.loads(json.dumps(d)), "train": dataclasses.asdict(tc), "dataset": batcher.dataset.fingerprint(),
-            "features": None if batcher.features is None else batcher.features.meta.get("target")}
+    sig = {"drafter": json.loads(json.dumps(d)), "train": dataclasses.asdict(tc), "dataset": batcher.dataset.fingerprint(),
+           "features": None if batcher.features is None else batcher.features.meta.get("target")}
+    if init_params is not None:
+        sig["init"] = params_fingerprint(init_params)
+    return sig
 
 
 def train(
@@ -398,6 +416,7 @@ def train(
     stop_at: int | None = None,
     progress: bool = True,
     on_step: Callable[[int, dict], None] | None = None,
+    init_params=None,
 ) -> tuple[TrainState, dict]:
     """Trains (or resumes) a drafter in ``out_dir``.
 
@@ -412,6 +431,8 @@ def train(
         ``max_len`` must equal ``tc``'s).
       stop_at: pause after this step (checkpointed; a later call continues).
       on_step: called with ``(step, metrics)`` after every step (host floats).
+      init_params: a drafter's weights to start from instead of random ones (fine-tuning a
+        trained drafter on more data; :func:`init_train_state`); part of the run's signature.
     Returns:
       ``(state, summary)``: summary has ``step``, ``finished`` (bool), ``seconds``,
       ``tokens_seen``, the last metrics and tau, and ``draft_ids`` (``[Vd]`` int32 or ``None``).
@@ -425,22 +446,23 @@ def train(
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     ckpt_dir = out / "checkpoints"
-    sig = run_signature(cfg, tc, batcher)
+    state = init_train_state(cfg, tc, init_params)  # checks init_params before anything is written
+    sig = run_signature(cfg, tc, batcher, init_params)
     run_file = out / "run.json"
     if run_file.is_file():
         saved = json.loads(run_file.read_text(encoding="utf-8"))
         if saved.get("signature") != sig:
-            diff = sorted(k for k in sig if saved.get("signature", {}).get(k) != sig[k])
+            was = saved.get("signature", {})
+            diff = sorted(k for k in sig.keys() | was.keys() if was.get(k) != sig.get(k))
             raise DFlashError(str(run_file), f"this run's settings differ from the checkpointed run's ({', '.join(diff)})",
                               "the same drafter, training settings and data, or a new output folder")
     else:
-        _write_json_atomic(run_file, {"signature": sig, "created": time.strftime("%Y-%m-%d %H:%M:%S")})
+        write_text(run_file, json.dumps({"signature": sig, "created": time.strftime("%Y-%m-%d %H:%M:%S")}, indent=1))
 
     draft_ids = None
     if tc.draft_vocab:
         ds = batcher.dataset
         draft_ids = jnp.asarray(draft_vocab.most_frequent(ds.tokens, ds.loss_mask, tc.draft_vocab, cfg.vocab_size))
-    state = init_train_state(cfg, tc)
     ck = latest_checkpoint(ckpt_dir)
     meta: dict = {"tokens_seen": 0, "supervised_seen": 0, "seconds": 0.0}
     if ck is not None:
@@ -474,7 +496,7 @@ def train(
         r = evaluate_tau(target_params, target_cfg, state.params, cfg, eval_prompts, eval_max_new, stop_ids, draft_ids=draft_ids)
         r.update(step=step, tokens_seen=tokens_seen, supervised_seen=sup_seen)
         tau_curve.append(r)
-        _write_json_atomic(tau_path, tau_curve)
+        write_text(tau_path, json.dumps(tau_curve, indent=1))
         return r
 
     t_start = time.time()
