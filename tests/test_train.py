@@ -4,6 +4,7 @@ Every test uses tiny random models. The bug-kind tests follow specs/bug_reports.
 training gotchas of specs/dflash.md 3.8.
 """
 
+import csv
 import dataclasses
 import json
 import math
@@ -467,6 +468,10 @@ def test_cli_trains_resumes_and_exports(tmp_path, capsys):
     tau2 = json.loads((tmp_path / "run2" / "tau_curve.json").read_text())
     assert tau2[0]["tau"] == pytest.approx(tau[-1]["tau"], abs=0.15)  # bfloat16 export of the same weights
     assert json.loads((tmp_path / "run2" / "drafter" / "config.json").read_text())["dflash_jax"]["init_from"]["steps"] == 4
+    curve = [dict(r) for r in csv.DictReader(open(tmp_path / "run2" / "drafter" / "training_curve.csv"))]
+    first = list(csv.DictReader(open(tmp_path / "run" / "drafter" / "training_curve.csv")))
+    assert [(r["step"], r["run"]) for r in curve] == [("0", "1"), ("4", "1"), ("6", "2")]  # one curve over both runs
+    assert int(curve[-1]["tokens_seen"]) == int(first[-1]["tokens_seen"]) + json.loads((tmp_path / "run2" / "tau_curve.json").read_text())[-1]["tokens_seen"]
     capsys.readouterr()
     assert main(more + ["--init-from", str(tmp_path / "run" / "drafter"), "--target-layer-ids", "1,0", "--out", str(tmp_path / "r3")]) == 2
     assert "config.json: target_layer_ids (0, 1)" in capsys.readouterr().err

@@ -22,7 +22,12 @@ def main(argv=None) -> int:
 
     x = [int(r["supervised_seen"]) / 1e6 for r in rows]
     fig, ax = plt.subplots(figsize=(5, 3.2))
-    ax.plot(x, [float(r["tau"]) for r in rows], marker="o", label="tau (held-out chat prompts, greedy)")
+    ax.plot(x, [float(r["tau"]) for r in rows], marker="o", label="tau (held-out prompts, greedy)")
+    runs = [int(r.get("run") or 1) for r in rows]
+    for i in range(1, len(rows)):
+        if runs[i] != runs[i - 1]:  # a run that continued the drafter (dflash-jax train --init-from), on more data
+            ax.axvline(x[i - 1], color="grey", linestyle=":", linewidth=1)
+            ax.annotate(f"run {runs[i]}", (x[i - 1], ax.get_ylim()[0]), xytext=(3, 3), textcoords="offset points", fontsize=8)
     ax.set(xlabel="supervised training tokens seen (millions)", ylabel="tau", title=src.parent.name)
     ax.legend()
     fig.tight_layout()

@@ -1,15 +1,27 @@
 #!/usr/bin/env sh
-# Reproduces the shipped drafter dflash_jax/drafters/smollm2-135m-instruct from scratch:
-# self-distillation data from SmolLM2-135M-Instruct (all 2167 prompts of the recorded list, about
-# 35 min on a 2-core CPU), cached target features (about 15 min), then the training run (about
-# 60 min including tau evaluations). Each stage resumes when rerun with the same work folder
-# (default runs/smollm2); no single command runs longer than about an hour.
+# Reproduces the shipped drafter dflash_jax/drafters/smollm2-135m-instruct from scratch, in two
+# stages, on a 2-core CPU (about 3 h 15 min in all; no single command runs much over an hour):
+#   1. self-distillation answers to round 1 of the recorded prompt list (2193 prompts, about
+#      35 min), cached target features (about 12 min), a first run of 1500 steps (about 60 min);
+#   2. the data grown by round 2 (3526 prompts: stage 1's answers and features are reused, about
+#      25 + 8 min), and a run of 1300 steps continuing stage 1's drafter (about 55 min).
+# Each command resumes when rerun with the same work folder (default runs/smollm2).
 set -eu
 WORK=${1:-runs/smollm2}
 PY=${PYTHON:-python}
-"$PY" tools/make_train_data.py --out "$WORK/data" --num-prompts 2193 --batch-size 32 --max-new 160 --prompt-cap 128
-"$PY" -m dflash_jax.train.cli --data "$WORK/data" --out "$WORK/run" --features "$WORK/features" \
-    --mask-token-id 16 --layers 2 --target-layer-ids 1,10,18,27 --block-size 8 --draft-vocab 8192 \
-    --steps 1500 --batch-size 16 --max-len 288 --num-anchors 16 --lr 8e-4 \
-    --ckpt-every 50 --eval-every 250 --eval-max-new 64 \
+DATA="--batch-size 32 --max-new 160 --prompt-cap 128"
+DRAFTER="--mask-token-id 16 --layers 2 --target-layer-ids 1,10,18,27 --block-size 8 --draft-vocab 8192"
+RUN="--batch-size 16 --max-len 288 --num-anchors 16 --ckpt-every 50 --eval-max-new 64"
+
+"$PY" tools/make_train_data.py --out "$WORK/data1" --num-prompts 2193 $DATA
+"$PY" -m dflash_jax.train.cli --data "$WORK/data1" --out "$WORK/run1" --features "$WORK/features1" $DRAFTER $RUN \
+    --steps 1500 --lr 8e-4 --eval-every 250 --export "$WORK/drafter1"
+
+# stage 1's answers (checked against their prompts) and feature rows (matched by sequence) are reused
+mkdir -p "$WORK/data/shards" "$WORK/features"
+cp -n "$WORK"/data1/shards/*.npz "$WORK/data/shards/"
+[ -f "$WORK/features/features.json" ] || ln -f "$WORK"/features1/* "$WORK/features/"
+"$PY" tools/make_train_data.py --out "$WORK/data" --num-prompts 3526 $DATA
+"$PY" -m dflash_jax.train.cli --data "$WORK/data" --out "$WORK/run2" --features "$WORK/features" $DRAFTER $RUN \
+    --init-from "$WORK/drafter1" --steps 1300 --lr 5e-4 --warmup-ratio 0.03 --eval-every 325 \
     --export dflash_jax/drafters/smollm2-135m-instruct

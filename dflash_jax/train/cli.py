@@ -240,7 +240,8 @@ def _run(args, argv) -> int:
             extra["dflash_jax"]["draft_vocab"] = {"size": len(ids), "file": draft_vocab.FILE_NAME,
                                                   "response_coverage": round(draft_vocab.coverage(ids, ds.tokens, ds.loss_mask), 5)}
         folder = export_drafter(args.export or out / "drafter", cfg, state.params, args.export_dtype, extra, draft_ids=ids)
-        write_training_curve(out, folder / "training_curve.csv")
+        write_training_curve(out, folder / "training_curve.csv",
+                             before=Path(args.init_from) / "training_curve.csv" if args.init_from else None)
         print(f"exported the drafter to {folder}", file=sys.stderr)
     return 0
 

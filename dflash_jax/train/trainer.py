@@ -43,7 +43,7 @@ from dflash_jax.errors import DFlashError
 from dflash_jax.models import drafter
 from dflash_jax.train import objective
 from dflash_jax.train.data import Batcher, target_features
-from dflash_jax.io.files import write_safetensors, write_text
+from dflash_jax.io.files import atomic_path, write_safetensors, write_text
 
 DECAYS = ("cosine", "linear", "constant")
 _global_norm = getattr(getattr(optax, "tree", None), "norm", None) or optax.global_norm
@@ -373,14 +373,34 @@ def training_curve(out_dir: str | os.PathLike, window: int = 50) -> list[dict]:
     return rows
 
 
-def write_training_curve(out_dir: str | os.PathLike, path: str | os.PathLike) -> Path:
-    """Writes :func:`training_curve` as CSV to ``path``; returns it."""
+CURVE_FIELDS = ["step", "tokens_seen", "supervised_seen", "tau", "train_loss", "train_acc", "train_accept_len", "run"]
+
+
+def write_training_curve(out_dir: str | os.PathLike, path: str | os.PathLike, before: str | os.PathLike | None = None) -> Path:
+    """Writes :func:`training_curve` as CSV to ``path``; returns it.
+
+    Args:
+      before: the ``training_curve.csv`` of the drafter this run continued (``init_params``):
+        its rows come first and this run's follow with steps and token counts offset by its last
+        row's, so the curve runs over all training the drafter had; column ``run`` numbers the
+        runs (1 for a drafter trained from random weights).
+    """
     import csv
 
-    rows = training_curve(out_dir)
+    rows, offset, run = [], {"step": 0, "tokens_seen": 0, "supervised_seen": 0}, 1
+    if before is not None and Path(before).is_file():
+        with open(before, newline="", encoding="utf-8") as f:
+            rows = [dict(r, run=int(r.get("run") or 1)) for r in csv.DictReader(f)]
+        if rows:
+            offset = {k: int(rows[-1][k]) for k in offset}
+            run = rows[-1]["run"] + 1
+    for r in training_curve(out_dir):
+        if rows and r["step"] == 0:
+            continue  # the continued drafter's last row already measured these weights
+        rows.append(dict(r, **{k: r[k] + v for k, v in offset.items()}, run=run))
     path = Path(path)
-    with open(path, "w", newline="", encoding="utf-8") as f:
-        w = csv.DictWriter(f, fieldnames=["step", "tokens_seen", "supervised_seen", "tau", "train_loss", "train_acc", "train_accept_len"])
+    with atomic_path(path) as tmp, open(tmp, "w", newline="", encoding="utf-8") as f:
+        w = csv.DictWriter(f, fieldnames=CURVE_FIELDS)
         w.writeheader()
         w.writerows(rows)
     return path
