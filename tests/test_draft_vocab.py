@@ -20,7 +20,7 @@ from dflash_jax import api
 from dflash_jax import draft_vocab as dv
 from dflash_jax import sharding as shd
 from dflash_jax.errors import DFlashError
-from dflash_jax.models import dense, drafter
+from dflash_jax.models import drafter
 from dflash_jax.sampling import SamplingConfig
 from dflash_jax.spec import generate as spec
 from dflash_jax.testing import tiny_drafter, tiny_target

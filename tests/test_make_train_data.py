@@ -56,18 +56,41 @@ def test_generation_resumes_and_regenerates_foreign_shards(tmp_path):
     out = tmp_path / "data"
     common = ["--out", str(out), "--max-new", "3", "--prompt-cap", "128"]
     assert m.main(common + ["--num-prompts", "2", "--batch-size", "2"]) == 0
-    first = np.load(out / "shards" / "batch_00000.npz")["tokens"].copy()
+    shard0 = out / "shards" / "batch_00000.npz"
+    first = os.stat(shard0).st_ino
     assert m.main(common + ["--num-prompts", "3", "--batch-size", "2"]) == 0  # batch 0 kept, batch 1 new
-    np.testing.assert_array_equal(np.load(out / "shards" / "batch_00000.npz")["tokens"], first)
+    assert os.stat(shard0).st_ino == first
     ds = TokenDataset.load(out)
     assert len(ds) == 3
     # a third prompt in batch 0: the two-prompt shard answers other prompts and is generated again
     assert m.main(common + ["--num-prompts", "3", "--batch-size", "3"]) == 0
     ds3 = TokenDataset.load(out)
-    assert len(ds3) == 3 and len(np.load(out / "shards" / "batch_00000.npz")["lengths"]) == 3
+    assert len(ds3) == 3 and len(np.load(shard0)["lengths"]) == 3 and os.stat(shard0).st_ino != first
     for i in range(3):  # same prompts, same greedy answers, whatever the batch
         np.testing.assert_array_equal(ds3.sequence(i)[0], ds.sequence(i)[0])
     prompts = [json.loads(line) for line in (out / "prompts.jsonl").read_text().splitlines()]
     for i, p in enumerate(prompts):
         toks, mask = ds3.sequence(i)
         assert int((mask == 0).sum()) == p["prompt_tokens"] and 1 <= int(mask.sum()) <= 3
+
+
+def test_a_shard_answers_only_its_own_prompts_and_settings(tmp_path):
+    sys.path.insert(0, str(REPO / "tools"))
+    try:
+        import make_train_data as m
+    finally:
+        sys.path.pop(0)
+    settings = json.dumps({"max_new": 3})
+    chunk = [[1, 2, 3], [4, 5]]
+    seqs = [[1, 2, 3, 9, 9], [4, 5, 7]]
+    path = tmp_path / "batch_00000.npz"
+    np.savez(path, tokens=np.concatenate(seqs), lengths=np.array([5, 3]), prompt_lens=np.array([3, 2]),
+             settings=np.frombuffer(settings.encode(), np.uint8))
+    assert m._shard_answers(path, chunk, settings)
+    assert not m._shard_answers(path, [[1, 2, 3], [4, 6]], settings)  # same count, another prompt
+    assert not m._shard_answers(path, chunk[:1], settings)
+    assert not m._shard_answers(path, chunk, json.dumps({"max_new": 4}))  # made with other settings
+    np.savez(path, tokens=np.concatenate(seqs), lengths=np.array([5, 3]), prompt_lens=np.array([3, 2]))
+    assert not m._shard_answers(path, chunk, settings)  # settings not recorded
+    path.write_bytes(b"not a zip")
+    assert not m._shard_answers(path, chunk, settings)

@@ -338,6 +338,7 @@ def assert_follows_target(cfg, params, prompt, sampling, toks):
     from dflash_jax.models import dense
     from dflash_jax.sampling import probabilities
 
+    assert len(prompt) == 3 and cfg.vocab_size == 8 and np.shape(toks)[1] == 3, "written for 3 + 3 tokens over 8 ids"
     n = len(toks)
     seqs = np.array([[*prompt, a, b] for a in range(8) for b in range(8)], np.int32)
     logits, _, _ = dense.forward(params, cfg, jnp.asarray(seqs), jnp.broadcast_to(jnp.arange(5), seqs.shape), dense.init_cache(cfg, 64, 8))

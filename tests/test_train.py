@@ -20,6 +20,7 @@ from dflash_jax import draft_vocab
 from dflash_jax.models import drafter
 from dflash_jax.testing import tiny_drafter, tiny_target
 from dflash_jax.train import objective
+from dflash_jax.train import data as data_mod
 from dflash_jax.train.data import Batcher, FeatureCache, TokenDataset, cache_features, target_features
 from dflash_jax.train.export import drafter_hf_config, export_drafter
 from dflash_jax.train.trainer import TrainConfig, latest_checkpoint, lr_schedule, params_fingerprint, train
@@ -277,7 +278,7 @@ def test_dataset_roundtrip_features_and_batches(tmp_path, models):
     assert sorted(ids[:6]) == sorted(ids[6:]) == list(range(6)) and b1.cursor(2) == {"sample": 8, "epoch": 1, "offset": 2}
 
 
-def test_grown_dataset_reuses_cached_rows(tmp_path, models):
+def test_grown_dataset_reuses_cached_rows(tmp_path, models, monkeypatch):
     """Rebuilding the cache for a dataset that keeps some sequences (in another order) and adds
     others copies the kept rows and computes only the new ones; every row equals a fresh cache's."""
     t_cfg, t_params, d_cfg, _ = models
@@ -287,8 +288,22 @@ def test_grown_dataset_reuses_cached_rows(tmp_path, models):
     keep = [3, 0, 4]  # sequences of ``a`` kept, reordered, then all of ``b``
     rows = [a.sequence(i) for i in keep] + [b.sequence(i) for i in range(len(b))]
     grown = TokenDataset.from_sequences([t for t, _ in rows], [m for _, m in rows])
+    old = np.asarray(FeatureCache.load(tmp_path / "feat", a, ids).features).copy()
+
+    def crash(*args, **kw):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(data_mod, "_features_jit", crash)
+    with pytest.raises(KeyboardInterrupt):  # interrupted while computing the new sequences' rows
+        cache_features(t_params, t_cfg, grown, ids, tmp_path / "feat", tokens_per_batch=64, round_to=8, progress=False)
+    monkeypatch.undo()
+    assert sorted(p.name for p in (tmp_path / "feat").iterdir()) == ["features.json", "features.npy", "index.npz"]
+    np.testing.assert_array_equal(np.asarray(FeatureCache.load(tmp_path / "feat", a, ids).features), old)  # old cache intact
     fc = cache_features(t_params, t_cfg, grown, ids, tmp_path / "feat", tokens_per_batch=64, round_to=8, progress=False)
     assert fc.meta["reused_tokens"] == int(sum(a.lengths[i] for i in keep)) > 0
+    for new_i, old_i in enumerate(keep):  # copied rows are the old cache's, bit for bit
+        np.testing.assert_array_equal(np.asarray(fc.features[grown.offsets[new_i] : grown.offsets[new_i + 1]]),
+                                      old[a.offsets[old_i] : a.offsets[old_i + 1]])
     fresh = cache_features(t_params, t_cfg, grown, ids, tmp_path / "fresh", tokens_per_batch=64, round_to=8, progress=False)
     assert fresh.meta["reused_tokens"] == 0
     np.testing.assert_allclose(np.asarray(fc.features, np.float32), np.asarray(fresh.features, np.float32), rtol=1e-2, atol=1e-2)
@@ -473,5 +488,9 @@ def test_cli_trains_resumes_and_exports(tmp_path, capsys):
     assert [(r["step"], r["run"]) for r in curve] == [("0", "1"), ("4", "1"), ("6", "2")]  # one curve over both runs
     assert int(curve[-1]["tokens_seen"]) == int(first[-1]["tokens_seen"]) + json.loads((tmp_path / "run2" / "tau_curve.json").read_text())[-1]["tokens_seen"]
     capsys.readouterr()
+    assert main(more + ["--init-from", str(tmp_path / "run" / "drafter"), "--steps", "2"]) == 0  # a finished run reruns as a no-op
+    capsys.readouterr()
     assert main(more + ["--init-from", str(tmp_path / "run" / "drafter"), "--target-layer-ids", "1,0", "--out", str(tmp_path / "r3")]) == 2
-    assert "config.json: target_layer_ids (0, 1)" in capsys.readouterr().err
+    assert "--target-layer-ids: 1,0 (expected 0,1, as in" in capsys.readouterr().err
+    assert main(more + ["--init-from", str(tmp_path / "run" / "drafter"), "--export", str(tmp_path / "run" / "drafter")]) == 2
+    assert "--export:" in capsys.readouterr().err

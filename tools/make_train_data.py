@@ -16,10 +16,10 @@ Recipe (deterministic; recorded in ``<out>/meta.json``; ``specs/dflash.md`` 3.1)
   prompt rendered with its chat template (default system prompt), batched with
   ``dflash_jax.decode`` (one compiled shape: ``--prompt-cap + --max-new`` slots), stopping at
   the tokenizer's end-of-generation ids (the stop token is kept);
-* stored as token ids (prompt + response) with ``loss_mask`` 1 on the response, each distinct
-  sequence once (a few prompts coincide: one method inherited by several classes)
-  (:class:`dflash_jax.train.data.TokenDataset`), plus ``prompts.jsonl`` and ``eval_prompts.json``
-  (held-out, never trained on).
+* stored as token ids (prompt + response) with ``loss_mask`` 1 on the response
+  (:class:`dflash_jax.train.data.TokenDataset`), each distinct prompt once (a few prompts
+  coincide: one method inherited by several classes), plus ``prompts.jsonl`` (line i: the prompt
+  of sequence i) and ``eval_prompts.json`` (held-out, never trained on).
 
 Generation is resumable: every batch is saved under ``<out>/shards/`` as it completes and skipped
 on a rerun; ``--time-limit`` stops starting new batches, and the dataset is assembled from the
@@ -39,6 +39,7 @@ import re
 import sys
 import textwrap
 import time
+import zipfile
 from pathlib import Path
 
 import numpy as np
@@ -241,15 +242,19 @@ def build_prompts(seed: int, code_fraction: float) -> list[dict]:
     return [p for p in out if p["text"].strip().lower() not in banned]
 
 
-def _shard_answers(path: Path, chunk: list[list[int]]) -> bool:
-    """Whether the generation shard at ``path`` holds one sequence per prompt of ``chunk``, each
-    starting with that prompt's token ids (a shard kept from a run with other settings does not)."""
-    z = np.load(path, allow_pickle=False)
-    if len(z["lengths"]) != len(chunk):
+def _shard_answers(path: Path, chunk: list[list[int]], settings: str) -> bool:
+    """Whether the generation shard at ``path`` was made with ``settings`` (target, ``--max-new``,
+    stop ids) and holds one sequence per prompt of ``chunk``, each starting with that prompt's
+    token ids; a shard from a run with other settings or prompts, or an unreadable one, is not."""
+    try:
+        z = np.load(path, allow_pickle=False)
+        if "settings" not in z.files or z["settings"].tobytes().decode() != settings or len(z["lengths"]) != len(chunk):
+            return False
+        off = np.concatenate([[0], np.cumsum(z["lengths"])])
+        return all(int(z["prompt_lens"][i]) == len(p) and np.array_equal(z["tokens"][off[i] : off[i] + len(p)], p)
+                   for i, p in enumerate(chunk))
+    except (OSError, ValueError, KeyError, zipfile.BadZipFile):
         return False
-    off = np.concatenate([[0], np.cumsum(z["lengths"])])
-    return all(int(z["prompt_lens"][i]) == len(p) and np.array_equal(z["tokens"][off[i] : off[i] + len(p)], p)
-               for i, p in enumerate(chunk))
 
 
 def main(argv=None) -> int:
@@ -257,7 +262,7 @@ def main(argv=None) -> int:
     ap.add_argument("--out", required=True, help="output dataset folder")
     ap.add_argument("--target", default=None, help="target .gguf or HF folder (default: embedded SmolLM2-135M-Instruct)")
     ap.add_argument("--num-prompts", type=int, default=1024, help="prompts to answer (a prefix of the shuffled list)")
-    ap.add_argument("--code-fraction", type=float, default=0.65, help="share of code prompts (default 0.65)")
+    ap.add_argument("--code-fraction", type=float, default=0.65, help="share of code prompts in round 1 (default 0.65; round 2 is all code)")
     ap.add_argument("--max-new", type=int, default=160, help="new tokens per response at most (default 160)")
     ap.add_argument("--prompt-cap", type=int, default=128, help="longest prompt in tokens; longer ones are skipped (default 128)")
     ap.add_argument("--batch-size", type=int, default=32, help="prompts per generation batch (default 32)")
@@ -266,19 +271,20 @@ def main(argv=None) -> int:
     ap.add_argument("--list-prompts", action="store_true", help="print the prompt list and exit")
     args = ap.parse_args(argv)
 
-    import jax
-
-    from dflash_jax import decode
-    from dflash_jax.api import load_target
-    from dflash_jax.io.files import atomic_path
-    from dflash_jax.sampling import SamplingConfig
-    from dflash_jax.train.data import TokenDataset
-
     prompts = build_prompts(args.seed, args.code_fraction)
     if args.list_prompts:
         for p in prompts[: args.num_prompts]:
             print(json.dumps(p))
         return 0
+
+    import jax
+
+    from dflash_jax import decode
+    from dflash_jax.api import load_target
+    from dflash_jax.io.files import atomic_path, write_text
+    from dflash_jax.sampling import SamplingConfig
+    from dflash_jax.train.data import TokenDataset
+
     t0 = time.time()
     target = load_target(args.target)
     tok = target.tokenizer
@@ -294,13 +300,12 @@ def main(argv=None) -> int:
             continue
         selected.append(p)
         ids.append(enc)
-    with open(out / "prompts.jsonl", "w", encoding="utf-8") as f:
-        for p, e in zip(selected, ids):
-            f.write(json.dumps(dict(p, prompt_tokens=len(e))) + "\n")
     held = held_out_prompts()
     (out / "eval_prompts.json").write_text(json.dumps({"texts": held, "ids": [tok.encode_chat([{"role": "user", "content": t}]) for t in held]}, indent=1))
 
     cap = args.prompt_cap + args.max_new
+    settings = json.dumps({"target": Path(str(target.source)).name, "max_new": args.max_new, "stop_ids": list(target.eos_ids),
+                           "decoding": "greedy"}, sort_keys=True)
     sampling = SamplingConfig()
     nb = -(-len(ids) // args.batch_size)
     done_tokens = 0
@@ -308,7 +313,7 @@ def main(argv=None) -> int:
         path = shards / f"batch_{b:05d}.npz"
         chunk = ids[b * args.batch_size : (b + 1) * args.batch_size]
         if path.is_file():
-            if _shard_answers(path, chunk):
+            if _shard_answers(path, chunk, settings):
                 continue
             print(f"batch {b + 1}/{nb}: {path} holds other prompts (another --num-prompts, --batch-size or recipe); "
                   "generating it again", file=sys.stderr, flush=True)
@@ -322,29 +327,32 @@ def main(argv=None) -> int:
         toks, length, plen = (np.asarray(a) for a in jax.device_get((st.tokens, st.length, st.prompt_len)))
         flat = np.concatenate([toks[i, : length[i]] for i in range(len(chunk))]).astype(np.int32)
         with atomic_path(path) as tmp, open(tmp, "wb") as f:
-            np.savez(f, tokens=flat, lengths=length.astype(np.int64), prompt_lens=plen.astype(np.int64))
+            np.savez(f, tokens=flat, lengths=length.astype(np.int64), prompt_lens=plen.astype(np.int64),
+                     settings=np.frombuffer(settings.encode(), np.uint8))
         new = int((length - plen).sum())
         done_tokens += new
         el = time.time() - t0
         print(f"batch {b + 1}/{nb}: {new} new tokens in {time.time() - tb:.1f}s ({new / (time.time() - tb):.1f} tok/s); "
               f"{el / 60:.1f} min elapsed", file=sys.stderr, flush=True)
 
-    seqs, masks, sources, seen, dropped = [], [], [], set(), 0
+    seqs, masks, sources, kept, seen, dropped = [], [], [], [], set(), 0
     for b in range(nb):
         path = shards / f"batch_{b:05d}.npz"
-        if not path.is_file() or not _shard_answers(path, ids[b * args.batch_size : (b + 1) * args.batch_size]):
+        if not path.is_file() or not _shard_answers(path, ids[b * args.batch_size : (b + 1) * args.batch_size], settings):
             break  # a prefix of the batches: the dataset stays a prefix of the prompt list
         z = np.load(path, allow_pickle=False)
         off = np.concatenate([[0], np.cumsum(z["lengths"])])
         for i in range(len(z["lengths"])):
-            s = z["tokens"][off[i] : off[i + 1]]
-            if s.tobytes() in seen:  # a prompt asked twice (one method inherited by several classes): kept once
+            j = b * args.batch_size + i
+            if tuple(ids[j]) in seen:  # a prompt asked twice (one method inherited by several classes): kept once
                 dropped += 1
                 continue
-            seen.add(s.tobytes())
+            seen.add(tuple(ids[j]))
+            s = z["tokens"][off[i] : off[i + 1]]
             seqs.append(s)
             masks.append(np.r_[np.zeros(z["prompt_lens"][i], np.uint8), np.ones(len(s) - z["prompt_lens"][i], np.uint8)])
-            sources.append(selected[b * args.batch_size + i]["source"])
+            sources.append(selected[j]["source"])
+            kept.append(dict(selected[j], prompt_tokens=len(ids[j])))
     meta = {
         "recipe": "tools/make_train_data.py",
         "command": "python " + " ".join([os.path.relpath(__file__, REPO)] + list(argv if argv is not None else sys.argv[1:])),
@@ -357,6 +365,7 @@ def main(argv=None) -> int:
     }
     ds = TokenDataset.from_sequences(seqs, masks, meta)
     ds.save(out)
+    write_text(out / "prompts.jsonl", "".join(json.dumps(p) + "\n" for p in kept))  # line i = sequence i
     print(f"dataset: {len(ds)} sequences, {len(ds.tokens)} tokens, {int(ds.loss_mask.sum())} response tokens -> {out}", file=sys.stderr)
     return 0
 

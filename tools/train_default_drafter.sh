@@ -5,7 +5,9 @@
 #      35 min), cached target features (about 12 min), a first run of 1500 steps (about 60 min);
 #   2. the data grown by round 2 (3526 prompts: stage 1's answers and features are reused, about
 #      25 + 8 min), and a run of 1300 steps continuing stage 1's drafter (about 55 min).
-# Each command resumes when rerun with the same work folder (default runs/smollm2).
+# Each command resumes when rerun with the same work folder (default runs/smollm2). The prompt
+# counts 2193 (round 1) and 3526 (rounds 1 and 2) are those of Python 3.11's standard library
+# (`python tools/make_train_data.py --out x --list-prompts --num-prompts 99999` lists them).
 set -eu
 WORK=${1:-runs/smollm2}
 PY=${PYTHON:-python}
@@ -19,7 +21,9 @@ RUN="--batch-size 16 --max-len 288 --num-anchors 16 --ckpt-every 50 --eval-max-n
 
 # stage 1's answers (checked against their prompts) and feature rows (matched by sequence) are reused
 mkdir -p "$WORK/data/shards" "$WORK/features"
-cp -n "$WORK"/data1/shards/*.npz "$WORK/data/shards/"
+for f in "$WORK"/data1/shards/batch_*.npz; do
+    [ -e "$WORK/data/shards/${f##*/}" ] || cp "$f" "$WORK/data/shards/"
+done
 [ -f "$WORK/features/features.json" ] || ln -f "$WORK"/features1/* "$WORK/features/"
 "$PY" tools/make_train_data.py --out "$WORK/data" --num-prompts 3526 $DATA
 "$PY" -m dflash_jax.train.cli --data "$WORK/data" --out "$WORK/run2" --features "$WORK/features" $DRAFTER $RUN \

@@ -127,27 +127,34 @@ def init_weights(path, target_cfg, cfg):
 
     Raises:
       DFlashError: a drafter that does not load for the target, or whose layers, captured target
-        layers, MLP width or mask token id differ from ``cfg``'s (names the field and both values).
+        layers, MLP width, mask token id, block size or block attention differ from this run's
+        (names the option, this run's value and the drafter's).
     """
     from dflash_jax.io.drafter import load_drafter
 
     got, params = load_drafter(path, target_cfg, dtype="float32")
+    show = {"target_layer_ids": lambda v: ",".join(map(str, v)), "layer_causal": lambda v: "given" if all(v) else "not given"}
     for field, flag in (("num_hidden_layers", "--layers"), ("target_layer_ids", "--target-layer-ids"),
-                        ("intermediate_size", "--intermediate-size"), ("mask_token_id", "--mask-token-id")):
-        if getattr(got, field) != getattr(cfg, field):
-            raise DFlashError(f"{path}/config.json", f"{field} {getattr(got, field)}",
-                              f"{getattr(cfg, field)} ({flag} of this run); pass the drafter's value")
+                        ("intermediate_size", "--intermediate-size"), ("mask_token_id", "--mask-token-id"),
+                        ("block_size", "--block-size"), ("layer_causal", "--causal")):
+        mine, theirs = getattr(cfg, field), getattr(got, field)
+        if mine != theirs:
+            fmt = show.get(field, str)
+            raise DFlashError(flag, fmt(mine), f"{fmt(theirs)}, as in {Path(path) / 'config.json'} (the drafter given to --init-from)")
     return params
 
 
-def _init_record(path) -> dict:
+def _init_record(path, params) -> dict:
     """What an exported drafter records about the drafter it was continued from."""
+    from dflash_jax.train.trainer import params_fingerprint
+
     p = Path(path)
     try:
         rec = json.loads((p / "config.json").read_text(encoding="utf-8")).get("dflash_jax", {})
     except (OSError, ValueError):
         rec = {}
-    return {"drafter": p.name, "dataset": rec.get("dataset"), "steps": rec.get("steps"), "tokens_seen": rec.get("tokens_seen")}
+    return {"drafter": p.name, "weights": params_fingerprint(params), "dataset": rec.get("dataset"), "steps": rec.get("steps"),
+            "tokens_seen": rec.get("tokens_seen")}
 
 
 def load_eval_prompts(path, tokenizer) -> list[list[int]]:
@@ -186,7 +193,7 @@ def main(argv=None) -> int:
 
 def _run(args, argv) -> int:
     from dflash_jax.api import load_target
-    from dflash_jax.train.data import Batcher, FeatureCache, TokenDataset, cache_features, count_valid_anchors
+    from dflash_jax.train.data import Batcher, FeatureCache, TokenDataset, cache_features, count_valid_anchors, target_fingerprint
     from dflash_jax.train.export import export_drafter
     from dflash_jax.train.trainer import TrainConfig, train, write_training_curve
 
@@ -194,6 +201,9 @@ def _run(args, argv) -> int:
     target = load_target(args.target)
     cfg = drafter_config_for(target.cfg, args.layers, args.target_layer_ids, args.mask_token_id, args.block_size,
                              args.intermediate_size, args.causal)
+    export = Path(args.export or out / "drafter")
+    if args.init_from and Path(args.init_from).resolve() == export.resolve():
+        raise DFlashError("--export", str(export), "a folder other than --init-from's (a rerun would continue other weights)")
     init_params = init_weights(args.init_from, target.cfg, cfg) if args.init_from else None
     ds = TokenDataset.load(args.data)
     if (ds.tokens == cfg.mask_token_id).any():
@@ -206,7 +216,7 @@ def _run(args, argv) -> int:
     if not args.no_feature_cache:
         fdir = Path(args.features) if args.features else out / "features"
         try:
-            features = FeatureCache.load(fdir, ds, cfg.target_layer_ids)
+            features = FeatureCache.load(fdir, ds, cfg.target_layer_ids, target=target_fingerprint(target.cfg, target.params))
         except (DFlashError, FileNotFoundError):
             features = cache_features(target.params, target.cfg, ds, cfg.target_layer_ids, fdir, post_norm_last=cfg.post_norm_last,
                                       progress=not args.no_progress)
@@ -234,12 +244,12 @@ def _run(args, argv) -> int:
             "train_seconds": summary["seconds"], "tau_eval": tau.get("tau"), "gamma": gamma,
         }}
         if args.init_from:
-            extra["dflash_jax"]["init_from"] = _init_record(args.init_from)
+            extra["dflash_jax"]["init_from"] = _init_record(args.init_from, init_params)
         ids = summary["draft_ids"]
         if ids is not None:
             extra["dflash_jax"]["draft_vocab"] = {"size": len(ids), "file": draft_vocab.FILE_NAME,
                                                   "response_coverage": round(draft_vocab.coverage(ids, ds.tokens, ds.loss_mask), 5)}
-        folder = export_drafter(args.export or out / "drafter", cfg, state.params, args.export_dtype, extra, draft_ids=ids)
+        folder = export_drafter(export, cfg, state.params, args.export_dtype, extra, draft_ids=ids)
         write_training_curve(out, folder / "training_curve.csv",
                              before=Path(args.init_from) / "training_curve.csv" if args.init_from else None)
         print(f"exported the drafter to {folder}", file=sys.stderr)

@@ -24,6 +24,7 @@ import hashlib
 import json
 import os
 import time
+import zipfile
 from pathlib import Path
 from typing import Sequence
 
@@ -172,11 +173,14 @@ class FeatureCache:
         return tuple(self.meta["layer_ids"])
 
     @classmethod
-    def load(cls, folder: str | os.PathLike, dataset: TokenDataset | None = None, layer_ids=None) -> "FeatureCache":
-        """Opens a cache written by :func:`cache_features`.
+    def load(cls, folder: str | os.PathLike, dataset: TokenDataset | None = None, layer_ids=None, target: str | None = None) -> "FeatureCache":
+        """Opens a cache written by :func:`cache_features`, checked against what is given.
 
+        Args:
+          target: :func:`target_fingerprint` of the target the features must come from.
         Raises:
-          DFlashError: missing files, or a cache built for another dataset or other layer ids.
+          DFlashError: missing files, or a cache built for another dataset, other layer ids or
+            another target.
         """
         folder = Path(folder)
         meta_path = folder / "features.json"
@@ -189,6 +193,8 @@ class FeatureCache:
                 raise DFlashError(str(meta_path), "built for another dataset", f"dataset fingerprint {dataset.fingerprint()}")
         if layer_ids is not None and tuple(meta["layer_ids"]) != tuple(layer_ids):
             raise DFlashError(str(meta_path), f"layer ids {meta['layer_ids']}", f"{list(layer_ids)} (the drafter's target_layer_ids)")
+        if target is not None and meta.get("target") != target:
+            raise DFlashError(str(meta_path), f"built for target {meta.get('target')}", f"target {target} (target_fingerprint)")
         return cls(raw.view(ml_dtypes.bfloat16), meta)
 
     @classmethod
@@ -198,24 +204,27 @@ class FeatureCache:
         Returns ``(cache, {sequence hash: (offset, length)})``."""
         folder = Path(folder)
         try:
-            cache = cls.load(folder, layer_ids=layer_ids)
-            z = np.load(folder / "index.npz", allow_pickle=False)
-        except (DFlashError, OSError, ValueError):
+            cache = cls.load(folder, layer_ids=layer_ids, target=target_fp)
+            with np.load(folder / "index.npz", allow_pickle=False) as z:
+                off, hashes, dataset = z["offsets"], z["hashes"], z["dataset"].tobytes().decode()
+        except (DFlashError, OSError, ValueError, KeyError, zipfile.BadZipFile):
             return None
-        m = cache.meta
-        if m.get("target") != target_fp or bool(m.get("post_norm_last")) != bool(post_norm_last):
+        if bool(cache.meta.get("post_norm_last")) != bool(post_norm_last) or dataset != cache.meta.get("dataset"):
             return None
-        off, hashes = z["offsets"], z["hashes"]
         if len(off) != len(hashes) + 1 or int(off[-1]) != cache.features.shape[0]:
             return None
         return cache, {int(h): (int(off[i]), int(off[i + 1] - off[i])) for i, h in enumerate(hashes)}
 
 
-def target_fingerprint(target_cfg: TargetConfig, target_params) -> str:
-    """A short fingerprint of a target: config plus a checksum of its embedding (hex, 16 chars)."""
-    emb = np.asarray(jax.device_get(target_params["embed"][:64]), np.float32)
+def target_fingerprint(target_cfg: TargetConfig, target_params, samples: int = 4096) -> str:
+    """A short fingerprint of a target (hex, 16 chars): its config, and the name, shape and about
+    ``samples`` evenly strided float32 values of every parameter (so a fine-tune that leaves
+    some tensors unchanged still gets a fingerprint of its own)."""
     h = hashlib.sha256(repr(target_cfg.with_dtype("float32")).encode())
-    h.update(emb.tobytes())
+    for k, v in jax.tree_util.tree_leaves_with_path(target_params):
+        flat = jnp.ravel(v)
+        h.update(f"{jax.tree_util.keystr(k)}{tuple(v.shape)}".encode())
+        h.update(np.asarray(jax.device_get(flat[:: max(1, flat.size // samples)]), np.float32).tobytes())
     return h.hexdigest()[:16]
 
 
@@ -294,7 +303,7 @@ def cache_features(
         del out
         (folder / "features.json").unlink(missing_ok=True)  # never a json naming the wrong array
     with atomic_path(folder / "index.npz") as p, open(p, "wb") as f:
-        np.savez(f, hashes=hashes, offsets=dataset.offsets)
+        np.savez(f, hashes=hashes, offsets=dataset.offsets, dataset=np.frombuffer(dataset.fingerprint().encode(), np.uint8))
     meta = {"layer_ids": list(layer_ids), "hidden_size": target_cfg.hidden_size, "dtype": "bfloat16",
             "post_norm_last": bool(post_norm_last), "dataset": dataset.fingerprint(), "target": tfp,
             "seconds": round(time.time() - t0, 1), "reused_tokens": reused}

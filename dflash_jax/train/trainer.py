@@ -162,7 +162,7 @@ def params_fingerprint(params) -> str:
     """sha256 (hex, 16 chars) of a parameter pytree's names, shapes and float32 values."""
     h = hashlib.sha256()
     for k, v in jax.tree_util.tree_leaves_with_path(params):
-        h.update(jax.tree_util.keystr(k).encode())
+        h.update(f"{jax.tree_util.keystr(k)}{tuple(np.shape(v))}".encode())
         h.update(np.ascontiguousarray(np.asarray(jax.device_get(v), np.float32)).tobytes())
     return h.hexdigest()[:16]
 
@@ -383,7 +383,8 @@ def write_training_curve(out_dir: str | os.PathLike, path: str | os.PathLike, be
       before: the ``training_curve.csv`` of the drafter this run continued (``init_params``):
         its rows come first and this run's follow with steps and token counts offset by its last
         row's, so the curve runs over all training the drafter had; column ``run`` numbers the
-        runs (1 for a drafter trained from random weights).
+        runs (1 for the first run of the drafter's recorded history; a drafter continued
+        without a recorded curve starts its history at this run).
     """
     import csv
 
@@ -396,7 +397,7 @@ def write_training_curve(out_dir: str | os.PathLike, path: str | os.PathLike, be
             run = rows[-1]["run"] + 1
     for r in training_curve(out_dir):
         if rows and r["step"] == 0:
-            continue  # the continued drafter's last row already measured these weights
+            continue  # the continued drafter's last row measured these weights (before the export's rounding)
         rows.append(dict(r, **{k: r[k] + v for k, v in offset.items()}, run=run))
     path = Path(path)
     with atomic_path(path) as tmp, open(tmp, "w", newline="", encoding="utf-8") as f:
