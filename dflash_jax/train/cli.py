@@ -56,7 +56,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--causal", action="store_true", help="causal attention inside the block (default bidirectional)")
     g.add_argument("--init-from", default=None, metavar="DRAFTER",
                    help="start from this drafter's weights (z-lab folder) instead of random ones, e.g. to continue "
-                        "a shipped drafter on more data; its layers, taps, MLP width and mask id must equal this run's")
+                        "a shipped drafter on more data; its layers, taps, MLP width, mask id, block size and block "
+                        "attention must equal this run's")
     g = ap.add_argument_group("optimisation (specs/dflash.md 3.7)")
     g.add_argument("--steps", type=int, default=1000)
     g.add_argument("--batch-size", type=int, default=8, help="sequences per step (default 8)")
