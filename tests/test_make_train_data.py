@@ -74,7 +74,7 @@ def test_generation_resumes_and_regenerates_foreign_shards(tmp_path):
         assert int((mask == 0).sum()) == p["prompt_tokens"] and 1 <= int(mask.sum()) <= 3
 
 
-def test_a_shard_answers_only_its_own_prompts_and_settings(tmp_path):
+def test_a_shard_is_read_only_for_its_own_prompts_and_settings(tmp_path):
     sys.path.insert(0, str(REPO / "tools"))
     try:
         import make_train_data as m
@@ -86,11 +86,14 @@ def test_a_shard_answers_only_its_own_prompts_and_settings(tmp_path):
     path = tmp_path / "batch_00000.npz"
     np.savez(path, tokens=np.concatenate(seqs), lengths=np.array([5, 3]), prompt_lens=np.array([3, 2]),
              settings=np.frombuffer(settings.encode(), np.uint8))
-    assert m._shard_answers(path, chunk, settings)
-    assert not m._shard_answers(path, [[1, 2, 3], [4, 6]], settings)  # same count, another prompt
-    assert not m._shard_answers(path, chunk[:1], settings)
-    assert not m._shard_answers(path, chunk, json.dumps({"max_new": 4}))  # made with other settings
+    shard = m._read_shard(path, chunk, settings)
+    np.testing.assert_array_equal(shard["tokens"], np.concatenate(seqs))
+    assert shard["lengths"].tolist() == [5, 3] and shard["prompt_lens"].tolist() == [3, 2]
+    assert m._read_shard(tmp_path / "missing.npz", chunk, settings) is None
+    assert m._read_shard(path, [[1, 2, 3], [4, 6]], settings) is None  # same count, another prompt
+    assert m._read_shard(path, chunk[:1], settings) is None
+    assert m._read_shard(path, chunk, json.dumps({"max_new": 4})) is None  # made with other settings
     np.savez(path, tokens=np.concatenate(seqs), lengths=np.array([5, 3]), prompt_lens=np.array([3, 2]))
-    assert not m._shard_answers(path, chunk, settings)  # settings not recorded
+    assert m._read_shard(path, chunk, settings) is None  # settings not recorded
     path.write_bytes(b"not a zip")
-    assert not m._shard_answers(path, chunk, settings)
+    assert m._read_shard(path, chunk, settings) is None

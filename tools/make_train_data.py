@@ -242,19 +242,24 @@ def build_prompts(seed: int, code_fraction: float) -> list[dict]:
     return [p for p in out if p["text"].strip().lower() not in banned]
 
 
-def _shard_answers(path: Path, chunk: list[list[int]], settings: str) -> bool:
-    """Whether the generation shard at ``path`` was made with ``settings`` (target, ``--max-new``,
-    stop ids) and holds one sequence per prompt of ``chunk``, each starting with that prompt's
-    token ids; a shard from a run with other settings or prompts, or an unreadable one, is not."""
+def _read_shard(path: Path, chunk: list[list[int]], settings: str):
+    """The generation shard at ``path`` (its arrays ``tokens``, ``lengths``, ``prompt_lens``) when it
+    was made with ``settings`` (target, ``--max-new``, stop ids) and holds one sequence per prompt
+    of ``chunk``, each starting with that prompt's token ids; ``None`` for a missing or unreadable
+    shard or one from a run with other settings or prompts."""
     try:
-        z = np.load(path, allow_pickle=False)
-        if "settings" not in z.files or z["settings"].tobytes().decode() != settings or len(z["lengths"]) != len(chunk):
-            return False
-        off = np.concatenate([[0], np.cumsum(z["lengths"])])
-        return all(int(z["prompt_lens"][i]) == len(p) and np.array_equal(z["tokens"][off[i] : off[i] + len(p)], p)
-                   for i, p in enumerate(chunk))
+        with np.load(path, allow_pickle=False) as z:
+            if "settings" not in z.files or z["settings"].tobytes().decode() != settings:
+                return None
+            shard = {k: z[k] for k in ("tokens", "lengths", "prompt_lens")}
     except (OSError, ValueError, KeyError, zipfile.BadZipFile):
-        return False
+        return None
+    if len(shard["lengths"]) != len(chunk):
+        return None
+    off = np.concatenate([[0], np.cumsum(shard["lengths"])])
+    if all(int(shard["prompt_lens"][i]) == len(p) and np.array_equal(shard["tokens"][off[i] : off[i] + len(p)], p) for i, p in enumerate(chunk)):
+        return shard
+    return None
 
 
 def main(argv=None) -> int:
@@ -301,7 +306,7 @@ def main(argv=None) -> int:
         selected.append(p)
         ids.append(enc)
     held = held_out_prompts()
-    (out / "eval_prompts.json").write_text(json.dumps({"texts": held, "ids": [tok.encode_chat([{"role": "user", "content": t}]) for t in held]}, indent=1))
+    write_text(out / "eval_prompts.json", json.dumps({"texts": held, "ids": [tok.encode_chat([{"role": "user", "content": t}]) for t in held]}, indent=1))
 
     cap = args.prompt_cap + args.max_new
     settings = json.dumps({"target": Path(str(target.source)).name, "max_new": args.max_new, "stop_ids": list(target.eos_ids),
@@ -313,10 +318,10 @@ def main(argv=None) -> int:
         path = shards / f"batch_{b:05d}.npz"
         chunk = ids[b * args.batch_size : (b + 1) * args.batch_size]
         if path.is_file():
-            if _shard_answers(path, chunk, settings):
+            if _read_shard(path, chunk, settings) is not None:
                 continue
-            print(f"batch {b + 1}/{nb}: {path} holds other prompts (another --num-prompts, --batch-size or recipe); "
-                  "generating it again", file=sys.stderr, flush=True)
+            print(f"batch {b + 1}/{nb}: {path} was made for other prompts or settings (another --num-prompts, --batch-size, "
+                  "--max-new, target or recipe); generating it again", file=sys.stderr, flush=True)
         if args.time_limit is not None and time.time() - t0 > args.time_limit:
             print(f"time limit reached before batch {b}/{nb}", file=sys.stderr, flush=True)
             break
@@ -335,12 +340,11 @@ def main(argv=None) -> int:
         print(f"batch {b + 1}/{nb}: {new} new tokens in {time.time() - tb:.1f}s ({new / (time.time() - tb):.1f} tok/s); "
               f"{el / 60:.1f} min elapsed", file=sys.stderr, flush=True)
 
-    seqs, masks, sources, kept, seen, dropped = [], [], [], [], set(), 0
+    seqs, masks, kept, seen, dropped = [], [], [], set(), 0
     for b in range(nb):
-        path = shards / f"batch_{b:05d}.npz"
-        if not path.is_file() or not _shard_answers(path, ids[b * args.batch_size : (b + 1) * args.batch_size], settings):
+        z = _read_shard(shards / f"batch_{b:05d}.npz", ids[b * args.batch_size : (b + 1) * args.batch_size], settings)
+        if z is None:
             break  # a prefix of the batches: the dataset stays a prefix of the prompt list
-        z = np.load(path, allow_pickle=False)
         off = np.concatenate([[0], np.cumsum(z["lengths"])])
         for i in range(len(z["lengths"])):
             j = b * args.batch_size + i
@@ -351,7 +355,6 @@ def main(argv=None) -> int:
             s = z["tokens"][off[i] : off[i + 1]]
             seqs.append(s)
             masks.append(np.r_[np.zeros(z["prompt_lens"][i], np.uint8), np.ones(len(s) - z["prompt_lens"][i], np.uint8)])
-            sources.append(selected[j]["source"])
             kept.append(dict(selected[j], prompt_tokens=len(ids[j])))
     meta = {
         "recipe": "tools/make_train_data.py",
@@ -360,7 +363,7 @@ def main(argv=None) -> int:
         "max_new": args.max_new, "prompt_cap": args.prompt_cap, "batch_size": args.batch_size, "decoding": "greedy",
         "chat_template": "target tokenizer's, default system prompt, one user turn", "stop_ids": list(target.eos_ids),
         "num_prompts_requested": args.num_prompts, "num_batches": nb, "duplicates_dropped": dropped,
-        "sources": {k: sum(1 for s in sources if s.startswith(k)) for k in ("stdlib", "general", "coding")},
+        "sources": {k: sum(1 for p in kept if p["source"].startswith(k)) for k in ("stdlib", "general", "coding")},
         "heldout": "eval_prompts.json; HumanEval never used",
     }
     ds = TokenDataset.from_sequences(seqs, masks, meta)

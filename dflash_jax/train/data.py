@@ -216,16 +216,23 @@ class FeatureCache:
         return cache, {int(h): (int(off[i]), int(off[i + 1] - off[i])) for i, h in enumerate(hashes)}
 
 
+def tree_fingerprint(tree, prefix: bytes = b"", samples: int | None = None) -> str:
+    """sha256 (hex, 16 chars) of ``prefix`` then, leaf by leaf, each leaf's name and shape and its
+    float32 values: all of them, or about ``samples`` evenly strided ones (row-major order)."""
+    h = hashlib.sha256(prefix)
+    for k, v in jax.tree_util.tree_leaves_with_path(tree):
+        flat = jnp.ravel(v)
+        step = 1 if samples is None else max(1, flat.size // samples)
+        h.update(f"{jax.tree_util.keystr(k)}{tuple(np.shape(v))}".encode())
+        h.update(np.asarray(jax.device_get(flat[::step]), np.float32).tobytes())
+    return h.hexdigest()[:16]
+
+
 def target_fingerprint(target_cfg: TargetConfig, target_params, samples: int = 4096) -> str:
     """A short fingerprint of a target (hex, 16 chars): its config, and the name, shape and about
     ``samples`` evenly strided float32 values of every parameter (so a fine-tune that leaves
     some tensors unchanged still gets a fingerprint of its own)."""
-    h = hashlib.sha256(repr(target_cfg.with_dtype("float32")).encode())
-    for k, v in jax.tree_util.tree_leaves_with_path(target_params):
-        flat = jnp.ravel(v)
-        h.update(f"{jax.tree_util.keystr(k)}{tuple(v.shape)}".encode())
-        h.update(np.asarray(jax.device_get(flat[:: max(1, flat.size // samples)]), np.float32).tobytes())
-    return h.hexdigest()[:16]
+    return tree_fingerprint(target_params, repr(target_cfg.with_dtype("float32")).encode(), samples)
 
 
 def cache_features(

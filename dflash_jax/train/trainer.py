@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import hashlib
 import json
 import os
 import shutil
@@ -42,7 +41,7 @@ from dflash_jax import draft_vocab
 from dflash_jax.errors import DFlashError
 from dflash_jax.models import drafter
 from dflash_jax.train import objective
-from dflash_jax.train.data import Batcher, target_features
+from dflash_jax.train.data import Batcher, target_features, tree_fingerprint
 from dflash_jax.io.files import atomic_path, write_safetensors, write_text
 
 DECAYS = ("cosine", "linear", "constant")
@@ -159,12 +158,9 @@ def init_train_state(cfg: DrafterConfig, tc: TrainConfig, init_params=None) -> T
 
 
 def params_fingerprint(params) -> str:
-    """sha256 (hex, 16 chars) of a parameter pytree's names, shapes and float32 values."""
-    h = hashlib.sha256()
-    for k, v in jax.tree_util.tree_leaves_with_path(params):
-        h.update(f"{jax.tree_util.keystr(k)}{tuple(np.shape(v))}".encode())
-        h.update(np.ascontiguousarray(np.asarray(jax.device_get(v), np.float32)).tobytes())
-    return h.hexdigest()[:16]
+    """sha256 (hex, 16 chars) of a parameter pytree's names, shapes and all its float32 values
+    (:func:`dflash_jax.train.data.tree_fingerprint`)."""
+    return tree_fingerprint(params)
 
 
 def _compute(params, cfg: DrafterConfig, tc: TrainConfig):
