@@ -55,7 +55,8 @@ class Target:
     Attributes:
       cfg: static :class:`~dflash_jax.config.TargetConfig` or
         :class:`~dflash_jax.config_laguna.LagunaConfig` (its ``dtype`` is the compute dtype).
-      params: parameter pytree of :mod:`dflash_jax.models.dense` or ``models.laguna``.
+      params: parameter pytree of :mod:`dflash_jax.models.dense` (layers stacked, or per layer
+        on CPU: :func:`load_target`'s ``layers``) or ``models.laguna``.
       tokenizer: :class:`~dflash_jax.io.tokenizer.Tokenizer`, or ``None`` (ids only).
       source: the file or folder it was loaded from.
       eos_ids: end-of-generation token ids (from the tokenizer, else from ``config.json`` /
@@ -100,7 +101,10 @@ class GenerationResult:
 # ------------------------------------------------------------------------------------- loading
 
 
-def load_target(path: str | os.PathLike | None = None, dtype: str = "float32") -> Target:
+LAYER_LAYOUTS = ("auto", "stacked", "per_layer")
+
+
+def load_target(path: str | os.PathLike | None = None, dtype: str = "float32", layers: str = "auto") -> Target:
     """Loads a target model with its tokenizer.
 
     Args:
@@ -108,20 +112,28 @@ def load_target(path: str | os.PathLike | None = None, dtype: str = "float32") -
         :mod:`dflash_jax.assets`); a Hugging Face folder holding ``config.json`` (tokenizer loaded
         when ``tokenizer.json`` is present); or a ``.gguf`` file (tokenizer from its metadata).
       dtype: ``"float32"``, ``"bfloat16"`` or ``"float16"``.
+      layers: layout of a dense target's decoder layers: ``"stacked"`` (one array per weight
+        with a leading layer axis, run with ``lax.scan``), ``"per_layer"`` (a tuple of per-layer
+        dicts, run as a Python loop: XLA:CPU copies each stacked layer's weights in every scan
+        step; :func:`dflash_jax.models.dense.unstack_layers`) or ``"auto"`` (per layer on the CPU
+        backend, stacked elsewhere). Same values and outputs either way; Laguna targets are always
+        stacked.
     Returns:
       :class:`Target`.
     Raises:
-      DFlashError: an unsupported dtype, a path that does not exist or is neither kind, or any
-        problem the loaders find (the message names the file).
+      DFlashError: an unsupported dtype or layout, a path that does not exist or is neither
+        kind, or any problem the loaders find (the message names the file).
     """
     if str(dtype) not in DTYPES:
         raise DFlashError("--dtype", f"unsupported value {dtype!r}", f"one of {', '.join(DTYPES)}")
+    if layers not in LAYER_LAYOUTS:
+        raise DFlashError("layers", f"unsupported value {layers!r}", f"one of {', '.join(LAYER_LAYOUTS)}")
     if path is None:
         from dflash_jax.assets import default_target_path
 
         p = default_target_path()
         try:
-            return load_target(p, dtype=dtype)
+            return load_target(p, dtype=dtype, layers=layers)
         except DFlashError as e:  # a damaged cached copy (e.g. an interrupted extraction)
             hint = f"delete {p} so that it is fetched again"
             raise DFlashError(e.where, e.what, f"{e.expected}; the cached default model looks damaged: {hint}" if e.expected else hint) from e
@@ -158,7 +170,12 @@ def load_target(path: str | os.PathLike | None = None, dtype: str = "float32") -
     if tok is not None and tok.vocab_size > cfg.vocab_size:
         raise DFlashError(f"{p}: tokenizer", f"{tok.vocab_size} ids but the embedding has {cfg.vocab_size} rows",
                           "a tokenizer no larger than the embedding")
-    return Target(cfg=cfg, params=with_output_head(params), tokenizer=tok, source=str(p), eos_ids=eos)
+    params = with_output_head(params)
+    if isinstance(cfg, TargetConfig) and (layers == "per_layer" or (layers == "auto" and jax.default_backend() == "cpu")):
+        from dflash_jax.models import dense
+
+        params = dense.unstack_layers(params)
+    return Target(cfg=cfg, params=params, tokenizer=tok, source=str(p), eos_ids=eos)
 
 
 def with_output_head(params: dict) -> dict:

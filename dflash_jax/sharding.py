@@ -185,7 +185,8 @@ def tree_shardings(tree, axes, mesh: Mesh, rules: ShardingRules = DEFAULT_RULES,
     ax_leaves, ax_def = jax.tree_util.tree_flatten(axes, is_leaf=_is_axes)
     leaves, tdef = jax.tree_util.tree_flatten(tree)
     if ax_def.num_leaves != tdef.num_leaves or jax.tree_util.tree_structure(ax_def.unflatten([0] * len(ax_leaves))) != tdef:
-        raise DFlashError("sharding", f"logical axes tree {ax_def} does not match the array tree {tdef}", "param_axes(cfg) of the same config")
+        raise DFlashError("sharding", f"logical axes tree {ax_def} does not match the array tree {tdef}",
+                          "param_axes(cfg) of the same config (param_axes(cfg, per_layer=True) for per-layer parameters)")
     paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
     out = []
     for path, leaf, ax in zip(paths, leaves, ax_leaves):

@@ -139,6 +139,13 @@ def test_load_hf_target_with_tokenizer(hf_dir):
     assert res.texts[0] == t.tokenizer.decode(res.output_ids[0], skip_special_tokens=True)
     half = dj.load_target(hf_dir, dtype="bfloat16")
     assert half.cfg.dtype == "bfloat16" and jax.tree_util.tree_leaves(half.params)[0].dtype == "bfloat16"
+    # on CPU the layers are separate buffers by default; the stacked layout gives the same text
+    assert isinstance(t.params["layers"], tuple) and len(t.params["layers"]) == t.cfg.num_hidden_layers
+    stacked = dj.load_target(hf_dir, layers="stacked")
+    assert isinstance(stacked.params["layers"], dict)
+    assert dj.generate(stacked, [ids], 12, ignore_eos=True).output_ids == res.output_ids
+    with pytest.raises(DFlashError, match="layers"):
+        dj.load_target(hf_dir, layers="unrolled")
 
 
 def test_load_hf_target_eos_without_tokenizer(hf_dir, tmp_path):

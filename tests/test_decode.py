@@ -93,3 +93,37 @@ def test_seeded_sampling_is_reproducible_and_varies_with_seed(target):
 
     assert go(3) == go(3)
     assert go(3) != go(4)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
+def test_per_layer_parameters_give_the_stacked_results(family):
+    """``dense.unstack_layers`` (a Python loop over separate buffers, what ``load_target`` uses
+    on CPU) computes what the stacked ``lax.scan`` computes: logits, K/V cache and captured
+    features of a prefill, and the tokens of batched greedy and DFlash speculative decoding."""
+    from dflash_jax.cache import init_capture
+    from dflash_jax.models import dense
+    from dflash_jax.spec import generate as spec
+    from dflash_jax.testing import tiny_drafter
+
+    cfg, p = tiny_target(family, seed=2)
+    per = dense.unstack_layers(p)
+    assert isinstance(per["layers"], tuple) and len(per["layers"]) == cfg.num_hidden_layers
+    assert jax.tree.all(jax.tree.map(lambda a, b: bool((a == b).all()), dense.stack_layers(per), p))
+    toks = jnp.asarray([PROMPTS[2]], jnp.int32)
+    pos = jnp.arange(toks.shape[1], dtype=jnp.int32)[None]
+    outs = []
+    for params in (p, per):
+        cap = init_capture((0, 2), 1, 16, cfg.hidden_size, cfg.dtype)
+        logits, cache, cap = dense.forward(params, cfg, toks, pos, dense.init_cache(cfg, 1, 16), cap)
+        outs.append((logits, cache.k, cache.v, cap.hidden))
+    for a, b in zip(*outs):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-4)  # float32 summation order
+    assert outputs(run((cfg, per), PROMPTS, 8, 4)) == outputs(run((cfg, p), PROMPTS, 8, 4))
+    dcfg, dp = tiny_drafter(cfg, layer_ids=(0, 2), block_size=4, seed=1)
+
+    def spec_run(params):
+        st = spec.init_state(cfg, dcfg, PROMPTS, 48, 12)
+        st = spec.prefill(params, cfg, dp, dcfg, st, 4, GREEDY)
+        return outputs(spec.generate(params, cfg, dp, dcfg, st, GREEDY))
+
+    assert spec_run(per) == spec_run(p) == outputs(run((cfg, p), PROMPTS, 12, 4))

@@ -19,7 +19,7 @@ from dflash_jax.cache import KV_AXES
 from dflash_jax.errors import DFlashError
 from dflash_jax.models import dense, drafter
 from dflash_jax.spec import generate as spec
-from dflash_jax.testing import tiny_drafter_config, tiny_target_config
+from dflash_jax.testing import tiny_drafter_config, tiny_target, tiny_target_config
 
 MESH = AbstractMesh((2, 2, 1), shd.MESH_AXES)  # data=2, model=2, expert=1 (shape only)
 
@@ -106,6 +106,11 @@ def test_axes_tree_mismatch_raises():
     assert good["layers"]["wq"].spec == P(None, None, None)
     with pytest.raises(DFlashError, match="does not match"):
         shd.param_shardings(params, drafter.param_axes(tiny_drafter_config(cfg)), shd.make_mesh())
+    per = dense.unstack_layers(tiny_target("qwen3")[1])  # per-layer parameters (load_target on CPU)
+    sp = shd.param_shardings(per, dense.param_axes(cfg, per_layer=True), shd.make_mesh())
+    assert len(sp["layers"]) == cfg.num_hidden_layers and sp["layers"][1]["wq"].spec == P(None, None)
+    with pytest.raises(DFlashError, match="per_layer=True"):
+        shd.param_shardings(per, dense.param_axes(cfg), shd.make_mesh())
 
 
 _MULTI_DEVICE = textwrap.dedent(

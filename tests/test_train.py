@@ -71,9 +71,10 @@ def zref(models):
     return model
 
 
-def reference_block(models, zref, tokens, mask, feats, a):
+def reference_block(models, zref, tokens, mask, feats, a, labels=None):
     """One block at anchor ``a``, written out by hand with z-lab's reference drafter: its
-    ``target_hidden`` is explicitly the features of positions ``0 .. a-1`` and nothing else.
+    ``target_hidden`` is explicitly the features of positions ``0 .. a-1`` and nothing else;
+    slot ``k`` is labelled ``labels[a + k]`` (default ``tokens``).
 
     Returns ``(sum w*CE, sum w, [per-slot CE or None])``."""
     import torch
@@ -96,7 +97,7 @@ def reference_block(models, zref, tokens, mask, feats, a):
             continue
         logp = lg[k] - lg[k].max()
         logp = logp - math.log(np.exp(logp).sum())
-        ce = -logp[tokens[p]]
+        ce = -logp[(tokens if labels is None else labels)[p]]
         wk = math.exp(-(k - 1) / GAMMA)
         ce_sum += wk * ce
         w_sum += wk
@@ -155,6 +156,24 @@ def test_labels_not_off_by_one(models, zref):
     t3 = tokens.copy()
     t3[0, a + w - 1] = (t3[0, a + w - 1] + 1) % 127
     assert float(terms(models, t3, mask, feats, [[a]], [[True]])["ce"][0, 0]) != float(got["ce"][0, 0])
+
+
+def test_given_labels_replace_the_tokens_as_targets_only(models, zref):
+    """``labels`` (the target's greedy next tokens with ``labels="target"``) set what each slot
+    learns; the block's anchor token still comes from ``tokens``."""
+    t_cfg, t_params, d_cfg, d_params = models
+    tokens, mask, feats = make_batch([30], 32, seed=4)
+    labels = np.random.RandomState(5).randint(0, 127, tokens.shape).astype(np.int32)
+    anchors = np.array([[4, 11, 20]])
+    run = jax.jit(objective.loss_terms, static_argnames=("cfg", "target_cfg", "gamma"))
+    args = (d_params, d_cfg, t_params, t_cfg, jnp.asarray(tokens), jnp.asarray(mask), jnp.asarray(feats), jnp.asarray(anchors),
+            jnp.ones((1, 3), bool), GAMMA, None)
+    got = run(*args, jnp.asarray(labels))
+    for j, a in enumerate(anchors[0]):
+        ce, _, slots = reference_block(models, zref, tokens[0], mask[0], feats[0], int(a), labels=labels[0])
+        np.testing.assert_allclose(float(got["ce"][0, j]), ce, rtol=2e-5, atol=1e-5)
+    same = run(*args, jnp.asarray(tokens))
+    assert np.array_equal(np.asarray(same["ce"]), np.asarray(terms(models, tokens, mask, feats, anchors, np.ones((1, 3), bool))["ce"]))
 
 
 def test_context_excludes_the_anchor(models):
@@ -310,6 +329,51 @@ def test_grown_dataset_reuses_cached_rows(tmp_path, models, monkeypatch):
     assert FeatureCache.load(tmp_path / "feat", grown, ids).meta["dataset"] == grown.fingerprint()
     other = cache_features(t_params, t_cfg, grown, ids[:1], tmp_path / "feat", tokens_per_batch=64, round_to=8, progress=False)
     assert other.meta["reused_tokens"] == 0  # other layer ids: nothing to reuse
+
+
+def test_target_labels_are_the_targets_greedy_next_tokens(tmp_path, models):
+    """``cache_features(next_tokens=True)`` stores the argmax of the target's own logits after
+    every position (oracle: the target's full forward); ``Batcher(labels="target")`` labels
+    position ``q`` with the next token after ``q - 1``; a cache without next tokens is refused for
+    target labels and not reused when they are wanted; reused rows bring their next tokens."""
+    from dflash_jax.errors import DFlashError
+    from dflash_jax.models.target import module_for
+
+    t_cfg, t_params, d_cfg, _ = models
+    rs = np.random.RandomState(3)
+    seqs = [rs.randint(0, 127, n).tolist() for n in (9, 14, 5, 11)]
+    ds = TokenDataset.from_sequences(seqs, [[0] * 3 + [1] * (len(x) - 3) for x in seqs])
+    ids, kw = d_cfg.target_layer_ids, dict(tokens_per_batch=32, round_to=8, progress=False)
+    plain = cache_features(t_params, t_cfg, ds, ids, tmp_path / "f", **kw)
+    assert plain.next_tokens is None and Batcher(ds, 2, 16, features=plain).batch(0).get("labels") is None
+    with pytest.raises(DFlashError, match="next tokens"):
+        Batcher(ds, 2, 16, features=plain, labels="target")
+    with pytest.raises(DFlashError, match="labels"):
+        Batcher(ds, 2, 16, features=plain, labels="teacher")
+    from dflash_jax.models.dense import unstack_layers
+
+    per = unstack_layers(t_params)  # load_target's layout on CPU: same target, same fingerprint
+    assert data_mod.target_fingerprint(t_cfg, per) == plain.meta["target"]
+    fc = cache_features(t_params, t_cfg, ds, ids, tmp_path / "f", next_tokens=True, **kw)
+    assert fc.meta["reused_tokens"] == 0 and fc.meta["next_tokens"]  # the old cache had no next tokens
+    mod = module_for(t_cfg)
+    for i, x in enumerate(seqs):
+        n = len(x)
+        logits, _, _ = mod.forward(t_params, t_cfg, jnp.asarray([x], jnp.int32), jnp.arange(n, dtype=jnp.int32)[None],
+                                   mod.init_cache(t_cfg, 1, n))
+        assert np.asarray(fc.next_tokens[ds.offsets[i] : ds.offsets[i + 1]]).tolist() == np.argmax(np.asarray(logits[0]), -1).tolist()
+    np.testing.assert_allclose(np.asarray(fc.features, np.float32), np.asarray(plain.features, np.float32), rtol=1e-2, atol=1e-2)
+    b = Batcher(ds, 4, 12, seed=1, features=fc, labels="target")  # 12 < 14: one sequence truncated
+    x, flat = b.batch(0), b.flat_labels()
+    for r, j in enumerate(b.sequence_ids(0)):
+        a, n = int(ds.offsets[j]), int(x["lengths"][r])
+        assert x["labels"][r, 0] == x["tokens"][r, 0] and x["labels"][r, 1:n].tolist() == fc.next_tokens[a : a + n - 1].tolist()
+        assert flat[a : a + n].tolist() == x["labels"][r, :n].tolist()
+    grown = TokenDataset.from_sequences(seqs[::-1] + [rs.randint(0, 127, 7).tolist()], [[1] * len(q) for q in seqs[::-1]] + [[1] * 7])
+    g = cache_features(t_params, t_cfg, grown, ids, tmp_path / "f", next_tokens=True, **kw)
+    assert g.meta["reused_tokens"] == len(ds.tokens)
+    fresh = cache_features(t_params, t_cfg, grown, ids, tmp_path / "fresh", next_tokens=True, **kw)
+    assert np.array_equal(np.asarray(g.next_tokens), np.asarray(fresh.next_tokens))
 
 
 # ------------------------------------------------------------------------------ trainer
@@ -494,3 +558,10 @@ def test_cli_trains_resumes_and_exports(tmp_path, capsys):
     assert "--target-layer-ids: 1,0 (expected 0,1, as in" in capsys.readouterr().err
     assert main(more + ["--init-from", str(tmp_path / "run" / "drafter"), "--export", str(tmp_path / "run" / "drafter")]) == 2
     assert "--export:" in capsys.readouterr().err
+    assert main(argv + ["--labels", "target", "--no-feature-cache"]) == 2
+    assert "--labels target" in capsys.readouterr().err
+    # target labels: the cache is rebuilt with the target's next tokens, and the checkpointed run
+    # (trained on the data's tokens) is not resumed with other labels
+    assert main(more + ["--init-from", str(tmp_path / "run" / "drafter"), "--steps", "2", "--labels", "target"]) == 2
+    assert "differ from the checkpointed run's (labels)" in capsys.readouterr().err
+    assert FeatureCache.load(tmp_path / "run2" / "features", ds).next_tokens is not None

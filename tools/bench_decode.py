@@ -7,6 +7,7 @@ same target and dtype)::
 
     python tools/bench_decode.py                     # float32, 128 new tokens, 128-token prompt
     python tools/bench_decode.py --dtype bfloat16 --repeats 5 --no-write
+    python tools/bench_decode.py --layers per_layer,stacked   # both layer layouts, alternating
 """
 
 from __future__ import annotations
@@ -47,36 +48,52 @@ def main(argv=None) -> int:
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--chunk-size", type=int, default=256)
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--layers", default="auto",
+                   help="comma-separated layer layouts of load_target (auto, stacked, per_layer), run alternately in one process")
     p.add_argument("--output", default=str(REPO / "BENCHMARKS.md"))
     p.add_argument("--no-write", action="store_true", help="print the figures only")
     args = p.parse_args(argv)
 
     import dflash_jax as dj
 
-    target = dj.load_target(args.target, dtype=args.dtype)
+    layouts = [x.strip() for x in args.layers.split(",") if x.strip()]
+    targets = {lay: dj.load_target(args.target, dtype=args.dtype, layers=lay) for lay in layouts}
+    target = targets[layouts[0]]
     ids = prompt_ids(target, args.prompt_len)
     m = machine()
     busy0, own0, wall0 = busy_seconds(), sum(os.times()[:4]), time.perf_counter()
-    runs = []
+    by_layout: dict = {lay: [] for lay in layouts}
+    outputs = {}
     for r in range(args.repeats):
-        res = dj.generate(target, [ids], args.max_new_tokens, chunk_size=args.chunk_size, ignore_eos=True)
-        st = res.stats
-        runs.append(st)
-        print(f"run {r + 1}/{args.repeats}: prefill {st['prefill_tokens_per_s']:.1f} tok/s ({st['prefill_time_s']:.3f} s), "
-              f"decode {st['decode_tokens_per_s']:.2f} tok/s ({st['decode_time_s']:.3f} s), "
-              f"compile {st['compile_time_s']:.2f} s", file=sys.stderr)
+        for lay in layouts:
+            res = dj.generate(targets[lay], [ids], args.max_new_tokens, chunk_size=args.chunk_size, ignore_eos=True)
+            st = res.stats
+            by_layout[lay].append(st)
+            outputs[lay] = res.output_ids
+            print(f"run {r + 1}/{args.repeats} ({lay}): prefill {st['prefill_tokens_per_s']:.1f} tok/s ({st['prefill_time_s']:.3f} s), "
+                  f"decode {st['decode_tokens_per_s']:.2f} tok/s ({st['decode_time_s']:.3f} s), "
+                  f"compile {st['compile_time_s']:.2f} s", file=sys.stderr)
+    if len({str(o) for o in outputs.values()}) != 1:
+        print("warning: the layer layouts produced different tokens", file=sys.stderr)
+    runs = by_layout[layouts[0]]
     busy1, own1, wall1 = busy_seconds(), sum(os.times()[:4]), time.perf_counter()
     others = "n/a"
     if busy0 is not None and busy1 is not None:
         share = max(0.0, (busy1 - busy0) - (own1 - own0)) / ((wall1 - wall0) * (m["cores"] or 1))
         others = f"{100 * share:.0f}%"
-    med = lambda k: statistics.median(s[k] for s in runs)  # noqa: E731
-    best = lambda k: max(s[k] for s in runs)  # noqa: E731
+    med = lambda k, rs=runs: statistics.median(s[k] for s in rs)  # noqa: E731
+    best = lambda k, rs=runs: max(s[k] for s in rs)  # noqa: E731
     name = Path(target.source).name
     cmd = "python tools/bench_decode.py " + " ".join(shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:]))
     date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     c = target.cfg
     n_params = sum(int(x.size) for x in __import__("jax").tree_util.tree_leaves(target.params))
+    if getattr(c, "tie_word_embeddings", False) and "lm_head" in target.params:
+        n_params -= int(target.params["lm_head"].size)  # load_target's [H, V] copy of the tied embedding
+    lay_label = lambda lay: lay if lay != "auto" else "auto: " + ("per_layer" if isinstance(targets[lay].params["layers"], tuple) else "stacked")  # noqa: E731
+    layout_rows = "".join(
+        f"| decode, layers {lay_label(lay)} | {med('decode_tokens_per_s', rs):.2f} tok/s | {best('decode_tokens_per_s', rs):.2f} tok/s |\n"
+        for lay, rs in by_layout.items()) if len(layouts) > 1 else ""
     body = f"""## Plain decoding: {name}, {args.dtype}
 
 `{cmd.strip()}` ({date})
@@ -86,9 +103,9 @@ def main(argv=None) -> int:
 | prefill ({args.prompt_len}-token prompt, chunk {runs[0]['chunk_size']}) | {med('prefill_tokens_per_s'):.1f} tok/s | {best('prefill_tokens_per_s'):.1f} tok/s |
 | decode ({args.max_new_tokens} new tokens, batch 1) | **{med('decode_tokens_per_s'):.2f} tok/s** | {best('decode_tokens_per_s'):.2f} tok/s |
 | decode time per token | {1000 / med('decode_tokens_per_s'):.1f} ms | |
-
+{layout_rows}
 Model: {c.family}, {c.num_hidden_layers} layers, hidden {c.hidden_size}, vocab {c.vocab_size}, {n_params / 1e6:.1f} M parameters
-({n_params * __import__('numpy').dtype(args.dtype if args.dtype != 'bfloat16' else 'float16').itemsize / 2**20:.0f} MiB of weights in {args.dtype}); capacity {runs[0]['max_len']}; {args.repeats} runs.
+({n_params * __import__('numpy').dtype(args.dtype if args.dtype != 'bfloat16' else 'float16').itemsize / 2**20:.0f} MiB of weights in {args.dtype}); capacity {runs[0]['max_len']}; {args.repeats} runs{' per layout, alternating (the first rows: ' + lay_label(layouts[0]) + ')' if len(layouts) > 1 else ''}; layer layout {lay_label(layouts[0])}.
 
 Machine: {m['cpu']}, {m['cores']} cores, {m['memory']} RAM; {m['device']}; Python {m['python']}, jax {m['jax']}, jaxlib {m['jaxlib']}{'; XLA_FLAGS=' + m['xla_flags'] if m['xla_flags'] else ''};
 other processes kept {others} of the CPU time busy during the runs ("best" is the least disturbed run).

@@ -1,10 +1,14 @@
 #!/usr/bin/env sh
-# Reproduces the shipped drafter dflash_jax/drafters/smollm2-135m-instruct from scratch, in two
-# stages, on a 2-core CPU (about 3 h 15 min in all; no single command runs much over an hour):
+# Reproduces the shipped drafter dflash_jax/drafters/smollm2-135m-instruct from scratch, in three
+# stages, on a 2-core CPU (about 5 h in all; no single command runs over two hours):
 #   1. self-distillation answers to round 1 of the recorded prompt list (2193 prompts, about
 #      35 min), cached target features (about 12 min), a first run of 1500 steps (about 60 min);
 #   2. the data grown by round 2 (3526 prompts: stage 1's answers and features are reused, about
-#      25 + 8 min), and a run of 1300 steps continuing stage 1's drafter (about 55 min).
+#      25 + 8 min), and a run of 1300 steps continuing stage 1's drafter (about 55 min);
+#   3. stage 2's data plus real standard-library functions in the HumanEval format
+#      (tools/make_code_data.py, seconds), features and the target's greedy next tokens for all
+#      of it (about 50 min), and a run of 1300 steps with --labels target continuing stage 2's
+#      drafter (about 55 min).
 # Each command resumes when rerun with the same work folder (default runs/smollm2). The prompt
 # counts 2193 (round 1) and 3526 (rounds 1 and 2) are those of Python 3.11's standard library
 # (`python tools/make_train_data.py --out x --list-prompts --num-prompts 99999` lists them).
@@ -27,5 +31,11 @@ done
 [ -f "$WORK/features/features.json" ] || ln -f "$WORK"/features1/* "$WORK/features/"
 "$PY" tools/make_train_data.py --out "$WORK/data" --num-prompts 3526 $DATA
 "$PY" -m dflash_jax.train.cli --data "$WORK/data" --out "$WORK/run2" --features "$WORK/features" $DRAFTER $RUN \
-    --init-from "$WORK/drafter1" --steps 1300 --lr 5e-4 --warmup-ratio 0.03 --eval-every 325 \
+    --init-from "$WORK/drafter1" --steps 1300 --lr 5e-4 --warmup-ratio 0.03 --eval-every 325 --export "$WORK/drafter2"
+
+# real source, labelled by the target: no generation; the features are computed again because
+# the cache now also holds the target's next tokens
+"$PY" tools/make_code_data.py --out "$WORK/data3" --base "$WORK/data"
+"$PY" -m dflash_jax.train.cli --data "$WORK/data3" --out "$WORK/run3" --features "$WORK/features3" --labels target $DRAFTER $RUN \
+    --init-from "$WORK/drafter2" --steps 1300 --lr 5e-4 --warmup-ratio 0.03 --eval-every 325 \
     --export dflash_jax/drafters/smollm2-135m-instruct

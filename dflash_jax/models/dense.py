@@ -13,6 +13,13 @@ with ``lax.scan``)::
      "norm": [H],
      "lm_head": [H, V]}          # optional when tie_word_embeddings (embed.T is used; api adds a copy)
 
+The same pytree may hold ``"layers"`` as a tuple of ``L`` per-layer dicts (:func:`unstack_layers`,
+leaves without the ``L`` axis): :func:`forward_hidden` then runs a Python loop over separate
+buffers instead of ``lax.scan``. XLA:CPU copies each layer's weights out of the stacked arrays in
+every scan step (a ``dynamic-slice`` per weight), which costs a decode step about a third of its
+time on SmolLM2-135M; :func:`dflash_jax.api.load_target` unstacks on CPU. Both layouts give the
+same logits.
+
 Source: transformers ``modeling_llama.py``, ``modeling_qwen2.py``, ``modeling_qwen3.py``.
 """
 
@@ -66,13 +73,33 @@ _AXES = {
 }
 
 
-def param_axes(cfg: TargetConfig) -> dict:
-    """Logical axis names of every parameter leaf (same tree as :func:`param_shapes`)."""
+def param_axes(cfg: TargetConfig, per_layer: bool = False) -> dict:
+    """Logical axis names of every parameter leaf (same tree as :func:`param_shapes`; with
+    ``per_layer`` the tree of :func:`unstack_layers`: ``L`` dicts without the ``"layers"`` axis)."""
     shapes = param_shapes(cfg)
-    axes = {"embed": ("vocab", "embed"), "layers": {k: _AXES[k] for k in shapes["layers"]}, "norm": ("embed",)}
+    layer = {k: _AXES[k] for k in shapes["layers"]}
+    if per_layer:
+        layer = tuple({k: v[1:] for k, v in layer.items()} for _ in range(cfg.num_hidden_layers))
+    axes = {"embed": ("vocab", "embed"), "layers": layer, "norm": ("embed",)}
     if "lm_head" in shapes:
         axes["lm_head"] = ("embed", "vocab")
     return axes
+
+
+def unstack_layers(params: Params) -> Params:
+    """``params`` with ``"layers"`` as a tuple of per-layer dicts (one buffer per layer and weight;
+    a no-op when already unstacked). The arrays are copies: the stacked ones can be freed."""
+    if isinstance(params["layers"], (tuple, list)):
+        return params
+    n = jax.tree_util.tree_leaves(params["layers"])[0].shape[0]
+    return dict(params, layers=tuple(jax.tree_util.tree_map(lambda a, i=i: a[i], params["layers"]) for i in range(n)))
+
+
+def stack_layers(params: Params) -> Params:
+    """The inverse of :func:`unstack_layers` (a no-op on stacked parameters)."""
+    if not isinstance(params["layers"], (tuple, list)):
+        return params
+    return dict(params, layers=jax.tree_util.tree_map(lambda *a: jnp.stack(a), *params["layers"]))
 
 
 def init_params(cfg: TargetConfig, key: jax.Array, scale: float = 0.02) -> Params:
@@ -176,7 +203,13 @@ def forward_hidden(
         return (x, cap, k_all, v_all), None
 
     layer_ids = jnp.arange(n_layers, dtype=jnp.int32)
-    (x, cap, k_new, v_new), _ = lax.scan(body, (x, cap, cache.k, cache.v), (params["layers"], slot_of, layer_ids))
+    if isinstance(params["layers"], (tuple, list)):  # unstacked (unstack_layers): one buffer per layer
+        carry = (x, cap, cache.k, cache.v)
+        for i, lp in enumerate(params["layers"]):
+            carry, _ = body(carry, (lp, slot_of[i], i))
+        x, cap, k_new, v_new = carry
+    else:
+        (x, cap, k_new, v_new), _ = lax.scan(body, (x, cap, cache.k, cache.v), (params["layers"], slot_of, layer_ids))
     new_len = jnp.minimum(jnp.maximum(cache.length, positions[:, -1] + 1), cache.capacity)
     cache = KVCache(k=k_new, v=v_new, length=new_len.astype(jnp.int32))
     if capture is not None:

@@ -44,6 +44,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--target", default=None, help="target .gguf or HF folder (default: embedded SmolLM2-135M-Instruct)")
     g.add_argument("--features", default=None, help="target-feature cache folder (default <out>/features; built when missing)")
     g.add_argument("--no-feature-cache", action="store_true", help="recompute target features in every step instead")
+    g.add_argument("--labels", choices=("data", "target"), default="data",
+                   help="what each block slot learns: the data's token (default; self-distilled answers are the target's "
+                        "greedy output) or the target's greedy next token after the data's prefix (for text the target "
+                        "did not write, e.g. source code; needs the feature cache, which then also stores next tokens)")
     g = ap.add_argument_group("drafter (defaults follow the target)")
     g.add_argument("--layers", type=int, default=2, help="draft layers (default 2)")
     g.add_argument("--target-layer-ids", type=_ids, default=None,
@@ -214,14 +218,20 @@ def _run(args, argv) -> int:
                      lr=args.lr, warmup_ratio=args.warmup_ratio, decay=args.decay, final_lr_ratio=args.final_lr_ratio,
                      weight_decay=args.weight_decay, grad_clip=args.grad_clip, compute_dtype=args.dtype, seed=args.seed)
     features = None
+    if args.labels == "target" and args.no_feature_cache:
+        raise DFlashError("--labels target", "with --no-feature-cache", "the feature cache (it stores the target's next tokens)")
     if not args.no_feature_cache:
         fdir = Path(args.features) if args.features else out / "features"
         try:
             features = FeatureCache.load(fdir, ds, cfg.target_layer_ids, target=target_fingerprint(target.cfg, target.params))
+            if args.labels == "target" and features.next_tokens is None:
+                features = None
         except (DFlashError, FileNotFoundError):
+            pass
+        if features is None:
             features = cache_features(target.params, target.cfg, ds, cfg.target_layer_ids, fdir, post_norm_last=cfg.post_norm_last,
-                                      progress=not args.no_progress)
-    batcher = Batcher(ds, tc.batch_size, tc.max_len, seed=tc.seed, features=features)
+                                      next_tokens=args.labels == "target", progress=not args.no_progress)
+    batcher = Batcher(ds, tc.batch_size, tc.max_len, seed=tc.seed, features=features, labels=args.labels)
     print(f"data: {len(batcher)} sequences, {int(ds.lengths.sum())} tokens, {count_valid_anchors(ds, tc.max_len)} anchor positions; "
           f"drafter: {cfg.num_hidden_layers} layers, taps {list(cfg.target_layer_ids)}, block {cfg.block_size}, mask id "
           f"{cfg.mask_token_id}", file=sys.stderr)
@@ -249,7 +259,7 @@ def _run(args, argv) -> int:
         ids = summary["draft_ids"]
         if ids is not None:
             extra["dflash_jax"]["draft_vocab"] = {"size": len(ids), "file": draft_vocab.FILE_NAME,
-                                                  "response_coverage": round(draft_vocab.coverage(ids, ds.tokens, ds.loss_mask), 5)}
+                                                  "response_coverage": round(draft_vocab.coverage(ids, batcher.flat_labels(), ds.loss_mask), 5)}
         folder = export_drafter(export, cfg, state.params, args.export_dtype, extra, draft_ids=ids)
         write_training_curve(out, folder / "training_curve.csv",
                              before=Path(args.init_from) / "training_curve.csv" if args.init_from else None)

@@ -10,11 +10,19 @@ On disk (never pickle; every array is loaded with ``allow_pickle=False``)::
     <features>/features.npy   [T, K*H] uint16  bfloat16 bit patterns, row = token of tokens.npy
     <features>/features.json  layer ids, hidden size, target fingerprint, dataset fingerprint
     <features>/index.npz      per-sequence token hashes and offsets (lets a grown dataset reuse rows)
+    <features>/next_tokens.npy [T] int32  optional: the target's greedy next token after each
+                              position (argmax of its logits), the labels of ``labels="target"``
 
 Target features are the residual stream after each captured target layer (``specs/dflash.md``
 3.2), computed with :func:`target_features` (``dense.forward_hidden`` with a ``Capture``). They
 are either recomputed inside every training step or cached once with :func:`cache_features`;
 the cache stores bfloat16 (float16 overflows: SmolLM2's residual reaches ~2.5e4).
+
+Labels: by default slot ``k`` of a block learns the data's own token ``x[a + k]`` (``"data"``),
+right for self-distilled answers, which are the target's greedy output. For other text (source
+code, documents) the token the drafter must match at verification is the target's greedy
+choice, not the text's: ``labels="target"`` labels position ``q`` with the target's argmax after
+``x[:q]``, read from a cache built with ``next_tokens=True`` (same forward, no extra pass).
 """
 
 from __future__ import annotations
@@ -38,6 +46,9 @@ from dflash_jax.cache import init_capture
 from dflash_jax.config import TargetConfig
 from dflash_jax.errors import DFlashError
 from dflash_jax.models.target import module_for
+
+
+LABELS = ("data", "target")
 
 
 class TokenDataset:
@@ -131,7 +142,8 @@ class TokenDataset:
         return cls(arrays["tokens"], arrays["loss_mask"], arrays["offsets"], meta, source=str(folder))
 
 
-def target_features(target_params, target_cfg: TargetConfig, tokens: jnp.ndarray, layer_ids: tuple, post_norm_last: bool = False) -> jnp.ndarray:
+def target_features(target_params, target_cfg: TargetConfig, tokens: jnp.ndarray, layer_ids: tuple, post_norm_last: bool = False,
+                    next_tokens: bool = False):
     """Captured target features of every position of a right-padded batch (pure, jit-able).
 
     Args:
@@ -139,21 +151,27 @@ def target_features(target_params, target_cfg: TargetConfig, tokens: jnp.ndarray
       layer_ids: static tuple of captured target layer ids (HF convention: id ``i`` is
         ``hidden_states[i + 1]``; ``dflash_jax.cache.Capture``).
       post_norm_last: read the target's last layer after its final norm.
+      next_tokens: also return the target's greedy next token after every position.
     Returns:
-      ``[B, S, len(layer_ids) * H]`` in ``target_cfg.dtype``, slot = position.
+      ``[B, S, len(layer_ids) * H]`` in ``target_cfg.dtype``, slot = position; with
+      ``next_tokens`` a pair ``(features, next [B, S] int32)``, ``next[b, q] = argmax`` of the
+      target's logits at position ``q`` (its prediction for position ``q + 1``).
     Source: ``specs/dflash.md`` 3.2; same capture as speculative prefill.
     """
     mod = module_for(target_cfg)
     b, s = tokens.shape
     cap = init_capture(layer_ids, b, s, target_cfg.hidden_size, target_cfg.dtype, post_norm_last=post_norm_last)
     pos = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
-    _, _, cap = mod.forward_hidden(target_params, target_cfg, tokens, pos, mod.init_cache(target_cfg, b, s), cap)
-    return cap.hidden
+    h, _, cap = mod.forward_hidden(target_params, target_cfg, tokens, pos, mod.init_cache(target_cfg, b, s), cap)
+    if not next_tokens:
+        return cap.hidden
+    return cap.hidden, jnp.argmax(mod.lm_head(target_params, target_cfg, h), axis=-1).astype(jnp.int32)
 
 
-@functools.partial(jax.jit, static_argnames=("target_cfg", "layer_ids", "post_norm_last"))
-def _features_jit(target_params, target_cfg, tokens, layer_ids, post_norm_last):
-    return target_features(target_params, target_cfg, tokens, layer_ids, post_norm_last).astype(jnp.bfloat16)
+@functools.partial(jax.jit, static_argnames=("target_cfg", "layer_ids", "post_norm_last", "next_tokens"))
+def _features_jit(target_params, target_cfg, tokens, layer_ids, post_norm_last, next_tokens):
+    out = target_features(target_params, target_cfg, tokens, layer_ids, post_norm_last, next_tokens)
+    return (out[0].astype(jnp.bfloat16), out[1]) if next_tokens else (out.astype(jnp.bfloat16), None)
 
 
 class FeatureCache:
@@ -161,12 +179,15 @@ class FeatureCache:
 
     Attributes:
       features: ``[T, K*H]`` ``ml_dtypes.bfloat16`` view; meta: dict (``layer_ids``,
-      ``hidden_size``, ``dataset``, ``target``).
+      ``hidden_size``, ``dataset``, ``target``, ``next_tokens``).
+      next_tokens: ``[T]`` int32, the target's greedy next token after each position, or ``None``
+        (a cache built without ``next_tokens=True``).
     """
 
-    def __init__(self, features: np.ndarray, meta: dict):
+    def __init__(self, features: np.ndarray, meta: dict, next_tokens: np.ndarray | None = None):
         self.features = features
         self.meta = meta
+        self.next_tokens = next_tokens
 
     @property
     def layer_ids(self) -> tuple:
@@ -195,12 +216,19 @@ class FeatureCache:
             raise DFlashError(str(meta_path), f"layer ids {meta['layer_ids']}", f"{list(layer_ids)} (the drafter's target_layer_ids)")
         if target is not None and meta.get("target") != target:
             raise DFlashError(str(meta_path), f"built for target {meta.get('target')}", f"target {target} (target_fingerprint)")
-        return cls(raw.view(ml_dtypes.bfloat16), meta)
+        nxt = None
+        if meta.get("next_tokens"):
+            nxt = np.load(folder / "next_tokens.npy", mmap_mode="r", allow_pickle=False)
+            if nxt.shape != raw.shape[:1]:
+                raise DFlashError(str(folder / "next_tokens.npy"), f"shape {nxt.shape}", f"({raw.shape[0]},), one per feature row")
+        return cls(raw.view(ml_dtypes.bfloat16), meta, nxt)
 
     @classmethod
-    def reusable(cls, folder: str | os.PathLike, target_fp: str, layer_ids, post_norm_last: bool) -> tuple["FeatureCache", dict] | None:
+    def reusable(cls, folder: str | os.PathLike, target_fp: str, layer_ids, post_norm_last: bool,
+                 next_tokens: bool = False) -> tuple["FeatureCache", dict] | None:
         """An existing cache in ``folder`` whose rows a new dataset may copy: same target, layer
-        ids and ``post_norm_last``, with its sequence index (``index.npz``); ``None`` otherwise.
+        ids and ``post_norm_last``, holding next tokens when they are wanted, with its sequence
+        index (``index.npz``); ``None`` otherwise.
         Returns ``(cache, {sequence hash: (offset, length)})``."""
         folder = Path(folder)
         try:
@@ -210,6 +238,8 @@ class FeatureCache:
         except (DFlashError, OSError, ValueError, KeyError, zipfile.BadZipFile):
             return None
         if bool(cache.meta.get("post_norm_last")) != bool(post_norm_last) or dataset != cache.meta.get("dataset"):
+            return None
+        if next_tokens and cache.next_tokens is None:
             return None
         if len(off) != len(hashes) + 1 or int(off[-1]) != cache.features.shape[0]:
             return None
@@ -231,7 +261,12 @@ def tree_fingerprint(tree, prefix: bytes = b"", samples: int | None = None) -> s
 def target_fingerprint(target_cfg: TargetConfig, target_params, samples: int = 4096) -> str:
     """A short fingerprint of a target (hex, 16 chars): its config, and the name, shape and about
     ``samples`` evenly strided float32 values of every parameter (so a fine-tune that leaves
-    some tensors unchanged still gets a fingerprint of its own)."""
+    some tensors unchanged still gets a fingerprint of its own). The same for stacked and
+    per-layer (:func:`dflash_jax.models.dense.unstack_layers`) parameters."""
+    if isinstance(target_params.get("layers"), (tuple, list)):
+        from dflash_jax.models.dense import stack_layers
+
+        target_params = stack_layers(target_params)
     return tree_fingerprint(target_params, repr(target_cfg.with_dtype("float32")).encode(), samples)
 
 
@@ -243,6 +278,7 @@ def cache_features(
     folder: str | os.PathLike,
     *,
     post_norm_last: bool = False,
+    next_tokens: bool = False,
     tokens_per_batch: int = 4096,
     round_to: int = 64,
     progress: bool = True,
@@ -260,6 +296,8 @@ def cache_features(
     Args:
       layer_ids: captured target layers (the drafter's ``target_layer_ids``).
       folder: output folder (created).
+      next_tokens: also store the target's greedy next token after every position (one
+        ``[T]`` int32 array from the same forward; the labels of ``labels="target"``).
     Returns:
       the opened :class:`FeatureCache`. Size: ``T * len(layer_ids) * H * 2`` bytes.
     """
@@ -272,11 +310,12 @@ def cache_features(
     lens = dataset.lengths
     hashes = dataset.sequence_hashes()
     tfp = target_fingerprint(target_cfg, target_params)
+    nxt = np.zeros(len(dataset.tokens), np.int32) if next_tokens else None
     with atomic_path(folder / "features.npy") as tmp:  # an interrupted run leaves the old cache as it was
         out = np.lib.format.open_memmap(tmp, mode="w+", dtype=np.uint16, shape=(len(dataset.tokens), width))
         t0 = time.time()
         todo = np.ones(len(dataset), bool)
-        old = FeatureCache.reusable(folder, tfp, layer_ids, post_norm_last)
+        old = FeatureCache.reusable(folder, tfp, layer_ids, post_norm_last, next_tokens)
         if old is not None:
             cache, where = old
             old_bits = cache.features.view(np.uint16)
@@ -285,6 +324,8 @@ def cache_features(
                 if hit is not None and hit[1] == lens[j]:
                     a = dataset.offsets[j]
                     out[a : a + lens[j]] = old_bits[hit[0] : hit[0] + hit[1]]
+                    if nxt is not None:
+                        nxt[a : a + lens[j]] = cache.next_tokens[hit[0] : hit[0] + hit[1]]
                     todo[j] = False
         reused = int(lens[~todo].sum())
         order = np.array([j for j in np.argsort(lens, kind="stable") if todo[j]], np.int64)
@@ -298,21 +339,27 @@ def cache_features(
             toks = np.zeros((len(idx), s), np.int32)
             for r, j in enumerate(idx):
                 toks[r, : lens[j]] = dataset.sequence(j)[0]
-            feats = np.asarray(jax.device_get(_features_jit(target_params, target_cfg, jnp.asarray(toks), layer_ids, post_norm_last)))
-            bits = feats.view(np.uint16)
+            feats, nt = jax.device_get(_features_jit(target_params, target_cfg, jnp.asarray(toks), layer_ids, post_norm_last, next_tokens))
+            bits = np.asarray(feats).view(np.uint16)
             for r, j in enumerate(idx):
                 a = dataset.offsets[j]
                 out[a : a + lens[j]] = bits[r, : lens[j]]
+                if nxt is not None:
+                    nxt[a : a + lens[j]] = nt[r, : lens[j]]
             bar.update(int(lens[idx].sum()))
             i += len(idx)
         bar.close()
         out.flush()
         del out
         (folder / "features.json").unlink(missing_ok=True)  # never a json naming the wrong array
+    if nxt is not None:
+        save_npy(folder / "next_tokens.npy", nxt)
+    else:
+        (folder / "next_tokens.npy").unlink(missing_ok=True)  # an older build's
     with atomic_path(folder / "index.npz") as p, open(p, "wb") as f:
         np.savez(f, hashes=hashes, offsets=dataset.offsets, dataset=np.frombuffer(dataset.fingerprint().encode(), np.uint8))
     meta = {"layer_ids": list(layer_ids), "hidden_size": target_cfg.hidden_size, "dtype": "bfloat16",
-            "post_norm_last": bool(post_norm_last), "dataset": dataset.fingerprint(), "target": tfp,
+            "post_norm_last": bool(post_norm_last), "next_tokens": bool(next_tokens), "dataset": dataset.fingerprint(), "target": tfp,
             "seconds": round(time.time() - t0, 1), "reused_tokens": reused}
     write_text(folder / "features.json", json.dumps(meta, indent=1))
     return FeatureCache.load(folder, dataset, layer_ids)
@@ -333,12 +380,21 @@ class Batcher:
       max_len: static padded length ``S`` of every batch.
       seed: shuffle seed.
       features: optional :class:`FeatureCache`; batches then carry ``features``.
+      labels: ``"data"`` (slot labels are the data's tokens) or ``"target"`` (the target's greedy
+        next tokens of the feature cache; batches then carry ``labels``).
     Raises:
-      DFlashError: no usable sequence.
+      DFlashError: no usable sequence; ``labels="target"`` without a cache holding next tokens.
     """
 
-    def __init__(self, dataset: TokenDataset, batch_size: int, max_len: int, seed: int = 0, features: FeatureCache | None = None):
+    def __init__(self, dataset: TokenDataset, batch_size: int, max_len: int, seed: int = 0, features: FeatureCache | None = None,
+                 labels: str = "data"):
         self.dataset, self.batch_size, self.max_len, self.seed, self.features = dataset, int(batch_size), int(max_len), int(seed), features
+        if labels not in LABELS:
+            raise DFlashError("--labels", f"got {labels!r}", f"one of {LABELS}")
+        if labels == "target" and (features is None or features.next_tokens is None):
+            raise DFlashError("--labels target", "no feature cache with the target's next tokens",
+                              "a cache built by cache_features(..., next_tokens=True) (dflash-jax train builds one)")
+        self.labels = labels
         keep = []
         for i in range(len(dataset)):
             m = dataset.sequence(i)[1][: self.max_len]
@@ -358,6 +414,18 @@ class Batcher:
             self._perm_cache = {epoch: self.index[np.random.default_rng([self.seed, epoch]).permutation(len(self.index))]}
         return self._perm_cache[epoch]
 
+    def flat_labels(self) -> np.ndarray:
+        """``[T]`` int32: the label of every token of the dataset (aligned with ``dataset.tokens``
+        and its ``loss_mask``): the token itself, or with ``labels="target"`` the target's greedy
+        next token after the previous position (a sequence's first token keeps its own)."""
+        if self.labels == "data":
+            return self.dataset.tokens
+        out = np.empty_like(self.dataset.tokens)
+        out[1:] = self.features.next_tokens[:-1]
+        starts = self.dataset.offsets[:-1][self.dataset.lengths > 0]
+        out[starts] = self.dataset.tokens[starts]
+        return out
+
     def cursor(self, step: int) -> dict:
         """``{"sample": g, "epoch": e, "offset": g mod n}`` at the start of batch ``step``."""
         g = int(step) * self.batch_size
@@ -374,7 +442,9 @@ class Batcher:
 
         Returns:
           ``tokens [B, S]`` int32, ``loss_mask [B, S]`` float32 (0 on padding), ``lengths [B]``
-          int32, and ``features [B, S, K*H]`` bfloat16 (zeros on padding) with a cache.
+          int32, ``features [B, S, K*H]`` bfloat16 (zeros on padding) with a cache, and with
+          ``labels="target"`` ``labels [B, S]`` int32 (position ``q`` of a row: the target's greedy
+          next token after position ``q - 1``).
         """
         ids = self.sequence_ids(step)
         b, s = self.batch_size, self.max_len
@@ -384,6 +454,7 @@ class Batcher:
         feats = None
         if self.features is not None:
             feats = np.zeros((b, s, self.features.features.shape[1]), ml_dtypes.bfloat16)
+        labs = np.zeros((b, s), np.int32) if self.labels == "target" else None
         for r, j in enumerate(ids):
             t, m = self.dataset.sequence(int(j))
             n = min(len(t), s)
@@ -391,9 +462,14 @@ class Batcher:
             if feats is not None:
                 a = int(self.dataset.offsets[j])
                 feats[r, :n] = self.features.features[a : a + n]
+                if labs is not None:
+                    labs[r, :n] = toks[r, :n]
+                    labs[r, 1:n] = self.features.next_tokens[a : a + n - 1]
         out = {"tokens": toks, "loss_mask": mask, "lengths": lens}
         if feats is not None:
             out["features"] = feats
+        if labs is not None:
+            out["labels"] = labs
         return out
 
 

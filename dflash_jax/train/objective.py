@@ -16,7 +16,9 @@ and the captured target features ``f [S, K*H]`` of every position (the residual 
   :func:`dflash_jax.models.drafter.context_kv`, with ``ctx_len = a_j``. This is the inference
   code path itself, so training and inference masks cannot diverge;
 * slot ``k`` (``k = 1 .. B-1``) predicts ``x[a_j + k]`` (same-position labels; slot 0 has no
-  loss), weighted by ``exp(-(k - 1) / gamma) * loss_mask[a_j + k] * (a_j + k < S)`` (section 3.6).
+  loss), weighted by ``exp(-(k - 1) / gamma) * loss_mask[a_j + k] * (a_j + k < S)`` (section 3.6);
+  with ``labels`` given, it predicts ``labels[a_j + k]`` instead (the target's greedy next token
+  after ``x[: a_j + k]``, for text the target did not write: ``Batcher(labels="target")``).
 
 The loss is ``sum(w * CE) / sum(w)`` over all blocks of the batch. The target's embedding and LM
 head enter only through ``target_params`` and are never differentiated (callers take gradients
@@ -148,6 +150,7 @@ def loss_terms(
     block_valid: jnp.ndarray,
     gamma: float,
     draft_ids: jnp.ndarray | None = None,
+    labels: jnp.ndarray | None = None,
 ) -> dict:
     """Per-block sums of the weighted cross-entropy (no normalisation; pure, differentiable).
 
@@ -160,6 +163,9 @@ def loss_terms(
       draft_ids: optional ``[Vd]`` sorted token ids (:mod:`dflash_jax.draft_vocab`): the softmax
         runs over these columns of the target head only; a label outside them gets no
         cross-entropy weight and counts as a miss for ``correct`` and ``accept``.
+      labels: optional ``[B, S]`` int32 token each position is labelled with (default
+        ``tokens``: same-position labels; :class:`dflash_jax.train.data.Batcher` gives the
+        target's greedy next tokens with ``labels="target"``).
     Returns:
       dict of float32 arrays: ``ce [B, N]`` (sum of ``w * CE`` per block), ``weight [B, N]``
       (sum of ``w``), ``correct [B, N]`` (sum of ``w * [argmax == label]``), ``accept [B, N]``
@@ -168,7 +174,7 @@ def loss_terms(
     """
     w = cfg.block_size
     blk, pos = block_inputs(tokens, anchors, w, cfg.mask_token_id)
-    labels, weights = block_targets(tokens, loss_mask, anchors, block_valid, w, gamma)
+    labels, weights = block_targets(tokens if labels is None else labels, loss_mask, anchors, block_valid, w, gamma)
     hidden = block_hidden(params, cfg, target_params, target_cfg, features.astype(cfg.dtype), blk, pos, anchors)
     lab, wt = labels[:, :, 1:], weights[:, :, 1:]  # slot 0 never has a loss
     if draft_ids is None:
@@ -193,7 +199,8 @@ def loss_terms(
     }
 
 
-def dflash_loss(params, cfg, target_params, target_cfg, tokens, loss_mask, features, anchors, block_valid, gamma: float, draft_ids=None):
+def dflash_loss(params, cfg, target_params, target_cfg, tokens, loss_mask, features, anchors, block_valid, gamma: float, draft_ids=None,
+                labels=None):
     """The DFlash loss ``sum(w * CE) / sum(w)`` over the batch and scalar metrics.
 
     Args: as :func:`loss_terms`.
@@ -202,7 +209,7 @@ def dflash_loss(params, cfg, target_params, target_cfg, tokens, loss_mask, featu
       ``ce_sum``, ``weight_sum``, ``acc`` (weighted argmax accuracy), ``accept_len`` (mean
       greedy acceptance length of the valid blocks, bonus token excluded), ``blocks``.
     """
-    t = loss_terms(params, cfg, target_params, target_cfg, tokens, loss_mask, features, anchors, block_valid, gamma, draft_ids)
+    t = loss_terms(params, cfg, target_params, target_cfg, tokens, loss_mask, features, anchors, block_valid, gamma, draft_ids, labels)
     ce, wsum = jnp.sum(t["ce"]), jnp.sum(t["weight"])
     denom = jnp.maximum(wsum, 1e-9)
     nblk = jnp.sum(block_valid)

@@ -181,7 +181,7 @@ def batch_loss(params, cfg: DrafterConfig, target_params, target_cfg: TargetConf
     anchors, valid = objective.sample_anchors(key, mask, tc.num_anchors)
     p, c = _compute(params, cfg, tc)
     tp = jax.lax.stop_gradient(target_params)
-    return objective.dflash_loss(p, c, tp, target_cfg, tokens, mask, feats, anchors, valid, tc.gamma, draft_ids)
+    return objective.dflash_loss(p, c, tp, target_cfg, tokens, mask, feats, anchors, valid, tc.gamma, draft_ids, batch.get("labels"))
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "target_cfg", "tc"), donate_argnames=("state",))
@@ -192,7 +192,8 @@ def train_step(state: TrainState, target_params, batch: dict, cfg: DrafterConfig
       state: :class:`TrainState`.
       target_params: the frozen target pytree (never differentiated).
       batch: ``tokens [B, S]`` int32, ``loss_mask [B, S]`` float32 and optionally cached
-        ``features [B, S, K*H]`` (recomputed with the target when absent).
+        ``features [B, S, K*H]`` (recomputed with the target when absent) and ``labels [B, S]``
+        int32 (``Batcher(labels="target")``; default the tokens).
       draft_ids: ``[Vd]`` int32 draft vocabulary (``tc.draft_vocab`` ids) or ``None``.
     Returns:
       ``(state, metrics)``: metrics are float32 scalars ``loss``, ``acc``, ``accept_len``,
@@ -412,6 +413,8 @@ def run_signature(cfg: DrafterConfig, tc: TrainConfig, batcher: Batcher, init_pa
            "features": None if batcher.features is None else batcher.features.meta.get("target")}
     if init_params is not None:
         sig["init"] = params_fingerprint(init_params)
+    if batcher.labels != "data":
+        sig["labels"] = batcher.labels
     return sig
 
 
@@ -478,8 +481,7 @@ def train(
 
     draft_ids = None
     if tc.draft_vocab:
-        ds = batcher.dataset
-        draft_ids = jnp.asarray(draft_vocab.most_frequent(ds.tokens, ds.loss_mask, tc.draft_vocab, cfg.vocab_size))
+        draft_ids = jnp.asarray(draft_vocab.most_frequent(batcher.flat_labels(), batcher.dataset.loss_mask, tc.draft_vocab, cfg.vocab_size))
     ck = latest_checkpoint(ckpt_dir)
     meta: dict = {"tokens_seen": 0, "supervised_seen": 0, "seconds": 0.0}
     if ck is not None:
