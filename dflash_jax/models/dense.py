@@ -202,14 +202,13 @@ def forward_hidden(
             cap = lax.dynamic_update_index_in_dim(cap, x, slot, 0)
         return (x, cap, k_all, v_all), None
 
-    layer_ids = jnp.arange(n_layers, dtype=jnp.int32)
-    if isinstance(params["layers"], (tuple, list)):  # unstacked (unstack_layers): one buffer per layer
-        carry = (x, cap, cache.k, cache.v)
+    carry = (x, cap, cache.k, cache.v)
+    if isinstance(params["layers"], (tuple, list)):  # per-layer buffers (unstack_layers): a Python loop
         for i, lp in enumerate(params["layers"]):
             carry, _ = body(carry, (lp, slot_of[i], i))
-        x, cap, k_new, v_new = carry
     else:
-        (x, cap, k_new, v_new), _ = lax.scan(body, (x, cap, cache.k, cache.v), (params["layers"], slot_of, layer_ids))
+        carry, _ = lax.scan(body, carry, (params["layers"], slot_of, jnp.arange(n_layers, dtype=jnp.int32)))
+    x, cap, k_new, v_new = carry
     new_len = jnp.minimum(jnp.maximum(cache.length, positions[:, -1] + 1), cache.capacity)
     cache = KVCache(k=k_new, v=v_new, length=new_len.astype(jnp.int32))
     if capture is not None:
