@@ -16,9 +16,9 @@ with ``lax.scan``)::
 The same pytree may hold ``"layers"`` as a tuple of ``L`` per-layer dicts (:func:`unstack_layers`,
 leaves without the ``L`` axis): :func:`forward_hidden` then runs a Python loop over separate
 buffers instead of ``lax.scan``. XLA:CPU copies each layer's weights out of the stacked arrays in
-every scan step (a ``dynamic-slice`` per weight), which costs a decode step about a third of its
-time on SmolLM2-135M; :func:`dflash_jax.api.load_target` unstacks on CPU. Both layouts give the
-same logits.
+every scan step (a ``dynamic-slice`` per weight); without those copies plain decoding of
+SmolLM2-135M ran 1.15x faster (BENCHMARKS.md), so :func:`dflash_jax.api.load_target` unstacks
+on CPU. Both layouts give the same logits.
 
 Source: transformers ``modeling_llama.py``, ``modeling_qwen2.py``, ``modeling_qwen3.py``.
 """
