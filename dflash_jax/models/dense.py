@@ -87,8 +87,11 @@ def param_axes(cfg: TargetConfig, per_layer: bool = False) -> dict:
 
 
 def unstack_layers(params: Params) -> Params:
-    """``params`` with ``"layers"`` as a tuple of per-layer dicts (one buffer per layer and weight;
-    a no-op when already unstacked). The arrays are copies: the stacked ones can be freed."""
+    """``params`` with ``"layers"`` as a tuple of ``L`` per-layer dicts: each stacked leaf
+    ``[L, ...]`` becomes ``L`` leaves ``[...]`` of the same dtype (one buffer per layer and
+    weight; a no-op when already unstacked). The arrays are copies: the stacked ones can be freed.
+    Source: the per-step weight copies of ``lax.scan`` on XLA:CPU (BENCHMARKS.md, plain-decoding
+    notes)."""
     if isinstance(params["layers"], (tuple, list)):
         return params
     n = jax.tree_util.tree_leaves(params["layers"])[0].shape[0]
@@ -96,7 +99,9 @@ def unstack_layers(params: Params) -> Params:
 
 
 def stack_layers(params: Params) -> Params:
-    """The inverse of :func:`unstack_layers` (a no-op on stacked parameters)."""
+    """The inverse of :func:`unstack_layers`: ``L`` per-layer leaves ``[...]`` become one ``[L, ...]``
+    leaf each (a no-op on stacked parameters). Raises ``ValueError`` from ``jnp.stack`` when the
+    layers' shapes differ."""
     if not isinstance(params["layers"], (tuple, list)):
         return params
     return dict(params, layers=jax.tree_util.tree_map(lambda *a: jnp.stack(a), *params["layers"]))

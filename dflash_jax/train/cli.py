@@ -218,8 +218,6 @@ def _run(args, argv) -> int:
                      lr=args.lr, warmup_ratio=args.warmup_ratio, decay=args.decay, final_lr_ratio=args.final_lr_ratio,
                      weight_decay=args.weight_decay, grad_clip=args.grad_clip, compute_dtype=args.dtype, seed=args.seed)
     features = None
-    if args.labels == "target" and args.no_feature_cache:
-        raise DFlashError("--labels target", "with --no-feature-cache", "the feature cache (it stores the target's next tokens)")
     if not args.no_feature_cache:
         fdir = Path(args.features) if args.features else out / "features"
         try:

@@ -395,6 +395,7 @@ class Batcher:
             raise DFlashError("--labels target", "no feature cache with the target's next tokens",
                               "a cache built by cache_features(..., next_tokens=True) (dflash-jax train builds one)")
         self.labels = labels
+        self._flat_labels = None if labels == "data" else self._shifted_next_tokens()
         keep = []
         for i in range(len(dataset)):
             m = dataset.sequence(i)[1][: self.max_len]
@@ -418,8 +419,9 @@ class Batcher:
         """``[T]`` int32: the label of every token of the dataset (aligned with ``dataset.tokens``
         and its ``loss_mask``): the token itself, or with ``labels="target"`` the target's greedy
         next token after the previous position (a sequence's first token keeps its own)."""
-        if self.labels == "data":
-            return self.dataset.tokens
+        return self.dataset.tokens if self._flat_labels is None else self._flat_labels
+
+    def _shifted_next_tokens(self) -> np.ndarray:
         out = np.empty_like(self.dataset.tokens)
         out[1:] = self.features.next_tokens[:-1]
         starts = self.dataset.offsets[:-1][self.dataset.lengths > 0]
@@ -463,8 +465,7 @@ class Batcher:
                 a = int(self.dataset.offsets[j])
                 feats[r, :n] = self.features.features[a : a + n]
                 if labs is not None:
-                    labs[r, :n] = toks[r, :n]
-                    labs[r, 1:n] = self.features.next_tokens[a : a + n - 1]
+                    labs[r, :n] = self._flat_labels[a : a + n]
         out = {"tokens": toks, "loss_mask": mask, "lengths": lens}
         if feats is not None:
             out["features"] = feats
