@@ -40,7 +40,7 @@ import numpy as np
 from dflash_jax import decode
 from dflash_jax import draft_vocab as dv
 from dflash_jax.spec import generate as spec
-from dflash_jax.config import TargetConfig
+from dflash_jax.config import LAGUNA_DRAFTER, TargetConfig
 from dflash_jax.errors import DFlashError
 from dflash_jax.sampling import SamplingConfig
 from dflash_jax.state import FINISH_REASONS, STOP
@@ -208,7 +208,8 @@ class Drafter:
     n_max: int | None = None
 
 
-def load_drafter(path: str | os.PathLike, target: Target, dtype: str | None = None, draft_vocab: bool = True) -> Drafter:
+def load_drafter(path: str | os.PathLike, target: Target, dtype: str | None = None, draft_vocab: bool = True,
+                 layers: str = "auto") -> Drafter:
     """Loads a DFlash drafter for ``target`` (z-lab folder, or a Laguna drafter GGUF file).
 
     Args:
@@ -218,10 +219,15 @@ def load_drafter(path: str | os.PathLike, target: Target, dtype: str | None = No
       draft_vocab: draft over the reduced vocabulary stored with the checkpoint
         (``draft_vocab.safetensors``, :mod:`dflash_jax.draft_vocab`) when there is one;
         ``False`` drafts over the target's whole vocabulary.
+      layers: layout of the draft layers, as :func:`load_target`'s ``layers`` (``"auto"``: per
+        layer on the CPU backend, where a scan copied both layers' weights, about 28 MB, in every
+        propose); Laguna drafters are always stacked.
     Raises:
       DFlashError: a missing path, bad config fields, tensors, or a drafter that does not fit
-        the target (the message names the file and field).
+        the target (the message names the file and field); an unsupported layout.
     """
+    if layers not in LAYER_LAYOUTS:
+        raise DFlashError("layers", f"unsupported value {layers!r}", f"one of {', '.join(LAYER_LAYOUTS)}")
     p = Path(path).expanduser()
     dtype = dtype or target.cfg.dtype
     if p.is_file() and p.suffix.lower() == ".gguf":
@@ -242,6 +248,10 @@ def load_drafter(path: str | os.PathLike, target: Target, dtype: str | None = No
                           "a DFlash drafter checkpoint folder (config.json + safetensors) or a drafter .gguf file")
     else:
         raise DFlashError(str(p), "no such folder or .gguf file", "a DFlash drafter checkpoint")
+    if cfg.architecture != LAGUNA_DRAFTER and (layers == "per_layer" or (layers == "auto" and jax.default_backend() == "cpu")):
+        from dflash_jax.models import dense
+
+        params = dense.unstack_layers(params)
     return Drafter(cfg=cfg, params=params, source=str(p), n_max=n_max)
 
 

@@ -60,6 +60,27 @@ def test_source_files_leave_out_tests_and_held_out_modules():
     assert not any(part in m.SKIP_PARTS for r in rel for part in r.split("/")[:-1])
 
 
+def test_sources_name_installed_packages(tmp_path, monkeypatch):
+    from dflash_jax.errors import DFlashError
+
+    pkg = tmp_path / "fakepkg_dfl"
+    (pkg / "tests").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    body = 'def f(x):\n    """Return twice the given number, as an integer."""\n    return 2 * x\n'
+    (pkg / "mod.py").write_text(body)
+    (pkg / "tests" / "helpers.py").write_text(body)  # tests are left out
+    monkeypatch.syspath_prepend(str(tmp_path))
+    root, files, tag = m.source_root("fakepkg_dfl")
+    assert (root, files, tag) == (tmp_path, pkg, "pkg-src")
+    got = [f["source"] for p in m.source_files(files) for f in m.functions(p, root, tag)]
+    assert got == ["pkg-src:fakepkg_dfl.mod.f"]
+    assert m.source_version("fakepkg_dfl") == "unknown" and m.source_version("stdlib") == sys.version.split()[0]
+    assert m.source_root("stdlib")[2] == "stdlib-src"
+    for bad in ("no_such_package_dfl", "textwrap", "not-a-name"):  # missing, a one-file module, not an identifier
+        with pytest.raises(DFlashError, match=f"--sources {bad}"):
+            m.source_root(bad)
+
+
 @pytest.mark.slow
 def test_dataset_follows_the_base_and_answers_with_the_source(tmp_path):
     from dflash_jax.errors import DFlashError
@@ -91,6 +112,12 @@ def test_dataset_follows_the_base_and_answers_with_the_source(tmp_path):
     again = tmp_path / "again"
     assert m.main(["--out", str(again), "--base", str(tmp_path / "base"), "--num-sequences", "12", "--max-len", "200"]) == 0
     assert TokenDataset.load(again).fingerprint() == ds.fingerprint()  # deterministic
+    grown = tmp_path / "grown"  # a base that already asks some functions: they are not asked again
+    assert m.main(["--out", str(grown), "--base", str(out), "--num-sequences", "12", "--max-len", "200"]) == 0
+    new = [json.loads(x)["source"] for x in (grown / "prompts.jsonl").read_text().splitlines()[14:]]
+    assert len(new) == 12 and not set(new) & {p["source"] for p in prompts}
+    with pytest.raises(DFlashError, match="--sources"):
+        m.main(["--out", str(tmp_path / "x"), "--sources", "stdlib,stdlib"])
     (tmp_path / "base" / "prompts.jsonl").write_text('{"source": "a"}\n')
     with pytest.raises(DFlashError, match="prompts.jsonl"):
         m.main(["--out", str(tmp_path / "x"), "--base", str(tmp_path / "base"), "--num-sequences", "2"])

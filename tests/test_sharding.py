@@ -19,7 +19,7 @@ from dflash_jax.cache import KV_AXES
 from dflash_jax.errors import DFlashError
 from dflash_jax.models import dense, drafter
 from dflash_jax.spec import generate as spec
-from dflash_jax.testing import tiny_drafter_config, tiny_target, tiny_target_config
+from dflash_jax.testing import tiny_drafter, tiny_drafter_config, tiny_target, tiny_target_config
 
 MESH = AbstractMesh((2, 2, 1), shd.MESH_AXES)  # data=2, model=2, expert=1 (shape only)
 
@@ -111,6 +111,9 @@ def test_axes_tree_mismatch_raises():
     assert len(sp["layers"]) == cfg.num_hidden_layers and sp["layers"][1]["wq"].spec == P(None, None)
     with pytest.raises(DFlashError, match="per_layer=True"):
         shd.param_shardings(per, dense.param_axes(cfg), shd.make_mesh())
+    dcfg, dp = tiny_drafter(cfg)  # the drafter's per-layer layout (load_drafter on CPU)
+    dsp = shd.param_shardings(dense.unstack_layers(dp), drafter.param_axes(dcfg, per_layer=True), shd.make_mesh())
+    assert len(dsp["layers"]) == dcfg.num_hidden_layers and dsp["layers"][0]["wk"].spec == P(None, None)
 
 
 _MULTI_DEVICE = textwrap.dedent(

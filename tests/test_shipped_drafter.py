@@ -59,3 +59,19 @@ def test_lossless_and_accepts_drafts(pair):
         plain = dj.generate(target, [ids], max_new_tokens=48)
         assert spec.output_ids == plain.output_ids
         assert spec.stats["accepted_tokens"] > 0, f"no draft accepted for {text!r}"
+
+
+def test_layer_layouts_agree(pair):
+    """``load_drafter`` keeps per-layer buffers on CPU ("auto"); the stacked layout (GPU, meshes,
+    training) drafts the same tokens with the same acceptance."""
+    target, folder, drafter = pair
+    assert isinstance(drafter.params["layers"], tuple)
+    stacked = dj.load_drafter(folder, target, layers="stacked")
+    assert not isinstance(stacked.params["layers"], tuple)
+    ids = dj.encode_prompt(target, PROMPTS[0])
+    a, b = (dj.generate(target, [ids], max_new_tokens=32, drafter=d) for d in (drafter, stacked))
+    assert a.output_ids == b.output_ids
+    keys = ("tau", "verify_steps", "accepted_per_position", "drafted_tokens", "accepted_tokens")
+    assert [a.stats[k] for k in keys] == [b.stats[k] for k in keys]
+    with pytest.raises(dj.DFlashError, match="layers"):
+        dj.load_drafter(folder, target, layers="scan")

@@ -176,6 +176,32 @@ def test_bug_rollback_context_holds_only_committed_rows(target):
     np.testing.assert_allclose(np.asarray(st.cache.k[:, 0, :n]), np.asarray(fresh.cache.k[:, 0, :n]), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("overrides", [{}, {"attention_bias": True, "layer_causal": (True, False), "layer_window": (0, 3)}])
+def test_per_layer_drafter_gives_the_stacked_results(target, overrides):
+    """Drafter parameters as per-layer buffers (``dense.unstack_layers``, ``load_drafter``'s CPU
+    layout, run as a Python loop) compute what the stacked ``lax.scan`` computes: context K/V,
+    the hidden states of a draft pass, and the tokens and statistics of speculative decoding."""
+    from dflash_jax.models import dense
+    from dflash_jax.models import drafter as dm
+
+    cfg, params = target
+    dcfg, dp = drafter_for(cfg, 4, seed=3, **overrides)
+    per = dense.unstack_layers(dp)
+    assert isinstance(per["layers"], tuple) and len(per["layers"]) == dcfg.num_hidden_layers
+    feats = jax.random.normal(jax.random.key(1), (1, 6, len(dcfg.target_layer_ids) * cfg.hidden_size))
+    ctx_pos = jnp.arange(6, dtype=jnp.int32)[None]
+    kv = [dm.context_kv(d, dcfg, feats, ctx_pos) for d in (dp, per)]
+    block, pos = jnp.asarray([[3, dcfg.mask_token_id, dcfg.mask_token_id, dcfg.mask_token_id]]), ctx_pos[:, :4] + 5
+    hidden = [dm.forward(d, dcfg, params, cfg, block, pos, k, v, jnp.asarray([5])) for d, (k, v) in zip((dp, per), kv)]
+    for a, b in [*zip(kv[0], kv[1]), hidden]:
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5)
+    assert not np.allclose(np.asarray(hidden[0]), np.asarray(dm.forward(dp, dcfg, params, cfg, block, pos + 1, *kv[0], jnp.asarray([5]))))
+    runs = [run_spec(target, (dcfg, d), PROMPTS, 20) for d in (dp, per)]
+    assert outputs(runs[0]) == outputs(runs[1]) == plain_greedy(target, PROMPTS, 20)
+    for name in ("verify_steps", "drafted", "accepted", "accepted_per_position"):
+        np.testing.assert_array_equal(np.asarray(getattr(runs[0].spec, name)), np.asarray(getattr(runs[1].spec, name)), err_msg=name)
+
+
 def test_bug_positions_block_uses_absolute_positions(target):
     """The block's RoPE positions continue from the anchor's absolute position: shifting the
     positions changes the drafts (so the test can fail), and the loop's drafts equal a direct

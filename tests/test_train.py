@@ -379,6 +379,22 @@ def test_target_labels_are_the_targets_greedy_next_tokens(tmp_path, models):
 # ------------------------------------------------------------------------------ trainer
 
 
+@pytest.mark.parametrize("samples", [None, 7, 100, 4096])
+def test_fingerprint_is_the_same_for_both_layer_layouts(models, samples):
+    """Per-layer parameters hash as their stacked leaves (sampled values that straddle layers
+    included), without building the stacked copy; a changed value in one layer changes it."""
+    from dflash_jax.models.dense import unstack_layers
+
+    t_cfg, t_params, _, d_params = models
+    for tree in (t_params, d_params):
+        per = unstack_layers(tree)
+        assert data_mod.tree_fingerprint(per, b"x", samples) == data_mod.tree_fingerprint(tree, b"x", samples)
+    per = unstack_layers(t_params)
+    last = dict(per["layers"][-1], wq=per["layers"][-1]["wq"].at[-1, -1].add(1.0))
+    changed = dict(per, layers=per["layers"][:-1] + (last,))
+    assert data_mod.tree_fingerprint(changed) != data_mod.tree_fingerprint(t_params)
+
+
 def test_schedule_warmup_and_decay():
     tc = TrainConfig(steps=100, lr=1e-3, warmup_ratio=0.1, decay="cosine")
     s = lr_schedule(tc)
@@ -451,6 +467,11 @@ def test_continue_from_trained_weights(tmp_path, tiny_run, full_run):
     assert json.loads((tmp_path / "c" / "run.json").read_text())["signature"]["init"] == params_fingerprint(full.params)
     with pytest.raises(ValueError, match=r"settings differ from the checkpointed run.s \(init\)"):
         train(tmp_path / "c", t_params, t_cfg, d_cfg, batcher, tc, progress=False)
+    from dflash_jax.models.dense import unstack_layers
+
+    # the same weights per layer (load_drafter's CPU layout): the same run, found finished
+    _, again = train(tmp_path / "c", t_params, t_cfg, d_cfg, batcher, tc, progress=False, init_params=unstack_layers(full.params))
+    assert again["finished"]
     bad = dict(full.params, fc=full.params["fc"][:, :-1])
     with pytest.raises(ValueError, match=r"\['fc'\] is"):
         train(tmp_path / "d", t_params, t_cfg, d_cfg, batcher, tc, progress=False, init_params=bad)

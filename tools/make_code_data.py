@@ -11,8 +11,10 @@ seconds; the target's only cost is the feature pass (about 390 tokens/s here, wi
 
 Recipe (deterministic; recorded in ``<out>/meta.json``):
 
-* every ``.py`` file of the running Python's standard library (``sysconfig`` ``stdlib`` path),
-  sorted by path, except tests, demos, IDLE, ``lib2to3`` and the modules held out for
+* every ``.py`` file of each source of ``--sources`` (default ``stdlib``: the running Python's
+  standard library, ``sysconfig`` ``stdlib`` path; other entries name installed top-level
+  packages, located with ``importlib.util.find_spec`` and recorded with their distribution's
+  version), sorted by path, except tests, demos, IDLE, ``lib2to3`` and the modules held out for
   evaluation (``posixpath``, see ``make_train_data.EVAL_MODULES``); read as text, parsed with
   ``ast``, never imported;
 * every function or method with a docstring and a body (undecorated, module or class level):
@@ -28,12 +30,15 @@ Recipe (deterministic; recorded in ``<out>/meta.json``):
 HumanEval is never read. Example::
 
     python tools/make_code_data.py --out data/code --base data/smollm2
+    python tools/make_code_data.py --out data/code2 --base data/code --sources networkx,sympy
 """
 
 from __future__ import annotations
 
 import argparse
 import ast
+import importlib.metadata
+import importlib.util
 import json
 import os
 import random
@@ -52,8 +57,8 @@ COMPLETE = next(t for k, t in CODE_TEMPLATES if k == "complete")
 
 
 def source_files(root: Path) -> list[Path]:
-    """The standard library's ``.py`` files under ``root``, sorted, without tests, demos and the
-    held-out modules."""
+    """The ``.py`` files under ``root`` (the standard library's or a package's folder), sorted,
+    without tests, demos and the held-out modules."""
     held = {m.replace(".", "/") + ".py" for m in EVAL_MODULES}
     out = []
     for p in sorted(root.rglob("*.py")):
@@ -64,9 +69,39 @@ def source_files(root: Path) -> list[Path]:
     return out
 
 
-def functions(path: Path, root: Path) -> list[dict]:
+def source_root(name: str) -> tuple[Path, Path, str]:
+    """``(root, files_root, tag)`` of one ``--sources`` entry: ``stdlib`` is the standard library's
+    folder; any other name is an installed top-level package, whose parent folder is the root (so
+    module names start with the package) and whose own folder holds the files; ``tag`` is the
+    ``source`` prefix (``stdlib-src`` or ``pkg-src``).
+
+    Raises DFlashError naming the entry when it is no installed package with a source folder."""
+    from dflash_jax.errors import DFlashError
+
+    if name == "stdlib":
+        root = Path(sysconfig.get_paths()["stdlib"])
+        return root, root, "stdlib-src"
+    spec = importlib.util.find_spec(name) if name.isidentifier() else None
+    locs = list(spec.submodule_search_locations or []) if spec is not None else []
+    if not locs:
+        raise DFlashError(f"--sources {name}", "no installed package folder", "stdlib or an installed top-level package")
+    pkg = Path(locs[0])
+    return pkg.parent, pkg, "pkg-src"
+
+
+def source_version(name: str) -> str:
+    """The recorded version of one ``--sources`` entry: Python's for ``stdlib``, else the version
+    of the distribution that installs the package (``unknown`` when none is recorded)."""
+    if name == "stdlib":
+        return sys.version.split()[0]
+    dists = importlib.metadata.packages_distributions().get(name, [])
+    return importlib.metadata.version(dists[0]) if dists else "unknown"
+
+
+def functions(path: Path, root: Path, tag: str = "stdlib-src") -> list[dict]:
     """``{"source", "stub", "code"}`` of each documented function or method of one file (module
-    level and one class level), in file order; files that do not parse are skipped."""
+    level and one class level), in file order; files that do not parse are skipped. ``source`` is
+    ``"<tag>:<module>.<qualname>"`` with the module named relative to ``root``."""
     try:
         text = path.read_text(encoding="utf-8")
         tree = ast.parse(text)
@@ -90,7 +125,7 @@ def functions(path: Path, root: Path) -> list[dict]:
         stub = textwrap.dedent("\n".join(lines[fn.lineno - 1 : body0.end_lineno]))
         if len(fn.body) < 2 or '"""' in stub.split("\n", 1)[0]:
             continue  # a docstring-only function, or a one-line def
-        out.append({"source": f"stdlib-src:{mod}.{qual}", "stub": stub + "\n", "code": code})
+        out.append({"source": f"{tag}:{mod}.{qual}", "stub": stub + "\n", "code": code})
     return out
 
 
@@ -101,6 +136,8 @@ def main(argv=None) -> int:
     ap.add_argument("--target", default=None, help="target .gguf or HF folder (its tokenizer; default: embedded SmolLM2)")
     ap.add_argument("--num-sequences", type=int, default=0, help="code sequences to keep (default 0: every function that fits)")
     ap.add_argument("--max-len", type=int, default=288, help="longest sequence (prompt + answer) in tokens (default 288)")
+    ap.add_argument("--sources", default="stdlib",
+                    help="comma-separated: stdlib and/or installed top-level packages to read functions from (default stdlib)")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
 
@@ -114,10 +151,16 @@ def main(argv=None) -> int:
     end = tok.token_to_id("<|im_end|>")
     if end is None or end not in target.eos_ids:
         raise DFlashError(f"{target.source}: tokenizer", "no <|im_end|> end-of-turn token among the stop ids", "a ChatML target")
-    root = Path(sysconfig.get_paths()["stdlib"])
-    items = [f for p in source_files(root) for f in functions(p, root)]
+    names = [n.strip() for n in args.sources.split(",") if n.strip()]
+    if not names or len(set(names)) != len(names):
+        raise DFlashError("--sources", repr(args.sources), "distinct comma-separated names (stdlib or installed packages)")
+    roots = {n: source_root(n) for n in names}
+    items = [f for n, (root, files, tag) in roots.items() for p in source_files(files) for f in functions(p, root, tag)]
     random.Random(args.seed).shuffle(items)
-    seqs, masks, kept, seen = [], [], [], set()
+    base = TokenDataset.load(args.base) if args.base else None
+    bseqs = [base.sequence(i) for i in range(len(base))] if base is not None else []
+    seen = {tuple(s[m == 0].tolist()) for s, m in bseqs}  # a prompt the base already asks is not asked again
+    seqs, masks, kept = [], [], []
     for it in items:
         if args.num_sequences and len(kept) >= args.num_sequences:
             break
@@ -135,9 +178,7 @@ def main(argv=None) -> int:
         print(f"note: only {len(kept)} functions fit --max-len {args.max_len}", file=sys.stderr)
 
     base_meta, base_prompts = None, []
-    if args.base:
-        base = TokenDataset.load(args.base)
-        bseqs = [base.sequence(i) for i in range(len(base))]
+    if base is not None:
         seqs = [s for s, _ in bseqs] + seqs
         masks = [m for _, m in bseqs] + masks
         base_meta = dict(base.meta, fingerprint=base.fingerprint(), path=str(args.base))
@@ -148,7 +189,8 @@ def main(argv=None) -> int:
     meta = {
         "recipe": "tools/make_code_data.py",
         "command": "python " + " ".join([os.path.relpath(__file__, REPO)] + list(argv if argv is not None else sys.argv[1:])),
-        "target": str(target.source), "python": sys.version.split()[0], "stdlib": str(root), "seed": args.seed,
+        "target": str(target.source), "python": sys.version.split()[0], "seed": args.seed,
+        "sources": {n: {"path": str(roots[n][1]), "version": source_version(n)} for n in names},
         "max_len": args.max_len, "code_sequences": len(kept),
         "code_tokens": int(sum(len(s) for s in seqs[len(seqs) - len(kept):])),
         "labels": "train with --labels target: answers are real source, not the target's output",

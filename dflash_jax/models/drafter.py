@@ -5,7 +5,8 @@ in every draft layer through that layer's own ``k_proj``/``v_proj``, ``k_norm`` 
 context tokens' absolute positions. Queries come only from the block ``[anchor, MASK, ...]``,
 embedded with the target's embedding; the final hidden goes through the target's LM head.
 
-Parameter pytree (``[in, out]`` layout, layers stacked on ``Ld``)::
+Parameter pytree (``[in, out]`` layout, layers stacked on ``Ld``, or a tuple of ``Ld`` per-layer
+dicts made by :func:`dflash_jax.models.dense.unstack_layers`, the CPU inference layout)::
 
     {"fc": [K*H, H], "hidden_norm": [H], "norm": [H],
      "layers": {"attn_norm", "wq", "wk", "wv", "wo", "q_norm", "k_norm", "mlp_norm",
@@ -60,17 +61,21 @@ def _with_draft_vocab(cfg: DrafterConfig, tree: dict, ids, head) -> dict:
     return dict(tree, draft_ids=ids, draft_head=head) if cfg.draft_vocab_size else tree
 
 
-def param_axes(cfg: DrafterConfig) -> dict:
-    """Logical axis names of every drafter parameter leaf."""
+def param_axes(cfg: DrafterConfig, per_layer: bool = False) -> dict:
+    """Logical axis names of every drafter parameter leaf (with ``per_layer`` the tree of
+    :func:`dflash_jax.models.dense.unstack_layers`: ``Ld`` dicts without the layer axis; not for
+    Laguna drafters, which stay stacked)."""
     if _laguna(cfg):
+        if per_layer:
+            raise ValueError("Laguna drafters keep stacked layers: no per-layer axes")
         return _with_draft_vocab(cfg, _laguna(cfg).param_axes(cfg), ("draft_vocab",), ("embed", "draft_vocab"))
     from dflash_jax.models.dense import _AXES  # same leaf names as the dense target
 
     shapes = param_shapes(cfg)
-    axes = {
-        "fc": ("features", "embed"), "hidden_norm": ("embed",), "norm": ("embed",),
-        "layers": {k: _AXES[k] for k in shapes["layers"]},
-    }
+    layer = {k: _AXES[k] for k in shapes["layers"]}
+    if per_layer:
+        layer = tuple({k: v[1:] for k, v in layer.items()} for _ in range(cfg.num_hidden_layers))
+    axes = {"fc": ("features", "embed"), "hidden_norm": ("embed",), "norm": ("embed",), "layers": layer}
     return _with_draft_vocab(cfg, axes, ("draft_vocab",), ("embed", "draft_vocab"))
 
 
@@ -109,8 +114,13 @@ def context_kv(params: dict, cfg: DrafterConfig, features: jnp.ndarray, position
         return _laguna(cfg).context_kv(params, cfg, features, positions)
     lp = params["layers"]
     c = rms_norm(features.astype(cfg.dtype) @ params["fc"], params["hidden_norm"], cfg.rms_norm_eps)
-    k = jnp.einsum("bth,lhd->lbtd", c, lp["wk"])
-    v = jnp.einsum("bth,lhd->lbtd", c, lp["wv"])
+    if isinstance(lp, (tuple, list)):  # per-layer buffers: project per layer, stack the results
+        k = jnp.stack([c @ layer["wk"] for layer in lp])
+        v = jnp.stack([c @ layer["wv"] for layer in lp])
+        lp = {n: jnp.stack([layer[n] for layer in lp]) for n in ("bk", "bv", "k_norm") if n in lp[0]}
+    else:
+        k = jnp.einsum("bth,lhd->lbtd", c, lp["wk"])
+        v = jnp.einsum("bth,lhd->lbtd", c, lp["wv"])
     if cfg.attention_bias:
         k, v = k + lp["bk"][:, None, None, :], v + lp["bv"][:, None, None, :]
     hkv, D = cfg.num_key_value_heads, cfg.head_dim
@@ -199,7 +209,11 @@ def forward(
         x = x + swiglu(rms_norm(x, lp["mlp_norm"], cfg.rms_norm_eps), lp["w_gate"], lp["w_up"], lp["w_down"])
         return x, None
 
-    x, _ = lax.scan(body, x, (params["layers"], ctx_k, ctx_v, ctx_mask, blk_mask))
+    if isinstance(params["layers"], (tuple, list)):  # per-layer buffers (dense.unstack_layers): a Python loop
+        for i, lp in enumerate(params["layers"]):
+            x, _ = body(x, (lp, ctx_k[i], ctx_v[i], ctx_mask[i], blk_mask[i]))
+    else:
+        x, _ = lax.scan(body, x, (params["layers"], ctx_k, ctx_v, ctx_mask, blk_mask))
     return rms_norm(x, params["norm"], cfg.rms_norm_eps)
 
 

@@ -53,7 +53,7 @@ import numpy as np
 from flax import struct
 from jax import lax
 
-from dflash_jax.cache import Capture, write_rows
+from dflash_jax.cache import Capture, write_layer_rows, write_rows
 from dflash_jax.config_laguna import LagunaConfig, LagunaRope, yarn_scale
 from dflash_jax.nn.attention import gqa_attention_parts, swiglu
 from dflash_jax.nn.norms import rms_norm
@@ -285,8 +285,10 @@ def moe(cfg: LagunaConfig, lp: dict, h: jnp.ndarray) -> jnp.ndarray:
     return out.reshape(shape)
 
 
-def _layer(cfg: LagunaConfig, i: int, lp, x, kc, vc, positions, ring_pos, ring_idx, capacity):
-    """Decoder layer ``i`` (static) on ``x [B,T,H]``; returns ``(x, k cache, v cache)``."""
+def _layer(cfg: LagunaConfig, i: int, lp, x, k_all, v_all, rep, positions, ring_pos, ring_idx, capacity):
+    """Decoder layer ``i`` (static) on ``x [B,T,H]``, whose cache is entry ``rep`` (traced int32)
+    of its segment's stacked ``k_all``/``v_all`` ``[reps, B, S, Hkv, D]``; the new rows are
+    scattered into the carried stacks in place. Returns ``(x, k_all, v_all)``."""
     b, t, _ = x.shape
     D, hkv = cfg.head_dim, cfg.num_key_value_heads
     nh = cfg.heads_per_layer[i]
@@ -307,12 +309,12 @@ def _layer(cfg: LagunaConfig, i: int, lp, x, kc, vc, positions, ring_pos, ring_i
         ring_mask = old[:, None, :] & (qpos - ring_pos[:, None, :] < win)
         kpos = positions[:, None, :]
         self_mask = (kpos <= qpos) & (qpos - kpos < win) & (kpos < capacity)
-        a = gqa_attention_parts(q, ((kc, vc, ring_mask), (k, v, self_mask)))
-        kc, vc = write_rows(kc, k, ring_idx), write_rows(vc, v, ring_idx)
+        a = gqa_attention_parts(q, ((k_all[rep], v_all[rep], ring_mask), (k, v, self_mask)))
+        k_all, v_all = write_layer_rows(k_all, rep, k, ring_idx), write_layer_rows(v_all, rep, v, ring_idx)
     else:
-        kc, vc = write_rows(kc, k, positions), write_rows(vc, v, positions)
-        mask = jnp.arange(kc.shape[1], dtype=jnp.int32)[None, None, :] <= qpos
-        a = gqa_attention_parts(q, ((kc, vc, mask),))
+        k_all, v_all = write_layer_rows(k_all, rep, k, positions), write_layer_rows(v_all, rep, v, positions)
+        mask = jnp.arange(k_all.shape[2], dtype=jnp.int32)[None, None, :] <= qpos
+        a = gqa_attention_parts(q, ((k_all[rep], v_all[rep], mask),))
     g = jax.nn.softplus((h @ lp["wg"]).astype(jnp.float32)).astype(a.dtype)
     if cfg.gate_per_head[i]:
         a = (a * g[..., None]).reshape(b, t, nh * D)
@@ -321,8 +323,8 @@ def _layer(cfg: LagunaConfig, i: int, lp, x, kc, vc, positions, ring_pos, ring_i
     x = x + a @ lp["wo"]
     h2 = rms_norm(x, lp["mlp_norm"], cfg.rms_norm_eps)
     if cfg.mlp_layer_types[i] == "dense":
-        return x + swiglu(h2, lp["w_gate"], lp["w_up"], lp["w_down"]), kc, vc
-    return x + moe(cfg, lp, h2), kc, vc
+        return x + swiglu(h2, lp["w_gate"], lp["w_up"], lp["w_down"]), k_all, v_all
+    return x + moe(cfg, lp, h2), k_all, v_all
 
 
 def embed(params: Params, tokens: jnp.ndarray) -> jnp.ndarray:
@@ -386,19 +388,19 @@ def forward_hidden(
         keys = [f"seg{j}_{k}" for k in range(p)]
         slots = jnp.asarray(np.array(slot_of[start : start + p * reps], np.int32).reshape(reps, p))
 
-        def body(carry, xs, start=start, p=p):
-            x, cap = carry
-            lps, kvs, slot = xs
-            out = []
+        def body(carry, xs, start=start, p=p):  # the caches ride in the carry: rows scattered in place
+            x, cap, kvs = carry
+            lps, slot, r = xs
+            kvs = list(kvs)
             for k in range(p):
-                x, kc, vc = _layer(cfg, start + k, lps[k], x, kvs[k][0], kvs[k][1], positions, cache.ring_pos, ring_idx, capacity)
-                out.append((kc, vc))
+                x, *kvs[k] = _layer(cfg, start + k, lps[k], x, *kvs[k], r, positions, cache.ring_pos, ring_idx, capacity)
                 if capture is not None:
                     cap = lax.dynamic_update_index_in_dim(cap, x, slot[k], 0)
-            return (x, cap), out
+            return (x, cap, [tuple(kv) for kv in kvs]), None
 
-        (x, cap), out = lax.scan(body, (x, cap), ([params[key] for key in keys], [cache.kv[key] for key in keys], slots))
-        new_kv.update(zip(keys, [tuple(o) for o in out]))
+        xs = ([params[key] for key in keys], slots, jnp.arange(reps, dtype=jnp.int32))
+        (x, cap, kvs), _ = lax.scan(body, (x, cap, [tuple(cache.kv[key]) for key in keys]), xs)
+        new_kv.update(zip(keys, kvs))
     ring_pos = write_rows(cache.ring_pos[..., None], positions[..., None], ring_idx)[..., 0]
     new_len = jnp.minimum(jnp.maximum(cache.length, last + 1), capacity)
     cache = cache.replace(kv=new_kv, ring_pos=ring_pos, length=new_len.astype(jnp.int32))

@@ -30,6 +30,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
+import math
 import os
 import time
 import zipfile
@@ -246,15 +247,33 @@ class FeatureCache:
         return cache, {int(h): (int(off[i]), int(off[i + 1] - off[i])) for i, h in enumerate(hashes)}
 
 
+class _StackedLeaf:
+    """The per-layer buffers of one weight, read as the ``[L, ...]`` leaf they stack to."""
+
+    def __init__(self, parts):
+        self.parts = parts
+
+
 def tree_fingerprint(tree, prefix: bytes = b"", samples: int | None = None) -> str:
     """sha256 (hex, 16 chars) of ``prefix`` then, leaf by leaf, each leaf's name and shape and its
-    float32 values: all of them, or about ``samples`` evenly strided ones (row-major order)."""
+    float32 values: all of them, or about ``samples`` evenly strided ones (row-major order).
+
+    Per-layer parameters (``"layers"`` a tuple of dicts, :func:`dflash_jax.models.dense.unstack_layers`)
+    hash as the stacked leaves they stand for, read in place (no stacked copy), so both layouts
+    of one model have one fingerprint."""
+    layers = tree.get("layers") if isinstance(tree, dict) else None
+    if isinstance(layers, (tuple, list)):
+        tree = dict(tree, layers=jax.tree_util.tree_map(lambda *a: _StackedLeaf(a), *layers))
     h = hashlib.sha256(prefix)
     for k, v in jax.tree_util.tree_leaves_with_path(tree):
-        flat = jnp.ravel(v)
-        step = 1 if samples is None else max(1, flat.size // samples)
-        h.update(f"{jax.tree_util.keystr(k)}{tuple(np.shape(v))}".encode())
-        h.update(np.asarray(jax.device_get(flat[::step]), np.float32).tobytes())
+        parts = v.parts if isinstance(v, _StackedLeaf) else (v,)
+        shape = ((len(parts),) if isinstance(v, _StackedLeaf) else ()) + tuple(np.shape(parts[0]))
+        size = math.prod(shape)
+        step = 1 if samples is None else max(1, size // samples)
+        h.update(f"{jax.tree_util.keystr(k)}{shape}".encode())
+        for i, part in enumerate(parts):  # the stacked leaf's strided samples that fall in layer i
+            start = (-i * (size // len(parts))) % step
+            h.update(np.asarray(jax.device_get(jnp.ravel(part)[start::step]), np.float32).tobytes())
     return h.hexdigest()[:16]
 
 
@@ -263,10 +282,6 @@ def target_fingerprint(target_cfg: TargetConfig, target_params, samples: int = 4
     ``samples`` evenly strided float32 values of every parameter (so a fine-tune that leaves
     some tensors unchanged still gets a fingerprint of its own). The same for stacked and
     per-layer (:func:`dflash_jax.models.dense.unstack_layers`) parameters."""
-    if isinstance(target_params.get("layers"), (tuple, list)):
-        from dflash_jax.models.dense import stack_layers
-
-        target_params = stack_layers(target_params)
     return tree_fingerprint(target_params, repr(target_cfg.with_dtype("float32")).encode(), samples)
 
 

@@ -40,6 +40,7 @@ from dflash_jax.config import DrafterConfig, TargetConfig
 from dflash_jax import draft_vocab
 from dflash_jax.errors import DFlashError
 from dflash_jax.models import drafter
+from dflash_jax.models.dense import stack_layers
 from dflash_jax.train import objective
 from dflash_jax.train.data import Batcher, target_features, tree_fingerprint
 from dflash_jax.io.files import atomic_path, write_safetensors, write_text
@@ -140,15 +141,19 @@ class TrainState:
 def init_train_state(cfg: DrafterConfig, tc: TrainConfig, init_params=None) -> TrainState:
     """Drafter weights and a fresh optimizer state: random (:func:`dflash_jax.models.drafter.init_params`,
     float32, from ``tc.seed``), or ``init_params`` (a drafter's weights to continue from, cast to
-    float32; the run's PRNG still comes from ``tc.seed``).
+    float32, stacked when given per layer as ``load_drafter`` keeps them on CPU; the run's PRNG
+    still comes from ``tc.seed``).
 
     Raises:
       DFlashError: ``init_params`` whose names or shapes differ from ``cfg``'s drafter.
     """
     k_init, k_run = jax.random.split(jax.random.key(tc.seed))
-    params = drafter.init_params(cfg.with_dtype("float32"), k_init, scale=tc.init_scale)
-    if init_params is not None:
-        want = {jax.tree_util.keystr(k): v.shape for k, v in jax.tree_util.tree_leaves_with_path(params)}
+    init = functools.partial(drafter.init_params, cfg.with_dtype("float32"), scale=tc.init_scale)
+    if init_params is None:
+        params = init(k_init)
+    else:
+        init_params = stack_layers(init_params)
+        want = {jax.tree_util.keystr(k): v.shape for k, v in jax.tree_util.tree_leaves_with_path(jax.eval_shape(init, k_init))}
         got = {jax.tree_util.keystr(k): tuple(v.shape) for k, v in jax.tree_util.tree_leaves_with_path(init_params)}
         if want != got:
             bad = sorted(k for k in want.keys() | got.keys() if want.get(k) != got.get(k))
