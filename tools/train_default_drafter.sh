@@ -1,6 +1,6 @@
 #!/usr/bin/env sh
-# Reproduces the shipped drafter dflash_jax/drafters/smollm2-135m-instruct from scratch, in three
-# stages, on a 2-core CPU (about 5 h in all; no single command runs over two hours):
+# Reproduces the shipped drafter dflash_jax/drafters/smollm2-135m-instruct from scratch, in four
+# stages, on a 2-core CPU (about 6 h 30 min in all; no single command runs over two hours):
 #   1. self-distillation answers to round 1 of the recorded prompt list (2193 prompts, about
 #      35 min), cached target features (about 12 min), a first run of 1500 steps (about 60 min);
 #   2. the data grown by round 2 (3526 prompts: stage 1's answers and features are reused, about
@@ -8,7 +8,11 @@
 #   3. stage 2's data plus real standard-library functions in the HumanEval format
 #      (tools/make_code_data.py, seconds), features and the target's greedy next tokens for all
 #      of it (about 50 min), and a run of 1300 steps with --labels target continuing stage 2's
-#      drafter (about 55 min).
+#      drafter (about 55 min);
+#   4. stage 3's data plus 5000 functions of installed packages (--sources; their versions are
+#      recorded in data4/meta.json, and other versions give other functions), features for the
+#      new sequences only (about 40 min), and a run of 1300 steps continuing stage 3's drafter
+#      (about 40 min).
 # Each command resumes when rerun with the same work folder (default runs/smollm2). The prompt
 # counts 2193 (round 1) and 3526 (rounds 1 and 2) are those of Python 3.11's standard library
 # (`python tools/make_train_data.py --out x --list-prompts --num-prompts 99999` lists them).
@@ -37,5 +41,13 @@ done
 # the cache now also holds the target's next tokens
 "$PY" tools/make_code_data.py --out "$WORK/data3" --base "$WORK/data"
 "$PY" -m dflash_jax.train.cli --data "$WORK/data3" --out "$WORK/run3" --features "$WORK/features3" --labels target $DRAFTER $RUN \
-    --init-from "$WORK/drafter2" --steps 1300 --lr 5e-4 --warmup-ratio 0.03 --eval-every 325 \
+    --init-from "$WORK/drafter2" --steps 1300 --lr 5e-4 --warmup-ratio 0.03 --eval-every 325 --export "$WORK/drafter3"
+
+# installed packages' source, labelled by the target; stage 3's feature rows are reused
+SOURCES=sympy,networkx,mpmath,numpy,scipy,jinja2,pip,setuptools,packaging,dateutil,fontTools,parso,jedi,IPython,matplotlib,attr,click,markdown_it,jsonschema
+"$PY" tools/make_code_data.py --out "$WORK/data4" --base "$WORK/data3" --sources "$SOURCES" --num-sequences 5000
+mkdir -p "$WORK/features4"
+[ -f "$WORK/features4/features.json" ] || ln -f "$WORK"/features3/* "$WORK/features4/"
+"$PY" -m dflash_jax.train.cli --data "$WORK/data4" --out "$WORK/run4" --features "$WORK/features4" --labels target $DRAFTER $RUN \
+    --init-from "$WORK/drafter3" --steps 1300 --lr 5e-4 --warmup-ratio 0.03 --eval-every 325 \
     --export dflash_jax/drafters/smollm2-135m-instruct
