@@ -104,6 +104,14 @@ class GenerationResult:
 LAYER_LAYOUTS = ("auto", "stacked", "per_layer")
 
 
+def _per_layer(layers: str) -> bool:
+    """Whether a ``layers`` choice of :func:`load_target`/:func:`load_drafter` means per-layer
+    buffers here (``"auto"``: on the CPU backend). Raises DFlashError naming an unknown layout."""
+    if layers not in LAYER_LAYOUTS:
+        raise DFlashError("layers", f"unsupported value {layers!r}", f"one of {', '.join(LAYER_LAYOUTS)}")
+    return layers == "per_layer" or (layers == "auto" and jax.default_backend() == "cpu")
+
+
 def load_target(path: str | os.PathLike | None = None, dtype: str = "float32", layers: str = "auto") -> Target:
     """Loads a target model with its tokenizer.
 
@@ -126,8 +134,7 @@ def load_target(path: str | os.PathLike | None = None, dtype: str = "float32", l
     """
     if str(dtype) not in DTYPES:
         raise DFlashError("--dtype", f"unsupported value {dtype!r}", f"one of {', '.join(DTYPES)}")
-    if layers not in LAYER_LAYOUTS:
-        raise DFlashError("layers", f"unsupported value {layers!r}", f"one of {', '.join(LAYER_LAYOUTS)}")
+    per_layer = _per_layer(layers)
     if path is None:
         from dflash_jax.assets import default_target_path
 
@@ -171,7 +178,7 @@ def load_target(path: str | os.PathLike | None = None, dtype: str = "float32", l
         raise DFlashError(f"{p}: tokenizer", f"{tok.vocab_size} ids but the embedding has {cfg.vocab_size} rows",
                           "a tokenizer no larger than the embedding")
     params = with_output_head(params)
-    if isinstance(cfg, TargetConfig) and (layers == "per_layer" or (layers == "auto" and jax.default_backend() == "cpu")):
+    if isinstance(cfg, TargetConfig) and per_layer:
         from dflash_jax.models import dense
 
         params = dense.unstack_layers(params)
@@ -226,8 +233,7 @@ def load_drafter(path: str | os.PathLike, target: Target, dtype: str | None = No
       DFlashError: a missing path, bad config fields, tensors, or a drafter that does not fit
         the target (the message names the file and field); an unsupported layout.
     """
-    if layers not in LAYER_LAYOUTS:
-        raise DFlashError("layers", f"unsupported value {layers!r}", f"one of {', '.join(LAYER_LAYOUTS)}")
+    per_layer = _per_layer(layers)
     p = Path(path).expanduser()
     dtype = dtype or target.cfg.dtype
     if p.is_file() and p.suffix.lower() == ".gguf":
@@ -248,7 +254,7 @@ def load_drafter(path: str | os.PathLike, target: Target, dtype: str | None = No
                           "a DFlash drafter checkpoint folder (config.json + safetensors) or a drafter .gguf file")
     else:
         raise DFlashError(str(p), "no such folder or .gguf file", "a DFlash drafter checkpoint")
-    if cfg.architecture != LAGUNA_DRAFTER and (layers == "per_layer" or (layers == "auto" and jax.default_backend() == "cpu")):
+    if cfg.architecture != LAGUNA_DRAFTER and per_layer:
         from dflash_jax.models import dense
 
         params = dense.unstack_layers(params)
