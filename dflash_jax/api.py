@@ -133,7 +133,7 @@ def load_target(path: str | os.PathLike | None = None, dtype: str = "float32", l
         kind, or any problem the loaders find (the message names the file).
     """
     if str(dtype) not in DTYPES:
-        raise DFlashError("--dtype", f"unsupported value {dtype!r}", f"one of {', '.join(DTYPES)}")
+        raise DFlashError("dtype (--dtype)", f"unsupported value {dtype!r}", f"one of {', '.join(DTYPES)}")
     per_layer = _per_layer(layers)
     if path is None:
         from dflash_jax.assets import default_target_path
@@ -245,7 +245,7 @@ def load_drafter(path: str | os.PathLike, target: Target, dtype: str | None = No
         from dflash_jax.io.drafter import load_drafter as _load
 
         cfg, params = _load(p, target.cfg, dtype=dtype)
-        n_max = _recorded_n_max(p / "config.json")
+        n_max = _recorded_n_max(p / "config.json", cfg.block_size)
         ids = dv.load(p, cfg.vocab_size) if draft_vocab else None
         if ids is not None:
             cfg, params = dv.attach(cfg, params, target.params, ids)
@@ -261,13 +261,14 @@ def load_drafter(path: str | os.PathLike, target: Target, dtype: str | None = No
     return Drafter(cfg=cfg, params=params, source=str(p), n_max=n_max)
 
 
-def _recorded_n_max(config_path: Path) -> int | None:
-    """``dflash_jax.n_max`` of a drafter ``config.json`` (validated against ``block_size`` on use)."""
+def _recorded_n_max(config_path: Path, block_size: int) -> int | None:
+    """``dflash_jax.n_max`` of a drafter ``config.json``, an integer in ``[1, block_size - 1]``
+    (raises ``DFlashError`` naming the file and field otherwise)."""
     from dflash_jax.config import read_json
 
     value = (read_json(config_path).get("dflash_jax") or {}).get("n_max")
-    if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
-        raise DFlashError(f"{config_path}: field dflash_jax.n_max", f"got {value!r}", "an integer")
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or not 1 <= value < block_size):
+        raise DFlashError(f"{config_path}: field dflash_jax.n_max", f"got {value!r}", f"an integer in [1, {block_size - 1}] (block_size - 1)")
     return value
 
 
@@ -325,7 +326,7 @@ def encode_prompt(
         raise DFlashError(f"{target.source}: tokenizer", "missing (no tokenizer.json)", "a tokenizer, or prompt ids (--prompt-ids)")
     if raw:
         if system:
-            raise DFlashError("--system", "not applied with --raw (no chat template)", "the system text inside the raw prompt")
+            raise DFlashError("system (--system)", "not applied with --raw (no chat template)", "the system text inside the raw prompt")
         return tok.encode(text)
     msgs = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": text}]
     return tok.encode_chat(msgs, add_generation_prompt=True, **dict(chat_template_kwargs or {}))
@@ -410,9 +411,9 @@ def split_stop(tokenizer, stop: Sequence[str]) -> tuple[list[int], list[str]]:
     ids, texts = [], []
     for s in stop:
         if not s:
-            raise DFlashError("--stop", "empty text", "a non-empty string")
+            raise DFlashError("stop (--stop)", "empty text", "a non-empty string")
         if tokenizer is None:
-            raise DFlashError("--stop", "stop texts need a tokenizer", "a target with a tokenizer")
+            raise DFlashError("stop (--stop)", "stop texts need a tokenizer", "a target with a tokenizer")
         enc = tokenizer.encode(s, add_bos=False)
         if len(enc) == 1 and tokenizer.decode(enc) == s:
             ids.append(enc[0])
@@ -548,17 +549,19 @@ def generate(
     cfg, params, tok = target.cfg, target.params, target.tokenizer
     prompts = _check_prompts(prompts, cfg.vocab_size)
     if not _is_int(max_new_tokens) or max_new_tokens < 1:
-        raise DFlashError("--max-new-tokens", f"got {max_new_tokens!r}", "an integer >= 1")
+        raise DFlashError("max_new_tokens (--max-new-tokens)", f"got {max_new_tokens!r}", "an integer >= 1")
     if not _is_int(chunk_size) or chunk_size < 1:
-        raise DFlashError("--chunk-size", f"got {chunk_size!r}", "an integer >= 1")
+        raise DFlashError("chunk_size (--chunk-size)", f"got {chunk_size!r}", "an integer >= 1")
     if not isinstance(sampling, SamplingConfig):
         raise DFlashError("sampling", f"got {type(sampling).__name__}", "a SamplingConfig, e.g. SamplingConfig(temperature=0.7)")
     if not _is_int(seed) or not 0 <= seed < 2**63:
-        raise DFlashError("--seed", f"got {seed!r}", "an integer in [0, 2**63)")
+        raise DFlashError("seed (--seed)", f"got {seed!r}", "an integer in [0, 2**63)")
     if drafter is not None and not isinstance(drafter, Drafter):
         raise DFlashError("drafter", f"got {type(drafter).__name__}", "a Drafter from load_drafter or shipped_drafter, or None")
     if n_max is not None and not _is_int(n_max):
-        raise DFlashError("--n-max", f"got {n_max!r}", "an integer or None")
+        raise DFlashError("n_max (--n-max)", f"got {n_max!r}", "an integer or None")
+    if n_max is not None and drafter is None:
+        raise DFlashError("n_max (--n-max)", f"got {n_max} without a drafter (plain decoding drafts nothing)", "a drafter, or n_max=None")
     if on_tokens is not None and not callable(on_tokens):
         raise DFlashError("on_tokens", f"got {type(on_tokens).__name__}", "a callable or None")
     stop = _str_list(stop, "stop", "--stop")
@@ -568,13 +571,13 @@ def generate(
     longest = max(len(p) for p in prompts)
     if max_len is None:
         if longest + max_new_tokens > limit:
-            raise DFlashError("--max-new-tokens", f"{max_new_tokens} after a prompt of {longest} tokens needs {longest + max_new_tokens} "
+            raise DFlashError("max_new_tokens (--max-new-tokens)", f"{max_new_tokens} after a prompt of {longest} tokens needs {longest + max_new_tokens} "
                               f"positions; the target has {limit} (max_position_embeddings)", f"at most {max(limit - longest, 0)}")
         max_len = min(default_max_len(prompts, max_new_tokens), limit)
     elif not _is_int(max_len) or max_len < 2:
-        raise DFlashError("--max-len", f"got {max_len!r}", "an integer >= 2")
+        raise DFlashError("max_len (--max-len)", f"got {max_len!r}", "an integer >= 2")
     elif max_len > limit:
-        raise DFlashError("--max-len", f"{max_len} exceeds the target's {limit} positions (max_position_embeddings)", f"an integer in [2, {limit}]")
+        raise DFlashError("max_len (--max-len)", f"{max_len} exceeds the target's {limit} positions (max_position_embeddings)", f"an integer in [2, {limit}]")
     max_len = int(max_len)
     # a budget beyond the capacity never applies; capping it keeps it within int32
     max_new_tokens = min(int(max_new_tokens), max_len)
@@ -655,7 +658,7 @@ def generate(
 
 
 def spec_stats(state) -> dict:
-    """Speculative statistics of a finished state, summed over rows (``specs/dflash.md`` 2.3).
+    """Speculative statistics of a finished state, summed over rows (``docs/specs/dflash.md`` 2.3).
 
     ``tau``: tokens committed per verify step, bonus included (the first token comes from
     prefill and is not counted, as in z-lab's benchmark). ``accepted_per_position[i]``: the

@@ -168,9 +168,9 @@ def _drafter(args, target):
 def _n_max(args, drafter) -> int | None:
     """Draft depth from ``--n-max`` / ``--block-size`` (verify width ``n_max + 1``).
 
-    Errors name the option the user gave: ``--block-size`` is checked against the drafter's
-    ``block_size`` here (``check_n_max`` would name ``--n-max``), and either option with
-    ``--no-spec`` is a conflict rather than a missing drafter.
+    Errors name the option the user gave: both are checked against the drafter's ``block_size``
+    here (``check_n_max`` would name the Python argument ``n_max``); conflicts with ``--no-spec``
+    are refused before (``_generate``).
     """
     from dflash_jax.errors import DFlashError
 
@@ -181,13 +181,13 @@ def _n_max(args, drafter) -> int | None:
             raise DFlashError("--n-max", f"{n} disagrees with --block-size {args.block_size}", f"{args.block_size - 1} (block size - 1), or only one of them")
         n = args.block_size - 1
     if n is not None and drafter is None:
-        if args.no_spec:
-            raise DFlashError(opt, "conflicts with --no-spec (plain decoding drafts nothing)", f"either {opt} or --no-spec, not both")
         raise DFlashError(opt, "given without a drafter", "--draft PATH, or a target with a shipped drafter")
-    if args.block_size is not None and drafter is not None:
+    if drafter is not None:
         top = drafter.cfg.block_size
-        if not 2 <= args.block_size <= top:
+        if args.block_size is not None and not 2 <= args.block_size <= top:
             raise DFlashError("--block-size", f"got {args.block_size}", f"an integer in [2, {top}] (the drafter's block_size)")
+        if args.n_max is not None and not 1 <= args.n_max <= top - 1:
+            raise DFlashError("--n-max", f"got {args.n_max}", f"an integer in [1, {top - 1}] (the drafter's block_size - 1)")
     return n
 
 
@@ -221,6 +221,9 @@ def _generate(args) -> int:
         raise DFlashError("--n-max", f"got {args.n_max}", "an integer >= 1")
     if args.block_size is not None and args.block_size < 2:
         raise DFlashError("--block-size", f"got {args.block_size}", "an integer >= 2")
+    for opt, given in (("--n-max", args.n_max is not None), ("--block-size", args.block_size is not None), ("--draft", args.draft is not None)):
+        if args.no_spec and given:
+            raise DFlashError(opt, "conflicts with --no-spec (plain decoding drafts nothing)", f"either {opt} or --no-spec, not both")
     sampling = SamplingConfig(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
     if not 0 <= args.seed < 2**63:
         raise DFlashError("--seed", f"got {args.seed}", "an integer in [0, 2**63)")
@@ -233,6 +236,8 @@ def _generate(args) -> int:
         prompt_ids = list(args.prompt_ids)
     else:
         text = DEFAULT_PROMPT if args.prompt is None else args.prompt
+        if not text.strip():
+            raise DFlashError("PROMPT", "empty text (an unset shell variable?)", "a non-empty prompt, or none for the default question")
         if tok is None:
             raise DFlashError(f"{target.source}: tokenizer", "missing, so a text prompt cannot be encoded", "--prompt-ids 1,2,3")
         prompt_ids = api.encode_prompt(target, text, system=args.system, raw=args.raw,
@@ -265,10 +270,13 @@ def _generate(args) -> int:
     try:
         res = api.generate(target, [prompt_ids], **kwargs)
     except DFlashError as e:
-        if e.where != "prompt":
-            raise
-        # the API names its argument; on the command line the prompt came from an option
-        raise DFlashError("--prompt-ids" if args.prompt_ids is not None else "PROMPT", e.what, e.expected) from e
+        # the API names its argument ("max_len (--max-len)"); the command line names the option
+        flag = re.fullmatch(r"\w+ \((--[\w-]+)\)", e.where)
+        if e.where == "prompt":
+            raise DFlashError("--prompt-ids" if args.prompt_ids is not None else "PROMPT", e.what, e.expected) from e
+        if flag:
+            raise DFlashError(flag.group(1), e.what, e.expected) from e
+        raise
 
     stats = res.stats
     if args.json:

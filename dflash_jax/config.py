@@ -168,7 +168,7 @@ def target_config_from_hf(cfg: Mapping[str, Any], source: str = "config.json") -
         raise DFlashError(
             f"{source}: field architectures",
             f"unsupported model {archs or cfg.get('model_type')!r}",
-            f"one of {sorted(_ARCH_TO_FAMILY)}",
+            f"one of {sorted(_ARCH_TO_FAMILY) + ['LagunaForCausalLM']}",
         )
     hidden = _positive(_get(cfg, "hidden_size", source, int), "hidden_size", source)
     heads = _positive(_get(cfg, "num_attention_heads", source, int), "num_attention_heads", source)
@@ -229,7 +229,7 @@ class DrafterConfig:
     causal or bidirectional, and a sliding window over positions (0 = none).
     ``post_norm_last``: read the target's last layer after its final norm (transformers'
     ``hidden_states[L]``) instead of the pre-norm residual; only matters when the last layer is
-    captured. Source: z-lab ``dflash/model.py`` (PyPI 0.1.0) and ``specs/dflash.md`` section 1.
+    captured. Source: z-lab ``dflash/model.py`` (PyPI 0.1.0) and ``docs/specs/dflash.md`` section 1.
 
     ``architecture == "DFlashLagunaForCausalLM"`` (see :mod:`dflash_jax.models.laguna_drafter`):
     per-capture aux norms, context through each layer's input norm, and a softplus output gate

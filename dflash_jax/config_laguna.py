@@ -1,7 +1,7 @@
 """Static, hashable configuration of the poolside Laguna target (``LagunaForCausalLM``).
 
 Parsed strictly from HF ``config.json`` (transformers 5.24 ``LagunaConfig`` defaults and rules;
-``specs/laguna.md`` sections 2 and 9). Every problem raises
+``docs/specs/laguna.md`` sections 2 and 9). Every problem raises
 :class:`~dflash_jax.errors.DFlashError` naming the file and the field.
 
 Rules taken from transformers ``configuration_laguna.py`` / ``modeling_laguna.py``:
@@ -303,7 +303,7 @@ def yarn_scale(rope: LagunaRope, rule: str = "transformers") -> float:
     ``rule="transformers"``: the config's ``attention_factor`` when present, else
     ``mscale(factor, mscale) / mscale(factor, mscale_all_dim)`` when both are given, else
     ``0.1 ln(factor) + 1`` (transformers ``_compute_yarn_parameters``). ``"derived"``: always
-    ``0.1 ln(factor) + 1`` (vLLM ``get_rope``). Applied once, never squared (specs/laguna.md 9.1).
+    ``0.1 ln(factor) + 1`` (vLLM ``get_rope``). Applied once, never squared (docs/specs/laguna.md 9.1).
     """
     if rope.kind != "yarn":
         return 1.0
@@ -321,7 +321,7 @@ def yarn_scale(rope: LagunaRope, rule: str = "transformers") -> float:
 def laguna_drafter_config_from_hf(cfg: Mapping[str, Any], source: str = "config.json"):
     """A :class:`~dflash_jax.config.DrafterConfig` for ``DFlashLagunaForCausalLM``.
 
-    Rules (``specs/laguna.md`` 6.2, vLLM ``laguna_dflash.py``, mlx-vlm's validator):
+    Rules (``docs/specs/laguna.md`` 6.2, vLLM ``laguna_dflash.py``, mlx-vlm's validator):
 
     * ``head_dim`` missing -> 128 (the Laguna default), never ``hidden_size // heads``.
     * ``dflash_config.block_size`` / ``mask_token_id`` / ``num_target_layers`` required;

@@ -63,23 +63,23 @@ def init_state(
     toks, lens = pad_prompts(prompts)
     if int(lens.max()) + 1 > max_len:
         raise DFlashError(
-            "--max-len", f"prompt of {int(lens.max())} tokens leaves no room in a capacity of {max_len}", f"max_len >= {int(lens.max()) + 1}"
+            "max_len (--max-len)", f"prompt of {int(lens.max())} tokens leaves no room in a capacity of {max_len}", f"max_len >= {int(lens.max()) + 1}"
         )
     b = toks.shape[0]
     tokens = np.zeros((b, max_len), np.int32)
     tokens[:, : toks.shape[1]] = toks
     max_new = np.broadcast_to(np.asarray(max_new_tokens, np.int32), (b,)).copy()
     if (max_new < 1).any():
-        raise DFlashError("--max-new-tokens", f"got {int(max_new.min())}", "an integer >= 1")
+        raise DFlashError("max_new_tokens (--max-new-tokens)", f"got {int(max_new.min())}", "an integer >= 1")
     stops = np.asarray(list(stop_ids) or [-1], np.int32)
     if isinstance(seed, (int, np.integer)) and not isinstance(seed, (bool, np.bool_)):
         if not 0 <= seed < 2**63:
-            raise DFlashError("--seed", f"got {seed}", "an integer in [0, 2**63)")
+            raise DFlashError("seed (--seed)", f"got {seed}", "an integer in [0, 2**63)")
         key = jax.random.key(int(seed))
     elif isinstance(seed, jax.Array):
         key = seed
     else:
-        raise DFlashError("--seed", f"got {seed!r}", "an integer in [0, 2**63) or a PRNG key")
+        raise DFlashError("seed (--seed)", f"got {seed!r}", "an integer in [0, 2**63) or a PRNG key")
     mod = module_for(cfg)
     return DecodeState(
         tokens=jnp.asarray(tokens),
@@ -151,7 +151,7 @@ def prefill(params, cfg, state: DecodeState, chunk_size: int, sampling: Sampling
       The state with ``length = prompt_len + 1`` (or done, if the first token stops the row).
     """
     if chunk_size < 1:
-        raise DFlashError("--chunk-size", f"got {chunk_size}", "an integer >= 1")
+        raise DFlashError("chunk_size (--chunk-size)", f"got {chunk_size}", "an integer >= 1")
     if max_prompt_len is None:
         max_prompt_len = int(jax.device_get(state.prompt_len).max())
     mod = module_for(cfg)

@@ -43,7 +43,7 @@ def most_frequent(tokens: np.ndarray, loss_mask: np.ndarray, size: int, vocab_si
       DFlashError: ``size`` outside ``[1, vocab_size]``.
     """
     if not 1 <= int(size) <= int(vocab_size):
-        raise DFlashError("--draft-vocab", f"got {size}", f"a size in [1, {vocab_size}] (the target's vocabulary)")
+        raise DFlashError("draft_vocab (--draft-vocab)", f"got {size}", f"a size in [1, {vocab_size}] (the target's vocabulary)")
     sup = np.asarray(tokens)[np.asarray(loss_mask) > 0]
     counts = np.bincount(sup, minlength=vocab_size)[:vocab_size]
     order = np.lexsort((np.arange(vocab_size), -counts))  # by count descending, then id ascending
@@ -77,14 +77,18 @@ def load(folder: str | os.PathLike, vocab_size: int) -> np.ndarray | None:
     """The draft vocabulary stored in a drafter folder, or ``None`` when it has none.
 
     Raises:
-      DFlashError: a file without ``draft_ids`` or with invalid ids (names the file).
+      DFlashError: an unreadable (truncated, corrupt) file, a file without ``draft_ids`` or with
+        invalid ids (names the file).
     """
     path = Path(folder) / FILE_NAME
     if not path.is_file():
         return None
     from safetensors.numpy import load_file
 
-    tensors = load_file(str(path))
+    try:
+        tensors = load_file(str(path))
+    except Exception as e:  # safetensors raises its own SafetensorError, OSError or ValueError
+        raise DFlashError(str(path), f"unreadable safetensors file ({type(e).__name__}: {e})", f"a safetensors file holding {TENSOR_NAME!r}") from None
     if TENSOR_NAME not in tensors:
         raise DFlashError(str(path), f"tensors {sorted(tensors)}", f"a tensor named {TENSOR_NAME!r}")
     return check_ids(tensors[TENSOR_NAME], vocab_size, f"{path}: {TENSOR_NAME}")

@@ -206,11 +206,12 @@ def test_compile_cache_is_on_by_default(tmp_path):
         (dict(stop="\n"), "stop", "list of strings"),
         (dict(stop_ids=[1.5]), "stop_ids", "integer"),
         (dict(drafter="path/to/drafter"), "drafter", "Drafter"),
-        (dict(seed="x"), "--seed", "[0, 2**63)"),
-        (dict(seed=2**63), "--seed", "[0, 2**63)"),
-        (dict(seed=-1), "--seed", "[0, 2**63)"),
-        (dict(seed=1.0), "--seed", "[0, 2**63)"),
-        (dict(max_new_tokens=2.0), "--max-new-tokens", "integer"),
+        (dict(seed="x"), "seed (--seed)", "[0, 2**63)"),
+        (dict(seed=2**63), "seed (--seed)", "[0, 2**63)"),
+        (dict(seed=-1), "seed (--seed)", "[0, 2**63)"),
+        (dict(seed=1.0), "seed (--seed)", "[0, 2**63)"),
+        (dict(max_new_tokens=2.0), "max_new_tokens (--max-new-tokens)", "integer"),
+        (dict(n_max=3), "n_max (--n-max)", "a drafter"),  # no drafter: nothing to draft
         (dict(on_tokens=5), "on_tokens", "callable"),
         (dict(prompts=[[1, 2.5]]), "prompt", "integer token ids"),
         (dict(prompts=[[1, True]]), "prompt", "integer token ids"),
@@ -249,10 +250,10 @@ def test_capacity_is_bounded_by_max_position_embeddings(tiny):
     assert res.stats["max_len"] == 40 and len(res.output_ids[0]) == 33
     with pytest.raises(DFlashError) as e:
         dj.generate(small, prompt, 34)
-    assert e.value.where == "--max-new-tokens" and "40" in e.value.what and e.value.expected == "at most 33"
+    assert e.value.where == "max_new_tokens (--max-new-tokens)" and "40" in e.value.what and e.value.expected == "at most 33"
     with pytest.raises(DFlashError) as e:
         dj.generate(small, prompt, 4, max_len=41)
-    assert e.value.where == "--max-len" and e.value.expected == "an integer in [2, 40]"
+    assert e.value.where == "max_len (--max-len)" and e.value.expected == "an integer in [2, 40]"
     # a budget far beyond a given capacity is harmless (the capacity ends the row)
     res = dj.generate(small, prompt, 10**12, max_len=12)
     assert res.finish_reason == ["capacity"] and len(res.output_ids[0]) == 5

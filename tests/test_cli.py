@@ -249,8 +249,8 @@ def test_bad_draft_paths_and_depth_without_drafter(capsys, hf_dir, tmp_path):
     assert_one_line_error(code, out, err, "nope")
     code, out, err = run(capsys, "generate", "--target", hf_dir, "--prompt-ids", "1,2", "--n-max", 3)
     assert_one_line_error(code, out, err, "--n-max", "without a drafter")
-    obj, _ = run_json(capsys, "--target", hf_dir, "--prompt-ids", "1,2", "--draft", hf_dir, "--no-spec", "--max-new-tokens", 2)
-    assert obj["stats"]["mode"] == "plain"
+    code, out, err = run(capsys, "generate", "--target", hf_dir, "--prompt-ids", "1,2", "--draft", hf_dir, "--no-spec")
+    assert_one_line_error(code, out, err, "--draft: conflicts with --no-spec")
 
 
 def test_debug_shows_traceback(capsys, tmp_path):
@@ -317,10 +317,11 @@ def test_out_of_range_and_ignored_options_are_one_line_errors(capsys, hf_dir, ar
     assert line.startswith(start) and "(expected " in line, line
 
 
-def test_empty_raw_prompt_names_prompt(capsys, hf_dir):
-    code, out, err = run(capsys, "generate", "--target", hf_dir, "--raw", "")
+@pytest.mark.parametrize("args", [["--raw", ""], [""], [" \n"]])  # e.g. an unset shell variable; the chat template alone is no prompt
+def test_empty_prompt_names_prompt(capsys, hf_dir, args):
+    code, out, err = run(capsys, "generate", "--target", hf_dir, *args)
     line = assert_one_line_error(code, out, err)
-    assert line.startswith("error: PROMPT: ") and "(expected at least one token)" in line
+    assert line.startswith("error: PROMPT: empty text") and "(expected a non-empty prompt" in line
 
 
 def test_max_len_limit_is_the_targets(capsys, hf_dir):
@@ -416,7 +417,9 @@ def test_drafter_recorded_n_max_is_the_default_depth(capsys, hf_dir, draft_dir, 
     assert obj["stats"]["n_max"] == 2
     obj, _ = run_json(capsys, *common, "--n-max", 3)
     assert obj["stats"]["n_max"] == 3
-    cfg["dflash_jax"] = {"n_max": "two"}
-    (folder / "config.json").write_text(json.dumps(cfg))
-    code, out, err = run(capsys, "generate", *common)
-    assert_one_line_error(code, out, err, "dflash_jax.n_max")
+    for bad in ("two", 0, 20):  # not an integer; outside [1, block_size - 1] (no --n-max given)
+        cfg["dflash_jax"] = {"n_max": bad}
+        (folder / "config.json").write_text(json.dumps(cfg))
+        code, out, err = run(capsys, "generate", *common)
+        line = assert_one_line_error(code, out, err, "config.json: field dflash_jax.n_max", repr(bad))
+        assert "--n-max" not in line

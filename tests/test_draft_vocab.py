@@ -71,6 +71,11 @@ def test_check_ids_save_load_roundtrip(tmp_path):
     save_file({"ids": np.array([1, 2], np.int32)}, str(tmp_path / dv.FILE_NAME))
     with pytest.raises(DFlashError, match=f"{dv.FILE_NAME}.*draft_ids"):
         dv.load(tmp_path, 10)
+    full = (tmp_path / dv.FILE_NAME).read_bytes()
+    for junk in (b"not a safetensors file", full[: len(full) // 2]):  # corrupt, truncated
+        (tmp_path / dv.FILE_NAME).write_bytes(junk)
+        with pytest.raises(DFlashError, match=f"{dv.FILE_NAME}.*unreadable safetensors"):
+            dv.load(tmp_path, 10)
 
 
 def test_coverage_by_hand():

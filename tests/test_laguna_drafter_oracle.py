@@ -1,6 +1,6 @@
 """An independent NumPy oracle for the Laguna DFlash drafter (``DFlashLagunaForCausalLM``).
 
-The oracle below is written directly from ``specs/laguna.md`` section 6.4 (vLLM
+The oracle below is written directly from ``docs/specs/laguna.md`` section 6.4 (vLLM
 ``laguna_dflash.py`` semantics) and works on checkpoint-layout weights (``[out, in]``, packed
 ``qkv_proj`` rows ``q | k | v``, ``aux_hidden_norms.j``), in float64, without calling any
 ``dflash_jax`` function. It checks :func:`dflash_jax.models.drafter.context_kv`, ``forward`` and

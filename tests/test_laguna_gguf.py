@@ -1,4 +1,4 @@
-"""Laguna target GGUF (``general.architecture = "laguna"``, ``specs/laguna.md`` 4.2).
+"""Laguna target GGUF (``general.architecture = "laguna"``, ``docs/specs/laguna.md`` 4.2).
 
 A tiny Laguna is written with ``gguf.GGUFWriter`` under the published llama.cpp key and tensor
 names (what ``conversion/laguna.py`` emits: per-layer head counts, a sliding-window period or a

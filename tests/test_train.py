@@ -1,7 +1,7 @@
-"""The DFlash training objective, trainer, checkpoints and export (specs/dflash.md section 3).
+"""The DFlash training objective, trainer, checkpoints and export (docs/specs/dflash.md section 3).
 
-Every test uses tiny random models. The bug-kind tests follow specs/bug_reports.md B52 and the
-training gotchas of specs/dflash.md 3.8.
+Every test uses tiny random models. The bug-kind tests follow docs/specs/bug_reports.md B52 and the
+training gotchas of docs/specs/dflash.md 3.8.
 """
 
 import csv
@@ -403,6 +403,35 @@ def test_schedule_warmup_and_decay():
     lin = lr_schedule(TrainConfig(steps=100, lr=1e-3, warmup_ratio=0.0, decay="linear", final_lr_ratio=0.1))
     assert float(lin(0)) == pytest.approx(1e-3) and float(lin(100)) == pytest.approx(1e-4)
 
+
+
+@pytest.mark.parametrize("kwargs, option", [
+    (dict(lr=-1.0), "--lr"), (dict(lr=0.0), "--lr"), (dict(lr=float("nan")), "--lr"), (dict(gamma=0.0), "--gamma"),
+    (dict(draft_vocab=-3), "--draft-vocab"), (dict(weight_decay=-0.1), "--weight-decay"),
+    (dict(grad_clip=-1.0), "--grad-clip"), (dict(final_lr_ratio=1.5), "--final-lr-ratio"), (dict(steps=0), "--steps"),
+])
+def test_train_config_refuses_bad_settings(kwargs, option):
+    """Bad settings fail when the run is configured, before features are computed (names the option)."""
+    from dflash_jax.errors import DFlashError
+
+    with pytest.raises(DFlashError) as e:
+        TrainConfig(**kwargs)
+    assert e.value.where == option
+
+
+@pytest.mark.parametrize("layers, ids, block, option", [
+    (0, (), 8, "--layers"), (-1, (), 8, "--layers"), (2, (), 1, "--block-size"),
+    (2, (1, 1), 8, "--target-layer-ids"), (40, (), 8, "--layers"),  # 40 taps spread over 4 layers repeat
+])
+def test_drafter_config_for_refuses_bad_shapes(layers, ids, block, option):
+    from dflash_jax.errors import DFlashError
+    from dflash_jax.train.cli import drafter_config_for
+
+    t_cfg, _ = tiny_target("llama", seed=0)
+    with pytest.raises(DFlashError) as e:
+        drafter_config_for(t_cfg, layers, ids, 3, block)
+    assert e.value.where == option
+    assert drafter_config_for(t_cfg, 2, (0, 2), 3, 2).target_layer_ids == (0, 2)  # the smallest valid block
 
 TC = TrainConfig(steps=40, batch_size=6, max_len=32, num_anchors=8, lr=1e-2, warmup_ratio=0.05, seed=3)
 

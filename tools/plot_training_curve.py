@@ -5,16 +5,28 @@
 
 from __future__ import annotations
 
+import argparse
 import csv
 import sys
 from pathlib import Path
 
+ROOT = Path(__file__).resolve().parents[1]
+
 
 def main(argv=None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    src = Path(argv[0] if argv else Path(__file__).resolve().parents[1] / "dflash_jax/drafters/smollm2-135m-instruct/training_curve.csv")
-    out = Path(argv[1]) if len(argv) > 1 else Path(__file__).resolve().parent / "results" / "tau_curve.png"
-    rows = list(csv.DictReader(src.open()))
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("csv", nargs="?", type=Path, default=ROOT / "dflash_jax/drafters/smollm2-135m-instruct/training_curve.csv",
+                    help="training_curve.csv of an exported drafter (default: the shipped SmolLM2 drafter's)")
+    ap.add_argument("out", nargs="?", type=Path, default=ROOT / "tools/results/tau_curve.png", help="PNG to write")
+    args = ap.parse_args(argv)
+    src, out = args.csv, args.out
+    try:
+        rows = list(csv.DictReader(src.open(encoding="utf-8")))
+    except OSError as e:
+        ap.error(f"{src}: cannot read ({e.strerror}); expected a drafter's training_curve.csv")
+    missing = {"supervised_seen", "tau"} - set(rows[0] if rows else {})
+    if missing:
+        ap.error(f"{src}: no rows or no column(s) {sorted(missing)}; expected a drafter's training_curve.csv")
     import matplotlib
 
     matplotlib.use("Agg")

@@ -1,6 +1,6 @@
 """Loads z-lab DFlash drafter checkpoints (``config.json`` + safetensors) strictly.
 
-Tensor names as stored by z-lab (``specs/dflash.md`` 1.2): ``fc.weight``, ``hidden_norm.weight``,
+Tensor names as stored by z-lab (``docs/specs/dflash.md`` 1.2): ``fc.weight``, ``hidden_norm.weight``,
 ``norm.weight`` and ``layers.{i}.*`` in Qwen3 naming; no embedding or LM head (the target's are
 used). A ``model.`` prefix is accepted.
 """

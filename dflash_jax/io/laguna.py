@@ -1,7 +1,7 @@
 """Laguna target checkpoints (HF safetensors) -> :class:`LagunaConfig` and the params of
 :mod:`dflash_jax.models.laguna`, read tensor by tensor.
 
-Two name layouts are accepted (``specs/laguna.md`` 4.1):
+Two name layouts are accepted (``docs/specs/laguna.md`` 4.1):
 
 * **published** (the poolside repos): per-expert ``mlp.experts.{e}.{gate,up,down}_proj.weight``,
   ``mlp.experts.e_score_correction_bias``, ``mlp.shared_expert.*``;
@@ -196,7 +196,7 @@ def load_laguna_target(folder: str | os.PathLike, dtype: Any = "float32", cfg: L
     Raises:
       DFlashError: bad config fields (file and field named), a gate width contradicting an
         explicit ``gating``, or missing / unexpected / mis-shaped tensors (file and tensor named).
-    Source: ``specs/laguna.md`` 4.1, transformers ``conversion_mapping.py``.
+    Source: ``docs/specs/laguna.md`` 4.1, transformers ``conversion_mapping.py``.
     """
     from dflash_jax.models import laguna
 

@@ -1,6 +1,6 @@
 """Laguna DFlash drafter checkpoints: safetensors and both GGUF layouts -> one param pytree.
 
-* safetensors (``specs/laguna.md`` 6.3): ``fc.weight``, ``hidden_norm.weight``, ``norm.weight``,
+* safetensors (``docs/specs/laguna.md`` 6.3): ``fc.weight``, ``hidden_norm.weight``, ``norm.weight``,
   ``aux_hidden_norms.{j}.weight``, ``layers.{i}.self_attn.qkv_proj.weight`` (packed rows
   ``q | k | v``; split ``q_proj/k_proj/v_proj`` also accepted), ``g_proj``, ``q_norm``, ``k_norm``,
   ``o_proj``, ``mlp.*``, the two layer norms; an optional ``model.`` prefix.

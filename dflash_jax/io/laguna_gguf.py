@@ -2,7 +2,7 @@
 params of :mod:`dflash_jax.models.laguna`, equal to what :func:`dflash_jax.io.laguna.load_laguna_target`
 reads from the safetensors checkpoint the GGUF was converted from.
 
-Layout facts (``specs/laguna.md`` 4.2; llama.cpp ``conversion/laguna.py`` and
+Layout facts (``docs/specs/laguna.md`` 4.2; llama.cpp ``conversion/laguna.py`` and
 ``src/models/laguna.cpp``, ik_llama.cpp ``LagunaModel``):
 
 * Keys ``laguna.*``: ``block_count``, ``context_length``, ``embedding_length``,

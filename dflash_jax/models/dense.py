@@ -107,6 +107,27 @@ def stack_layers(params: Params) -> Params:
     return dict(params, layers=jax.tree_util.tree_map(lambda *a: jnp.stack(a), *params["layers"]))
 
 
+def run_layers(body, carry, layers, xs):
+    """Runs ``carry = body(carry, layer_params, layer_xs, i)`` over a run of identical layers.
+
+    ``layers`` is either stacked (leaves ``[L, ...]``: one ``lax.scan``, ``i`` a traced int32
+    scalar) or the tuple of :func:`unstack_layers` (a Python loop, ``i`` a Python int). ``xs`` is
+    a pytree of per-layer inputs with leading axis ``L``; ``layer_xs`` is its slice at ``i``.
+    Returns the final carry. Source: the per-step weight copies of ``lax.scan`` on XLA:CPU
+    (BENCHMARKS.md, plain-decoding notes) are why the per-layer form exists."""
+    if isinstance(layers, (tuple, list)):
+        for i, lp in enumerate(layers):
+            carry = body(carry, lp, jax.tree_util.tree_map(lambda a, i=i: a[i], xs), i)
+        return carry
+    n = jax.tree_util.tree_leaves(layers)[0].shape[0]
+
+    def step(c, inp):
+        lp, layer_xs, i = inp
+        return body(c, lp, layer_xs, i), None
+
+    return lax.scan(step, carry, (layers, xs, jnp.arange(n, dtype=jnp.int32)))[0]
+
+
 def init_params(cfg: TargetConfig, key: jax.Array, scale: float = 0.02) -> Params:
     """Random normal parameters (norm weights near 1) for tests and experiments."""
     shapes = param_shapes(cfg)
@@ -199,21 +220,14 @@ def forward_hidden(
     else:
         slot_of, cap = jnp.zeros((n_layers,), jnp.int32), jnp.zeros((1, 1, 1, 1), x.dtype)
 
-    def body(carry, xs):
+    def body(carry, lp, slot, i):
         x, cap, k_all, v_all = carry
-        lp, slot, i = xs
         x, k_all, v_all = _layer(cfg, inv_freq, x, lp, k_all, v_all, positions, i)
         if capture is not None:
             cap = lax.dynamic_update_index_in_dim(cap, x, slot, 0)
-        return (x, cap, k_all, v_all), None
+        return x, cap, k_all, v_all
 
-    carry = (x, cap, cache.k, cache.v)
-    if isinstance(params["layers"], (tuple, list)):  # per-layer buffers (unstack_layers): a Python loop
-        for i, lp in enumerate(params["layers"]):
-            carry, _ = body(carry, (lp, slot_of[i], i))
-    else:
-        carry, _ = lax.scan(body, carry, (params["layers"], slot_of, jnp.arange(n_layers, dtype=jnp.int32)))
-    x, cap, k_new, v_new = carry
+    x, cap, k_new, v_new = run_layers(body, (x, cap, cache.k, cache.v), params["layers"], slot_of)
     new_len = jnp.minimum(jnp.maximum(cache.length, positions[:, -1] + 1), cache.capacity)
     cache = KVCache(k=k_new, v=v_new, length=new_len.astype(jnp.int32))
     if capture is not None:

@@ -13,16 +13,16 @@ dicts made by :func:`dflash_jax.models.dense.unstack_layers`, the CPU inference 
                 "w_gate", "w_up", "w_down"  (+ "bq","bk","bv","bo" with attention_bias)}}
 
 Source: z-lab ``dflash/model.py`` (PyPI ``dflash==0.1.0``: ``Qwen3DFlashAttention``,
-``DFlashDraftModel.forward``, ``compute_logits``) and ``specs/dflash.md`` sections 1.5-1.8.
+``DFlashDraftModel.forward``, ``compute_logits``) and ``docs/specs/dflash.md`` sections 1.5-1.8.
 """
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 
 from dflash_jax.config import LAGUNA_DRAFTER, DrafterConfig, TargetConfig
+from dflash_jax.models.dense import run_layers
 from dflash_jax.models.target import module_for
 from dflash_jax.nn.attention import gqa_attention_parts, swiglu
 from dflash_jax.nn.norms import rms_norm
@@ -194,8 +194,8 @@ def forward(
     x = (module_for(target_cfg).embed(target_params, block_tokens) * cfg.input_embedding_scale).astype(cfg.dtype)
     ctx_mask, blk_mask = block_masks(cfg, positions, ctx_len, block_len, ctx_k.shape[2])
 
-    def body(x, xs):
-        lp, ck, cv, cm, bm = xs
+    def body(x, lp, layer_xs, i):
+        ck, cv, cm, bm = layer_xs
         h = rms_norm(x, lp["attn_norm"], cfg.rms_norm_eps)
         q, k, v = h @ lp["wq"], h @ lp["wk"], h @ lp["wv"]
         if cfg.attention_bias:
@@ -207,13 +207,9 @@ def forward(
             a = a + lp["bo"]
         x = x + a
         x = x + swiglu(rms_norm(x, lp["mlp_norm"], cfg.rms_norm_eps), lp["w_gate"], lp["w_up"], lp["w_down"])
-        return x, None
+        return x
 
-    if isinstance(params["layers"], (tuple, list)):  # per-layer buffers (dense.unstack_layers): a Python loop
-        for i, lp in enumerate(params["layers"]):
-            x, _ = body(x, (lp, ctx_k[i], ctx_v[i], ctx_mask[i], blk_mask[i]))
-    else:
-        x, _ = lax.scan(body, x, (params["layers"], ctx_k, ctx_v, ctx_mask, blk_mask))
+    x = run_layers(body, x, params["layers"], (ctx_k, ctx_v, ctx_mask, blk_mask))
     return rms_norm(x, params["norm"], cfg.rms_norm_eps)
 
 

@@ -3,7 +3,7 @@
 Same module interface as :mod:`dflash_jax.models.dense` (``param_shapes``, ``param_axes``,
 ``init_params``, ``init_cache``, ``embed``, ``lm_head``, ``forward_hidden``, ``forward``).
 
-Per layer (transformers ``modeling_laguna.py``, ``specs/laguna.md`` section 3)::
+Per layer (transformers ``modeling_laguna.py``, ``docs/specs/laguna.md`` section 3)::
 
     h = rms(x; attn_norm); q,k,v = h Wq, h Wk, h Wv; q,k = q_norm/k_norm per head, then RoPE
     (per layer type: YaRN with partial rotary on full layers, plain on sliding ones; the YaRN

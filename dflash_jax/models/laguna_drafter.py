@@ -1,6 +1,6 @@
 """The Laguna DFlash drafter (``DFlashLagunaForCausalLM``) as pure functions.
 
-Differences from the generic z-lab drafter (``specs/laguna.md`` 6.4 and 6.6; reference: vLLM
+Differences from the generic z-lab drafter (``docs/specs/laguna.md`` 6.4 and 6.6; reference: vLLM
 ``laguna_dflash.py`` + ``v1/spec_decode/dflash.py``):
 
 * fusion: each captured slice gets its own RMSNorm (``aux_hidden_norms.j``) before

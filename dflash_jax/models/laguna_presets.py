@@ -1,6 +1,6 @@
 """The published Laguna configs (``config.json`` dicts) and the DFlash drafters' shapes.
 
-Values from ``specs/laguna.md`` 2.2 (copies of the HF files: XS-2.1 from the NVFP4-mlx repo at
+Values from ``docs/specs/laguna.md`` 2.2 (copies of the HF files: XS-2.1 from the NVFP4-mlx repo at
 rev 841778b, S-2.1 and M.1 from capacity-planner fixtures) and 6.2. Used for planning
 (``tools/laguna_plan.py``) and the tensor-set contract tests; no weights are involved.
 Drafter entries marked ``# assumed`` were not read from a real file (spec tags [I]/[S]).

@@ -31,7 +31,7 @@ def check_n_max(cfg_d: DrafterConfig, n_max: int | None) -> int:
     """
     n = cfg_d.block_size - 1 if n_max is None else int(n_max)
     if not 1 <= n <= cfg_d.block_size - 1:
-        raise DFlashError("--n-max", f"got {n_max}", f"an integer in [1, {cfg_d.block_size - 1}] (block_size - 1)")
+        raise DFlashError("n_max (--n-max)", f"got {n_max}", f"an integer in [1, {cfg_d.block_size - 1}] (block_size - 1)")
     return n
 
 
@@ -52,7 +52,7 @@ def prefill_chunk(params_t, cfg_t, params_d, cfg_d: DrafterConfig, state: Decode
     """One prefill chunk that also captures every row of ``target_layer_ids`` into the context.
 
     Each captured row lands at its own absolute position, so the context after prefill does not
-    depend on the chunk size (the micro-batch capture fault of specs/bug_reports.md B18).
+    depend on the chunk size (the micro-batch capture fault of docs/specs/bug_reports.md B18).
     """
     b = state.tokens.shape[0]
     base = jnp.full((b,), start, jnp.int32)
@@ -69,7 +69,7 @@ def prefill(params_t, cfg_t, params_d, cfg_d, state: DecodeState, chunk_size: in
     prompt row.
     """
     if chunk_size < 1:
-        raise DFlashError("--chunk-size", f"got {chunk_size}", "an integer >= 1")
+        raise DFlashError("chunk_size (--chunk-size)", f"got {chunk_size}", "an integer >= 1")
     if max_prompt_len is None:
         max_prompt_len = int(jax.device_get(state.prompt_len).max())
     acc = jnp.zeros((state.tokens.shape[0], cfg_t.vocab_size), jnp.float32)

@@ -35,7 +35,7 @@ def propose_fn(
       width: block width ``n_max + 1`` (static).
       sampling: the target's sampling settings (the drafter's distribution is warped the same way).
       draft_mode: ``"argmax"`` proposes the drafter's argmax (one-hot proposal distribution; the
-        default, see specs/dflash.md 2.2) or ``"sample"`` draws each position from the warped
+        default, see docs/specs/dflash.md 2.2) or ``"sample"`` draws each position from the warped
         drafter distribution (z-lab PyPI behaviour).
       key: PRNG key for ``"sample"``.
     Returns:

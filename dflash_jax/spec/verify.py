@@ -1,6 +1,6 @@
 """Verify: one target pass over the block, the accept rule, commit, rollback and context update.
 
-Accept rules (specs/dflash.md 2.2):
+Accept rules (docs/specs/dflash.md 2.2):
 - greedy: accept the longest prefix of drafts equal to the target's argmax; the bonus token is
   the argmax after it. Output equals the target's own greedy decode.
 - sampling: Leviathan/Chen rejection sampling. Draft ``d_i`` is accepted while

@@ -1,4 +1,4 @@
-"""Training DFlash drafters in JAX (``specs/dflash.md`` section 3).
+"""Training DFlash drafters in JAX (``docs/specs/dflash.md`` section 3).
 
 Modules:
 

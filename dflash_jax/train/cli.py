@@ -1,10 +1,12 @@
 """``dflash-jax train``: trains a DFlash drafter for a target on a self-distillation dataset.
 
-Example (the shipped SmolLM2 drafter; see ``dflash_jax/drafters/smollm2-135m-instruct``)::
+Example (the first of the five runs that made the shipped SmolLM2 drafter;
+``tools/train_default_drafter.sh`` runs them all, ``dflash_jax/drafters/smollm2-135m-instruct``)::
 
-    python tools/make_train_data.py --out data/smollm2
-    dflash-jax train --data data/smollm2 --out runs/smollm2 --mask-token-id 16 \\
-        --layers 2 --target-layer-ids 1,10,18,27 --steps 1000
+    python tools/make_train_data.py --out runs/smollm2/data1 --num-prompts 2193
+    dflash-jax train --data runs/smollm2/data1 --out runs/smollm2/run1 --mask-token-id 16 \\
+        --layers 2 --target-layer-ids 1,10,18,27 --block-size 8 --draft-vocab 8192 \\
+        --batch-size 16 --max-len 288 --num-anchors 16 --steps 1500 --lr 8e-4
 
 Rerunning the same command resumes from the newest checkpoint in ``--out`` (the settings must
 be the same); ``--time-limit`` / ``--stop-at`` pause a run so that no single command has to run
@@ -62,7 +64,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="start from this drafter's weights (z-lab folder) instead of random ones, e.g. to continue "
                         "a shipped drafter on more data; its layers, taps, MLP width, mask id, block size and block "
                         "attention must equal this run's")
-    g = ap.add_argument_group("optimisation (specs/dflash.md 3.7)")
+    g = ap.add_argument_group("optimisation (docs/specs/dflash.md 3.7)")
     g.add_argument("--steps", type=int, default=1000)
     g.add_argument("--batch-size", type=int, default=8, help="sequences per step (default 8)")
     g.add_argument("--max-len", type=int, default=512, help="padded sequence length; longer sequences are truncated")
@@ -101,7 +103,7 @@ def default_layer_ids(num_target_layers: int, n: int) -> tuple:
 
 
 def default_gamma(block_size: int) -> float:
-    """Paper defaults (``specs/dflash.md`` 3.6): 7 for B=16, 5 for B=10, 4 for B=8; else B/2.3."""
+    """Paper defaults (``docs/specs/dflash.md`` 3.6): 7 for B=16, 5 for B=10, 4 for B=8; else B/2.3."""
     return {16: 7.0, 10: 5.0, 8: 4.0}.get(block_size, round(block_size / 2.3, 2))
 
 
@@ -110,11 +112,23 @@ def drafter_config_for(target_cfg, layers: int, layer_ids, mask_token_id: int, b
     MLP width, norm eps and RoPE of the target).
 
     Raises:
-      DFlashError: layer ids out of range or a mask id outside the target's vocabulary.
+      DFlashError: fewer than one layer, a block size below 2, repeated or out-of-range layer ids
+        (also when ``layers`` default ids would repeat), or a mask id outside the target's
+        vocabulary (names the option).
     """
     from dflash_jax.config import DrafterConfig, check_drafter_fits
 
-    layer_ids = tuple(layer_ids) if layer_ids else default_layer_ids(target_cfg.num_hidden_layers, layers)
+    if int(layers) < 1:
+        raise DFlashError("--layers", f"got {layers}", "an integer >= 1")
+    if int(block_size) < 2:
+        raise DFlashError("--block-size", f"got {block_size}", "an integer >= 2 (the anchor and at least one MASK slot)")
+    given = bool(layer_ids)
+    layer_ids = tuple(layer_ids) if given else default_layer_ids(target_cfg.num_hidden_layers, layers)
+    if len(set(layer_ids)) != len(layer_ids):
+        if given:
+            raise DFlashError("--target-layer-ids", f"repeats an id: {','.join(map(str, layer_ids))}", "distinct target layer ids")
+        raise DFlashError("--layers", f"{layers} captured layers spread over a target of {target_cfg.num_hidden_layers} would repeat ids",
+                          "fewer layers, or distinct --target-layer-ids")
     cfg = DrafterConfig(
         hidden_size=target_cfg.hidden_size, intermediate_size=int(intermediate_size or target_cfg.intermediate_size),
         num_hidden_layers=int(layers), num_attention_heads=target_cfg.num_attention_heads,

@@ -13,7 +13,7 @@ On disk (never pickle; every array is loaded with ``allow_pickle=False``)::
     <features>/next_tokens.npy [T] int32  optional: the target's greedy next token after each
                               position (argmax of its logits), the labels of ``labels="target"``
 
-Target features are the residual stream after each captured target layer (``specs/dflash.md``
+Target features are the residual stream after each captured target layer (``docs/specs/dflash.md``
 3.2), computed with :func:`target_features` (``dense.forward_hidden`` with a ``Capture``). They
 are either recomputed inside every training step or cached once with :func:`cache_features`;
 the cache stores bfloat16 (float16 overflows: SmolLM2's residual reaches ~2.5e4).
@@ -157,7 +157,7 @@ def target_features(target_params, target_cfg: TargetConfig, tokens: jnp.ndarray
       ``[B, S, len(layer_ids) * H]`` in ``target_cfg.dtype``, slot = position; with
       ``next_tokens`` a pair ``(features, next [B, S] int32)``, ``next[b, q] = argmax`` of the
       target's logits at position ``q`` (its prediction for position ``q + 1``).
-    Source: ``specs/dflash.md`` 3.2; same capture as speculative prefill.
+    Source: ``docs/specs/dflash.md`` 3.2; same capture as speculative prefill.
     """
     mod = module_for(target_cfg)
     b, s = tokens.shape
@@ -387,7 +387,7 @@ class Batcher:
     ``e = g // n`` and ``perm_e`` a permutation drawn from ``numpy.random.default_rng([seed, e])``
     (a fresh shuffle every epoch). The data cursor of a checkpoint is therefore just the step.
     Sequences with no valid anchor (fewer than 2 consecutive supervised tokens,
-    ``specs/dflash.md`` 3.8 item 7) are skipped; longer ones are truncated to ``max_len``.
+    ``docs/specs/dflash.md`` 3.8 item 7) are skipped; longer ones are truncated to ``max_len``.
 
     Args:
       dataset: the :class:`TokenDataset`.

@@ -5,7 +5,7 @@ The folder loads with :func:`dflash_jax.io.drafter.load_drafter` and with the re
 ``config.json`` with ``architectures: ["DFlashDraftModel"]``, ``num_target_layers`` and
 ``dflash_config: {block_size, mask_token_id, target_layer_ids}``; tensors named ``fc.weight``,
 ``hidden_norm.weight``, ``norm.weight``, ``layers.{i}.*`` in torch ``[out, in]`` layout
-(``specs/dflash.md`` 1.2). No embedding or LM head is stored (the target's are used).
+(``docs/specs/dflash.md`` 1.2). No embedding or LM head is stored (the target's are used).
 """
 
 from __future__ import annotations

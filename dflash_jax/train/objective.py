@@ -1,4 +1,4 @@
-"""The DFlash training objective as pure functions (``specs/dflash.md`` sections 3.3-3.6).
+"""The DFlash training objective as pure functions (``docs/specs/dflash.md`` sections 3.3-3.6).
 
 One training example is a token sequence ``x [S]`` with a ``loss_mask [S]`` (1 on response tokens)
 and the captured target features ``f [S, K*H]`` of every position (the residual after each
@@ -43,7 +43,7 @@ def valid_anchors(loss_mask: jnp.ndarray) -> jnp.ndarray:
         must carry 0.
     Returns:
       ``[B, S]`` bool: ``loss_mask[a] and loss_mask[a + 1]`` (the last position is never valid).
-      Source: ``specs/dflash.md`` 3.3 (SpecForge's current rule).
+      Source: ``docs/specs/dflash.md`` 3.3 (SpecForge's current rule).
     """
     m = loss_mask > 0
     nxt = jnp.concatenate([m[:, 1:], jnp.zeros_like(m[:, :1])], axis=1)
@@ -60,7 +60,7 @@ def sample_anchors(key: jax.Array, loss_mask: jnp.ndarray, num_anchors: int) -> 
     Returns:
       ``(anchors [B, N] int32, block_valid [B, N] bool)``: valid anchors come first in increasing
       order; when a sequence has fewer than ``N`` valid positions the remaining blocks are
-      invalid (``block_valid = False``, anchor 0, no loss). Source: ``specs/dflash.md`` 3.3.
+      invalid (``block_valid = False``, anchor 0, no loss). Source: ``docs/specs/dflash.md`` 3.3.
     """
     b, s = loss_mask.shape
     n = min(int(num_anchors), s)
@@ -74,7 +74,7 @@ def sample_anchors(key: jax.Array, loss_mask: jnp.ndarray, num_anchors: int) -> 
 
 
 def block_inputs(tokens: jnp.ndarray, anchors: jnp.ndarray, block_size: int, mask_token_id: int) -> tuple[jnp.ndarray, jnp.ndarray]:
-    """Draft inputs of every block (``specs/dflash.md`` 3.4).
+    """Draft inputs of every block (``docs/specs/dflash.md`` 3.4).
 
     Args:
       tokens: ``[B, S]`` int32.
@@ -92,14 +92,14 @@ def block_inputs(tokens: jnp.ndarray, anchors: jnp.ndarray, block_size: int, mas
 
 def position_weights(block_size: int, gamma: float) -> jnp.ndarray:
     """``[W]`` float32 slot weights ``exp(-(k - 1) / gamma)`` for ``k >= 1`` and 0 for the anchor
-    slot (paper Eq. 4, ``specs/dflash.md`` 3.6). ``gamma <= 0`` disables the decay (all 1)."""
+    slot (paper Eq. 4, ``docs/specs/dflash.md`` 3.6). ``gamma <= 0`` disables the decay (all 1)."""
     k = jnp.arange(block_size, dtype=jnp.float32)
     w = jnp.exp(-(k - 1.0) / gamma) if gamma > 0 else jnp.ones_like(k)
     return jnp.where(k > 0, w, 0.0)
 
 
 def block_targets(tokens, loss_mask, anchors, block_valid, block_size: int, gamma: float) -> tuple[jnp.ndarray, jnp.ndarray]:
-    """Labels and loss weights of every block slot (``specs/dflash.md`` 3.4 and 3.6).
+    """Labels and loss weights of every block slot (``docs/specs/dflash.md`` 3.4 and 3.6).
 
     Args:
       tokens: ``[B, S]`` int32; loss_mask: ``[B, S]``; anchors, block_valid: ``[B, N]``.
@@ -159,7 +159,7 @@ def loss_terms(
       target_params: the frozen target (only ``embed`` and the LM head are read).
       tokens: ``[B, S]`` int32; loss_mask: ``[B, S]`` (0 on prompt and padding);
       features: ``[B, S, K*H]`` captured target features; anchors, block_valid: ``[B, N]``.
-      gamma: position-decay constant (``specs/dflash.md`` 3.6; 7 for block size 16).
+      gamma: position-decay constant (``docs/specs/dflash.md`` 3.6; 7 for block size 16).
       draft_ids: optional ``[Vd]`` sorted token ids (:mod:`dflash_jax.draft_vocab`): the softmax
         runs over these columns of the target head only; a label outside them gets no
         cross-entropy weight and counts as a miss for ``correct`` and ``accept``.

@@ -1,6 +1,6 @@
 """DFlash drafter training: optimizer, jitted step, tau evaluation, exact-resume checkpoints.
 
-Recipe (``specs/dflash.md`` 3.7): AdamW with linear warmup then cosine (or linear) decay,
+Recipe (``docs/specs/dflash.md`` 3.7): AdamW with linear warmup then cosine (or linear) decay,
 global-norm gradient clipping, drafter trained from random initialisation with the target's
 embedding and LM head frozen; float32 or bfloat16 compute with float32 master weights.
 
@@ -23,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import math
 import os
 import shutil
 import signal
@@ -57,7 +58,7 @@ class TrainConfig:
     Attributes:
       steps: total optimizer steps (the schedule's length).
       batch_size: sequences per step; max_len: padded sequence length ``S`` (tokens).
-      num_anchors: blocks per sequence (``specs/dflash.md`` 3.3; ``~ S / block_size`` covers
+      num_anchors: blocks per sequence (``docs/specs/dflash.md`` 3.3; ``~ S / block_size`` covers
         every position once per step on average).
       gamma: loss position decay (3.6; 7 for block size 16).
       draft_vocab: 0 trains over the target's whole vocabulary; ``Vd > 0`` over the ``Vd``
@@ -102,6 +103,14 @@ class TrainConfig:
                 raise DFlashError(f"--{name.replace('_', '-')}", f"got {getattr(self, name)}", "an integer >= 1")
         if not 0.0 <= self.warmup_ratio < 1.0:
             raise DFlashError("--warmup-ratio", f"got {self.warmup_ratio}", "a fraction in [0, 1)")
+        if int(self.draft_vocab) < 0:
+            raise DFlashError("--draft-vocab", f"got {self.draft_vocab}", "0 (the whole vocabulary) or a size >= 1")
+        for name, ok, want in (("lr", self.lr > 0, "a number > 0"), ("gamma", self.gamma > 0, "a number > 0"),
+                               ("weight_decay", self.weight_decay >= 0, "a number >= 0"),
+                               ("grad_clip", self.grad_clip >= 0, "a number >= 0 (0: no clipping)"),
+                               ("final_lr_ratio", 0 <= self.final_lr_ratio <= 1, "a fraction in [0, 1]")):
+            if not (ok and math.isfinite(getattr(self, name))):
+                raise DFlashError(f"--{name.replace('_', '-')}", f"got {getattr(self, name)}", want)
 
 
 def lr_schedule(tc: TrainConfig) -> optax.Schedule:
