@@ -1,6 +1,6 @@
 """Self-distillation data for a DFlash drafter: offline prompts, responses written by the target.
 
-Recipe (deterministic; recorded in ``<out>/meta.json``; ``specs/dflash.md`` 3.1):
+Recipe (deterministic; recorded in ``<out>/meta.json``; ``docs/specs/dflash.md`` 3.1):
 
 * prompts, all built offline on this machine:
   - code prompts from the Python standard library: public functions and methods with a
