@@ -406,7 +406,7 @@ def test_schedule_warmup_and_decay():
 
 
 @pytest.mark.parametrize("kwargs, option", [
-    (dict(lr=-1.0), "--lr"), (dict(lr=0.0), "--lr"), (dict(lr=float("nan")), "--lr"), (dict(gamma=0.0), "--gamma"),
+    (dict(lr=-1.0), "--lr"), (dict(lr=0.0), "--lr"), (dict(lr=float("nan")), "--lr"), (dict(gamma=float("inf")), "--gamma"),
     (dict(draft_vocab=-3), "--draft-vocab"), (dict(weight_decay=-0.1), "--weight-decay"),
     (dict(grad_clip=-1.0), "--grad-clip"), (dict(final_lr_ratio=1.5), "--final-lr-ratio"), (dict(steps=0), "--steps"),
 ])

@@ -69,7 +69,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--batch-size", type=int, default=8, help="sequences per step (default 8)")
     g.add_argument("--max-len", type=int, default=512, help="padded sequence length; longer sequences are truncated")
     g.add_argument("--num-anchors", type=int, default=32, help="blocks per sequence (default 32)")
-    g.add_argument("--gamma", type=float, default=None, help="loss decay (default 7 for block 16, 5 for 10, 4 for 8)")
+    g.add_argument("--gamma", type=float, default=None, help="loss decay (default 7 for block 16, 5 for 10, 4 for 8; <= 0: none)")
     g.add_argument("--draft-vocab", type=int, default=0,
                    help="train and draft over the N tokens most frequent in the responses (default 0: the whole vocabulary)")
     g.add_argument("--lr", type=float, default=6e-4)

@@ -60,7 +60,7 @@ class TrainConfig:
       batch_size: sequences per step; max_len: padded sequence length ``S`` (tokens).
       num_anchors: blocks per sequence (``docs/specs/dflash.md`` 3.3; ``~ S / block_size`` covers
         every position once per step on average).
-      gamma: loss position decay (3.6; 7 for block size 16).
+      gamma: loss position decay (3.6; 7 for block size 16; <= 0: no decay).
       draft_vocab: 0 trains over the target's whole vocabulary; ``Vd > 0`` over the ``Vd``
         tokens most frequent in the data's responses (:mod:`dflash_jax.draft_vocab`), which the
         exported drafter then drafts over.
@@ -105,7 +105,7 @@ class TrainConfig:
             raise DFlashError("--warmup-ratio", f"got {self.warmup_ratio}", "a fraction in [0, 1)")
         if int(self.draft_vocab) < 0:
             raise DFlashError("--draft-vocab", f"got {self.draft_vocab}", "0 (the whole vocabulary) or a size >= 1")
-        for name, ok, want in (("lr", self.lr > 0, "a number > 0"), ("gamma", self.gamma > 0, "a number > 0"),
+        for name, ok, want in (("lr", self.lr > 0, "a number > 0"), ("gamma", True, "a finite number (<= 0: no decay)"),
                                ("weight_decay", self.weight_decay >= 0, "a number >= 0"),
                                ("grad_clip", self.grad_clip >= 0, "a number >= 0 (0: no clipping)"),
                                ("final_lr_ratio", 0 <= self.final_lr_ratio <= 1, "a fraction in [0, 1]")):
