@@ -168,9 +168,9 @@ def _drafter(args, target):
 def _n_max(args, drafter) -> int | None:
     """Draft depth from ``--n-max`` / ``--block-size`` (verify width ``n_max + 1``).
 
-    Errors name the option the user gave: both are checked against the drafter's ``block_size``
-    here (``check_n_max`` would name the Python argument ``n_max``); conflicts with ``--no-spec``
-    are refused before (``_generate``).
+    Errors name the option the user gave: ``--block-size`` is checked against the drafter's
+    ``block_size`` here (``check_n_max``, inside ``api.generate``, checks the depth it implies
+    and names ``--n-max``); conflicts with ``--no-spec`` are refused before (``_generate``).
     """
     from dflash_jax.errors import DFlashError
 
@@ -182,12 +182,10 @@ def _n_max(args, drafter) -> int | None:
         n = args.block_size - 1
     if n is not None and drafter is None:
         raise DFlashError(opt, "given without a drafter", "--draft PATH, or a target with a shipped drafter")
-    if drafter is not None:
+    if args.block_size is not None and drafter is not None:
         top = drafter.cfg.block_size
-        if args.block_size is not None and not 2 <= args.block_size <= top:
+        if not 2 <= args.block_size <= top:
             raise DFlashError("--block-size", f"got {args.block_size}", f"an integer in [2, {top}] (the drafter's block_size)")
-        if args.n_max is not None and not 1 <= args.n_max <= top - 1:
-            raise DFlashError("--n-max", f"got {args.n_max}", f"an integer in [1, {top - 1}] (the drafter's block_size - 1)")
     return n
 
 
@@ -270,10 +268,11 @@ def _generate(args) -> int:
     try:
         res = api.generate(target, [prompt_ids], **kwargs)
     except DFlashError as e:
-        # the API names its argument ("max_len (--max-len)"); the command line names the option
-        flag = re.fullmatch(r"\w+ \((--[\w-]+)\)", e.where)
+        # the API names its argument ("max_len (--max-len)", "prompt"); the command line names
+        # the option the value came from
         if e.where == "prompt":
             raise DFlashError("--prompt-ids" if args.prompt_ids is not None else "PROMPT", e.what, e.expected) from e
+        flag = re.fullmatch(r"\w+ \((--[\w-]+)\)", e.where)
         if flag:
             raise DFlashError(flag.group(1), e.what, e.expected) from e
         raise

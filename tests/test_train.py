@@ -615,3 +615,34 @@ def test_cli_trains_resumes_and_exports(tmp_path, capsys):
     assert main(more + ["--init-from", str(tmp_path / "run" / "drafter"), "--steps", "2", "--labels", "target"]) == 2
     assert "differ from the checkpointed run's (labels)" in capsys.readouterr().err
     assert FeatureCache.load(tmp_path / "run2" / "features", ds).next_tokens is not None
+
+
+def test_module_entry_point_is_the_train_cli():
+    """``python -m dflash_jax.train`` runs ``dflash-jax train`` (same parser, same exit codes)."""
+    import subprocess
+
+    ok = subprocess.run([sys.executable, "-m", "dflash_jax.train", "--help"], capture_output=True, text=True)
+    assert ok.returncode == 0 and ok.stdout.startswith("usage: dflash-jax train")
+    bad = subprocess.run([sys.executable, "-m", "dflash_jax.train", "--out", "x", "--mask-token-id", "16"], capture_output=True, text=True)
+    assert bad.returncode == 2 and bad.stderr.strip().startswith("error: ") and "--data" in bad.stderr
+
+
+def test_plot_training_curve_tool(tmp_path, capsys):
+    """``tools/plot_training_curve.py``: a PNG from a training_curve.csv; a missing or foreign file is
+    a usage error naming it."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
+    try:
+        import plot_training_curve as ptc
+    finally:
+        sys.path.pop(0)
+    src = tmp_path / "training_curve.csv"
+    src.write_text("step,supervised_seen,tau,run\n0,0,1.0,1\n10,5000,1.2,1\n20,9000,1.3,2\n")
+    assert ptc.main([str(src), str(tmp_path / "c.png")]) == 0
+    assert (tmp_path / "c.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    (tmp_path / "other.csv").write_text("a,b\n1,2\n")
+    for bad, needle in ((tmp_path / "nope.csv", "cannot read"), (tmp_path / "other.csv", "no rows or no column")):
+        with pytest.raises(SystemExit) as e:
+            ptc.main([str(bad), str(tmp_path / "d.png")])
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and f"{bad}: {needle}" in err
+    assert not (tmp_path / "d.png").exists()
