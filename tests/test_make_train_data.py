@@ -97,3 +97,108 @@ def test_a_shard_is_read_only_for_its_own_prompts_and_settings(tmp_path):
     assert m._read_shard(path, chunk, settings) is None  # settings not recorded
     path.write_bytes(b"not a zip")
     assert m._read_shard(path, chunk, settings) is None
+
+
+
+def _tools():
+    sys.path.insert(0, str(REPO / "tools"))
+    try:
+        import make_code_data
+        import make_train_data
+    finally:
+        sys.path.pop(0)
+    return make_train_data, make_code_data
+
+
+def _fake_package(tmp_path, monkeypatch, name="fakepkg_sd"):
+    """A package of three documented functions whose prompts differ in length."""
+    pkg = tmp_path / name
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "mod.py").write_text("".join(
+        f'def f{i}(x):\n    """Return the number multiplied by {i}{", twice over" * i}, as an integer."""\n    return {i} * x\n\n'
+        for i in range(3)))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    return name
+
+
+def test_source_prompts_ask_every_function_as_humaneval_does(tmp_path, monkeypatch):
+    m, code = _tools()
+    from dflash_jax.errors import DFlashError
+
+    name = _fake_package(tmp_path, monkeypatch)
+    roots, listed = m.source_prompts(name, 0)
+    assert list(roots) == [name] and sorted(p["source"] for p in listed) == [f"pkg-src:{name}.mod.f{i}" for i in range(3)]
+    assert all(p["kind"] == "complete" and p["text"].startswith("Complete the following Python function") for p in listed)
+    assert all(p["text"] == m.COMPLETE.format(stub=p["text"].split("```python\n", 1)[1][:-3]) for p in listed)
+    assert m.source_prompts(name, 0)[1] == listed != m.source_prompts(name, 5)[1]  # a seeded shuffle
+    assert code.source_meta(roots) == {name: {"path": str(tmp_path / name), "version": "unknown"}}
+    for bad in ("", ",", f"{name},{name}"):
+        with pytest.raises(DFlashError, match="--sources"):
+            m.source_prompts(bad, 0)
+
+
+def test_base_comes_first_and_its_prompt_lines_are_checked(tmp_path):
+    m, _ = _tools()
+    from dflash_jax.errors import DFlashError
+    from dflash_jax.train.data import TokenDataset
+
+    assert m.Base(None).seqs == [] and m.Base(None).meta is None
+    src = tmp_path / "base"
+    base_ds = TokenDataset.from_sequences([[1, 2, 3, 4], [5, 6, 7]], [[0, 0, 1, 1], [0, 1, 1]], {"recipe": "test"})
+    base_ds.save(src)
+    base = m.Base(str(src))  # no prompts.jsonl: one empty record per sequence
+    assert base.asked == {(1, 2), (5,)} and base.lines == ["{}", "{}"] and base.meta["fingerprint"] == base_ds.fingerprint()
+    ds = base.save_with(tmp_path / "out", [[8, 9]], [[0, 1]], [{"source": "new"}], {"recipe": "x"})
+    assert [ds.sequence(i)[0].tolist() for i in range(3)] == [[1, 2, 3, 4], [5, 6, 7], [8, 9]]
+    assert TokenDataset.load(tmp_path / "out").meta["base"]["path"] == str(src)
+    assert (tmp_path / "out" / "prompts.jsonl").read_text().splitlines() == ["{}", "{}", '{"source": "new"}']
+    (src / "prompts.jsonl").write_text('{"source": "a"}\n')
+    with pytest.raises(DFlashError, match="prompts.jsonl"):
+        m.Base(str(src))
+
+
+@pytest.mark.slow
+def test_sources_answers_follow_the_base_and_no_prompt_is_asked_twice(tmp_path, monkeypatch):
+    """``--sources`` asks the target to complete a package's documented functions; ``--base``
+    puts a dataset's sequences first and skips the prompts it already asks, so growing a dataset
+    never repeats a prompt; a rerun reuses every shard."""
+    m, _ = _tools()
+    from dflash_jax import decode
+    from dflash_jax.api import load_target
+    from dflash_jax.train.data import TokenDataset
+
+    name = _fake_package(tmp_path, monkeypatch)
+    _, listed = m.source_prompts(name, 0)
+    base = TokenDataset.from_sequences([[1, 2, 3, 4]], [[0, 0, 1, 1]], {"recipe": "test"})
+    base.save(tmp_path / "base")
+    (tmp_path / "base" / "prompts.jsonl").write_text('{"source": "a"}\n')
+    common = ["--sources", name, "--max-new", "3", "--batch-size", "2"]
+    one = tmp_path / "one"
+    assert m.main(["--out", str(one), "--base", str(tmp_path / "base"), "--num-prompts", "2"] + common) == 0
+    ds = TokenDataset.load(one)
+    prompts = [json.loads(x) for x in (one / "prompts.jsonl").read_text().splitlines()]
+    assert len(ds) == len(prompts) == 3 and prompts[0] == {"source": "a"}
+    assert [a.tolist() for a in ds.sequence(0)] == [a.tolist() for a in base.sequence(0)]
+    assert [p["source"] for p in prompts[1:]] == [p["source"] for p in listed[:2]]
+    tok = load_target().tokenizer
+    for i in (1, 2):  # row i answers prompt line i
+        toks, mask = ds.sequence(i)
+        assert toks[mask == 0].tolist() == tok.encode_chat([{"role": "user", "content": prompts[i]["text"]}])
+        assert 1 <= int(mask.sum()) <= 3
+    meta = json.loads((one / "meta.json").read_text())
+    assert meta["base"]["fingerprint"] == base.fingerprint() and meta["sources"] == {"pkg-src": 2}
+    assert list(meta["sources_read"]) == [name] and meta["code_fraction"] is None
+
+    def no_generation(*a, **k):
+        raise AssertionError("a shard was generated again")
+
+    monkeypatch.setattr(decode, "generate", no_generation)  # a rerun reads every shard back
+    assert m.main(["--out", str(one), "--base", str(tmp_path / "base"), "--num-prompts", "2"] + common) == 0
+    assert TokenDataset.load(one).fingerprint() == ds.fingerprint()
+    monkeypatch.undo()
+    monkeypatch.syspath_prepend(str(tmp_path))
+    two = tmp_path / "two"  # grown from the first: only the function it does not ask yet is left
+    assert m.main(["--out", str(two), "--base", str(one), "--num-prompts", "2"] + common) == 0
+    sources = [json.loads(x).get("source") for x in (two / "prompts.jsonl").read_text().splitlines()]
+    assert sources[:3] == [p["source"] for p in prompts] and sources[3:] == [listed[2]["source"]]

@@ -39,7 +39,6 @@ import argparse
 import ast
 import importlib.metadata
 import importlib.util
-import json
 import os
 import random
 import sys
@@ -49,11 +48,10 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tools"))
-from make_train_data import CODE_TEMPLATES, EVAL_MODULES  # noqa: E402
+from make_train_data import COMPLETE, EVAL_MODULES, Base  # noqa: E402
 
 SKIP_PARTS = {"test", "tests", "idle_test", "idlelib", "lib2to3", "turtledemo", "site-packages", "dist-packages", "__pycache__",
               "ensurepip", "pydoc_data"}
-COMPLETE = next(t for k, t in CODE_TEMPLATES if k == "complete")
 
 
 def source_files(root: Path) -> list[Path]:
@@ -129,6 +127,30 @@ def functions(path: Path, root: Path, tag: str = "stdlib-src") -> list[dict]:
     return out
 
 
+def source_functions(sources: str, seed: int) -> tuple[dict, list[dict]]:
+    """``(roots, items)`` for a ``--sources`` value (comma-separated ``stdlib`` and installed
+    top-level packages): ``roots`` maps each name to :func:`source_root`'s triple, ``items`` are
+    the :func:`functions` of all their files, shuffled with ``random.Random(seed)``.
+
+    Raises DFlashError naming ``--sources`` when it names nothing or a name twice, or a name
+    that is no installed package."""
+    from dflash_jax.errors import DFlashError
+
+    names = [n.strip() for n in sources.split(",") if n.strip()]
+    if not names or len(set(names)) != len(names):
+        raise DFlashError("--sources", repr(sources), "distinct comma-separated names (stdlib or installed packages)")
+    roots = {n: source_root(n) for n in names}
+    items = [f for n, (root, files, tag) in roots.items() for p in source_files(files) for f in functions(p, root, tag)]
+    random.Random(seed).shuffle(items)
+    return roots, items
+
+
+def source_meta(roots: dict) -> dict:
+    """What a dataset records of its sources: ``{name: {"path", "version"}}`` for
+    :func:`source_functions`' ``roots``."""
+    return {n: {"path": str(r[1]), "version": source_version(n)} for n, r in roots.items()}
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", required=True, help="output dataset folder")
@@ -144,22 +166,15 @@ def main(argv=None) -> int:
     from dflash_jax.api import load_target
     from dflash_jax.errors import DFlashError
     from dflash_jax.io.files import write_text
-    from dflash_jax.train.data import TokenDataset
 
     target = load_target(args.target)
     tok = target.tokenizer
     end = tok.token_to_id("<|im_end|>")
     if end is None or end not in target.eos_ids:
         raise DFlashError(f"{target.source}: tokenizer", "no <|im_end|> end-of-turn token among the stop ids", "a ChatML target")
-    names = [n.strip() for n in args.sources.split(",") if n.strip()]
-    if not names or len(set(names)) != len(names):
-        raise DFlashError("--sources", repr(args.sources), "distinct comma-separated names (stdlib or installed packages)")
-    roots = {n: source_root(n) for n in names}
-    items = [f for n, (root, files, tag) in roots.items() for p in source_files(files) for f in functions(p, root, tag)]
-    random.Random(args.seed).shuffle(items)
-    base = TokenDataset.load(args.base) if args.base else None
-    bseqs = [base.sequence(i) for i in range(len(base))] if base is not None else []
-    seen = {tuple(s[m == 0].tolist()) for s, m in bseqs}  # a prompt the base already asks is not asked again
+    roots, items = source_functions(args.sources, args.seed)
+    base = Base(args.base)
+    seen = set(base.asked)  # a prompt the base already asks is not asked again
     seqs, masks, kept = [], [], []
     for it in items:
         if args.num_sequences and len(kept) >= args.num_sequences:
@@ -177,30 +192,19 @@ def main(argv=None) -> int:
     if len(kept) < args.num_sequences:
         print(f"note: only {len(kept)} functions fit --max-len {args.max_len}", file=sys.stderr)
 
-    base_meta, base_prompts = None, []
-    if base is not None:
-        seqs = [s for s, _ in bseqs] + seqs
-        masks = [m for _, m in bseqs] + masks
-        base_meta = dict(base.meta, fingerprint=base.fingerprint(), path=str(args.base))
-        bp = Path(args.base) / "prompts.jsonl"
-        base_prompts = bp.read_text(encoding="utf-8").splitlines() if bp.is_file() else [json.dumps({})] * len(base)
-        if len(base_prompts) != len(base):
-            raise DFlashError(str(bp), f"{len(base_prompts)} lines", f"{len(base)}, one per sequence of the base dataset")
     meta = {
         "recipe": "tools/make_code_data.py",
         "command": "python " + " ".join([os.path.relpath(__file__, REPO)] + list(argv if argv is not None else sys.argv[1:])),
         "target": str(target.source), "python": sys.version.split()[0], "seed": args.seed,
-        "sources": {n: {"path": str(roots[n][1]), "version": source_version(n)} for n in names},
+        "sources": source_meta(roots),
         "max_len": args.max_len, "code_sequences": len(kept),
-        "code_tokens": int(sum(len(s) for s in seqs[len(seqs) - len(kept):])),
+        "code_tokens": int(sum(len(s) for s in seqs)),
         "labels": "train with --labels target: answers are real source, not the target's output",
-        "chat_template": "target tokenizer's, default system prompt, one user turn", "base": base_meta,
+        "chat_template": "target tokenizer's, default system prompt, one user turn",
         "heldout": "modules " + ", ".join(EVAL_MODULES) + "; HumanEval never used",
     }
-    ds = TokenDataset.from_sequences(seqs, masks, meta)
     out = Path(args.out)
-    ds.save(out)
-    write_text(out / "prompts.jsonl", "".join(p + "\n" for p in base_prompts) + "".join(json.dumps(p) + "\n" for p in kept))
+    ds = base.save_with(out, seqs, masks, kept, meta)
     if args.base and (Path(args.base) / "eval_prompts.json").is_file():
         write_text(out / "eval_prompts.json", (Path(args.base) / "eval_prompts.json").read_text(encoding="utf-8"))
     print(f"dataset: {len(ds)} sequences ({len(kept)} code), {len(ds.tokens)} tokens, {int(ds.loss_mask.sum())} supervised -> {out}",

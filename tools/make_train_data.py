@@ -12,6 +12,12 @@ Recipe (deterministic; recorded in ``<out>/meta.json``; ``docs/specs/dflash.md``
   - general instructions: fixed templates x fixed topics;
   - shuffled with ``random.Random(seed)``; prompts equal to a held-out evaluation prompt (ours,
     and ``tools/prompts.py``'s chat set) are dropped. HumanEval is never read;
+  - or, with ``--sources``, the ``complete`` template (as HumanEval asks) over every documented
+    function of the named standard library and installed packages, read from their source
+    as ``tools/make_code_data.py`` reads it (``ast``, never imported; held-out modules left out),
+    shuffled with ``random.Random(seed)``;
+  - with ``--base DATASET``, the base dataset's sequences come first and the prompts it already
+    asks are skipped, so one feature cache serves both and its rows are reused;
 * responses: the target's own greedy continuation (SmolLM2-135M-Instruct by default) of each
   prompt rendered with its chat template (default system prompt), batched with
   ``dflash_jax.decode`` (one compiled shape: ``--prompt-cap + --max-new`` slots), stopping at
@@ -26,6 +32,7 @@ on a rerun; ``--time-limit`` stops starting new batches, and the dataset is asse
 shards present::
 
     python tools/make_train_data.py --out data/smollm2 --num-prompts 1024 --time-limit 1800
+    python tools/make_train_data.py --out data/more --base data/smollm2 --sources stdlib,numpy --num-prompts 512
 """
 
 from __future__ import annotations
@@ -40,6 +47,7 @@ import sys
 import textwrap
 import time
 import zipfile
+from collections import Counter
 from pathlib import Path
 
 import numpy as np
@@ -62,9 +70,11 @@ TRAIN_MODULES = sorted([
 # functions make the code half of the evaluation prompts.
 EVAL_MODULES = ["posixpath"]
 
+# The HumanEval benchmark's question (tools/prompts.py asks HumanEval the same way).
+COMPLETE = "Complete the following Python function. Reply with the whole function in a code block.\n\n```python\n{stub}```"
 CODE_TEMPLATES = [
-    ("complete", "Complete the following Python function. Reply with the whole function in a code block.\n\n```python\n{stub}```"),
-    ("complete", "Complete the following Python function. Reply with the whole function in a code block.\n\n```python\n{stub}```"),
+    ("complete", COMPLETE),
+    ("complete", COMPLETE),
     ("describe", "Write a Python function `{name}{sig}` that does the following: {summary}"),
     ("scratch", "Implement `{name}{sig}` in Python from scratch, without importing `{module}`. {summary}"),
     ("explain", "Explain what `{qual}` does in Python and show a short example of how to use it."),
@@ -206,7 +216,7 @@ def held_out_prompts() -> list[str]:
     rng = random.Random(1234)
     funcs = [f for m in EVAL_MODULES for f in _functions(m)]
     rng.shuffle(funcs)
-    code = [CODE_TEMPLATES[0][1].format(stub=_stub(name, sig, doc)) for _, _, name, sig, doc in funcs[:4]]
+    code = [COMPLETE.format(stub=_stub(name, sig, doc)) for _, _, name, sig, doc in funcs[:4]]
     return EVAL_CHAT + code
 
 
@@ -242,6 +252,66 @@ def build_prompts(seed: int, code_fraction: float) -> list[dict]:
     return [p for p in out if p["text"].strip().lower() not in banned]
 
 
+def _code_data():
+    """``tools/make_code_data.py`` (imported when needed: it imports this module's templates)."""
+    sys.path.insert(0, str(REPO / "tools"))
+    try:
+        import make_code_data
+    finally:
+        sys.path.pop(0)
+    return make_code_data
+
+
+def source_prompts(sources: str, seed: int) -> tuple[dict, list[dict]]:
+    """``(roots, prompts)``: the :data:`COMPLETE` prompt (as HumanEval asks) over every documented
+    function of ``sources`` (``tools/make_code_data.py``'s ``--sources``: stdlib and/or installed
+    packages, read with ``ast``, never imported; the held-out modules' files are never read),
+    shuffled with ``random.Random(seed)``, and the sources' folders (``source_functions``)."""
+    roots, items = _code_data().source_functions(sources, seed)
+    return roots, [{"source": it["source"], "kind": "complete", "text": COMPLETE.format(stub=it["stub"])} for it in items]
+
+
+class Base:
+    """A ``--base`` dataset whose sequences come first in a new one (``path`` ``None``: none).
+
+    Attributes:
+      seqs, masks: its sequences and loss masks, in order.
+      asked: the prompt token tuples it asks (``loss_mask`` 0 part), not to be asked again.
+      meta: its meta with fingerprint and path, recorded under ``base`` (``None`` without base).
+      lines: its ``prompts.jsonl`` lines (``{}`` per sequence when the file is missing).
+    Raises:
+      DFlashError: ``prompts.jsonl`` does not hold one line per sequence.
+    """
+
+    def __init__(self, path: str | None):
+        from dflash_jax.errors import DFlashError
+        from dflash_jax.train.data import TokenDataset
+
+        self.seqs, self.masks, self.asked, self.meta, self.lines = [], [], set(), None, []
+        if path is None:
+            return
+        ds = TokenDataset.load(path)
+        pairs = [ds.sequence(i) for i in range(len(ds))]
+        self.seqs, self.masks = [t for t, _ in pairs], [m for _, m in pairs]
+        self.asked = {tuple(t[m == 0].tolist()) for t, m in pairs}
+        bp = Path(path) / "prompts.jsonl"
+        self.lines = bp.read_text(encoding="utf-8").splitlines() if bp.is_file() else [json.dumps({})] * len(ds)
+        if len(self.lines) != len(ds):
+            raise DFlashError(str(bp), f"{len(self.lines)} lines", f"{len(ds)}, one per sequence of the base dataset")
+        self.meta = dict(ds.meta, fingerprint=ds.fingerprint(), path=str(path))
+
+    def save_with(self, out: Path, seqs, masks, prompts: list[dict], meta: dict):
+        """Saves the base's sequences then ``seqs`` as a TokenDataset at ``out`` (``meta`` with
+        ``base`` set) and ``prompts.jsonl`` (line i: the prompt of sequence i)."""
+        from dflash_jax.io.files import write_text
+        from dflash_jax.train.data import TokenDataset
+
+        ds = TokenDataset.from_sequences(self.seqs + list(seqs), self.masks + list(masks), dict(meta, base=self.meta))
+        ds.save(out)
+        write_text(out / "prompts.jsonl", "".join(line + "\n" for line in self.lines) + "".join(json.dumps(p) + "\n" for p in prompts))
+        return ds
+
+
 def _read_shard(path: Path, chunk: list[list[int]], settings: str):
     """The generation shard at ``path`` (its arrays ``tokens``, ``lengths``, ``prompt_lens``) when it
     was made with ``settings`` (target, ``--max-new``, stop ids) and holds one sequence per prompt
@@ -266,17 +336,23 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", required=True, help="output dataset folder")
     ap.add_argument("--target", default=None, help="target .gguf or HF folder (default: embedded SmolLM2-135M-Instruct)")
-    ap.add_argument("--num-prompts", type=int, default=1024, help="prompts to answer (a prefix of the shuffled list)")
-    ap.add_argument("--code-fraction", type=float, default=0.65, help="share of code prompts in round 1 (default 0.65; round 2 is all code)")
+    ap.add_argument("--num-prompts", type=int, default=1024,
+                    help="prompts to answer: the first of the shuffled list that fit --prompt-cap and --base does not ask")
+    ap.add_argument("--code-fraction", type=float, default=0.65,
+                    help="share of code prompts in round 1 of the built-in list (default 0.65; round 2 is all code; unused with --sources)")
     ap.add_argument("--max-new", type=int, default=160, help="new tokens per response at most (default 160)")
     ap.add_argument("--prompt-cap", type=int, default=128, help="longest prompt in tokens; longer ones are skipped (default 128)")
     ap.add_argument("--batch-size", type=int, default=32, help="prompts per generation batch (default 32)")
     ap.add_argument("--seed", type=int, default=0, help="prompt shuffle seed (default 0)")
     ap.add_argument("--time-limit", type=float, default=None, help="seconds; no new batch starts after this")
-    ap.add_argument("--list-prompts", action="store_true", help="print the prompt list and exit")
+    ap.add_argument("--sources", default=None,
+                    help="comma-separated stdlib and/or installed packages: ask the target to complete their documented "
+                         "functions (tools/make_code_data.py's reading, shuffled with --seed) instead of the built-in list")
+    ap.add_argument("--base", default=None, help="dataset whose sequences come first; prompts it already asks are skipped")
+    ap.add_argument("--list-prompts", action="store_true", help="print the shuffled prompt list (before --prompt-cap and --base) and exit")
     args = ap.parse_args(argv)
 
-    prompts = build_prompts(args.seed, args.code_fraction)
+    roots, prompts = source_prompts(args.sources, args.seed) if args.sources is not None else (None, build_prompts(args.seed, args.code_fraction))
     if args.list_prompts:
         for p in prompts[: args.num_prompts]:
             print(json.dumps(p))
@@ -288,7 +364,6 @@ def main(argv=None) -> int:
     from dflash_jax.api import load_target
     from dflash_jax.io.files import atomic_path, write_text
     from dflash_jax.sampling import SamplingConfig
-    from dflash_jax.train.data import TokenDataset
 
     t0 = time.time()
     target = load_target(args.target)
@@ -296,12 +371,13 @@ def main(argv=None) -> int:
     out = Path(args.out)
     shards = out / "shards"
     shards.mkdir(parents=True, exist_ok=True)
+    base = Base(args.base)
     selected, ids = [], []
     for p in prompts:
         if len(selected) >= args.num_prompts:
             break
         enc = tok.encode_chat([{"role": "user", "content": p["text"]}])
-        if len(enc) > args.prompt_cap:
+        if len(enc) > args.prompt_cap or tuple(enc) in base.asked:
             continue
         selected.append(p)
         ids.append(enc)
@@ -359,16 +435,16 @@ def main(argv=None) -> int:
     meta = {
         "recipe": "tools/make_train_data.py",
         "command": "python " + " ".join([os.path.relpath(__file__, REPO)] + list(argv if argv is not None else sys.argv[1:])),
-        "target": str(target.source), "python": sys.version.split()[0], "seed": args.seed, "code_fraction": args.code_fraction,
+        "target": str(target.source), "python": sys.version.split()[0], "seed": args.seed,
+        "code_fraction": None if args.sources is not None else args.code_fraction,
         "max_new": args.max_new, "prompt_cap": args.prompt_cap, "batch_size": args.batch_size, "decoding": "greedy",
         "chat_template": "target tokenizer's, default system prompt, one user turn", "stop_ids": list(target.eos_ids),
         "num_prompts_requested": args.num_prompts, "num_batches": nb, "duplicates_dropped": dropped,
-        "sources": {k: sum(1 for p in kept if p["source"].startswith(k)) for k in ("stdlib", "general", "coding")},
+        "sources": dict(sorted(Counter(p["source"].split(":")[0] for p in kept).items())),
+        "sources_read": _code_data().source_meta(roots) if roots else None,
         "heldout": "eval_prompts.json; HumanEval never used",
     }
-    ds = TokenDataset.from_sequences(seqs, masks, meta)
-    ds.save(out)
-    write_text(out / "prompts.jsonl", "".join(json.dumps(p) + "\n" for p in kept))  # line i = sequence i
+    ds = base.save_with(out, seqs, masks, kept, meta)
     print(f"dataset: {len(ds)} sequences, {len(ds.tokens)} tokens, {int(ds.loss_mask.sum())} response tokens -> {out}", file=sys.stderr)
     return 0
 
