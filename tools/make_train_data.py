@@ -53,6 +53,10 @@ from pathlib import Path
 import numpy as np
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "tools"))
+from prompts import CHAT_PROMPTS, HUMANEVAL_TEMPLATE  # noqa: E402  (the benchmark's prompts: held out)
+
+sys.path.pop(0)
 
 # Modules whose import has no side effects; sorted names make the list order deterministic.
 TRAIN_MODULES = sorted([
@@ -70,8 +74,8 @@ TRAIN_MODULES = sorted([
 # functions make the code half of the evaluation prompts.
 EVAL_MODULES = ["posixpath"]
 
-# The HumanEval benchmark's question (tools/prompts.py asks HumanEval the same way).
-COMPLETE = "Complete the following Python function. Reply with the whole function in a code block.\n\n```python\n{stub}```"
+# The benchmark's HumanEval question, asked here about other functions.
+COMPLETE = HUMANEVAL_TEMPLATE.replace("{prompt}", "{stub}")
 CODE_TEMPLATES = [
     ("complete", COMPLETE),
     ("complete", COMPLETE),
@@ -239,16 +243,7 @@ def build_prompts(seed: int, code_fraction: float) -> list[dict]:
             out.append(general[gi])
             gi += 1
     out += code2  # appended, so the round-1 list stays a prefix of the whole list
-    banned = {p.strip().lower() for p in held_out_prompts()}
-    try:
-        sys.path.insert(0, str(REPO / "tools"))
-        from prompts import CHAT_PROMPTS  # the benchmark's chat prompts, when present
-
-        banned |= {p.strip().lower() for p in CHAT_PROMPTS}
-    except Exception:
-        pass
-    finally:
-        sys.path.pop(0)
+    banned = {p.strip().lower() for p in held_out_prompts() + CHAT_PROMPTS}
     return [p for p in out if p["text"].strip().lower() not in banned]
 
 

@@ -1,6 +1,6 @@
 """``dflash-jax train``: trains a DFlash drafter for a target on a self-distillation dataset.
 
-Example (the first of the five runs that made the shipped SmolLM2 drafter;
+Example (the first of the six runs that made the shipped SmolLM2 drafter;
 ``tools/train_default_drafter.sh`` runs them all, ``dflash_jax/drafters/smollm2-135m-instruct``)::
 
     python tools/make_train_data.py --out runs/smollm2/data1 --num-prompts 2193
