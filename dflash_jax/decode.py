@@ -2,7 +2,8 @@
 
 All steps are pure functions of ``(params, state)`` returning a new state; the jitted ones donate
 the state. ``generate`` runs the whole loop on device with ``lax.while_loop``; ``stream`` steps
-from Python and yields tokens as they are committed.
+from Python and yields tokens as they are committed. ``generate_until`` and ``replace_rows`` make
+continuous batching: finished rows take new prompts while the others keep decoding.
 """
 
 from __future__ import annotations
@@ -190,6 +191,64 @@ def generate(params, cfg, state: DecodeState, sampling: SamplingConfig) -> Decod
         return ~jnp.all(s.done) & (s.steps < limit)
 
     return jax.lax.while_loop(cond, lambda s: decode_step_fn(params, cfg, s, sampling), state)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "sampling"), donate_argnames=("state",))
+def generate_until(params, cfg, state: DecodeState, sampling: SamplingConfig, min_done) -> DecodeState:
+    """Decodes until at least ``min_done`` rows are done (or all are), on device.
+
+    The building block of continuous batching: the caller collects the finished rows and puts new
+    prompts in their place with :func:`replace_rows`, so no row idles until the longest answer
+    ends. Also stops after ``capacity`` steps (every row finishes within that many).
+
+    Args:
+      min_done: ``[]`` int32 (traced: one compile for every value); done rows count whether they
+        finished in this call or before.
+    """
+    start, limit = state.steps, state.capacity
+
+    def cond(s):
+        return (jnp.sum(s.done) < min_done) & ~jnp.all(s.done) & (s.steps - start < limit)
+
+    return jax.lax.while_loop(cond, lambda s: decode_step_fn(params, cfg, s, sampling), state)
+
+
+@functools.partial(jax.jit, donate_argnames=("state",))
+def replace_rows(state: DecodeState, fresh: DecodeState, rows) -> DecodeState:
+    """``state`` with its rows ``rows`` replaced by the rows of ``fresh`` (continuous batching).
+
+    Every array with a batch axis (tokens, lengths, budgets, flags, gaps, every cache array and a
+    speculative state's drafter context and statistics, found by
+    :func:`dflash_jax.sharding.state_axes`) takes ``fresh``'s row ``j`` at row
+    ``rows[j]``; the rest (stop ids, PRNG key, step counter) stays ``state``'s. ``fresh`` is
+    typically a prefilled :func:`init_state` of the new prompts with the same capacity.
+
+    Args:
+      state: the running state (donated), ``B`` rows.
+      fresh: a state of ``R <= B`` rows of the same model, capacity and extension.
+      rows: ``[R]`` int32 distinct row indices of ``state``.
+    Raises:
+      DFlashError: ``fresh`` does not match ``state`` apart from the batch axis.
+    """
+    from dflash_jax.sharding import state_axes
+
+    r = rows.shape[0]
+    paths, tdef = jax.tree_util.tree_flatten_with_path(state)
+    new, ndef = jax.tree_util.tree_flatten(fresh)
+    if ndef != tdef:
+        raise DFlashError("replace_rows fresh", f"a state of structure {ndef}", f"the running state's structure {tdef}")
+    axes = tdef.flatten_up_to(state_axes(state))  # one axes tuple per array (the tree itself may hold tuples)
+    out = []
+    for (path, old), ax, x in zip(paths, axes, new):
+        if "batch" not in ax:
+            out.append(old)
+            continue
+        i = ax.index("batch")
+        want = old.shape[:i] + (r,) + old.shape[i + 1 :]
+        if x.shape != want or x.dtype != old.dtype:
+            raise DFlashError(f"replace_rows fresh{jax.tree_util.keystr(path)}", f"{x.dtype}{list(x.shape)}", f"{old.dtype}{list(want)}")
+        out.append(old.at[(slice(None),) * i + (rows,)].set(x))
+    return jax.tree_util.tree_unflatten(tdef, out)
 
 
 def stream(params, cfg, state: DecodeState, sampling: SamplingConfig, step=None) -> Iterator[tuple[DecodeState, np.ndarray, np.ndarray]]:

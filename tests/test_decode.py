@@ -127,3 +127,31 @@ def test_per_layer_parameters_give_the_stacked_results(family):
         return outputs(spec.generate(params, cfg, dp, dcfg, st, GREEDY))
 
     assert spec_run(per) == spec_run(p) == outputs(run((cfg, p), PROMPTS, 12, 4))
+
+
+def test_continuous_batching_rows_answer_as_alone(target):
+    """Rows refilled with new prompts while others keep decoding (``generate_until`` then
+    ``replace_rows``) answer exactly as each prompt alone, and the untouched rows go on unchanged."""
+    cfg, params = target
+    prompts = PROMPTS + [[7, 7, 30], [2, 4, 6, 8, 10]]
+    budgets = [3, 9, 12]
+    st = decode.init_state(cfg, PROMPTS, 48, budgets)
+    st = decode.prefill(params, cfg, st, 4, GREEDY)
+    st = decode.generate_until(params, cfg, st, GREEDY, jnp.int32(1))
+    first = outputs(st)
+    assert list(jax.device_get(st.done)) == [True, False, False]  # stopped as soon as one row ended
+    fresh = decode.prefill(params, cfg, decode.init_state(cfg, prompts[3:], 48, [6, 5]), 4, GREEDY)
+    st = decode.replace_rows(st, fresh, jnp.asarray([0, 2], jnp.int32))
+    st = decode.generate_until(params, cfg, st, GREEDY, jnp.int32(3))
+    assert all(jax.device_get(st.done))
+    got = outputs(st)
+    assert first[0] == reference_greedy(params, cfg, PROMPTS[0], 3)
+    assert got == [reference_greedy(params, cfg, p, n) for p, n in zip([prompts[3], PROMPTS[1], prompts[4]], [6, 9, 5])]
+    assert list(jax.device_get(st.prompt_len)) == [3, 3, 5]
+
+
+def test_replace_rows_refuses_a_state_of_another_shape(target):
+    cfg, params = target
+    st = decode.init_state(cfg, PROMPTS, 48, 4)
+    with pytest.raises(DFlashError, match=r"replace_rows fresh.*tokens.*\[1, 48\]"):
+        decode.replace_rows(st, decode.init_state(cfg, [[1, 2]], 40, 4), jnp.asarray([1], jnp.int32))

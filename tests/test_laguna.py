@@ -115,6 +115,22 @@ def test_greedy_decode_equals_no_cache_recompute():
         assert got == want, chunk
 
 
+def test_continuous_batching_replaces_ring_rows():
+    """``decode.replace_rows`` on a Laguna state swaps the sliding layers' ring rows and their
+    positions too: a row refilled after the ring has wrapped answers its new prompt exactly as a
+    no-cache recomputation, while the other row goes on unchanged."""
+    cfg, params = tiny_laguna(PER_HEAD, seed=2, max_block=2)
+    g = SamplingConfig()
+    a, b, c = SEQ[:PROMPT_LEN], SEQ[3:9], SEQ[1:12]
+    st = decode.prefill(params, cfg, decode.init_state(cfg, [a, b], 32, [4, 10]), 4, g)
+    st = decode.generate_until(params, cfg, st, g, jnp.int32(1))
+    fresh = decode.prefill(params, cfg, decode.init_state(cfg, [c], 32, 8), 4, g)
+    st = decode.generate_until(params, cfg, decode.replace_rows(st, fresh, jnp.asarray([0], jnp.int32)), g, jnp.int32(2))
+    toks, length = np.asarray(st.tokens), np.asarray(st.length)
+    assert toks[0, len(c) : length[0]].tolist() == recompute_greedy(params, cfg, c, 8, buf=32)
+    assert toks[1, len(b) : length[1]].tolist() == recompute_greedy(params, cfg, b, 10, buf=32)
+
+
 def test_published_names_roundtrip(pair, tmp_path):
     hf, _, _, cfg, params, _ = pair
     folder = write_config(str(tmp_path / "pub"), hf)

@@ -1,6 +1,6 @@
 """The self-distillation data recipe (``tools/make_train_data.py``): a deterministic prompt list
-whose older lists are prefixes of newer ones, and resumable generation that never reuses a shard
-answering other prompts."""
+whose older lists are prefixes of newer ones, and resumable generation by continuous batching that
+never reuses a shard answering other prompts."""
 
 from __future__ import annotations
 
@@ -45,59 +45,59 @@ def test_prompt_list_is_the_same_in_every_process():
 
 
 @pytest.mark.slow
-def test_generation_resumes_and_regenerates_foreign_shards(tmp_path):
-    sys.path.insert(0, str(REPO / "tools"))
-    try:
-        import make_train_data as m
-    finally:
-        sys.path.pop(0)
+def test_generation_resumes_and_ignores_foreign_shards(tmp_path):
+    """Answers come back from earlier runs' shards (also when more prompts are asked), rows are
+    refilled as they finish (continuous batching) without changing any answer, and a shard made
+    with other settings is never used."""
+    m = _tools()[0]
     from dflash_jax.train.data import TokenDataset
 
     out = tmp_path / "data"
     common = ["--out", str(out), "--max-new", "3", "--prompt-cap", "128"]
     assert m.main(common + ["--num-prompts", "2", "--batch-size", "2"]) == 0
-    shard0 = out / "shards" / "batch_00000.npz"
+    shard0 = out / "shards" / "answers_00000.npz"
     first = os.stat(shard0).st_ino
-    assert m.main(common + ["--num-prompts", "3", "--batch-size", "2"]) == 0  # batch 0 kept, batch 1 new
+    # one row refilled at a time: five prompts through two rows, the first two read back
+    assert m.main(common + ["--num-prompts", "5", "--batch-size", "2", "--refill", "1"]) == 0
     assert os.stat(shard0).st_ino == first
+    assert sorted(np.load(out / "shards" / "answers_00001.npz")["index"].tolist()) == [2, 3]
+    assert np.load(out / "shards" / "answers_00002.npz")["index"].tolist() == [4]
     ds = TokenDataset.load(out)
-    assert len(ds) == 3
-    # a third prompt in batch 0: the two-prompt shard answers other prompts and is generated again
-    assert m.main(common + ["--num-prompts", "3", "--batch-size", "3"]) == 0
-    ds3 = TokenDataset.load(out)
-    assert len(ds3) == 3 and len(np.load(shard0)["lengths"]) == 3 and os.stat(shard0).st_ino != first
-    for i in range(3):  # same prompts, same greedy answers, whatever the batch
-        np.testing.assert_array_equal(ds3.sequence(i)[0], ds.sequence(i)[0])
+    assert len(ds) == 5
+    again = tmp_path / "again"  # all five in one batch of five rows: the same greedy answers
+    assert m.main(["--out", str(again), "--max-new", "3", "--prompt-cap", "128", "--num-prompts", "5", "--batch-size", "5"]) == 0
+    assert TokenDataset.load(again).fingerprint() == ds.fingerprint()
     prompts = [json.loads(line) for line in (out / "prompts.jsonl").read_text().splitlines()]
     for i, p in enumerate(prompts):
-        toks, mask = ds3.sequence(i)
+        toks, mask = ds.sequence(i)
         assert int((mask == 0).sum()) == p["prompt_tokens"] and 1 <= int(mask.sum()) <= 3
+    # other settings (--max-new 2): every shard is foreign, all five prompts are answered again
+    assert m.main(["--out", str(out), "--max-new", "2", "--prompt-cap", "128", "--num-prompts", "5", "--batch-size", "5"]) == 0
+    assert np.load(out / "shards" / "answers_00003.npz")["index"].tolist() == [0, 1, 2, 3, 4]
+    assert all(int(TokenDataset.load(out).sequence(i)[1].sum()) <= 2 for i in range(5))
 
 
 def test_a_shard_is_read_only_for_its_own_prompts_and_settings(tmp_path):
-    sys.path.insert(0, str(REPO / "tools"))
-    try:
-        import make_train_data as m
-    finally:
-        sys.path.pop(0)
+    m = _tools()[0]
     settings = json.dumps({"max_new": 3})
-    chunk = [[1, 2, 3], [4, 5]]
-    seqs = [[1, 2, 3, 9, 9], [4, 5, 7]]
-    path = tmp_path / "batch_00000.npz"
-    np.savez(path, tokens=np.concatenate(seqs), lengths=np.array([5, 3]), prompt_lens=np.array([3, 2]),
-             settings=np.frombuffer(settings.encode(), np.uint8))
-    shard = m._read_shard(path, chunk, settings)
-    np.testing.assert_array_equal(shard["tokens"], np.concatenate(seqs))
-    assert shard["lengths"].tolist() == [5, 3] and shard["prompt_lens"].tolist() == [3, 2]
-    assert m._read_shard(tmp_path / "missing.npz", chunk, settings) is None
-    assert m._read_shard(path, [[1, 2, 3], [4, 6]], settings) is None  # same count, another prompt
-    assert m._read_shard(path, chunk[:1], settings) is None
-    assert m._read_shard(path, chunk, json.dumps({"max_new": 4})) is None  # made with other settings
-    np.savez(path, tokens=np.concatenate(seqs), lengths=np.array([5, 3]), prompt_lens=np.array([3, 2]))
-    assert m._read_shard(path, chunk, settings) is None  # settings not recorded
-    path.write_bytes(b"not a zip")
-    assert m._read_shard(path, chunk, settings) is None
+    ids = [[1, 2, 3], [4, 5], [6]]
+    seqs = [[4, 5, 7], [1, 2, 3, 9, 9]]
 
+    def write(index, **extra):
+        np.savez(path, index=np.array(index), tokens=np.concatenate(seqs), lengths=np.array([3, 5]), prompt_lens=np.array([2, 3]), **extra)
+
+    path = tmp_path / "answers_00000.npz"
+    write([1, 0], settings=np.frombuffer(settings.encode(), np.uint8))
+    got = m._read_shard(path, ids, settings)
+    assert sorted(got) == [0, 1] and got[0].tolist() == seqs[1] and got[1].tolist() == seqs[0]
+    assert list(m._read_shard(path, ids[:1], settings)) == [0]  # entries past the prompts asked now are left out
+    assert m._read_shard(tmp_path / "missing.npz", ids, settings) is None
+    assert m._read_shard(path, [[1, 2, 3], [4, 6]], settings) is None  # index 1 is another prompt now
+    assert m._read_shard(path, ids, json.dumps({"max_new": 4})) is None  # made with other settings
+    write([1, 0])
+    assert m._read_shard(path, ids, settings) is None  # settings not recorded
+    path.write_bytes(b"not a zip")
+    assert m._read_shard(path, ids, settings) is None
 
 
 def _tools():
@@ -193,7 +193,8 @@ def test_sources_answers_follow_the_base_and_no_prompt_is_asked_twice(tmp_path, 
     def no_generation(*a, **k):
         raise AssertionError("a shard was generated again")
 
-    monkeypatch.setattr(decode, "generate", no_generation)  # a rerun reads every shard back
+    monkeypatch.setattr(decode, "generate_until", no_generation)  # a rerun reads every shard back
+    monkeypatch.setattr(decode, "prefill", no_generation)
     assert m.main(["--out", str(one), "--base", str(tmp_path / "base"), "--num-prompts", "2"] + common) == 0
     assert TokenDataset.load(one).fingerprint() == ds.fingerprint()
     monkeypatch.undo()

@@ -392,3 +392,19 @@ def test_no_compilation_during_generation_after_warmup(target):
     with count_compilations() as compiled:
         run_spec(target, d, [[p + 1 for p in q] for q in PROMPTS], 10, chunk=4, seed=1)
     assert compiled() == 0
+
+
+def test_replaced_rows_of_a_speculative_state_answer_as_alone(target):
+    """``decode.replace_rows`` also swaps a speculative state's drafter context and statistics:
+    a row given a new prompt after a few steps answers it exactly as plain greedy decoding, and
+    its statistics count only the new answer."""
+    cfg, params = target
+    dcfg, dparams = drafter_for(cfg)
+    step = jax.jit(spec.step_fn, static_argnames=("cfg_t", "cfg_d", "sampling"))
+    st = spec.prefill(params, cfg, dparams, dcfg, spec.init_state(cfg, dcfg, PROMPTS[:2], 64, 20), 4, GREEDY)
+    for _ in range(3):
+        st = step(params, cfg, dparams, dcfg, st, GREEDY)
+    fresh = spec.prefill(params, cfg, dparams, dcfg, spec.init_state(cfg, dcfg, [PROMPTS[2]], 64, 20), 4, GREEDY)
+    st = spec.generate(params, cfg, dparams, dcfg, decode.replace_rows(st, fresh, jnp.asarray([0], jnp.int32)), GREEDY)
+    assert outputs(st) == plain_greedy(target, [PROMPTS[2], PROMPTS[1]], 20)
+    assert int(st.spec.committed[0]) == 19  # the first token comes from prefill

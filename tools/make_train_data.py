@@ -19,17 +19,19 @@ Recipe (deterministic; recorded in ``<out>/meta.json``; ``docs/specs/dflash.md``
   - with ``--base DATASET``, the base dataset's sequences come first and the prompts it already
     asks are skipped, so one feature cache serves both and its rows are reused;
 * responses: the target's own greedy continuation (SmolLM2-135M-Instruct by default) of each
-  prompt rendered with its chat template (default system prompt), batched with
-  ``dflash_jax.decode`` (one compiled shape: ``--prompt-cap + --max-new`` slots), stopping at
-  the tokenizer's end-of-generation ids (the stop token is kept);
+  prompt rendered with its chat template (default system prompt), by continuous batching with
+  ``dflash_jax.decode`` (``--batch-size`` rows of ``--prompt-cap + --max-new`` slots; finished
+  rows take the next prompts ``--refill`` at a time), stopping at the tokenizer's
+  end-of-generation ids (the stop token is kept);
 * stored as token ids (prompt + response) with ``loss_mask`` 1 on the response
   (:class:`dflash_jax.train.data.TokenDataset`), each distinct prompt once (a few prompts
   coincide: one method inherited by several classes), plus ``prompts.jsonl`` (line i: the prompt
   of sequence i) and ``eval_prompts.json`` (held-out, never trained on).
 
-Generation is resumable: every batch is saved under ``<out>/shards/`` as it completes and skipped
-on a rerun; ``--time-limit`` stops starting new batches, and the dataset is assembled from the
-shards present::
+Generation is resumable: answers are saved under ``<out>/shards/`` (``answers_*.npz``, about
+``--batch-size`` at a time, each with its prompt's index) and not asked again on a rerun;
+``--time-limit`` stops starting new prompts (the running ones finish), and the dataset is the
+longest prefix of the prompt list answered::
 
     python tools/make_train_data.py --out data/smollm2 --num-prompts 1024 --time-limit 1800
     python tools/make_train_data.py --out data/more --base data/smollm2 --sources stdlib,numpy --num-prompts 512
@@ -307,24 +309,101 @@ class Base:
         return ds
 
 
-def _read_shard(path: Path, chunk: list[list[int]], settings: str):
-    """The generation shard at ``path`` (its arrays ``tokens``, ``lengths``, ``prompt_lens``) when it
-    was made with ``settings`` (target, ``--max-new``, stop ids) and holds one sequence per prompt
-    of ``chunk``, each starting with that prompt's token ids; ``None`` for a missing or unreadable
-    shard or one from a run with other settings or prompts."""
+def _read_shard(path: Path, ids: list[list[int]], settings: str):
+    """``{prompt index: sequence}`` of the answers shard at ``path`` (arrays ``index``, ``tokens``,
+    ``lengths``, ``prompt_lens``) when it was made with ``settings`` (target, ``--max-new``, stop
+    ids) for these prompts: every entry's index within ``ids`` must point at a prompt equal to
+    the entry's prompt part (entries past ``ids``, from a run that asked more prompts, are left
+    out). ``None`` for a missing or unreadable shard, or one made with other settings or prompts."""
     try:
         with np.load(path, allow_pickle=False) as z:
             if "settings" not in z.files or z["settings"].tobytes().decode() != settings:
                 return None
-            shard = {k: z[k] for k in ("tokens", "lengths", "prompt_lens")}
+            shard = {k: z[k] for k in ("index", "tokens", "lengths", "prompt_lens")}
     except (OSError, ValueError, KeyError, zipfile.BadZipFile):
         return None
-    if len(shard["lengths"]) != len(chunk):
-        return None
     off = np.concatenate([[0], np.cumsum(shard["lengths"])])
-    if all(int(shard["prompt_lens"][i]) == len(p) and np.array_equal(shard["tokens"][off[i] : off[i] + len(p)], p) for i, p in enumerate(chunk)):
-        return shard
-    return None
+    out = {}
+    for i, j in enumerate(shard["index"].tolist()):
+        if j >= len(ids):
+            continue
+        seq = shard["tokens"][off[i] : off[i + 1]]
+        if int(shard["prompt_lens"][i]) != len(ids[j]) or not np.array_equal(seq[: len(ids[j])], ids[j]):
+            return None
+        out[j] = seq
+    return out
+
+
+def generate_answers(target, ids: list[list[int]], todo: list[int], rows: int, refill: int, max_new: int, cap: int,
+                     save, deadline: float | None = None) -> None:
+    """The target's greedy answers to the prompts ``ids[j]``, ``j`` in ``todo`` (in that order),
+    by continuous batching: ``rows`` rows decode together (:func:`dflash_jax.decode.generate_until`);
+    whenever ``refill`` of them have finished, they are handed to ``save`` and the next ``refill``
+    prompts, prefilled as a batch of their own, take their rows
+    (:func:`dflash_jax.decode.replace_rows`), so no row idles until the longest answer ends.
+
+    Args:
+      target: a loaded target (``load_target``).
+      ids: prompt token ids; ``todo``: indices of those to answer.
+      rows, refill: batch rows and rows refilled at once (``1 <= refill <= rows``).
+      max_new, cap: new tokens per answer at most; row capacity (longest prompt + ``max_new``).
+      save: called with a list of ``(j, sequence int32 array: prompt then answer)`` as rows finish.
+      deadline: ``time.time()`` after which no new prompt starts (the running ones finish), so
+        the answered prompts are always the first of ``todo``.
+    """
+    import jax
+    import jax.numpy as jnp
+
+    from dflash_jax import decode
+    from dflash_jax.sampling import SamplingConfig
+
+    params, cfg, sampling = target.params, target.cfg, SamplingConfig()
+    queue = list(todo)
+
+    def prefilled(idx: list[int], n: int):
+        """``n`` prefilled rows answering ``idx``; padding rows (a copy of the first prompt) get
+        a budget of one token, so they are done at once and free."""
+        chunk = [ids[j] for j in idx] + [ids[idx[0]]] * (n - len(idx))
+        st = decode.init_state(cfg, chunk, cap, [max_new] * len(idx) + [1] * (n - len(idx)), stop_ids=target.eos_ids)
+        return decode.prefill(params, cfg, st, 32, sampling, max_prompt_len=max(len(c) for c in chunk))
+
+    def take(n: int) -> list[int]:
+        if queue and deadline is not None and time.time() > deadline:
+            print(f"time limit reached: {len(queue)} prompts not started; the running ones finish", file=sys.stderr, flush=True)
+            queue.clear()
+        got = queue[:n]
+        del queue[:n]
+        return got
+
+    first = take(rows)
+    if not first:
+        return
+    owner = first + [None] * (rows - len(first))
+    state = prefilled(first, rows)
+    while True:
+        done = np.asarray(jax.device_get(state.done))
+        finished = [r for r in range(rows) if owner[r] is not None and done[r]]
+        if finished:
+            toks, length = (np.asarray(a) for a in jax.device_get((state.tokens, state.length)))
+            save([(owner[r], toks[r, : length[r]].astype(np.int32)) for r in finished])
+            for r in finished:
+                owner[r] = None
+        free = [r for r in range(rows) if owner[r] is None]
+        while len(free) >= refill and queue:
+            idx = take(refill)
+            if not idx:
+                break
+            state = decode.replace_rows(state, prefilled(idx, refill), jnp.asarray(free[:refill], jnp.int32))
+            for r, j in zip(free, idx):
+                owner[r] = j
+            free = free[refill:]
+        busy = [r for r in range(rows) if owner[r] is not None]
+        if not busy:
+            return
+        done = np.asarray(jax.device_get(state.done))
+        # wait for enough rows to refill at once, or for every row when nothing is left to start
+        need = rows if not queue else int(done.sum()) + max(1, refill - len(free))
+        state = decode.generate_until(params, cfg, state, sampling, jnp.int32(min(need, rows)))
 
 
 def main(argv=None) -> int:
@@ -337,15 +416,22 @@ def main(argv=None) -> int:
                     help="share of code prompts in round 1 of the built-in list (default 0.65; round 2 is all code; unused with --sources)")
     ap.add_argument("--max-new", type=int, default=160, help="new tokens per response at most (default 160)")
     ap.add_argument("--prompt-cap", type=int, default=128, help="longest prompt in tokens; longer ones are skipped (default 128)")
-    ap.add_argument("--batch-size", type=int, default=32, help="prompts per generation batch (default 32)")
+    ap.add_argument("--batch-size", type=int, default=32, help="rows decoded together (default 32)")
+    ap.add_argument("--refill", type=int, default=None,
+                    help="finished rows given new prompts at once (continuous batching; default a quarter of --batch-size)")
     ap.add_argument("--seed", type=int, default=0, help="prompt shuffle seed (default 0)")
-    ap.add_argument("--time-limit", type=float, default=None, help="seconds; no new batch starts after this")
+    ap.add_argument("--time-limit", type=float, default=None, help="seconds; no new prompt starts after this (running ones finish)")
     ap.add_argument("--sources", default=None,
                     help="comma-separated stdlib and/or installed packages: ask the target to complete their documented "
                          "functions (tools/make_code_data.py's reading, shuffled with --seed) instead of the built-in list")
     ap.add_argument("--base", default=None, help="dataset whose sequences come first; prompts it already asks are skipped")
     ap.add_argument("--list-prompts", action="store_true", help="print the shuffled prompt list (before --prompt-cap and --base) and exit")
     args = ap.parse_args(argv)
+    if args.batch_size < 1:
+        ap.error(f"--batch-size: got {args.batch_size}, expected an integer >= 1")
+    args.refill = max(1, args.batch_size // 4) if args.refill is None else args.refill
+    if not 1 <= args.refill <= args.batch_size:
+        ap.error(f"--refill: got {args.refill}, expected an integer in [1, --batch-size = {args.batch_size}]")
 
     roots, prompts = source_prompts(args.sources, args.seed) if args.sources is not None else (None, build_prompts(args.seed, args.code_fraction))
     if args.list_prompts:
@@ -353,12 +439,8 @@ def main(argv=None) -> int:
             print(json.dumps(p))
         return 0
 
-    import jax
-
-    from dflash_jax import decode
     from dflash_jax.api import load_target
     from dflash_jax.io.files import atomic_path, write_text
-    from dflash_jax.sampling import SamplingConfig
 
     t0 = time.time()
     target = load_target(args.target)
@@ -382,59 +464,66 @@ def main(argv=None) -> int:
     cap = args.prompt_cap + args.max_new
     settings = json.dumps({"target": Path(str(target.source)).name, "max_new": args.max_new, "stop_ids": list(target.eos_ids),
                            "decoding": "greedy"}, sort_keys=True)
-    sampling = SamplingConfig()
-    nb = -(-len(ids) // args.batch_size)
-    done_tokens = 0
-    for b in range(nb):
-        path = shards / f"batch_{b:05d}.npz"
-        chunk = ids[b * args.batch_size : (b + 1) * args.batch_size]
-        if path.is_file():
-            if _read_shard(path, chunk, settings) is not None:
-                continue
-            print(f"batch {b + 1}/{nb}: {path} was made for other prompts or settings (another --num-prompts, --batch-size, "
-                  "--max-new, target or recipe); generating it again", file=sys.stderr, flush=True)
-        if args.time_limit is not None and time.time() - t0 > args.time_limit:
-            print(f"time limit reached before batch {b}/{nb}", file=sys.stderr, flush=True)
-            break
-        tb = time.time()
-        st = decode.init_state(target.cfg, chunk, cap, args.max_new, stop_ids=target.eos_ids)
-        st = decode.prefill(target.params, target.cfg, st, 32, sampling, max_prompt_len=max(len(c) for c in chunk))
-        st = decode.generate(target.params, target.cfg, st, sampling)
-        toks, length, plen = (np.asarray(a) for a in jax.device_get((st.tokens, st.length, st.prompt_len)))
-        flat = np.concatenate([toks[i, : length[i]] for i in range(len(chunk))]).astype(np.int32)
-        with atomic_path(path) as tmp, open(tmp, "wb") as f:
-            np.savez(f, tokens=flat, lengths=length.astype(np.int64), prompt_lens=plen.astype(np.int64),
-                     settings=np.frombuffer(settings.encode(), np.uint8))
-        new = int((length - plen).sum())
-        done_tokens += new
-        el = time.time() - t0
-        print(f"batch {b + 1}/{nb}: {new} new tokens in {time.time() - tb:.1f}s ({new / (time.time() - tb):.1f} tok/s); "
-              f"{el / 60:.1f} min elapsed", file=sys.stderr, flush=True)
+    answers: dict[int, np.ndarray] = {}
+    numbered = {int(m.group(1)): p for p in shards.iterdir() if (m := re.fullmatch(r"answers_(\d+)\.npz", p.name))}
+    if any(shards.glob("batch_*.npz")):
+        print(f"{shards}: batch_*.npz shards (made before continuous batching, without prompt indices) are not read; "
+              "their prompts are answered again", file=sys.stderr, flush=True)
+    for _, path in sorted(numbered.items()):
+        got = _read_shard(path, ids, settings)
+        if got is None:
+            print(f"{path} was made for other prompts or settings (another target, --max-new or recipe); not used",
+                  file=sys.stderr, flush=True)
+        else:
+            answers.update(got)
+    todo = [j for j in range(len(ids)) if j not in answers]
+    if todo:
+        n_shard = 1 + max(numbered, default=-1)
+        pending, tg, new_tokens = [], time.time(), 0
+
+        def save(done, final=False):
+            nonlocal n_shard, new_tokens
+            pending.extend(done)
+            new_tokens += sum(len(s) - len(ids[j]) for j, s in done)
+            if len(pending) < args.batch_size and not final:
+                return
+            with atomic_path(shards / f"answers_{n_shard:05d}.npz") as tmp, open(tmp, "wb") as f:
+                np.savez(f, index=np.array([j for j, _ in pending], np.int64), tokens=np.concatenate([s for _, s in pending]),
+                         lengths=np.array([len(s) for _, s in pending], np.int64),
+                         prompt_lens=np.array([len(ids[j]) for j, _ in pending], np.int64), settings=np.frombuffer(settings.encode(), np.uint8))
+            answers.update(pending)
+            n_shard += 1
+            pending.clear()
+            el = time.time() - tg
+            print(f"{len(answers)}/{len(ids)} prompts answered: {new_tokens} new tokens in {el:.0f}s ({new_tokens / el:.1f} tok/s); "
+                  f"{(time.time() - t0) / 60:.1f} min elapsed", file=sys.stderr, flush=True)
+
+        deadline = None if args.time_limit is None else t0 + args.time_limit
+        generate_answers(target, ids, todo, args.batch_size, args.refill, args.max_new, cap, save, deadline)
+        if pending:
+            save([], final=True)
 
     seqs, masks, kept, seen, dropped = [], [], [], set(), 0
-    for b in range(nb):
-        z = _read_shard(shards / f"batch_{b:05d}.npz", ids[b * args.batch_size : (b + 1) * args.batch_size], settings)
-        if z is None:
-            break  # a prefix of the batches: the dataset stays a prefix of the prompt list
-        off = np.concatenate([[0], np.cumsum(z["lengths"])])
-        for i in range(len(z["lengths"])):
-            j = b * args.batch_size + i
-            if tuple(ids[j]) in seen:  # a prompt asked twice (one method inherited by several classes): kept once
-                dropped += 1
-                continue
-            seen.add(tuple(ids[j]))
-            s = z["tokens"][off[i] : off[i + 1]]
-            seqs.append(s)
-            masks.append(np.r_[np.zeros(z["prompt_lens"][i], np.uint8), np.ones(len(s) - z["prompt_lens"][i], np.uint8)])
-            kept.append(dict(selected[j], prompt_tokens=len(ids[j])))
+    for j in range(len(ids)):
+        if j not in answers:
+            break  # a prefix of the prompts: the dataset stays a prefix of the prompt list
+        if tuple(ids[j]) in seen:  # a prompt asked twice (one method inherited by several classes): kept once
+            dropped += 1
+            continue
+        seen.add(tuple(ids[j]))
+        s = answers[j]
+        seqs.append(s)
+        masks.append(np.r_[np.zeros(len(ids[j]), np.uint8), np.ones(len(s) - len(ids[j]), np.uint8)])
+        kept.append(dict(selected[j], prompt_tokens=len(ids[j])))
     meta = {
         "recipe": "tools/make_train_data.py",
         "command": "python " + " ".join([os.path.relpath(__file__, REPO)] + list(argv if argv is not None else sys.argv[1:])),
         "target": str(target.source), "python": sys.version.split()[0], "seed": args.seed,
         "code_fraction": None if args.sources is not None else args.code_fraction,
-        "max_new": args.max_new, "prompt_cap": args.prompt_cap, "batch_size": args.batch_size, "decoding": "greedy",
+        "max_new": args.max_new, "prompt_cap": args.prompt_cap, "batch_size": args.batch_size, "refill": args.refill,
+        "decoding": "greedy",
         "chat_template": "target tokenizer's, default system prompt, one user turn", "stop_ids": list(target.eos_ids),
-        "num_prompts_requested": args.num_prompts, "num_batches": nb, "duplicates_dropped": dropped,
+        "num_prompts_requested": args.num_prompts, "duplicates_dropped": dropped,
         "sources": dict(sorted(Counter(p["source"].split(":")[0] for p in kept).items())),
         "sources_read": _code_data().source_meta(roots) if roots else None,
         "heldout": "eval_prompts.json; HumanEval never used",

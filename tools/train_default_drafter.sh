@@ -40,7 +40,8 @@ RUN="--batch-size 16 --max-len 288 --num-anchors 16 --ckpt-every 50 --eval-max-n
 
 # stage 1's answers (checked against their prompts) and feature rows (matched by sequence) are reused
 mkdir -p "$WORK/data/shards" "$WORK/features"
-for f in "$WORK"/data1/shards/batch_*.npz; do
+for f in "$WORK"/data1/shards/answers_*.npz; do
+    [ -e "$f" ] || continue
     [ -e "$WORK/data/shards/${f##*/}" ] || cp "$f" "$WORK/data/shards/"
 done
 [ -f "$WORK/features/features.json" ] || ln -f "$WORK"/features1/* "$WORK/features/"
