@@ -182,15 +182,21 @@ decode_step = jax.jit(decode_step_fn, static_argnames=("cfg", "sampling"), donat
 decode_step.__doc__ = "Jitted :func:`decode_step_fn` (state donated)."
 
 
+def _decode_while(params, cfg, state: DecodeState, sampling: SamplingConfig, min_done) -> DecodeState:
+    """Decode steps on device (``lax.while_loop``) until ``min_done`` rows are done or all are,
+    and at most ``capacity`` steps from here (every row finishes within that many)."""
+    start, limit = state.steps, state.capacity
+
+    def cond(s):
+        return (jnp.sum(s.done) < min_done) & ~jnp.all(s.done) & (s.steps - start < limit)
+
+    return jax.lax.while_loop(cond, lambda s: decode_step_fn(params, cfg, s, sampling), state)
+
+
 @functools.partial(jax.jit, static_argnames=("cfg", "sampling"), donate_argnames=("state",))
 def generate(params, cfg, state: DecodeState, sampling: SamplingConfig) -> DecodeState:
     """Decodes until every row is done, on device (``lax.while_loop``), after :func:`prefill`."""
-    limit = state.capacity
-
-    def cond(s):
-        return ~jnp.all(s.done) & (s.steps < limit)
-
-    return jax.lax.while_loop(cond, lambda s: decode_step_fn(params, cfg, s, sampling), state)
+    return _decode_while(params, cfg, state, sampling, state.done.shape[0])
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "sampling"), donate_argnames=("state",))
@@ -202,15 +208,13 @@ def generate_until(params, cfg, state: DecodeState, sampling: SamplingConfig, mi
     ends. Also stops after ``capacity`` steps (every row finishes within that many).
 
     Args:
+      state: after :func:`prefill` (donated), ``B`` rows.
       min_done: ``[]`` int32 (traced: one compile for every value); done rows count whether they
         finished in this call or before.
+    Returns:
+      The state after the steps taken (a done row never changes).
     """
-    start, limit = state.steps, state.capacity
-
-    def cond(s):
-        return (jnp.sum(s.done) < min_done) & ~jnp.all(s.done) & (s.steps - start < limit)
-
-    return jax.lax.while_loop(cond, lambda s: decode_step_fn(params, cfg, s, sampling), state)
+    return _decode_while(params, cfg, state, sampling, min_done)
 
 
 @functools.partial(jax.jit, donate_argnames=("state",))

@@ -397,8 +397,7 @@ def generate_answers(target, ids: list[list[int]], todo: list[int], rows: int, r
             for r, j in zip(free, idx):
                 owner[r] = j
             free = free[refill:]
-        busy = [r for r in range(rows) if owner[r] is not None]
-        if not busy:
+        if all(o is None for o in owner):
             return
         done = np.asarray(jax.device_get(state.done))
         # wait for enough rows to refill at once, or for every row when nothing is left to start
