@@ -202,7 +202,7 @@ def _stats_line(stats: dict, finish: str) -> str:
 
 def _generate(args) -> int:
     from dflash_jax import api
-    from dflash_jax.errors import DFlashError
+    from dflash_jax.errors import DFlashError, option_error
     from dflash_jax.sampling import SamplingConfig
 
     if args.prompt_ids is not None:
@@ -272,9 +272,8 @@ def _generate(args) -> int:
         # the option the value came from
         if e.where == "prompt":
             raise DFlashError("--prompt-ids" if args.prompt_ids is not None else "PROMPT", e.what, e.expected) from e
-        flag = re.fullmatch(r"\w+ \((--[\w-]+)\)", e.where)
-        if flag:
-            raise DFlashError(flag.group(1), e.what, e.expected) from e
+        if option_error(e) is not e:
+            raise option_error(e) from e
         raise
 
     stats = res.stats

@@ -408,3 +408,19 @@ def test_replaced_rows_of_a_speculative_state_answer_as_alone(target):
     st = spec.generate(params, cfg, dparams, dcfg, decode.replace_rows(st, fresh, jnp.asarray([0], jnp.int32)), GREEDY)
     assert outputs(st) == plain_greedy(target, [PROMPTS[2], PROMPTS[1]], 20)
     assert int(st.spec.committed[0]) == 19  # the first token comes from prefill
+
+
+def test_speculative_continuous_batching_answers_as_plain_greedy(target):
+    """``spec.generate_until`` stops once a row is done; that row, given the next prompt with
+    ``decode.replace_rows``, and the row that kept running both answer as plain greedy decoding."""
+    cfg, params = target
+    dcfg, dparams = drafter_for(cfg)
+    st = spec.prefill(params, cfg, dparams, dcfg, spec.init_state(cfg, dcfg, PROMPTS[:2], 64, [6, 20]), 4, GREEDY)
+    st = spec.generate_until(params, cfg, dparams, dcfg, st, GREEDY, jnp.int32(1))
+    done, first = jax.device_get(st.done), outputs(st)[0]
+    assert done.tolist() == [True, False]  # row 1 was still running when the call returned
+    assert first == plain_greedy(target, [PROMPTS[0]], 6)[0]
+    fresh = spec.prefill(params, cfg, dparams, dcfg, spec.init_state(cfg, dcfg, [PROMPTS[2]], 64, 20), 4, GREEDY)
+    st = spec.generate_until(params, cfg, dparams, dcfg, decode.replace_rows(st, fresh, jnp.asarray([0], jnp.int32)), GREEDY, jnp.int32(2))
+    assert jax.device_get(st.done).all()
+    assert outputs(st) == plain_greedy(target, [PROMPTS[2], PROMPTS[1]], 20)

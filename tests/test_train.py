@@ -411,12 +411,14 @@ def test_schedule_warmup_and_decay():
     (dict(grad_clip=-1.0), "--grad-clip"), (dict(final_lr_ratio=1.5), "--final-lr-ratio"), (dict(steps=0), "--steps"),
 ])
 def test_train_config_refuses_bad_settings(kwargs, option):
-    """Bad settings fail when the run is configured, before features are computed (names the option)."""
-    from dflash_jax.errors import DFlashError
+    """Bad settings fail when the run is configured, before features are computed: the error names
+    the argument and its option (``"lr (--lr)"``), and the command line's form names the option."""
+    from dflash_jax.errors import DFlashError, option_error
 
     with pytest.raises(DFlashError) as e:
         TrainConfig(**kwargs)
-    assert e.value.where == option
+    assert e.value.where == f"{next(iter(kwargs))} ({option})"
+    assert option_error(e.value).where == option
 
 
 @pytest.mark.parametrize("layers, ids, block, option", [
@@ -609,7 +611,9 @@ def test_cli_trains_resumes_and_exports(tmp_path, capsys):
     assert main(more + ["--init-from", str(tmp_path / "run" / "drafter"), "--export", str(tmp_path / "run" / "drafter")]) == 2
     assert "--export:" in capsys.readouterr().err
     assert main(argv + ["--labels", "target", "--no-feature-cache"]) == 2
-    assert "--labels target" in capsys.readouterr().err
+    assert "--labels: 'target' without a feature cache" in capsys.readouterr().err
+    assert main(argv + ["--warmup-ratio", "1.5"]) == 2
+    assert "error: --warmup-ratio: got 1.5 (expected a fraction in [0, 1))" in capsys.readouterr().err
     # target labels: the cache is rebuilt with the target's next tokens, and the checkpointed run
     # (trained on the data's tokens) is not resumed with other labels
     assert main(more + ["--init-from", str(tmp_path / "run" / "drafter"), "--steps", "2", "--labels", "target"]) == 2

@@ -1,8 +1,9 @@
 """The DFlash loop: capture-aware prefill, jitted propose/verify steps, on-device generate.
 
 ``generate`` runs ``propose -> verify`` in a ``lax.while_loop`` with no host round trip per
-step; ``stream`` steps from Python for streaming output. ``propose`` and ``verify`` are also
-exposed as separate jitted steps for notebooks and experiments.
+step; ``stream`` steps from Python for streaming output; ``generate_until`` with
+:func:`dflash_jax.decode.replace_rows` makes continuous batching. ``propose`` and ``verify`` are
+also exposed as separate jitted steps for notebooks and experiments.
 """
 
 from __future__ import annotations
@@ -108,15 +109,40 @@ step = jax.jit(step_fn, static_argnames=("cfg_t", "cfg_d", "sampling", "draft_mo
 step.__doc__ = "Jitted :func:`step_fn` (state donated)."
 
 
+def _spec_while(params_t, cfg_t, params_d, cfg_d, state: DecodeState, sampling: SamplingConfig, draft_mode: str, min_done) -> DecodeState:
+    """Speculative steps on device until ``min_done`` rows are done or all are, and at most
+    ``capacity`` steps from here (each step commits at least one token per running row)."""
+    start, limit = state.steps, state.capacity
+
+    def cond(s):
+        return (jnp.sum(s.done) < min_done) & ~jnp.all(s.done) & (s.steps - start < limit)
+
+    return jax.lax.while_loop(cond, lambda s: step_fn(params_t, cfg_t, params_d, cfg_d, s, sampling, draft_mode), state)
+
+
 @functools.partial(jax.jit, static_argnames=("cfg_t", "cfg_d", "sampling", "draft_mode"), donate_argnames=("state",))
 def generate(params_t, cfg_t, params_d, cfg_d, state: DecodeState, sampling: SamplingConfig, draft_mode: str = "argmax") -> DecodeState:
     """Speculative decoding until every row is done, on device (``lax.while_loop``)."""
-    limit = state.capacity
+    return _spec_while(params_t, cfg_t, params_d, cfg_d, state, sampling, draft_mode, state.done.shape[0])
 
-    def cond(s):
-        return ~jnp.all(s.done) & (s.steps < limit)
 
-    return jax.lax.while_loop(cond, lambda s: step_fn(params_t, cfg_t, params_d, cfg_d, s, sampling, draft_mode), state)
+@functools.partial(jax.jit, static_argnames=("cfg_t", "cfg_d", "sampling", "draft_mode"), donate_argnames=("state",))
+def generate_until(params_t, cfg_t, params_d, cfg_d, state: DecodeState, sampling: SamplingConfig, min_done, draft_mode: str = "argmax") -> DecodeState:
+    """Speculative decoding until at least ``min_done`` rows are done (or all are), on device.
+
+    Continuous batching for DFlash, as :func:`dflash_jax.decode.generate_until` is for plain
+    decoding: the caller collects finished rows and gives them new prompts with
+    :func:`dflash_jax.decode.replace_rows` (a prefilled :func:`init_state` of the new prompts,
+    which carries their drafter context and zeroed statistics).
+
+    Args:
+      state: after :func:`prefill` (donated), ``B`` rows.
+      min_done: ``[]`` int32 (traced: one compile for every value); done rows count whether they
+        finished in this call or before.
+    Returns:
+      The state after the steps taken (a done row never changes).
+    """
+    return _spec_while(params_t, cfg_t, params_d, cfg_d, state, sampling, draft_mode, min_done)
 
 
 def stream(params_t, cfg_t, params_d, cfg_d, state: DecodeState, sampling: SamplingConfig, draft_mode: str = "argmax"):

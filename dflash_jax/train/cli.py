@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 
 from dflash_jax import draft_vocab
-from dflash_jax.errors import DFlashError
+from dflash_jax.errors import DFlashError, option_error
 
 
 def _ids(text: str) -> tuple:
@@ -206,7 +206,7 @@ def main(argv=None) -> int:
     try:
         return _run(args, argv)
     except DFlashError as e:
-        print(f"error: {e}", file=sys.stderr)
+        print(f"error: {option_error(e)}", file=sys.stderr)
         return 2
 
 

@@ -405,9 +405,9 @@ class Batcher:
                  labels: str = "data"):
         self.dataset, self.batch_size, self.max_len, self.seed, self.features = dataset, int(batch_size), int(max_len), int(seed), features
         if labels not in LABELS:
-            raise DFlashError("--labels", f"got {labels!r}", f"one of {LABELS}")
+            raise DFlashError("labels (--labels)", f"got {labels!r}", f"one of {LABELS}")
         if labels == "target" and (features is None or features.next_tokens is None):
-            raise DFlashError("--labels target", "no feature cache with the target's next tokens",
+            raise DFlashError("labels (--labels)", "'target' without a feature cache holding the target's next tokens",
                               "a cache built by cache_features(..., next_tokens=True) (dflash-jax train builds one)")
         self.labels = labels
         self._flat_labels = None if labels == "data" else self._shifted_next_tokens()

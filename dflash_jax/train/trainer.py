@@ -95,22 +95,22 @@ class TrainConfig:
 
     def __post_init__(self):
         if self.decay not in DECAYS:
-            raise DFlashError("--decay", f"got {self.decay!r}", f"one of {DECAYS}")
+            raise DFlashError("decay (--decay)", f"got {self.decay!r}", f"one of {DECAYS}")
         if self.compute_dtype not in COMPUTE_DTYPES:
-            raise DFlashError("--dtype", f"got {self.compute_dtype!r}", f"one of {COMPUTE_DTYPES}")
+            raise DFlashError("compute_dtype (--dtype)", f"got {self.compute_dtype!r}", f"one of {COMPUTE_DTYPES}")
         for name in ("steps", "batch_size", "max_len", "num_anchors"):
             if int(getattr(self, name)) < 1:
-                raise DFlashError(f"--{name.replace('_', '-')}", f"got {getattr(self, name)}", "an integer >= 1")
+                raise DFlashError(f"{name} (--{name.replace('_', '-')})", f"got {getattr(self, name)}", "an integer >= 1")
         if not 0.0 <= self.warmup_ratio < 1.0:
-            raise DFlashError("--warmup-ratio", f"got {self.warmup_ratio}", "a fraction in [0, 1)")
+            raise DFlashError("warmup_ratio (--warmup-ratio)", f"got {self.warmup_ratio}", "a fraction in [0, 1)")
         if int(self.draft_vocab) < 0:
-            raise DFlashError("--draft-vocab", f"got {self.draft_vocab}", "0 (the whole vocabulary) or a size >= 1")
+            raise DFlashError("draft_vocab (--draft-vocab)", f"got {self.draft_vocab}", "0 (the whole vocabulary) or a size >= 1")
         for name, ok, want in (("lr", self.lr > 0, "a number > 0"), ("gamma", True, "a finite number (<= 0: no decay)"),
                                ("weight_decay", self.weight_decay >= 0, "a number >= 0"),
                                ("grad_clip", self.grad_clip >= 0, "a number >= 0 (0: no clipping)"),
                                ("final_lr_ratio", 0 <= self.final_lr_ratio <= 1, "a fraction in [0, 1]")):
             if not (ok and math.isfinite(getattr(self, name))):
-                raise DFlashError(f"--{name.replace('_', '-')}", f"got {getattr(self, name)}", want)
+                raise DFlashError(f"{name} (--{name.replace('_', '-')})", f"got {getattr(self, name)}", want)
 
 
 def lr_schedule(tc: TrainConfig) -> optax.Schedule:
