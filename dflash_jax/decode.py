@@ -182,21 +182,22 @@ decode_step = jax.jit(decode_step_fn, static_argnames=("cfg", "sampling"), donat
 decode_step.__doc__ = "Jitted :func:`decode_step_fn` (state donated)."
 
 
-def _decode_while(params, cfg, state: DecodeState, sampling: SamplingConfig, min_done) -> DecodeState:
-    """Decode steps on device (``lax.while_loop``) until ``min_done`` rows are done or all are,
-    and at most ``capacity`` steps from here (every row finishes within that many)."""
+def steps_until(step, state: DecodeState, min_done) -> DecodeState:
+    """``step`` (a pure ``state -> state`` function) on device (``lax.while_loop``) until
+    ``min_done`` rows are done or all are, and at most ``capacity`` steps from here (every row
+    finishes within that many). The loop of plain and speculative ``generate``/``generate_until``."""
     start, limit = state.steps, state.capacity
 
     def cond(s):
         return (jnp.sum(s.done) < min_done) & ~jnp.all(s.done) & (s.steps - start < limit)
 
-    return jax.lax.while_loop(cond, lambda s: decode_step_fn(params, cfg, s, sampling), state)
+    return jax.lax.while_loop(cond, step, state)
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "sampling"), donate_argnames=("state",))
 def generate(params, cfg, state: DecodeState, sampling: SamplingConfig) -> DecodeState:
     """Decodes until every row is done, on device (``lax.while_loop``), after :func:`prefill`."""
-    return _decode_while(params, cfg, state, sampling, state.done.shape[0])
+    return steps_until(lambda s: decode_step_fn(params, cfg, s, sampling), state, state.done.shape[0])
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "sampling"), donate_argnames=("state",))
@@ -214,7 +215,7 @@ def generate_until(params, cfg, state: DecodeState, sampling: SamplingConfig, mi
     Returns:
       The state after the steps taken (a done row never changes).
     """
-    return _decode_while(params, cfg, state, sampling, min_done)
+    return steps_until(lambda s: decode_step_fn(params, cfg, s, sampling), state, min_done)
 
 
 @functools.partial(jax.jit, donate_argnames=("state",))

@@ -109,21 +109,10 @@ step = jax.jit(step_fn, static_argnames=("cfg_t", "cfg_d", "sampling", "draft_mo
 step.__doc__ = "Jitted :func:`step_fn` (state donated)."
 
 
-def _spec_while(params_t, cfg_t, params_d, cfg_d, state: DecodeState, sampling: SamplingConfig, draft_mode: str, min_done) -> DecodeState:
-    """Speculative steps on device until ``min_done`` rows are done or all are, and at most
-    ``capacity`` steps from here (each step commits at least one token per running row)."""
-    start, limit = state.steps, state.capacity
-
-    def cond(s):
-        return (jnp.sum(s.done) < min_done) & ~jnp.all(s.done) & (s.steps - start < limit)
-
-    return jax.lax.while_loop(cond, lambda s: step_fn(params_t, cfg_t, params_d, cfg_d, s, sampling, draft_mode), state)
-
-
 @functools.partial(jax.jit, static_argnames=("cfg_t", "cfg_d", "sampling", "draft_mode"), donate_argnames=("state",))
 def generate(params_t, cfg_t, params_d, cfg_d, state: DecodeState, sampling: SamplingConfig, draft_mode: str = "argmax") -> DecodeState:
     """Speculative decoding until every row is done, on device (``lax.while_loop``)."""
-    return _spec_while(params_t, cfg_t, params_d, cfg_d, state, sampling, draft_mode, state.done.shape[0])
+    return decode.steps_until(lambda s: step_fn(params_t, cfg_t, params_d, cfg_d, s, sampling, draft_mode), state, state.done.shape[0])
 
 
 @functools.partial(jax.jit, static_argnames=("cfg_t", "cfg_d", "sampling", "draft_mode"), donate_argnames=("state",))
@@ -142,7 +131,7 @@ def generate_until(params_t, cfg_t, params_d, cfg_d, state: DecodeState, samplin
     Returns:
       The state after the steps taken (a done row never changes).
     """
-    return _spec_while(params_t, cfg_t, params_d, cfg_d, state, sampling, draft_mode, min_done)
+    return decode.steps_until(lambda s: step_fn(params_t, cfg_t, params_d, cfg_d, s, sampling, draft_mode), state, min_done)
 
 
 def stream(params_t, cfg_t, params_d, cfg_d, state: DecodeState, sampling: SamplingConfig, draft_mode: str = "argmax"):
