@@ -272,8 +272,9 @@ def _generate(args) -> int:
         # the option the value came from
         if e.where == "prompt":
             raise DFlashError("--prompt-ids" if args.prompt_ids is not None else "PROMPT", e.what, e.expected) from e
-        if option_error(e) is not e:
-            raise option_error(e) from e
+        mapped = option_error(e)
+        if mapped is not e:
+            raise mapped from e
         raise
 
     stats = res.stats
