@@ -183,9 +183,18 @@ decode_step.__doc__ = "Jitted :func:`decode_step_fn` (state donated)."
 
 
 def steps_until(step, state: DecodeState, min_done) -> DecodeState:
-    """``step`` (a pure ``state -> state`` function) on device (``lax.while_loop``) until
-    ``min_done`` rows are done or all are, and at most ``capacity`` steps from here (every row
-    finishes within that many). The loop of plain and speculative ``generate``/``generate_until``."""
+    """Runs ``step`` on device (``lax.while_loop``) until ``min_done`` rows are done or all are,
+    and at most ``capacity`` steps from here (every row finishes within that many, as each step
+    commits at least one token per running row). The loop of plain and speculative
+    ``generate``/``generate_until``; call it inside a jitted function.
+
+    Args:
+      step: a pure ``DecodeState -> DecodeState`` function (one decode or speculative step).
+      state: ``B`` rows.
+      min_done: ``[]`` int32 or int, the number of done rows to stop at.
+    Returns:
+      The state after the steps taken.
+    """
     start, limit = state.steps, state.capacity
 
     def cond(s):

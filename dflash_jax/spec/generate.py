@@ -122,14 +122,8 @@ def generate_until(params_t, cfg_t, params_d, cfg_d, state: DecodeState, samplin
     Continuous batching for DFlash, as :func:`dflash_jax.decode.generate_until` is for plain
     decoding: the caller collects finished rows and gives them new prompts with
     :func:`dflash_jax.decode.replace_rows` (a prefilled :func:`init_state` of the new prompts,
-    which carries their drafter context and zeroed statistics).
-
-    Args:
-      state: after :func:`prefill` (donated), ``B`` rows.
-      min_done: ``[]`` int32 (traced: one compile for every value); done rows count whether they
-        finished in this call or before.
-    Returns:
-      The state after the steps taken (a done row never changes).
+    which carries their drafter context and zeroed statistics). Args and result as
+    :func:`dflash_jax.decode.generate_until`, with ``state`` after :func:`prefill`.
     """
     return decode.steps_until(lambda s: step_fn(params_t, cfg_t, params_d, cfg_d, s, sampling, draft_mode), state, min_done)
 
