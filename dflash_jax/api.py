@@ -44,6 +44,8 @@ from dflash_jax.config import LAGUNA_DRAFTER, TargetConfig
 from dflash_jax.errors import DFlashError
 from dflash_jax.sampling import SamplingConfig
 from dflash_jax.state import FINISH_REASONS, STOP
+from dflash_jax.text import TextStream, encode_prompt, split_stop  # noqa: F401 (TextStream, encode_prompt re-exported)
+from dflash_jax.text import _cut_at_stop_text, _find_stop, _str_list
 
 DTYPES = ("float32", "bfloat16", "float16")
 
@@ -291,149 +293,6 @@ def _hf_eos_ids(folder: Path) -> tuple[int, ...]:
             if v is not None:
                 return tuple(int(i) for i in (v if isinstance(v, list) else [v]))
     return ()
-
-
-def encode_prompt(
-    target: Target,
-    text: str,
-    system: str | None = None,
-    raw: bool = False,
-    chat_template_kwargs: Mapping[str, Any] | None = None,
-) -> list[int]:
-    """Text -> prompt ids.
-
-    Args:
-      target: a target with a tokenizer.
-      text: the user message (or the whole prompt when ``raw``).
-      system: an optional system message (otherwise the template's own default, if any); an
-        error with ``raw``.
-      raw: encode ``text`` as is, without the chat template (special tokens in it are still parsed;
-        BOS follows the tokenizer's setting).
-      chat_template_kwargs: extra variables for the template (for example ``enable_thinking``).
-    Raises:
-      DFlashError: the target has no tokenizer; the tokenizer has no chat template (use ``raw``);
-        ``system`` together with ``raw``.
-    """
-    _check_target(target)
-    if not isinstance(text, str):
-        raise DFlashError("text", f"got {type(text).__name__}", "a str (the user message; token ids go straight to generate)")
-    if system is not None and not isinstance(system, str):
-        raise DFlashError("system", f"got {type(system).__name__}", "a str or None")
-    if chat_template_kwargs is not None and not isinstance(chat_template_kwargs, Mapping):
-        raise DFlashError("chat_template_kwargs", f"got {type(chat_template_kwargs).__name__}", "a dict of template variables or None")
-    tok = target.tokenizer
-    if tok is None:
-        raise DFlashError(f"{target.source}: tokenizer", "missing (no tokenizer.json)", "a tokenizer, or prompt ids (--prompt-ids)")
-    if raw:
-        if system:
-            raise DFlashError("system (--system)", "not applied with --raw (no chat template)", "the system text inside the raw prompt")
-        return tok.encode(text)
-    msgs = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": text}]
-    return tok.encode_chat(msgs, add_generation_prompt=True, **dict(chat_template_kwargs or {}))
-
-
-# ------------------------------------------------------------------------------------- text
-
-
-class TextStream:
-    """Incremental detokenizer for one row: ids in, printable text out.
-
-    Text that might still change is held back: a trailing incomplete UTF-8 sequence (decoded as
-    U+FFFD until its last byte arrives) and a tail that could be the start of a stop text. Special
-    tokens are skipped. Once a stop text appears, :attr:`stopped` is set and nothing after it is
-    ever emitted.
-    """
-
-    def __init__(self, tokenizer, stop: Sequence[str] = ()):
-        self.tokenizer = tokenizer
-        self.stop = [s for s in stop if s]
-        self.ids: list[int] = []
-        self.emitted = 0
-        self.stopped = False
-
-    def text(self) -> str:
-        """The full text so far (cut before a stop text)."""
-        text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
-        cut = _find_stop(text, self.stop)
-        return text if cut is None else text[:cut]
-
-    def feed(self, ids: Sequence[int]) -> str:
-        """Adds ids; returns the newly printable text."""
-        if self.stopped:
-            return ""
-        self.ids.extend(int(i) for i in ids)
-        full = self.tokenizer.decode(self.ids, skip_special_tokens=True)
-        cut = _find_stop(full, self.stop)
-        if cut is not None:
-            self.stopped = True
-            out = full[self.emitted : cut]
-            self.emitted = max(self.emitted, cut)
-            return out
-        end = len(full)
-        while end > self.emitted and full[end - 1] == "\ufffd":
-            end -= 1
-        hold = 0
-        for s in self.stop:
-            for k in range(min(len(s) - 1, end), 0, -1):
-                if full[end - k : end] == s[:k]:
-                    hold = max(hold, k)
-                    break
-        end -= hold
-        out = full[self.emitted : end] if end > self.emitted else ""
-        self.emitted = max(self.emitted, end)
-        return out
-
-    def finish(self) -> str:
-        """Everything still held back (call once at the end)."""
-        text = self.text()
-        out = text[self.emitted :]
-        self.emitted = len(text)
-        return out
-
-
-def _find_stop(text: str, stop: Sequence[str]) -> int | None:
-    hits = [i for i in (text.find(s) for s in stop if s) if i >= 0]
-    return min(hits) if hits else None
-
-
-def _str_list(value, name: str, option: str) -> list[str]:
-    if isinstance(value, (str, bytes)) or not isinstance(value, Sequence) or not all(isinstance(x, str) for x in value):
-        raise DFlashError(name, f"got {value!r}", f"a list of strings (one per {option})")
-    return list(value)
-
-
-def split_stop(tokenizer, stop: Sequence[str]) -> tuple[list[int], list[str]]:
-    """Splits stop texts into single-token stop ids and texts checked on the decoded output.
-
-    Raises:
-      DFlashError: stop texts without a tokenizer, or an empty stop text.
-    """
-    ids, texts = [], []
-    for s in stop:
-        if not s:
-            raise DFlashError("stop (--stop)", "empty text", "a non-empty string")
-        if tokenizer is None:
-            raise DFlashError("stop (--stop)", "stop texts need a tokenizer", "a target with a tokenizer")
-        enc = tokenizer.encode(s, add_bos=False)
-        if len(enc) == 1 and tokenizer.decode(enc) == s:
-            ids.append(enc[0])
-        else:
-            texts.append(s)
-    return ids, texts
-
-
-def _cut_at_stop_text(tokenizer, ids: list[int], stop: Sequence[str]) -> int | None:
-    """The shortest prefix length of ``ids`` whose text contains a stop text, or ``None``."""
-    if not stop or _find_stop(tokenizer.decode(ids, skip_special_tokens=True), stop) is None:
-        return None
-    lo, hi = 1, len(ids)
-    while lo < hi:
-        mid = (lo + hi) // 2
-        if _find_stop(tokenizer.decode(ids[:mid], skip_special_tokens=True), stop) is None:
-            lo = mid + 1
-        else:
-            hi = mid
-    return lo
 
 
 # ------------------------------------------------------------------------------------- generation

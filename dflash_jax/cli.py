@@ -204,6 +204,7 @@ def _generate(args) -> int:
     from dflash_jax import api
     from dflash_jax.errors import DFlashError, option_error
     from dflash_jax.sampling import SamplingConfig
+    from dflash_jax.text import TextStream, encode_prompt
 
     if args.prompt_ids is not None:
         if args.prompt is not None:
@@ -238,8 +239,8 @@ def _generate(args) -> int:
             raise DFlashError("PROMPT", "empty text (an unset shell variable?)", "a non-empty prompt, or none for the default question")
         if tok is None:
             raise DFlashError(f"{target.source}: tokenizer", "missing, so a text prompt cannot be encoded", "--prompt-ids 1,2,3")
-        prompt_ids = api.encode_prompt(target, text, system=args.system, raw=args.raw,
-                                       chat_template_kwargs=args.chat_template_kwargs)
+        prompt_ids = encode_prompt(target, text, system=args.system, raw=args.raw,
+                                   chat_template_kwargs=args.chat_template_kwargs)
     drafter, why = _drafter(args, target)
     n_max = _n_max(args, drafter)
 
@@ -248,7 +249,7 @@ def _generate(args) -> int:
     on_tokens = None
     if not args.json:
         if tok is not None:
-            stream = api.TextStream(tok, args.stop)
+            stream = TextStream(tok, args.stop)
 
             def on_tokens(new):
                 piece = stream.feed(new[0])
