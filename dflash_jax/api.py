@@ -28,9 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
 import time
-from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
 import jax
@@ -38,38 +36,22 @@ import jax.numpy as jnp
 import numpy as np
 
 from dflash_jax import decode
-from dflash_jax import draft_vocab as dv
-from dflash_jax.spec import generate as spec
-from dflash_jax.config import LAGUNA_DRAFTER, TargetConfig
 from dflash_jax.errors import DFlashError
+from dflash_jax.loading import (  # noqa: F401  (re-exported: dflash_jax.api.load_target etc.)
+    DTYPES,
+    LAYER_LAYOUTS,
+    Drafter,
+    Target,
+    load_drafter,
+    load_target,
+    shipped_drafter,
+    with_output_head,
+)
 from dflash_jax.sampling import SamplingConfig
+from dflash_jax.spec import generate as spec
 from dflash_jax.state import FINISH_REASONS, STOP
 from dflash_jax.text import TextStream, encode_prompt, split_stop  # noqa: F401 (TextStream, encode_prompt re-exported)
 from dflash_jax.text import _cut_at_stop_text, _find_stop, _str_list
-
-DTYPES = ("float32", "bfloat16", "float16")
-
-
-@dataclasses.dataclass(frozen=True, eq=False)
-class Target:
-    """A loaded target model.
-
-    Attributes:
-      cfg: static :class:`~dflash_jax.config.TargetConfig` or
-        :class:`~dflash_jax.config_laguna.LagunaConfig` (its ``dtype`` is the compute dtype).
-      params: parameter pytree of :mod:`dflash_jax.models.dense` (layers stacked, or per layer
-        on CPU: :func:`load_target`'s ``layers``) or ``models.laguna``.
-      tokenizer: :class:`~dflash_jax.io.tokenizer.Tokenizer`, or ``None`` (ids only).
-      source: the file or folder it was loaded from.
-      eos_ids: end-of-generation token ids (from the tokenizer, else from ``config.json`` /
-        ``generation_config.json``).
-    """
-
-    cfg: TargetConfig
-    params: Any
-    tokenizer: Any = None
-    source: str = ""
-    eos_ids: tuple[int, ...] = ()
 
 
 @dataclasses.dataclass
@@ -100,199 +82,7 @@ class GenerationResult:
     stats: dict
 
 
-# ------------------------------------------------------------------------------------- loading
-
-
-LAYER_LAYOUTS = ("auto", "stacked", "per_layer")
-
-
-def _per_layer(layers: str) -> bool:
-    """Whether a ``layers`` choice of :func:`load_target`/:func:`load_drafter` means per-layer
-    buffers here (``"auto"``: on the CPU backend). Raises DFlashError naming an unknown layout."""
-    if layers not in LAYER_LAYOUTS:
-        raise DFlashError("layers", f"unsupported value {layers!r}", f"one of {', '.join(LAYER_LAYOUTS)}")
-    return layers == "per_layer" or (layers == "auto" and jax.default_backend() == "cpu")
-
-
-def load_target(path: str | os.PathLike | None = None, dtype: str = "float32", layers: str = "auto") -> Target:
-    """Loads a target model with its tokenizer.
-
-    Args:
-      path: ``None`` for the embedded default (SmolLM2-135M-Instruct, fetched on first use, see
-        :mod:`dflash_jax.assets`); a Hugging Face folder holding ``config.json`` (tokenizer loaded
-        when ``tokenizer.json`` is present); or a ``.gguf`` file (tokenizer from its metadata).
-      dtype: ``"float32"``, ``"bfloat16"`` or ``"float16"``.
-      layers: layout of a dense target's decoder layers: ``"stacked"`` (one array per weight
-        with a leading layer axis, run with ``lax.scan``), ``"per_layer"`` (a tuple of per-layer
-        dicts, run as a Python loop: XLA:CPU copies each stacked layer's weights in every scan
-        step; :func:`dflash_jax.models.dense.unstack_layers`) or ``"auto"`` (per layer on the CPU
-        backend, stacked elsewhere). Same values and outputs either way; Laguna targets are always
-        stacked.
-    Returns:
-      :class:`Target`.
-    Raises:
-      DFlashError: an unsupported dtype or layout, a path that does not exist or is neither
-        kind, or any problem the loaders find (the message names the file).
-    """
-    if str(dtype) not in DTYPES:
-        raise DFlashError("dtype (--dtype)", f"unsupported value {dtype!r}", f"one of {', '.join(DTYPES)}")
-    per_layer = _per_layer(layers)
-    if path is None:
-        from dflash_jax.assets import default_target_path
-
-        p = default_target_path()
-        try:
-            return load_target(p, dtype=dtype, layers=layers)
-        except DFlashError as e:  # a damaged cached copy (e.g. an interrupted extraction)
-            hint = f"delete {p} so that it is fetched again"
-            raise DFlashError(e.where, e.what, f"{e.expected}; the cached default model looks damaged: {hint}" if e.expected else hint) from e
-    p = Path(path).expanduser()
-    if p.is_dir():
-        if not (p / "config.json").is_file():
-            raise DFlashError(str(p), "folder has no config.json", "a Hugging Face checkpoint folder or a .gguf file")
-        from dflash_jax.config import read_json
-        from dflash_jax.config_laguna import is_laguna
-
-        if is_laguna(read_json(p / "config.json")):
-            from dflash_jax.io.laguna import load_laguna_target as load_hf_target
-        else:
-            from dflash_jax.io.hf import load_hf_target
-
-        cfg, params = load_hf_target(p, dtype=dtype)
-        tok = None
-        if (p / "tokenizer.json").is_file():
-            from dflash_jax.io.tokenizer import Tokenizer
-
-            tok = Tokenizer.from_hf_folder(p)
-        eos = tuple(tok.eos_token_ids) if tok is not None else _hf_eos_ids(p)
-    elif p.is_file() and p.suffix.lower() == ".gguf":
-        from dflash_jax.io.gguf import load_gguf_target
-        from dflash_jax.io.tokenizer import Tokenizer
-
-        cfg, params = load_gguf_target(p, dtype=dtype)
-        tok = Tokenizer.from_gguf(p)
-        eos = tuple(tok.eos_token_ids)
-    elif not p.exists():
-        raise DFlashError(str(p), "no such file or folder", "a Hugging Face checkpoint folder or a .gguf file")
-    else:
-        raise DFlashError(str(p), "not a folder and not a .gguf file", "a Hugging Face checkpoint folder or a .gguf file")
-    if tok is not None and tok.vocab_size > cfg.vocab_size:
-        raise DFlashError(f"{p}: tokenizer", f"{tok.vocab_size} ids but the embedding has {cfg.vocab_size} rows",
-                          "a tokenizer no larger than the embedding")
-    params = with_output_head(params)
-    if isinstance(cfg, TargetConfig) and per_layer:
-        from dflash_jax.models import dense
-
-        params = dense.unstack_layers(params)
-    return Target(cfg=cfg, params=params, tokenizer=tok, source=str(p), eos_ids=eos)
-
-
-def with_output_head(params: dict) -> dict:
-    """Adds an ``[H, V]`` copy of a tied embedding as ``lm_head`` (a layout choice, same values).
-
-    The models use ``params["lm_head"]`` when present; a stored ``[H, V]`` head multiplies about
-    twice as fast on CPU as the transposed ``[V, H]`` embedding (measured in BENCHMARKS.md's notes).
-    """
-    if "lm_head" in params:
-        return params
-    return dict(params, lm_head=jnp.asarray(jnp.transpose(params["embed"])))
-
-
-@dataclasses.dataclass(frozen=True, eq=False)
-class Drafter:
-    """A loaded DFlash drafter.
-
-    Attributes:
-      cfg: static :class:`~dflash_jax.config.DrafterConfig`.
-      params: parameter pytree of :mod:`dflash_jax.models.drafter`.
-      source: the folder or file it was loaded from.
-      n_max: the draft depth recorded with the checkpoint (``config.json`` field
-        ``dflash_jax.n_max``, the best depth its benchmark measured), used when :func:`generate`
-        is given none; ``None``: ``block_size - 1``.
-    """
-
-    cfg: Any
-    params: Any
-    source: str = ""
-    n_max: int | None = None
-
-
-def load_drafter(path: str | os.PathLike, target: Target, dtype: str | None = None, draft_vocab: bool = True,
-                 layers: str = "auto") -> Drafter:
-    """Loads a DFlash drafter for ``target`` (z-lab folder, or a Laguna drafter GGUF file).
-
-    Args:
-      path: drafter checkpoint folder (``config.json`` + safetensors) or ``.gguf`` file.
-      target: the target it drafts for; the drafter is checked against it.
-      dtype: parameter dtype (default: the target's).
-      draft_vocab: draft over the reduced vocabulary stored with the checkpoint
-        (``draft_vocab.safetensors``, :mod:`dflash_jax.draft_vocab`) when there is one;
-        ``False`` drafts over the target's whole vocabulary.
-      layers: layout of the draft layers, as :func:`load_target`'s ``layers`` (``"auto"``: per
-        layer on the CPU backend, where a scan copied both layers' weights, about 28 MB, in every
-        propose); Laguna drafters are always stacked.
-    Raises:
-      DFlashError: a missing path, bad config fields, tensors, or a drafter that does not fit
-        the target (the message names the file and field); an unsupported layout.
-    """
-    per_layer = _per_layer(layers)
-    p = Path(path).expanduser()
-    dtype = dtype or target.cfg.dtype
-    if p.is_file() and p.suffix.lower() == ".gguf":
-        from dflash_jax.io.laguna_drafter import load_laguna_drafter_gguf
-
-        cfg, params = load_laguna_drafter_gguf(p, target.cfg, dtype=dtype)
-        n_max = None
-    elif p.is_dir():
-        from dflash_jax.io.drafter import load_drafter as _load
-
-        cfg, params = _load(p, target.cfg, dtype=dtype)
-        n_max = _recorded_n_max(p / "config.json", cfg.block_size)
-        ids = dv.load(p, cfg.vocab_size) if draft_vocab else None
-        if ids is not None:
-            cfg, params = dv.attach(cfg, params, target.params, ids)
-    elif p.exists():
-        raise DFlashError(str(p), "exists but is neither a folder nor a .gguf file",
-                          "a DFlash drafter checkpoint folder (config.json + safetensors) or a drafter .gguf file")
-    else:
-        raise DFlashError(str(p), "no such folder or .gguf file", "a DFlash drafter checkpoint")
-    if cfg.architecture != LAGUNA_DRAFTER and per_layer:
-        from dflash_jax.models import dense
-
-        params = dense.unstack_layers(params)
-    return Drafter(cfg=cfg, params=params, source=str(p), n_max=n_max)
-
-
-def _recorded_n_max(config_path: Path, block_size: int) -> int | None:
-    """``dflash_jax.n_max`` of a drafter ``config.json``, an integer in ``[1, block_size - 1]``
-    (raises ``DFlashError`` naming the file and field otherwise)."""
-    from dflash_jax.config import read_json
-
-    value = (read_json(config_path).get("dflash_jax") or {}).get("n_max")
-    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or not 1 <= value < block_size):
-        raise DFlashError(f"{config_path}: field dflash_jax.n_max", f"got {value!r}", f"an integer in [1, {block_size - 1}] (block_size - 1)")
-    return value
-
-
-def shipped_drafter(target: Target, dtype: str | None = None) -> Drafter | None:
-    """The drafter shipped inside the package for ``target``, or ``None`` if there is none."""
-    from dflash_jax.assets import shipped_drafter_path
-
-    folder = shipped_drafter_path(target.source)
-    return None if folder is None else load_drafter(folder, target, dtype)
-
-
-def _hf_eos_ids(folder: Path) -> tuple[int, ...]:
-    """``eos_token_id`` (int or list) of ``generation_config.json``, else of ``config.json``."""
-    from dflash_jax.config import read_json
-
-    for name in ("generation_config.json", "config.json"):
-        f = folder / name
-        if f.is_file():
-            v = read_json(f).get("eos_token_id")
-            if v is not None:
-                return tuple(int(i) for i in (v if isinstance(v, list) else [v]))
-    return ()
+# ------------------------------------------------------------------------------------- prompts
 
 
 # ------------------------------------------------------------------------------------- generation
