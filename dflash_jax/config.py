@@ -16,20 +16,27 @@ from dflash_jax.errors import DFlashError
 
 FAMILIES = ("llama", "qwen2", "qwen3")
 
-_ARCH_TO_FAMILY = {
+# HF ``architectures`` / ``model_type`` of the dense family -> its variant (``TargetConfig.family``)
+HF_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "llama",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
 }
+HF_MODEL_TYPES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
 
 
 @dataclasses.dataclass(frozen=True)
 class RopeConfig:
-    """Rotary position embedding parameters (HF ``rope_theta`` / ``rope_scaling``).
+    """Rotary position embedding parameters of every family (HF ``rope_theta`` /
+    ``rope_scaling`` / ``rope_parameters``); frequencies: :func:`dflash_jax.nn.rope.inv_frequencies`.
 
-    ``kind`` is ``"default"``, ``"linear"`` or ``"llama3"`` (Llama-3.1 frequency scaling);
-    ``partial`` is the fraction of ``head_dim`` that rotates (1.0 for all dense families).
+    ``kind``: ``"default"``, ``"linear"`` (positions divided by ``factor``), ``"llama3"``
+    (Llama-3.1 frequency scaling: ``factor``, ``low_freq_factor``, ``high_freq_factor``,
+    ``original_max_position_embeddings``) or ``"yarn"`` (``factor``,
+    ``original_max_position_embeddings``, ``beta_fast``, ``beta_slow``, ``truncate``; the cos/sin
+    scale from ``attention_factor`` / ``mscale`` / ``mscale_all_dim``, see
+    :func:`dflash_jax.nn.rope.yarn_scale`). ``partial``: the fraction of ``head_dim`` that rotates.
     """
 
     theta: float = 10000.0
@@ -39,6 +46,12 @@ class RopeConfig:
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
     partial: float = 1.0
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    attention_factor: float | None = None
+    mscale: float | None = None
+    mscale_all_dim: float | None = None
+    truncate: bool = True
 
 
 @dataclasses.dataclass(frozen=True)
@@ -150,7 +163,7 @@ def parse_rope(cfg: Mapping[str, Any], source: str, head_dim: int) -> RopeConfig
 def target_config_from_hf(cfg: Mapping[str, Any], source: str = "config.json") -> TargetConfig:
     """Builds a :class:`TargetConfig` from a parsed HF ``config.json``.
 
-    The family comes from ``architectures`` (or ``model_type``). ``head_dim`` falls back to
+    The variant (llama, qwen2, qwen3) comes from ``architectures`` (or ``model_type``). ``head_dim`` falls back to
     ``hidden_size // num_attention_heads`` when absent (the transformers rule);
     ``num_key_value_heads`` falls back to ``num_attention_heads``.
 
@@ -161,15 +174,11 @@ def target_config_from_hf(cfg: Mapping[str, Any], source: str = "config.json") -
     archs = cfg.get("architectures") or []
     family = None
     for arch in archs:
-        family = _ARCH_TO_FAMILY.get(arch, family)
+        family = HF_ARCHITECTURES.get(arch, family)
     if family is None:
-        family = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}.get(cfg.get("model_type"))
+        family = HF_MODEL_TYPES.get(cfg.get("model_type"))
     if family is None:
-        raise DFlashError(
-            f"{source}: field architectures",
-            f"unsupported model {archs or cfg.get('model_type')!r}",
-            f"one of {sorted(_ARCH_TO_FAMILY) + ['LagunaForCausalLM']}",
-        )
+        raise DFlashError(f"{source}: field architectures", f"unsupported model {archs or cfg.get('model_type')!r}", f"one of {sorted(HF_ARCHITECTURES)}")
     hidden = _positive(_get(cfg, "hidden_size", source, int), "hidden_size", source)
     heads = _positive(_get(cfg, "num_attention_heads", source, int), "num_attention_heads", source)
     kv_heads = _positive(_get(cfg, "num_key_value_heads", source, int, heads), "num_key_value_heads", source)
@@ -214,11 +223,8 @@ def read_json(path: str | os.PathLike) -> dict:
     return data
 
 
-DRAFTER_ARCHITECTURES = ("DFlashDraftModel", "DFlashLagunaForCausalLM")
+DFLASH_DRAFTER = "DFlashDraftModel"
 LAGUNA_DRAFTER = "DFlashLagunaForCausalLM"
-_REFUSED_DRAFTERS = {
-    "DFlash2DraftModel": "DFlash 2 drafters (grouped dynamic convolutions and a candidate selector) are not supported",
-}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -260,7 +266,7 @@ class DrafterConfig:
     output_multiplier: float = 1.0
     final_logit_softcapping: float = 0.0
     post_norm_last: bool = False
-    architecture: str = "DFlashDraftModel"
+    architecture: str = DFLASH_DRAFTER
     gate: str = ""
     gating_explicit: bool = False
     draft_vocab_size: int = 0
@@ -290,57 +296,29 @@ def _normalized(value):
     return list(value) if isinstance(value, tuple) else value
 
 
-def drafter_config_from_hf(cfg: Mapping[str, Any], source: str = "config.json") -> DrafterConfig:
-    """Builds a :class:`DrafterConfig` from a z-lab drafter ``config.json``.
+def _need(cfg: Mapping[str, Any], key: str, types, source: str):
+    """A required drafter field (``dflash_config`` first, then the top level) of ``types``."""
+    value = _dflash_value(cfg, key, source=source)
+    if value is None:
+        raise DFlashError(f"{source}: field {key}", "missing (top level or dflash_config)", f"a value of type {_tname(types)}")
+    if isinstance(value, bool) or not isinstance(value, types):
+        raise DFlashError(f"{source}: field {key}", f"got {value!r}", _tname(types))
+    return value
 
-    ``block_size``, ``mask_token_id`` and ``target_layer_ids`` may sit at the top level or in
-    ``dflash_config``; all three are required (no default layer ids are invented). Causality:
-    a top-level ``is_causal`` overrides; otherwise sliding layers
-    (``layer_types`` entry ``sliding_attention``) are causal and windowed by ``sliding_window``,
-    full-attention layers are bidirectional.
 
-    Raises:
-      DFlashError: unsupported architecture (DFlash 2 is refused by name), missing fields,
-        ``layer_types`` of the wrong length, or a sliding layer without ``sliding_window``.
-    """
-    archs = list(cfg.get("architectures") or [])
-    for arch in archs:
-        if arch in _REFUSED_DRAFTERS:
-            raise DFlashError(f"{source}: field architectures", f"{arch}: {_REFUSED_DRAFTERS[arch]}", f"one of {DRAFTER_ARCHITECTURES}")
-    arch = next((a for a in archs if a in DRAFTER_ARCHITECTURES), None)
-    if arch is None:
-        raise DFlashError(f"{source}: field architectures", f"unsupported drafter {archs!r}", f"one of {DRAFTER_ARCHITECTURES}")
-    if arch == LAGUNA_DRAFTER:
-        from dflash_jax.config_laguna import laguna_drafter_config_from_hf
-
-        return laguna_drafter_config_from_hf(cfg, source)
-    hidden = _positive(_get(cfg, "hidden_size", source, int), "hidden_size", source)
-    heads = _positive(_get(cfg, "num_attention_heads", source, int), "num_attention_heads", source)
-    kv_heads = _positive(_get(cfg, "num_key_value_heads", source, int, heads), "num_key_value_heads", source)
-    head_dim = cfg.get("head_dim") or (hidden // heads)
-    n_layers = _positive(_get(cfg, "num_hidden_layers", source, int), "num_hidden_layers", source)
-
-    def need(key, types):
-        value = _dflash_value(cfg, key, source=source)
-        if value is None:
-            raise DFlashError(f"{source}: field {key}", "missing (top level or dflash_config)", f"a value of type {_tname(types)}")
-        if isinstance(value, bool) or not isinstance(value, types):
-            raise DFlashError(f"{source}: field {key}", f"got {value!r}", _tname(types))
-        return value
-
-    block_size = need("block_size", int)
-    if block_size < 2:
-        raise DFlashError(f"{source}: field block_size", f"got {block_size}", "an integer >= 2")
-    mask_token_id = need("mask_token_id", int)
-    layer_ids = need("target_layer_ids", (list, tuple))
+def _layer_ids(cfg: Mapping[str, Any], source: str) -> tuple:
+    """``target_layer_ids``: a non-empty list of distinct layer indices."""
+    layer_ids = _need(cfg, "target_layer_ids", (list, tuple), source)
     if not layer_ids or not all(isinstance(i, int) and not isinstance(i, bool) for i in layer_ids):
         raise DFlashError(f"{source}: field target_layer_ids", f"got {layer_ids!r}", "a non-empty list of layer indices")
     dup = sorted({i for i in layer_ids if list(layer_ids).count(i) > 1})
     if dup:
         raise DFlashError(f"{source}: field target_layer_ids", f"layer {dup[0]} listed more than once in {list(layer_ids)!r}", "distinct layer indices")
-    num_target_layers = _dflash_value(cfg, "num_target_layers", source=source)
-    if num_target_layers is None:
-        raise DFlashError(f"{source}: field num_target_layers", "missing", "the target's number of decoder layers")
+    return tuple(int(i) for i in layer_ids)
+
+
+def _block_attention(cfg: Mapping[str, Any], source: str, n_layers: int) -> tuple[tuple, tuple]:
+    """``(layer_causal, layer_window)`` from ``layer_types``, ``sliding_window`` and ``is_causal``."""
     layer_types = cfg.get("layer_types") or ["full_attention"] * n_layers
     if len(layer_types) != n_layers:
         raise DFlashError(f"{source}: field layer_types", f"{len(layer_types)} entries", f"{n_layers} (num_hidden_layers)")
@@ -355,6 +333,37 @@ def drafter_config_from_hf(cfg: Mapping[str, Any], source: str = "config.json") 
             raise DFlashError(f"{source}: field sliding_window", "missing for a sliding_attention layer", "a positive window")
         causal.append(sliding if is_causal is None else bool(is_causal))
         windows.append(int(window) if sliding else 0)
+    return tuple(causal), tuple(windows)
+
+
+def dflash_drafter_config_from_hf(cfg: Mapping[str, Any], source: str = "config.json") -> DrafterConfig:
+    """Builds a :class:`DrafterConfig` from a z-lab ``DFlashDraftModel`` ``config.json`` (the
+    architecture is checked by :func:`dflash_jax.registry.drafter_config_from_hf`).
+
+    ``block_size``, ``mask_token_id`` and ``target_layer_ids`` may sit at the top level or in
+    ``dflash_config``; all three are required (no default layer ids are invented). Causality:
+    a top-level ``is_causal`` overrides; otherwise sliding layers
+    (``layer_types`` entry ``sliding_attention``) are causal and windowed by ``sliding_window``,
+    full-attention layers are bidirectional.
+
+    Raises:
+      DFlashError: missing fields, ``layer_types`` of the wrong length, or a sliding layer
+        without ``sliding_window``.
+    """
+    hidden = _positive(_get(cfg, "hidden_size", source, int), "hidden_size", source)
+    heads = _positive(_get(cfg, "num_attention_heads", source, int), "num_attention_heads", source)
+    kv_heads = _positive(_get(cfg, "num_key_value_heads", source, int, heads), "num_key_value_heads", source)
+    head_dim = cfg.get("head_dim") or (hidden // heads)
+    n_layers = _positive(_get(cfg, "num_hidden_layers", source, int), "num_hidden_layers", source)
+    block_size = _need(cfg, "block_size", int, source)
+    if block_size < 2:
+        raise DFlashError(f"{source}: field block_size", f"got {block_size}", "an integer >= 2")
+    mask_token_id = _need(cfg, "mask_token_id", int, source)
+    layer_ids = _layer_ids(cfg, source)
+    num_target_layers = _dflash_value(cfg, "num_target_layers", source=source)
+    if num_target_layers is None:
+        raise DFlashError(f"{source}: field num_target_layers", "missing", "the target's number of decoder layers")
+    causal, windows = _block_attention(cfg, source, n_layers)
     softcap = _dflash_value(cfg, "final_logit_softcapping", source=source)
     return DrafterConfig(
         hidden_size=hidden,
@@ -366,10 +375,10 @@ def drafter_config_from_hf(cfg: Mapping[str, Any], source: str = "config.json") 
         vocab_size=_positive(_get(cfg, "vocab_size", source, int), "vocab_size", source),
         block_size=int(block_size),
         mask_token_id=int(mask_token_id),
-        target_layer_ids=tuple(int(i) for i in layer_ids),
+        target_layer_ids=layer_ids,
         num_target_layers=int(num_target_layers),
-        layer_causal=tuple(causal),
-        layer_window=tuple(windows),
+        layer_causal=causal,
+        layer_window=windows,
         rms_norm_eps=float(_get(cfg, "rms_norm_eps", source, (int, float), 1e-6)),
         rope=parse_rope(cfg, source, int(head_dim)),
         attention_bias=bool(cfg.get("attention_bias", False)),
@@ -377,7 +386,7 @@ def drafter_config_from_hf(cfg: Mapping[str, Any], source: str = "config.json") 
         output_multiplier=float(_dflash_value(cfg, "output_multiplier", 1.0, source)),
         final_logit_softcapping=float(softcap) if softcap else 0.0,
         post_norm_last=bool(_dflash_value(cfg, "post_norm_last", False, source)),
-        architecture=arch,
+        architecture=DFLASH_DRAFTER,
     )
 
 

@@ -23,36 +23,14 @@ Rules taken from transformers ``configuration_laguna.py`` / ``modeling_laguna.py
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Any, Mapping
 
-from dflash_jax.config import _get
+from dflash_jax.config import DrafterConfig, RopeConfig, _dflash_value, _get
 from dflash_jax.errors import DFlashError
 
 LAYER_TYPES = ("full_attention", "sliding_attention")
 MLP_TYPES = ("dense", "sparse")
 ATTENTION_FACTOR_RULES = ("transformers", "derived")
-
-
-@dataclasses.dataclass(frozen=True)
-class LagunaRope:
-    """RoPE of one layer type: ``kind`` ``"default"`` or ``"yarn"``.
-
-    ``attention_factor`` is the config value (``None`` when absent); the scale actually applied
-    to cos and sin comes from :func:`rope_tables` and the config's ``attention_factor_rule``.
-    """
-
-    theta: float = 10000.0
-    partial: float = 1.0
-    kind: str = "default"
-    factor: float = 1.0
-    original_max_position_embeddings: int = 4096
-    beta_fast: float = 32.0
-    beta_slow: float = 1.0
-    attention_factor: float | None = None
-    mscale: float | None = None
-    mscale_all_dim: float | None = None
-    truncate: bool = True
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,8 +62,8 @@ class LagunaConfig:
     layer_types: tuple
     mlp_layer_types: tuple
     gate_per_head: tuple
-    rope_full: LagunaRope
-    rope_sliding: LagunaRope
+    rope_full: RopeConfig
+    rope_sliding: RopeConfig
     sliding_window: int = 512
     num_experts: int = 256
     num_experts_per_tok: int = 8
@@ -148,7 +126,7 @@ def _pos_int(cfg, key, where, default=dataclasses.MISSING) -> int:
     return int(v)
 
 
-def _rope(sub: Mapping[str, Any], where: str, truncate: bool) -> LagunaRope:
+def _rope(sub: Mapping[str, Any], where: str, truncate: bool) -> RopeConfig:
     if not isinstance(sub, Mapping):
         raise DFlashError(where, f"got {sub!r}", "a rope parameter object")
     kind = sub.get("rope_type", sub.get("type", "default"))
@@ -157,11 +135,11 @@ def _rope(sub: Mapping[str, Any], where: str, truncate: bool) -> LagunaRope:
     if not 0 < partial <= 1:
         raise DFlashError(f"{where}: field partial_rotary_factor", f"got {partial}", "a value in (0, 1]")
     if kind == "default":
-        return LagunaRope(theta=theta, partial=partial)
+        return RopeConfig(theta=theta, partial=partial)
     if kind != "yarn":
         raise DFlashError(f"{where}: field rope_type", f"unsupported value {kind!r}", "default or yarn")
     opt = lambda k: None if sub.get(k) is None else float(_num(sub, k, where, (int, float)))  # noqa: E731
-    return LagunaRope(
+    return RopeConfig(
         theta=theta, partial=partial, kind="yarn",
         factor=float(_num(sub, "factor", where, (int, float))),
         original_max_position_embeddings=_pos_int(sub, "original_max_position_embeddings", where),
@@ -201,6 +179,51 @@ def parse_gating(value, where: str) -> tuple[bool, bool]:
     raise DFlashError(f"{where}: field gating", f"got {value!r}", "true, \"per-head\" or \"per-element\"")
 
 
+def _gates(cfg: Mapping[str, Any], where: str, n: int) -> tuple[tuple, bool]:
+    """``(gate_per_head per layer, explicit)`` from ``gating`` and poolside's ``gating_types``."""
+    per_head, explicit = parse_gating(cfg.get("gating", True), where)
+    gt = cfg.get("gating_types")
+    if gt is None:
+        return (per_head,) * n, explicit
+    # poolside remote-code per-layer list ("per_head" / "per_element")
+    if not isinstance(gt, (list, tuple)) or len(gt) != n:
+        raise DFlashError(f"{where}: field gating_types", f"got {gt!r}", f"a list of {n} entries")
+    gate = tuple(parse_gating(g, f"{where}: gating_types[{i}]")[0] for i, g in enumerate(gt))
+    if cfg.get("gating") not in (None, True) and any(g != per_head for g in gate):
+        raise DFlashError(f"{where}: field gating_types", f"contradicts gating={cfg.get('gating')!r}", "the same gate kind")
+    return gate, True
+
+
+def _ropes(cfg: Mapping[str, Any], where: str, layer_types: tuple) -> tuple[RopeConfig, RopeConfig]:
+    """``(full-attention rope, sliding-attention rope)`` from ``rope_parameters`` (module docstring)."""
+    rp = cfg.get("rope_parameters")
+    if rp is None:
+        return RopeConfig(theta=500000.0, partial=0.5), RopeConfig(theta=10000.0, partial=1.0)
+    if not isinstance(rp, Mapping):
+        raise DFlashError(f"{where}: field rope_parameters", f"got {rp!r}", "an object")
+    truncate = bool(rp.get("truncate", True))
+    if "full_attention" not in rp and "sliding_attention" not in rp:
+        rope = _rope(rp, f"{where}: field rope_parameters", truncate)
+        return rope, rope
+    for t in set(layer_types):
+        if t not in rp:
+            raise DFlashError(f"{where}: field rope_parameters.{t}", "missing for a layer of that type", "a rope parameter object")
+    subs = {t: _rope(rp[t], f"{where}: field rope_parameters.{t}", truncate) if t in rp else None for t in LAYER_TYPES}
+    return subs["full_attention"] or subs["sliding_attention"], subs["sliding_attention"] or subs["full_attention"]
+
+
+def _refuse_unsupported(cfg: Mapping[str, Any], where: str) -> str:
+    """Refuses the options no published Laguna uses; returns the router score function."""
+    if cfg.get("moe_apply_router_weight_on_input"):
+        raise DFlashError(f"{where}: field moe_apply_router_weight_on_input", "true is not supported", "false")
+    if cfg.get("attention_bias"):
+        raise DFlashError(f"{where}: field attention_bias", "true is not supported", "false")
+    score = cfg.get("moe_router_score_func", "sigmoid") or "sigmoid"
+    if score not in ("sigmoid", "sqrtsoftplus"):
+        raise DFlashError(f"{where}: field moe_router_score_func", f"got {score!r}", "sigmoid or sqrtsoftplus")
+    return score
+
+
 def laguna_config_from_hf(cfg: Mapping[str, Any], source: str = "config.json") -> LagunaConfig:
     """Builds a :class:`LagunaConfig` from a parsed Laguna ``config.json``.
 
@@ -221,43 +244,9 @@ def laguna_config_from_hf(cfg: Mapping[str, Any], source: str = "config.json") -
         raise DFlashError(f"{where}: field num_attention_heads_per_layer", f"got {hpl!r}", f"{n} positive integers (num_hidden_layers)")
     layer_types = _layer_list(cfg, "layer_types", where, n, LAYER_TYPES, ["full_attention"] * n)
     mlp_types = _layer_list(cfg, "mlp_layer_types", where, n, MLP_TYPES, ["dense"] + ["sparse"] * (n - 1))
-    per_head, explicit = parse_gating(cfg.get("gating", True), where)
-    gt = cfg.get("gating_types")
-    gate = (per_head,) * n
-    if gt is not None:  # poolside remote-code per-layer list ("per_head" / "per_element")
-        if not isinstance(gt, (list, tuple)) or len(gt) != n:
-            raise DFlashError(f"{where}: field gating_types", f"got {gt!r}", f"a list of {n} entries")
-        gate = tuple(parse_gating(g, f"{where}: gating_types[{i}]")[0] for i, g in enumerate(gt))
-        explicit = True
-        if cfg.get("gating") not in (None, True) and any(g != per_head for g in gate):
-            raise DFlashError(f"{where}: field gating_types", f"contradicts gating={cfg.get('gating')!r}", "the same gate kind")
-    if cfg.get("moe_apply_router_weight_on_input"):
-        raise DFlashError(f"{where}: field moe_apply_router_weight_on_input", "true is not supported", "false")
-    if cfg.get("attention_bias"):
-        raise DFlashError(f"{where}: field attention_bias", "true is not supported", "false")
-    score = cfg.get("moe_router_score_func", "sigmoid") or "sigmoid"
-    if score not in ("sigmoid", "sqrtsoftplus"):
-        raise DFlashError(f"{where}: field moe_router_score_func", f"got {score!r}", "sigmoid or sqrtsoftplus")
-
-    rp = cfg.get("rope_parameters")
-    if rp is None:
-        rope_full = LagunaRope(theta=500000.0, partial=0.5)
-        rope_sliding = LagunaRope(theta=10000.0, partial=1.0)
-    else:
-        if not isinstance(rp, Mapping):
-            raise DFlashError(f"{where}: field rope_parameters", f"got {rp!r}", "an object")
-        truncate = bool(rp.get("truncate", True))
-        if "full_attention" in rp or "sliding_attention" in rp:
-            subs = {}
-            for t in set(layer_types):
-                if t not in rp:
-                    raise DFlashError(f"{where}: field rope_parameters.{t}", "missing for a layer of that type", "a rope parameter object")
-            for t in LAYER_TYPES:
-                subs[t] = _rope(rp[t], f"{where}: field rope_parameters.{t}", truncate) if t in rp else None
-            rope_full = subs["full_attention"] or subs["sliding_attention"]
-            rope_sliding = subs["sliding_attention"] or subs["full_attention"]
-        else:
-            rope_full = rope_sliding = _rope(rp, f"{where}: field rope_parameters", truncate)
+    gate, explicit = _gates(cfg, where, n)
+    score = _refuse_unsupported(cfg, where)
+    rope_full, rope_sliding = _ropes(cfg, where, layer_types)
     window = cfg.get("sliding_window") or 0
     if "sliding_attention" in layer_types:
         window = _pos_int(cfg, "sliding_window", where)
@@ -289,36 +278,48 @@ def laguna_config_from_hf(cfg: Mapping[str, Any], source: str = "config.json") -
     )
 
 
-def is_laguna(cfg: Mapping[str, Any]) -> bool:
-    """Whether a parsed ``config.json`` describes a Laguna *target* (not the DFlash drafter)."""
-    archs = cfg.get("architectures") or []
-    if any(a.startswith("DFlash") for a in archs):
-        return False
-    return "LagunaForCausalLM" in archs or cfg.get("model_type") == "laguna"
+def _dflash_int(cfg: Mapping[str, Any], key: str, where: str) -> int:
+    """A required integer drafter field (``dflash_config`` first, then the top level)."""
+    v = _dflash_value(cfg, key, source=where)
+    if v is None or isinstance(v, bool) or not isinstance(v, int):
+        raise DFlashError(f"{where}: field {key}", "missing (top level or dflash_config)" if v is None else f"got {v!r}", "an integer")
+    return int(v)
 
 
-def yarn_scale(rope: LagunaRope, rule: str = "transformers") -> float:
-    """The factor multiplying cos and sin (1.0 for default RoPE).
-
-    ``rule="transformers"``: the config's ``attention_factor`` when present, else
-    ``mscale(factor, mscale) / mscale(factor, mscale_all_dim)`` when both are given, else
-    ``0.1 ln(factor) + 1`` (transformers ``_compute_yarn_parameters``). ``"derived"``: always
-    ``0.1 ln(factor) + 1`` (vLLM ``get_rope``). Applied once, never squared (docs/specs/laguna.md 9.1).
-    """
-    if rope.kind != "yarn":
-        return 1.0
-
-    def get_mscale(scale, m=1.0):
-        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
-
-    if rule == "transformers" and rope.attention_factor is not None:
-        return float(rope.attention_factor)
-    if rule == "transformers" and rope.mscale and rope.mscale_all_dim:
-        return float(get_mscale(rope.factor, rope.mscale) / get_mscale(rope.factor, rope.mscale_all_dim))
-    return float(get_mscale(rope.factor))
+def _drafter_layer_ids(cfg: Mapping[str, Any], where: str) -> tuple:
+    """``target_layer_ids`` from ``dflash_config``, else ``eagle_aux_hidden_state_layer_ids``
+    minus one (both present: they must agree); strictly increasing."""
+    ids = _dflash_value(cfg, "target_layer_ids", source=where)
+    eagle = cfg.get("eagle_aux_hidden_state_layer_ids")
+    if ids is None and eagle is not None:
+        ids = [int(i) - 1 for i in eagle]
+    if not isinstance(ids, (list, tuple)) or not ids or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
+        raise DFlashError(f"{where}: field target_layer_ids", f"got {ids!r}", "a non-empty list of layer indices (dflash_config)")
+    if eagle is not None and [int(i) - 1 for i in eagle] != list(ids):
+        raise DFlashError(f"{where}: field eagle_aux_hidden_state_layer_ids", f"{eagle} is not target_layer_ids + 1 ({list(ids)})", "ids + 1")
+    if any(b <= a for a, b in zip(ids, ids[1:])):
+        raise DFlashError(f"{where}: field target_layer_ids", f"got {list(ids)}", "strictly increasing ids")
+    return tuple(int(i) for i in ids)
 
 
-def laguna_drafter_config_from_hf(cfg: Mapping[str, Any], source: str = "config.json"):
+def _drafter_rope(cfg: Mapping[str, Any], where: str) -> RopeConfig:
+    """Plain NeoX RoPE: top-level ``rope_theta``, or a nested ``rope_parameters``' sliding sub-dict."""
+    rp = cfg.get("rope_parameters")
+    theta = cfg.get("rope_theta")
+    partial = cfg.get("partial_rotary_factor") or 1.0
+    if isinstance(rp, Mapping):
+        sub = rp.get("sliding_attention", rp) if ("sliding_attention" in rp or "full_attention" in rp) else rp
+        sub = sub if sub is not None else rp.get("full_attention")
+        if sub.get("rope_type", "default") != "default":
+            raise DFlashError(f"{where}: field rope_parameters.rope_type", f"got {sub.get('rope_type')!r}", "default")
+        theta = sub.get("rope_theta", theta)
+        partial = sub.get("partial_rotary_factor", partial)
+    if theta is None:
+        raise DFlashError(f"{where}: field rope_theta", "missing", "the drafter's RoPE base (500000 for the published drafters)")
+    return RopeConfig(theta=float(theta), partial=float(partial))
+
+
+def laguna_drafter_config_from_hf(cfg: Mapping[str, Any], source: str = "config.json") -> DrafterConfig:
     """A :class:`~dflash_jax.config.DrafterConfig` for ``DFlashLagunaForCausalLM``.
 
     Rules (``docs/specs/laguna.md`` 6.2, vLLM ``laguna_dflash.py``, mlx-vlm's validator):
@@ -336,63 +337,31 @@ def laguna_drafter_config_from_hf(cfg: Mapping[str, Any], source: str = "config.
     Raises:
       DFlashError: naming ``source`` and the field.
     """
-    from dflash_jax.config import DrafterConfig, RopeConfig, _dflash_value
-
     where = source
     n = _pos_int(cfg, "num_hidden_layers", where)
-    hidden = _pos_int(cfg, "hidden_size", where)
     heads = _pos_int(cfg, "num_attention_heads", where)
-    kv = _pos_int(cfg, "num_key_value_heads", where, heads)
-    head_dim = _pos_int(cfg, "head_dim", where, 128)
     vocab = _pos_int(cfg, "vocab_size", where)
     dv = cfg.get("draft_vocab_size")
     if dv is not None and dv != vocab:
         raise DFlashError(f"{where}: field draft_vocab_size", f"{dv} differs from vocab_size", f"{vocab}")
-
-    def need(key):
-        v = _dflash_value(cfg, key, source=where)
-        if v is None or isinstance(v, bool) or not isinstance(v, int):
-            raise DFlashError(f"{where}: field {key}", "missing (top level or dflash_config)" if v is None else f"got {v!r}", "an integer")
-        return int(v)
-
-    block = need("block_size")
+    block = _dflash_int(cfg, "block_size", where)
     if block < 2:
         raise DFlashError(f"{where}: field block_size", f"got {block}", "an integer >= 2")
-    ids = _dflash_value(cfg, "target_layer_ids", source=where)
-    eagle = cfg.get("eagle_aux_hidden_state_layer_ids")
-    if ids is None and eagle is not None:
-        ids = [int(i) - 1 for i in eagle]
-    if not isinstance(ids, (list, tuple)) or not ids or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
-        raise DFlashError(f"{where}: field target_layer_ids", f"got {ids!r}", "a non-empty list of layer indices (dflash_config)")
-    if eagle is not None and [int(i) - 1 for i in eagle] != list(ids):
-        raise DFlashError(f"{where}: field eagle_aux_hidden_state_layer_ids", f"{eagle} is not target_layer_ids + 1 ({list(ids)})", "ids + 1")
-    if any(b <= a for a, b in zip(ids, ids[1:])):
-        raise DFlashError(f"{where}: field target_layer_ids", f"got {list(ids)}", "strictly increasing ids")
+    ids = _drafter_layer_ids(cfg, where)
     causal = _dflash_value(cfg, "causal", True, where)
     types = _layer_list(cfg, "layer_types", where, n, LAYER_TYPES, ["sliding_attention"] * n)
     window = 0
     if "sliding_attention" in types:
         window = _pos_int(cfg, "sliding_window", where)
     per_head, explicit = parse_gating(cfg.get("gating", True), where)
-    rp = cfg.get("rope_parameters")
-    theta = cfg.get("rope_theta")
-    partial = cfg.get("partial_rotary_factor") or 1.0
-    if isinstance(rp, Mapping):
-        sub = rp.get("sliding_attention", rp) if ("sliding_attention" in rp or "full_attention" in rp) else rp
-        sub = sub if sub is not None else rp.get("full_attention")
-        if sub.get("rope_type", "default") != "default":
-            raise DFlashError(f"{where}: field rope_parameters.rope_type", f"got {sub.get('rope_type')!r}", "default")
-        theta = sub.get("rope_theta", theta)
-        partial = sub.get("partial_rotary_factor", partial)
-    if theta is None:
-        raise DFlashError(f"{where}: field rope_theta", "missing", "the drafter's RoPE base (500000 for the published drafters)")
     return DrafterConfig(
-        hidden_size=hidden, intermediate_size=_pos_int(cfg, "intermediate_size", where), num_hidden_layers=n,
-        num_attention_heads=heads, num_key_value_heads=kv, head_dim=head_dim, vocab_size=vocab, block_size=block,
-        mask_token_id=need("mask_token_id"), target_layer_ids=tuple(int(i) for i in ids),
-        num_target_layers=need("num_target_layers"), layer_causal=(bool(causal),) * n,
+        hidden_size=_pos_int(cfg, "hidden_size", where), intermediate_size=_pos_int(cfg, "intermediate_size", where), num_hidden_layers=n,
+        num_attention_heads=heads, num_key_value_heads=_pos_int(cfg, "num_key_value_heads", where, heads),
+        head_dim=_pos_int(cfg, "head_dim", where, 128), vocab_size=vocab, block_size=block,
+        mask_token_id=_dflash_int(cfg, "mask_token_id", where), target_layer_ids=ids,
+        num_target_layers=_dflash_int(cfg, "num_target_layers", where), layer_causal=(bool(causal),) * n,
         layer_window=tuple(window if t == "sliding_attention" else 0 for t in types),
         rms_norm_eps=float(_num(cfg, "rms_norm_eps", where, (int, float), 1e-6)),
-        rope=RopeConfig(theta=float(theta), partial=float(partial)), architecture="DFlashLagunaForCausalLM",
+        rope=_drafter_rope(cfg, where), architecture="DFlashLagunaForCausalLM",
         gate="head" if per_head else "element", gating_explicit=explicit,
     )

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from dflash_jax.errors import DFlashError
-from dflash_jax.models.target import module_for
+from dflash_jax.registry import module_for
 from dflash_jax.sampling import SamplingConfig, sample, top2_gap
 from dflash_jax.state import DecodeState, commit
 

@@ -17,8 +17,11 @@ import jax
 import jax.numpy as jnp
 
 from dflash_jax import draft_vocab as dv
-from dflash_jax.config import LAGUNA_DRAFTER, TargetConfig
+from dflash_jax import registry
+from dflash_jax.config import TargetConfig, read_json
 from dflash_jax.errors import DFlashError
+from dflash_jax.io.tokenizer import Tokenizer
+from dflash_jax.models import dense
 
 DTYPES = ("float32", "bfloat16", "float16")
 
@@ -89,44 +92,32 @@ def load_target(path: str | os.PathLike | None = None, dtype: str = "float32", l
             hint = f"delete {p} so that it is fetched again"
             raise DFlashError(e.where, e.what, f"{e.expected}; the cached default model looks damaged: {hint}" if e.expected else hint) from e
     p = Path(path).expanduser()
-    if p.is_dir():
-        if not (p / "config.json").is_file():
-            raise DFlashError(str(p), "folder has no config.json", "a Hugging Face checkpoint folder or a .gguf file")
-        from dflash_jax.config import read_json
-        from dflash_jax.config_laguna import is_laguna
-
-        if is_laguna(read_json(p / "config.json")):
-            from dflash_jax.io.laguna import load_laguna_target as load_hf_target
-        else:
-            from dflash_jax.io.hf import load_hf_target
-
-        cfg, params = load_hf_target(p, dtype=dtype)
-        tok = None
-        if (p / "tokenizer.json").is_file():
-            from dflash_jax.io.tokenizer import Tokenizer
-
-            tok = Tokenizer.from_hf_folder(p)
-        eos = tuple(tok.eos_token_ids) if tok is not None else _hf_eos_ids(p)
-    elif p.is_file() and p.suffix.lower() == ".gguf":
-        from dflash_jax.io.gguf import load_gguf_target
-        from dflash_jax.io.tokenizer import Tokenizer
-
-        cfg, params = load_gguf_target(p, dtype=dtype)
-        tok = Tokenizer.from_gguf(p)
-        eos = tuple(tok.eos_token_ids)
-    elif not p.exists():
-        raise DFlashError(str(p), "no such file or folder", "a Hugging Face checkpoint folder or a .gguf file")
-    else:
-        raise DFlashError(str(p), "not a folder and not a .gguf file", "a Hugging Face checkpoint folder or a .gguf file")
+    cfg, params, tok, eos = _read_target(p, dtype)
     if tok is not None and tok.vocab_size > cfg.vocab_size:
         raise DFlashError(f"{p}: tokenizer", f"{tok.vocab_size} ids but the embedding has {cfg.vocab_size} rows",
                           "a tokenizer no larger than the embedding")
     params = with_output_head(params)
-    if isinstance(cfg, TargetConfig) and per_layer:
-        from dflash_jax.models import dense
-
+    if per_layer and registry.family_of(cfg).per_layer:
         params = dense.unstack_layers(params)
     return Target(cfg=cfg, params=params, tokenizer=tok, source=str(p), eos_ids=eos)
+
+
+def _read_target(p: Path, dtype: str):
+    """``(cfg, params, tokenizer or None, eos ids)`` of an HF folder or a ``.gguf`` file, by the
+    family :mod:`dflash_jax.registry` finds for it."""
+    if p.is_dir():
+        if not (p / "config.json").is_file():
+            raise DFlashError(str(p), "folder has no config.json", "a Hugging Face checkpoint folder or a .gguf file")
+        cfg, params = registry.load_hf_target(p, dtype=dtype)
+        tok = Tokenizer.from_hf_folder(p) if (p / "tokenizer.json").is_file() else None
+        return cfg, params, tok, tuple(tok.eos_token_ids) if tok is not None else _hf_eos_ids(p)
+    if p.is_file() and p.suffix.lower() == ".gguf":
+        cfg, params = registry.load_gguf_target(p, dtype=dtype)
+        tok = Tokenizer.from_gguf(p)
+        return cfg, params, tok, tuple(tok.eos_token_ids)
+    if not p.exists():
+        raise DFlashError(str(p), "no such file or folder", "a Hugging Face checkpoint folder or a .gguf file")
+    raise DFlashError(str(p), "not a folder and not a .gguf file", "a Hugging Face checkpoint folder or a .gguf file")
 
 
 def with_output_head(params: dict) -> dict:
@@ -181,14 +172,10 @@ def load_drafter(path: str | os.PathLike, target: Target, dtype: str | None = No
     p = Path(path).expanduser()
     dtype = dtype or target.cfg.dtype
     if p.is_file() and p.suffix.lower() == ".gguf":
-        from dflash_jax.io.laguna_drafter import load_laguna_drafter_gguf
-
-        cfg, params = load_laguna_drafter_gguf(p, target.cfg, dtype=dtype)
+        cfg, params = registry.load_gguf_drafter(p, target.cfg, dtype=dtype)
         n_max = None
     elif p.is_dir():
-        from dflash_jax.io.drafter import load_drafter as _load
-
-        cfg, params = _load(p, target.cfg, dtype=dtype)
+        cfg, params = registry.load_hf_drafter(p, target.cfg, dtype=dtype)
         n_max = _recorded_n_max(p / "config.json", cfg.block_size)
         ids = dv.load(p, cfg.vocab_size) if draft_vocab else None
         if ids is not None:
@@ -198,9 +185,7 @@ def load_drafter(path: str | os.PathLike, target: Target, dtype: str | None = No
                           "a DFlash drafter checkpoint folder (config.json + safetensors) or a drafter .gguf file")
     else:
         raise DFlashError(str(p), "no such folder or .gguf file", "a DFlash drafter checkpoint")
-    if cfg.architecture != LAGUNA_DRAFTER and per_layer:
-        from dflash_jax.models import dense
-
+    if per_layer and registry.drafter_kind(cfg.architecture).per_layer:
         params = dense.unstack_layers(params)
     return Drafter(cfg=cfg, params=params, source=str(p), n_max=n_max)
 
@@ -208,8 +193,6 @@ def load_drafter(path: str | os.PathLike, target: Target, dtype: str | None = No
 def _recorded_n_max(config_path: Path, block_size: int) -> int | None:
     """``dflash_jax.n_max`` of a drafter ``config.json``, an integer in ``[1, block_size - 1]``
     (raises ``DFlashError`` naming the file and field otherwise)."""
-    from dflash_jax.config import read_json
-
     value = (read_json(config_path).get("dflash_jax") or {}).get("n_max")
     if value is not None and (isinstance(value, bool) or not isinstance(value, int) or not 1 <= value < block_size):
         raise DFlashError(f"{config_path}: field dflash_jax.n_max", f"got {value!r}", f"an integer in [1, {block_size - 1}] (block_size - 1)")
@@ -226,8 +209,6 @@ def shipped_drafter(target: Target, dtype: str | None = None) -> Drafter | None:
 
 def _hf_eos_ids(folder: Path) -> tuple[int, ...]:
     """``eos_token_id`` (int or list) of ``generation_config.json``, else of ``config.json``."""
-    from dflash_jax.config import read_json
-
     for name in ("generation_config.json", "config.json"):
         f = folder / name
         if f.is_file():

@@ -11,7 +11,7 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 zlab = pytest.importorskip("dflash.model")
 
-from dflash_jax.io.drafter import load_drafter  # noqa: E402
+from dflash_jax.registry import load_hf_drafter as load_drafter  # noqa: E402
 from dflash_jax.io.hf import load_hf_target  # noqa: E402
 from dflash_jax.models import drafter  # noqa: E402
 from dflash_jax.sampling import SamplingConfig  # noqa: E402
@@ -133,7 +133,7 @@ def test_same_tokens_and_verify_steps_as_dflash_generate(tmp_path, target, monke
 
 def test_config_field_locations(tmp_path):
     """block_size / mask_token_id / target_layer_ids at top level or in dflash_config."""
-    from dflash_jax.config import drafter_config_from_hf
+    from dflash_jax.registry import drafter_config_from_hf
 
     base = drafter_hf_config().to_dict()
     nested = drafter_config_from_hf(base)

@@ -15,11 +15,12 @@ import numpy as np
 import pytest
 
 from dflash_jax import decode
-from dflash_jax.config_laguna import laguna_config_from_hf, yarn_scale
+from dflash_jax.config_laguna import laguna_config_from_hf
 from dflash_jax.errors import DFlashError
 from dflash_jax.io.laguna import load_laguna_target, parameter_count, published_shapes, save_published
 from dflash_jax.models import laguna
 from dflash_jax.models.laguna_presets import PUBLISHED
+from dflash_jax.nn.rope import rope_tables, yarn_scale
 from dflash_jax.sampling import SamplingConfig
 from laguna_tiny import PER_ELEMENT, PER_HEAD, recompute_greedy, tiny_laguna, write_config
 
@@ -169,7 +170,7 @@ def test_yarn_attention_factor_applied_once():
     xs = laguna_config_from_hf(PUBLISHED["XS-2.1"])
     assert yarn_scale(xs.rope_full) == 1.0  # the revision's literal value, transformers' rule
     assert yarn_scale(xs.rope_full, "derived") == pytest.approx(1.3465736, rel=1e-6)
-    inv, _ = laguna.rope_tables(xs.rope_full, 128)
+    inv, _ = rope_tables(xs.rope_full, 128)
     assert inv.shape == (32,) and inv[1] == pytest.approx(0.6636012, rel=1e-6) and inv[-1] == pytest.approx(9.418307e-08, rel=1e-5)
 
 

@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 
 from dflash_jax import decode
-from dflash_jax.config import drafter_config_from_hf
+from dflash_jax.registry import drafter_config_from_hf
 from dflash_jax.errors import DFlashError
-from dflash_jax.io.drafter import load_drafter
+from dflash_jax.registry import load_hf_drafter as load_drafter
 from dflash_jax.io.laguna_drafter import load_laguna_drafter_gguf
 from dflash_jax.models import drafter, laguna_drafter
 from dflash_jax.sampling import SamplingConfig

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dflash_jax.config import drafter_config_from_hf
+from dflash_jax.registry import drafter_config_from_hf
 from dflash_jax.models import drafter
 from laguna_tiny import LAGUNA_DRAFTER, PER_HEAD, tiny_laguna
 

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from dflash_jax.errors import DFlashError
-from dflash_jax.io import gguf as G
+from dflash_jax import registry
 from dflash_jax.io.laguna import load_laguna_target, save_published
 from dflash_jax.io.laguna_gguf import load_laguna_gguf_target
 from dflash_jax.models.laguna import layer_slot
@@ -127,11 +127,11 @@ def assert_same(a, b):
 def test_gguf_loads_same_config_and_params_as_safetensors(ref, tmp_path):
     hf, _, cfg, params = ref
     path = write_laguna_gguf(tmp_path / "t.gguf", hf, cfg, params)
-    got_cfg, got = G.load_gguf_target(path, as_numpy=True)
+    got_cfg, got = registry.load_gguf_target(path, as_numpy=True)
     assert got_cfg == cfg
     assert got_cfg.layer_types == tuple(hf["layer_types"]) and got_cfg.gate_per_head == cfg.gate_per_head
     assert_same(got, params)
-    assert G.load_gguf_config(path) == cfg
+    assert registry.load_gguf_config(path) == cfg
     # bfloat16 load keeps the router's selection bias in float32
     cfg16, p16 = load_laguna_gguf_target(path, "bfloat16")
     assert cfg16.dtype == "bfloat16"
@@ -144,7 +144,7 @@ def test_tied_and_no_tokenizer(ref, tmp_path):
     hf, _, cfg, params = ref
     params = {k: v for k, v in params.items() if k != "lm_head"}
     path = write_laguna_gguf(tmp_path / "tied.gguf", hf, dataclasses.replace(cfg, tie_word_embeddings=True), params, tokens=False)
-    got_cfg, got = G.load_gguf_target(path, as_numpy=True)
+    got_cfg, got = registry.load_gguf_target(path, as_numpy=True)
     assert got_cfg.tie_word_embeddings and "lm_head" not in got
     assert_same(got, params)
 
@@ -158,7 +158,7 @@ def _bad(tmp_path, ref, name, **kw):
 def test_missing_metadata_named(ref, tmp_path, key):
     path = _bad(tmp_path, ref, "meta.gguf", drop_keys=(key,))
     with pytest.raises(DFlashError, match=rf"meta\.gguf: metadata laguna\.{key}: missing"):
-        G.load_gguf_target(path)
+        registry.load_gguf_target(path)
 
 
 def test_tensor_errors_named(ref, tmp_path):
@@ -166,16 +166,16 @@ def test_tensor_errors_named(ref, tmp_path):
     sparse = cfg.mlp_layer_types.index("sparse")
     path = _bad(tmp_path, ref, "miss.gguf", edit=lambda t: t.pop(f"blk.{sparse}.exp_probs_b.bias"))
     with pytest.raises(DFlashError, match=rf"miss\.gguf: tensor blk\.{sparse}\.exp_probs_b\.bias: missing"):
-        G.load_gguf_target(path)
+        registry.load_gguf_target(path)
     path = _bad(tmp_path, ref, "extra.gguf", edit=lambda t: t.update({"blk.0.ffn_gate_exps.weight": np.zeros((2, 2, 2))}))
     with pytest.raises(DFlashError, match=r"extra\.gguf: tensor blk\.0\.ffn_gate_exps\.weight: unexpected"):
-        G.load_gguf_target(path)
+        registry.load_gguf_target(path)
     path = _bad(tmp_path, ref, "shape.gguf", edit=lambda t: t.update({"blk.1.attn_k.weight": t["blk.1.attn_k.weight"][:-1]}))
     with pytest.raises(DFlashError, match=r"shape\.gguf: tensor blk\.1\.attn_k\.weight: ggml shape"):
-        G.load_gguf_target(path)
+        registry.load_gguf_target(path)
     path = _bad(tmp_path, ref, "gate.gguf", edit=lambda t: t.update({"blk.0.attn_gate.weight": t["blk.0.attn_gate.weight"][:3]}))
     with pytest.raises(DFlashError, match=r"gate\.gguf: tensor blk\.0\.attn_gate\.weight: 3 output rows"):
-        G.load_gguf_target(path)
+        registry.load_gguf_target(path)
 
 
 def test_bad_metadata_values_named(tmp_path):
@@ -184,10 +184,10 @@ def test_bad_metadata_values_named(tmp_path):
     bad_hf = dict(hf, num_attention_heads_per_layer=[4, 8, 8])  # 3 entries for 4 layers
     path = write_laguna_gguf(tmp_path / "heads.gguf", bad_hf, cfg, params)
     with pytest.raises(DFlashError, match=r"heads\.gguf: metadata laguna\.attention\.head_count: got \[4, 8, 8\]"):
-        G.load_gguf_target(path)
+        registry.load_gguf_target(path)
     for name, key, value, want in (("func", "expert_gating_func", ("uint32", 1), "2 \\(sigmoid\\)"),
                                    ("norm", "expert_weights_norm", ("bool", False), "true"),
                                    ("rope", "rope.scaling.type", ("string", "linear"), "none or yarn")):
         path = write_laguna_gguf(tmp_path / f"{name}.gguf", hf, cfg, params, override={key: value})
         with pytest.raises(DFlashError, match=rf"{name}\.gguf: metadata laguna\.{key}: .*{want}"):
-            G.load_gguf_target(path)
+            registry.load_gguf_target(path)

@@ -337,7 +337,7 @@ def test_target_labels_are_the_targets_greedy_next_tokens(tmp_path, models):
     position ``q`` with the next token after ``q - 1``; a cache without next tokens is refused for
     target labels and not reused when they are wanted; reused rows bring their next tokens."""
     from dflash_jax.errors import DFlashError
-    from dflash_jax.models.target import module_for
+    from dflash_jax.registry import module_for
 
     t_cfg, t_params, d_cfg, _ = models
     rs = np.random.RandomState(3)
@@ -513,7 +513,7 @@ def test_continue_from_trained_weights(tmp_path, tiny_run, full_run):
 
 @pytest.mark.parametrize("variant", ["plain", "sliding"])
 def test_export_config_roundtrip(variant, models):
-    from dflash_jax.config import drafter_config_from_hf
+    from dflash_jax.registry import drafter_config_from_hf
 
     t_cfg = models[0]
     over = {} if variant == "plain" else dict(layer_causal=(True, False), layer_window=(5, 0))
@@ -524,7 +524,7 @@ def test_export_config_roundtrip(variant, models):
 def test_export_loads_in_our_loader_and_the_zlab_reference(tmp_path, models):
     torch = pytest.importorskip("torch")
     zlab = pytest.importorskip("dflash.model")
-    from dflash_jax.io.drafter import load_drafter
+    from dflash_jax.registry import load_hf_drafter as load_drafter
 
     t_cfg, t_params, d_cfg, d_params = models
     f32 = export_drafter(tmp_path / "f32", d_cfg, d_params, dtype="float32", extra={"dflash_jax": {"note": "test"}})
@@ -559,7 +559,7 @@ def test_cli_trains_resumes_and_exports(tmp_path, capsys):
     sys.path.insert(0, str(Path(__file__).parent))
     from tiny_hf import make_tiny_hf
 
-    from dflash_jax.io.drafter import load_drafter
+    from dflash_jax.registry import load_hf_drafter as load_drafter
     from dflash_jax.io.hf import load_hf_target
     from dflash_jax.train.cli import main
 

@@ -86,7 +86,7 @@ def verify_cost(target, context: int, repeats: int = 7) -> list[float]:
     import jax
     import jax.numpy as jnp
 
-    from dflash_jax.models.target import module_for
+    from dflash_jax.registry import module_for
 
     cfg, params = target.cfg, target.params
     mod = module_for(cfg)

@@ -21,7 +21,7 @@ import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-from dflash_jax.config import drafter_config_from_hf  # noqa: E402
+from dflash_jax.registry import drafter_config_from_hf  # noqa: E402
 from dflash_jax.config_laguna import laguna_config_from_hf  # noqa: E402
 from dflash_jax.io.laguna import parameter_count  # noqa: E402
 from dflash_jax.models.laguna_presets import DRAFTERS, PUBLISHED  # noqa: E402

@@ -7,11 +7,11 @@ used). A ``model.`` prefix is accepted.
 
 from __future__ import annotations
 
-import os
+import numpy as np
 
-from dflash_jax.config import DrafterConfig, TargetConfig, check_drafter_fits, drafter_config_from_hf, read_json
+from dflash_jax.config import DrafterConfig
 from dflash_jax.errors import DFlashError
-from dflash_jax.io.hf import ATTENTION_NAMES, MLP_NAMES, QK_NORM_NAMES, Checkpoint, _np_dtype, load_named
+from dflash_jax.io.hf import ATTENTION_NAMES, MLP_NAMES, QK_NORM_NAMES, Checkpoint, load_named
 from dflash_jax.models import drafter
 
 _PER_LAYER = {**ATTENTION_NAMES, **QK_NORM_NAMES, **MLP_NAMES}
@@ -32,35 +32,20 @@ def drafter_names(cfg: DrafterConfig, prefix: str = "") -> dict:
     return names
 
 
-def load_drafter(folder: str | os.PathLike, target_cfg: TargetConfig | None = None, dtype: str = "float32") -> tuple[DrafterConfig, dict]:
-    """Loads a DFlash drafter folder as ``(DrafterConfig, params)``.
+def load_dflash_drafter_weights(folder: str, cfg: DrafterConfig, target: np.dtype) -> tuple[DrafterConfig, dict]:
+    """Reads the weights of a checked z-lab ``DFlashDraftModel`` config strictly (the folder's
+    config is parsed and checked by :func:`dflash_jax.registry.load_hf_drafter`).
 
     Args:
-      folder: holds ``config.json`` and ``model.safetensors`` (or a sharded index).
-      target_cfg: when given, the drafter is checked against it (hidden size, vocab, captured
-        layer ids, mask id).
-      dtype: parameter dtype name.
+      folder: holds ``model.safetensors`` (or a sharded index).
+      cfg: its parsed config.
+      target: parameter numpy dtype.
     Returns:
-      The config and the params pytree of :mod:`dflash_jax.models.drafter` (for
-      ``DFlashLagunaForCausalLM``: :mod:`dflash_jax.models.laguna_drafter`, read by
-      :func:`dflash_jax.io.laguna_drafter.load_laguna_drafter_safetensors`).
+      ``(cfg, params)``: the params pytree of :mod:`dflash_jax.models.drafter`.
     Raises:
-      DFlashError: bad config fields, a drafter that does not fit the target, an ``fc`` whose
-        width is not ``len(target_layer_ids) * hidden_size``, or missing / unexpected /
-        mis-shaped tensors (each message names the file and the field or tensor).
+      DFlashError: an ``fc`` whose width is not ``len(target_layer_ids) * hidden_size``, or
+        missing / unexpected / mis-shaped tensors (each message names the file and tensor).
     """
-    folder = str(folder)
-    if not os.path.isdir(folder):
-        raise DFlashError(folder, "not a directory", "a drafter checkpoint folder with config.json")
-    target = _np_dtype(dtype)
-    config_path = os.path.join(folder, "config.json")
-    cfg = drafter_config_from_hf(read_json(config_path), source=config_path).with_dtype(target.name)
-    if target_cfg is not None:
-        check_drafter_fits(cfg, target_cfg, source=config_path)
-    if cfg.architecture == "DFlashLagunaForCausalLM":
-        from dflash_jax.io.laguna_drafter import load_laguna_drafter_safetensors
-
-        return load_laguna_drafter_safetensors(folder, cfg, target)
     ckpt = Checkpoint(folder)
     prefix = "model." if "model.fc.weight" in ckpt.names() else ""
     fc = f"{prefix}fc.weight"

@@ -28,7 +28,9 @@ import numpy as np
 
 from dflash_jax.config import LAGUNA_DRAFTER, DrafterConfig, RopeConfig, check_drafter_fits
 from dflash_jax.errors import DFlashError
+from dflash_jax.io.gguf_file import dequantize_tensor, metadata, open_gguf
 from dflash_jax.io.hf import ATTENTION_NAMES, MLP_NAMES, QK_NORM_NAMES, Checkpoint, load_named
+from dflash_jax.models import laguna_drafter
 
 _PER_LAYER = {**ATTENTION_NAMES, "self_attn.g_proj.weight": ("wg", True), **QK_NORM_NAMES, **MLP_NAMES}
 
@@ -110,8 +112,6 @@ def load_laguna_drafter_safetensors(folder: str, cfg: DrafterConfig, target: np.
         head counts, a gate width contradicting ``gating``, or any missing / unexpected /
         mis-shaped tensor.
     """
-    from dflash_jax.models import laguna_drafter
-
     raw = Checkpoint(folder)
     prefix = "model." if "model.fc.weight" in raw.names() else ""
     ckpt = _SplitQKV(raw, cfg, prefix)
@@ -135,38 +135,23 @@ _GGUF_LAYER = {
 _MATRICES = {"wq", "wk", "wv", "wo", "wg", "w_gate", "w_up", "w_down"}
 
 
-def load_laguna_drafter_gguf(path: str | os.PathLike, target_cfg, dtype: str = "float32", sliding_window: int = 512) -> tuple[DrafterConfig, dict]:
-    """Loads a Laguna drafter GGUF in the ik ``dflash-draft`` or mainline ``dflash`` layout.
-
-    Args:
-      path: the ``.gguf`` file.
-      target_cfg: the target config (vocab size and layer count are not in the drafter file).
-      dtype: parameter dtype name.
-      sliding_window: window for the ``dflash`` layout, which stores none (vLLM's 512).
-    Returns:
-      ``(DrafterConfig, params)`` equal to what the safetensors checkpoint loads to.
-    Raises:
-      DFlashError: an architecture other than ``dflash-draft`` (with ``dflash.laguna`` true) or
-        ``dflash`` (with ``decoder_arch`` laguna), missing keys, missing aux norms or gates
-        (named), or mis-shaped tensors; the drafter must fit ``target_cfg``.
-    """
-    from dflash_jax.io.gguf import dequantize_tensor, metadata, open_gguf
-    from dflash_jax.models import laguna_drafter
-
-    path = str(path)
-    reader = open_gguf(path)
+def _gguf_prefix(reader, path: str) -> str:
+    """The metadata prefix of a Laguna drafter GGUF: ``"dflash-draft."`` (ik) or ``"dflash."``."""
     arch = metadata(reader, "general.architecture")
     if arch == "dflash-draft":
         if not metadata(reader, "dflash-draft.dflash.laguna", False):
             raise DFlashError(f"{path}: key dflash-draft.dflash.laguna", "missing or false", "true for a Laguna drafter")
-        p = "dflash-draft."
-    elif arch == "dflash":
+        return "dflash-draft."
+    if arch == "dflash":
         if metadata(reader, "dflash.decoder_arch") != "laguna":
             raise DFlashError(f"{path}: key dflash.decoder_arch", f"got {metadata(reader, 'dflash.decoder_arch')!r}", "laguna")
-        p = "dflash."
-    else:
-        raise DFlashError(f"{path}: key general.architecture", f"got {arch!r}", "dflash-draft or dflash (Laguna drafter)")
+        return "dflash."
+    raise DFlashError(f"{path}: key general.architecture", f"got {arch!r}", "dflash-draft or dflash (Laguna drafter)")
 
+
+def _gguf_config(reader, path: str, p: str, target_cfg, dtype: str, sliding_window: int) -> DrafterConfig:
+    """The drafter config from the metadata under prefix ``p`` (vocabulary and target layer count
+    from ``target_cfg``); gate per head until the ``attn_gate`` width says otherwise."""
     def key(k, default=None, required=True):
         v = metadata(reader, p + k, default)
         if v is None and required:
@@ -174,7 +159,7 @@ def load_laguna_drafter_gguf(path: str | os.PathLike, target_cfg, dtype: str = "
         return v
 
     n = int(key("block_count"))
-    if arch == "dflash-draft":
+    if p == "dflash-draft.":
         ids = [int(i) for i in key("dflash.target_layer_ids")]
         block, mask = int(key("dflash.block_size")), int(key("dflash.mask_token_id"))
         window = int(key("attention.sliding_window", 0, required=False) or 0)
@@ -186,25 +171,27 @@ def load_laguna_drafter_gguf(path: str | os.PathLike, target_cfg, dtype: str = "
         if mask is None:
             raise DFlashError(f"{path}: key tokenizer.ggml.mask_token_id", "missing", "the DFlash mask token id")
         mask, window, causal = int(mask), int(sliding_window), True
-    heads = int(key("attention.head_count"))
-    cfg = DrafterConfig(
+    return DrafterConfig(
         hidden_size=int(key("embedding_length")), intermediate_size=int(key("feed_forward_length")), num_hidden_layers=n,
-        num_attention_heads=heads, num_key_value_heads=int(key("attention.head_count_kv")),
+        num_attention_heads=int(key("attention.head_count")), num_key_value_heads=int(key("attention.head_count_kv")),
         head_dim=int(key("attention.key_length")), vocab_size=target_cfg.vocab_size, block_size=block, mask_token_id=mask,
         target_layer_ids=tuple(ids), num_target_layers=target_cfg.num_hidden_layers, layer_causal=(causal,) * n,
         layer_window=(window,) * n, rms_norm_eps=float(f"{float(key('attention.layer_norm_rms_epsilon')):.7g}"),  # undo float32 storage
         rope=RopeConfig(theta=float(key("rope.freq_base"))), architecture=LAGUNA_DRAFTER, gate="head", dtype=str(dtype),
     )
-    check_drafter_fits(cfg, target_cfg, source=path)
+
+
+def _gguf_params(reader, path: str, ik: bool, cfg: DrafterConfig) -> tuple[DrafterConfig, dict]:
+    """``(cfg with the gate kind of the attn_gate width, float32 numpy params)``; every tensor
+    checked against the config's shapes."""
+    n, K = cfg.num_hidden_layers, len(cfg.target_layer_ids)
     tensors = {t.name: t for t in reader.tensors}
-    if arch == "dflash-draft":
+    if ik:
         glob = {"fc": "dflash_fc.weight", "hidden_norm": "dflash_hidden_norm.weight", "norm": "output_norm.weight"}
-        aux = [f"dflash_aux_hidden_norm.{j}.weight" for j in range(len(ids))]
-        mlp_norm = "post_attention_norm"
+        aux, mlp_norm = [f"dflash_aux_hidden_norm.{j}.weight" for j in range(K)], "post_attention_norm"
     else:
         glob = {"fc": "fc.weight", "hidden_norm": "enc.output_norm.weight", "norm": "output_norm.weight"}
-        aux = ["enc.aux_norm.weight"]
-        mlp_norm = "ffn_norm"
+        aux, mlp_norm = ["enc.aux_norm.weight"], "ffn_norm"
     gates = [f"blk.{i}.attn_gate.weight" for i in range(n)]
     missing = [t for t in aux + gates if t not in tensors]
     if missing:
@@ -221,19 +208,39 @@ def load_laguna_drafter_gguf(path: str | os.PathLike, target_cfg, dtype: str = "
     shapes = laguna_drafter.param_shapes(cfg)
     out = {k: read(v) for k, v in glob.items()}
     out["fc"] = out["fc"].T
-    out["aux_norm"] = np.stack([read(a) for a in aux]) if arch == "dflash-draft" else read(aux[0]).reshape(len(ids), -1)
-    layers = {}
+    out["aux_norm"] = np.stack([read(a) for a in aux]) if ik else read(aux[0]).reshape(K, -1)
     names = dict(_GGUF_LAYER, **{mlp_norm: "mlp_norm"})
-    for gg, leaf in names.items():
-        rows = [read(f"blk.{i}.{gg}.weight") for i in range(n)]
-        layers[leaf] = np.stack([r.T if leaf in _MATRICES else r for r in rows])
-    out["layers"] = layers
-    for k, v in list(out.items()):
-        if k == "layers":
-            for leaf, arr in v.items():
-                if arr.shape != shapes["layers"][leaf]:
-                    raise DFlashError(f"{path}: tensors blk.*.{[g for g, l in names.items() if l == leaf][0]}.weight",
-                                      f"stacked shape {arr.shape}", f"{shapes['layers'][leaf]} for this config")
-        elif v.shape != shapes[k]:
+    out["layers"] = {leaf: np.stack([r.T if leaf in _MATRICES else r for r in (read(f"blk.{i}.{gg}.weight") for i in range(n))])
+                     for gg, leaf in names.items()}
+    for k, v in out.items():
+        if k != "layers" and v.shape != shapes[k]:
             raise DFlashError(f"{path}: tensor {glob.get(k, aux[0])}", f"shape {v.shape}", f"{shapes[k]} for this config")
+    for leaf, arr in out["layers"].items():
+        if arr.shape != shapes["layers"][leaf]:
+            raise DFlashError(f"{path}: tensors blk.*.{[g for g, l in names.items() if l == leaf][0]}.weight",
+                              f"stacked shape {arr.shape}", f"{shapes['layers'][leaf]} for this config")
+    return cfg, out
+
+
+def load_laguna_drafter_gguf(path: str | os.PathLike, target_cfg, dtype: str = "float32", sliding_window: int = 512) -> tuple[DrafterConfig, dict]:
+    """Loads a Laguna drafter GGUF in the ik ``dflash-draft`` or mainline ``dflash`` layout.
+
+    Args:
+      path: the ``.gguf`` file.
+      target_cfg: the target config (vocab size and layer count are not in the drafter file).
+      dtype: parameter dtype name.
+      sliding_window: window for the ``dflash`` layout, which stores none (vLLM's 512).
+    Returns:
+      ``(DrafterConfig, params)`` equal to what the safetensors checkpoint loads to.
+    Raises:
+      DFlashError: an architecture other than ``dflash-draft`` (with ``dflash.laguna`` true) or
+        ``dflash`` (with ``decoder_arch`` laguna), missing keys, missing aux norms or gates
+        (named), or mis-shaped tensors; the drafter must fit ``target_cfg``.
+    """
+    path = str(path)
+    reader = open_gguf(path)
+    prefix = _gguf_prefix(reader, path)
+    cfg = _gguf_config(reader, path, prefix, target_cfg, dtype, sliding_window)
+    check_drafter_fits(cfg, target_cfg, source=path)
+    cfg, out = _gguf_params(reader, path, prefix == "dflash-draft.", cfg)
     return cfg, jax.tree_util.tree_map(lambda a: jax.numpy.asarray(a.astype(dtype)), out)

@@ -46,8 +46,13 @@ from typing import Any
 
 import numpy as np
 
-from dflash_jax.config_laguna import LagunaConfig, LagunaRope
+from dflash_jax.config import RopeConfig
+from dflash_jax.config_laguna import LagunaConfig
 from dflash_jax.errors import DFlashError
+from dflash_jax.io.gguf_file import as_f32, dequantize_tensor, embedding_vocab, metadata, open_gguf, tensor_table
+from dflash_jax.io.hf import _np_dtype
+from dflash_jax.io.laguna import resolve_gating
+from dflash_jax.models import laguna
 
 ARCH = "laguna"
 
@@ -76,10 +81,6 @@ _SPARSE = {
 }
 
 
-def _f32(value) -> float:
-    return float(str(np.float32(value)))
-
-
 def _stored(shape: tuple, how) -> tuple:
     """Numpy-order shape of the GGUF tensor holding a leaf slice of ``shape``."""
     if how == "T":
@@ -101,15 +102,13 @@ class _Meta:
     """Typed access to ``laguna.*`` metadata; errors name the file and the key."""
 
     def __init__(self, reader, path: str):
-        from dflash_jax.io.gguf import metadata
-
-        self.reader, self.path, self._get = reader, path, metadata
+        self.reader, self.path = reader, path
 
     def where(self, key: str) -> str:
         return f"{self.path}: metadata {ARCH}.{key}"
 
     def raw(self, key: str, default=None):
-        return self._get(self.reader, f"{ARCH}.{key}", default)
+        return metadata(self.reader, f"{ARCH}.{key}", default)
 
     def int(self, key: str, default: Any = dataclasses.MISSING, positive: bool = True) -> int:
         v = self.raw(key)
@@ -129,7 +128,7 @@ class _Meta:
             return default
         if isinstance(v, bool) or not isinstance(v, (int, float)):
             raise DFlashError(self.where(key), f"got {v!r}", "a number")
-        return _f32(v)
+        return as_f32(v)
 
     def per_layer_int(self, key: str, n: int) -> tuple:
         v = self.raw(key)
@@ -164,18 +163,18 @@ def _partial(m: _Meta, key: str, head_dim: int, default: int) -> float:
     return rot / head_dim
 
 
-def _ropes(m: _Meta, head_dim: int, has_sliding: bool) -> tuple[LagunaRope, LagunaRope]:
+def _ropes(m: _Meta, head_dim: int, has_sliding: bool) -> tuple[RopeConfig, RopeConfig]:
     theta = m.float("rope.freq_base")
     partial = _partial(m, "rope.dimension_count", head_dim, dataclasses.MISSING)
     kind = m.raw("rope.scaling.type", "none")
     if kind in (None, "none"):
-        full = LagunaRope(theta=theta, partial=partial)
+        full = RopeConfig(theta=theta, partial=partial)
     elif kind == "yarn":
         attn = m.raw("rope.scaling.yarn_attn_factor")
         key = "rope.scaling.yarn_attn_factor"
         if attn is None:
             attn, key = m.raw("rope.scaling.attn_factor"), "rope.scaling.attn_factor"
-        full = LagunaRope(
+        full = RopeConfig(
             theta=theta, partial=partial, kind="yarn", factor=m.float("rope.scaling.factor"),
             original_max_position_embeddings=m.int("rope.scaling.original_context_length"),
             beta_fast=m.float("rope.scaling.yarn_beta_fast", 32.0), beta_slow=m.float("rope.scaling.yarn_beta_slow", 1.0),
@@ -185,8 +184,45 @@ def _ropes(m: _Meta, head_dim: int, has_sliding: bool) -> tuple[LagunaRope, Lagu
         raise DFlashError(m.where("rope.scaling.type"), f"unsupported value {kind!r}", "none or yarn")
     if m.raw("rope.freq_base_swa") is None and not has_sliding:
         return full, full
-    sliding = LagunaRope(theta=m.float("rope.freq_base_swa", theta), partial=_partial(m, "rope.dimension_count_swa", head_dim, head_dim))
+    sliding = RopeConfig(theta=m.float("rope.freq_base_swa", theta), partial=_partial(m, "rope.dimension_count_swa", head_dim, head_dim))
     return full, sliding
+
+
+def _moe_sizes(m: _Meta, n: int) -> dict:
+    """``LagunaConfig`` MoE fields (``leading_dense_block_count`` dense layers, then sparse ones);
+    refuses expert options Laguna does not use."""
+    lead = m.int("leading_dense_block_count", positive=False)
+    if lead > n:
+        raise DFlashError(m.where("leading_dense_block_count"), f"got {lead}", f"at most block_count = {n}")
+    out = dict(mlp_layer_types=("dense",) * lead + ("sparse",) * (n - lead))
+    if lead == n:
+        return out
+    if m.raw("expert_weights_norm") is not None and m.raw("expert_weights_norm") is not True:
+        raise DFlashError(m.where("expert_weights_norm"), f"got {m.raw('expert_weights_norm')!r}", "true (Laguna renormalises the top-k weights)")
+    func = m.raw("expert_gating_func")
+    if func is not None and func != 2:
+        raise DFlashError(m.where("expert_gating_func"), f"got {func!r}", "2 (sigmoid)")
+    shared = m.raw("expert_shared_count")
+    if shared is not None and shared != 1:
+        raise DFlashError(m.where("expert_shared_count"), f"got {shared!r}", "1 (one always-on shared expert)")
+    return dict(out, num_experts=m.int("expert_count"), num_experts_per_tok=m.int("expert_used_count"),
+                moe_intermediate_size=m.int("expert_feed_forward_length"),
+                shared_expert_intermediate_size=m.int("expert_shared_feed_forward_length"),
+                routed_scaling_factor=m.float("expert_weights_scale"))
+
+
+def _gate_widths(tensors: dict, path: str, n: int, hidden: int) -> dict[int, int]:
+    """``{layer: attn_gate width}`` (ggml ``[H, width]``); every layer must have its gate."""
+    widths = {}
+    for i in range(n):
+        name = f"blk.{i}.attn_gate.weight"
+        if name not in tensors:
+            raise DFlashError(f"{path}: tensor {name}", "missing", "the softplus output gate of every layer")
+        shape = [int(x) for x in tensors[name].shape]
+        if len(shape) != 2:
+            raise DFlashError(f"{path}: tensor {name}", f"ggml shape {shape}", f"[{hidden}, heads or heads*head_dim]")
+        widths[i] = shape[1]
+    return widths
 
 
 def laguna_gguf_config(reader, path: str, dtype: str = "float32") -> tuple[LagunaConfig, dict]:
@@ -200,19 +236,11 @@ def laguna_gguf_config(reader, path: str, dtype: str = "float32") -> tuple[Lagun
         ``token_embd``, a tokenizer or ``vocab_size`` disagreeing with the embedding, or an
         ``attn_gate`` of neither width. Messages name the file and the key or tensor.
     """
-    from dflash_jax.io.gguf import _tokenizer_vocab, metadata
-    from dflash_jax.io.laguna import resolve_gating
-
     arch = metadata(reader, "general.architecture")
     if arch != ARCH:
         raise DFlashError(f"{path}: metadata general.architecture", f"got {arch!r}", f"{ARCH!r}")
     m = _Meta(reader, path)
-    tensors: dict = {}
-    for t in reader.tensors:
-        if t.name in tensors:
-            raise DFlashError(f"{path}: tensor {t.name}", "appears twice", "unique tensor names")
-        tensors[t.name] = t
-
+    tensors = tensor_table(reader, path)
     n = m.int("block_count")
     head_dim = m.int("attention.key_length")
     if m.raw("attention.value_length") not in (None, head_dim):
@@ -221,34 +249,8 @@ def laguna_gguf_config(reader, path: str, dtype: str = "float32") -> tuple[Lagun
     if len(set(kv)) != 1:
         raise DFlashError(m.where("attention.head_count_kv"), f"per-layer values {list(kv)}", "one value for every layer")
     layer_types, window = _layer_types(m, n)
-    lead = m.int("leading_dense_block_count", positive=False)
-    if lead > n:
-        raise DFlashError(m.where("leading_dense_block_count"), f"got {lead}", f"at most block_count = {n}")
-    moe = lead < n
-    if moe:
-        if m.raw("expert_weights_norm") is not None and m.raw("expert_weights_norm") is not True:
-            raise DFlashError(m.where("expert_weights_norm"), f"got {m.raw('expert_weights_norm')!r}", "true (Laguna renormalises the top-k weights)")
-        func = m.raw("expert_gating_func")
-        if func is not None and func != 2:
-            raise DFlashError(m.where("expert_gating_func"), f"got {func!r}", "2 (sigmoid)")
-        shared = m.raw("expert_shared_count")
-        if shared is not None and shared != 1:
-            raise DFlashError(m.where("expert_shared_count"), f"got {shared!r}", "1 (one always-on shared expert)")
-    default = LagunaConfig.__dataclass_fields__
-    opt = (lambda k, f: m.int(k) if moe else default[f].default)  # noqa: E731
-
-    if "token_embd.weight" not in tensors:
-        raise DFlashError(f"{path}: tensor token_embd.weight", "missing", "the token embedding")
-    emb = [int(x) for x in tensors["token_embd.weight"].shape]  # ggml order [H, V]
-    if len(emb) != 2:
-        raise DFlashError(f"{path}: tensor token_embd.weight", f"ggml shape {emb}", "2 dims [hidden, vocab]")
-    vocab = emb[1]
-    n_tok = _tokenizer_vocab(reader)
-    if n_tok is not None and n_tok != vocab:
-        raise DFlashError(f"{path}: tokenizer.ggml.tokens", f"{n_tok} tokens but tensor token_embd.weight has {vocab} rows", "equal sizes")
-    if m.raw("vocab_size") is not None and m.raw("vocab_size") != vocab:
-        raise DFlashError(m.where("vocab_size"), f"{m.raw('vocab_size')} but tensor token_embd.weight has {vocab} rows", "equal sizes")
-
+    moe = _moe_sizes(m, n)
+    vocab = embedding_vocab(reader, tensors, path, f"{ARCH}.vocab_size")
     rope_full, rope_sliding = _ropes(m, head_dim, "sliding_attention" in layer_types)
     cfg = LagunaConfig(
         vocab_size=vocab,
@@ -259,30 +261,17 @@ def laguna_gguf_config(reader, path: str, dtype: str = "float32") -> tuple[Lagun
         num_key_value_heads=kv[0],
         head_dim=head_dim,
         layer_types=layer_types,
-        mlp_layer_types=("dense",) * lead + ("sparse",) * (n - lead),
         gate_per_head=(True,) * n,
         rope_full=rope_full,
         rope_sliding=rope_sliding,
         sliding_window=window,
-        num_experts=opt("expert_count", "num_experts"),
-        num_experts_per_tok=opt("expert_used_count", "num_experts_per_tok"),
-        moe_intermediate_size=opt("expert_feed_forward_length", "moe_intermediate_size"),
-        shared_expert_intermediate_size=opt("expert_shared_feed_forward_length", "shared_expert_intermediate_size"),
-        routed_scaling_factor=m.float("expert_weights_scale") if moe else 1.0,
         rms_norm_eps=m.float("attention.layer_norm_rms_epsilon"),
         tie_word_embeddings="output.weight" not in tensors,
         max_position_embeddings=m.int("context_length"),
         dtype=str(dtype),
+        **moe,
     )
-    widths = {}
-    for i in range(n):
-        name = f"blk.{i}.attn_gate.weight"
-        if name not in tensors:
-            raise DFlashError(f"{path}: tensor {name}", "missing", "the softplus output gate of every layer")
-        shape = [int(x) for x in tensors[name].shape]  # ggml [H, width]
-        if len(shape) != 2:
-            raise DFlashError(f"{path}: tensor {name}", f"ggml shape {shape}", f"[{cfg.hidden_size}, heads or heads*head_dim]")
-        widths[i] = shape[1]
+    widths = _gate_widths(tensors, path, n, cfg.hidden_size)
     cfg = resolve_gating(cfg, widths, lambda i: f"{path}: tensor blk.{i}.attn_gate.weight")
     # The widths fix the gate kind (the converter checked them against ``gating``).
     return dataclasses.replace(cfg, gating_explicit=True), tensors
@@ -290,13 +279,11 @@ def laguna_gguf_config(reader, path: str, dtype: str = "float32") -> tuple[Lagun
 
 def gguf_names(cfg: LagunaConfig) -> dict[str, tuple[tuple[str, ...], int | None, Any]]:
     """``{GGUF tensor name: (params path, repetition index or None, transform)}`` for ``cfg``."""
-    from dflash_jax.models.laguna import layer_slot
-
     names: dict = {"token_embd.weight": (("embed",), None, None), "output_norm.weight": (("norm",), None, None)}
     if not cfg.tie_word_embeddings:
         names["output.weight"] = (("lm_head",), None, "T")
     for i in range(cfg.num_hidden_layers):
-        key, r = layer_slot(cfg, i)
+        key, r = laguna.layer_slot(cfg, i)
         per = dict(_ATTN, **(_DENSE if cfg.mlp_layer_types[i] == "dense" else _SPARSE))
         for base, (leaf, how) in per.items():
             names[f"blk.{i}.{base}"] = ((key, leaf), r, how)
@@ -320,10 +307,6 @@ def load_laguna_gguf_target(path: str | os.PathLike, dtype: Any = "float32", *, 
         an unreadable quantization (file and tensor named).
     """
     import jax
-
-    from dflash_jax.io.gguf import dequantize_tensor, open_gguf
-    from dflash_jax.io.hf import _np_dtype
-    from dflash_jax.models import laguna
 
     path = str(path)
     target = _np_dtype(dtype)

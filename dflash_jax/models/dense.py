@@ -34,6 +34,7 @@ from jax import lax
 from dflash_jax.cache import Capture, KVCache, write_layer_rows, write_rows
 from dflash_jax.config import TargetConfig
 from dflash_jax.nn.attention import causal_mask, gqa_attention, swiglu
+from dflash_jax.nn.embedding import embed, lm_head  # noqa: F401 (the model API: shared by every family)
 from dflash_jax.nn.norms import rms_norm
 from dflash_jax.nn.rope import apply_rope, inv_frequencies
 
@@ -148,19 +149,6 @@ def init_cache(cfg: TargetConfig, batch: int, capacity: int) -> KVCache:
     from dflash_jax.cache import init_kv_cache
 
     return init_kv_cache(cfg.num_hidden_layers, batch, capacity, cfg.num_key_value_heads, cfg.head_dim, cfg.dtype)
-
-
-def embed(params: Params, tokens: jnp.ndarray) -> jnp.ndarray:
-    """``[B, T]`` int32 -> ``[B, T, H]`` rows of the input embedding."""
-    return jnp.take(params["embed"], tokens, axis=0)
-
-
-def lm_head(params: Params, cfg: TargetConfig, hidden: jnp.ndarray) -> jnp.ndarray:
-    """Final-normed hidden ``[..., H]`` -> float32 logits ``[..., V]`` (tied or untied head)."""
-    if "lm_head" in params:
-        w = params["lm_head"]
-        return jnp.einsum("...h,hv->...v", hidden, w, preferred_element_type=jnp.float32)
-    return jnp.einsum("...h,vh->...v", hidden, params["embed"], preferred_element_type=jnp.float32)
 
 
 def _layer(cfg: TargetConfig, inv_freq, x, lp, k_all, v_all, positions, layer):

@@ -23,7 +23,7 @@ import jax.numpy as jnp
 
 from dflash_jax.config import LAGUNA_DRAFTER, DrafterConfig, TargetConfig
 from dflash_jax.models.dense import run_layers
-from dflash_jax.models.target import module_for
+from dflash_jax.nn import embedding
 from dflash_jax.nn.attention import gqa_attention_parts, swiglu
 from dflash_jax.nn.norms import rms_norm
 from dflash_jax.nn.rope import apply_rope, inv_frequencies
@@ -191,7 +191,7 @@ def forward(
         block_len = jnp.full((b,), w, jnp.int32)
     D, hq, hkv = cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads
     inv_freq = inv_frequencies(cfg.rope, D)
-    x = (module_for(target_cfg).embed(target_params, block_tokens) * cfg.input_embedding_scale).astype(cfg.dtype)
+    x = (embedding.embed(target_params, block_tokens) * cfg.input_embedding_scale).astype(cfg.dtype)
     ctx_mask, blk_mask = block_masks(cfg, positions, ctx_len, block_len, ctx_k.shape[2])
 
     def body(x, lp, layer_xs, i):
@@ -223,7 +223,7 @@ def logits(target_params: dict, target_cfg: TargetConfig, cfg: DrafterConfig, hi
     """
     if cfg.draft_vocab_size:
         return head_logits(cfg, hidden, params["draft_head"])
-    return _finish_logits(cfg, module_for(target_cfg).lm_head(target_params, target_cfg, hidden))
+    return _finish_logits(cfg, embedding.lm_head(target_params, target_cfg, hidden))
 
 
 def head_logits(cfg: DrafterConfig, hidden: jnp.ndarray, head: jnp.ndarray) -> jnp.ndarray:

@@ -44,7 +44,6 @@ the committed length). Positions ``>= capacity`` are treated as padding: never w
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import jax
@@ -54,10 +53,11 @@ from flax import struct
 from jax import lax
 
 from dflash_jax.cache import Capture, write_layer_rows, write_rows
-from dflash_jax.config_laguna import LagunaConfig, LagunaRope, yarn_scale
+from dflash_jax.config_laguna import LagunaConfig
 from dflash_jax.nn.attention import gqa_attention_parts, swiglu
+from dflash_jax.nn.embedding import embed, lm_head  # noqa: F401 (the model API: shared by every family)
 from dflash_jax.nn.norms import rms_norm
-from dflash_jax.nn.rope import apply_rope
+from dflash_jax.nn.rope import apply_rope, rope_tables
 
 Params = dict[str, Any]
 
@@ -219,39 +219,6 @@ def cache_bytes(cfg: LagunaConfig, batch: int, capacity: int, itemsize: int = 2)
 
 
 # --------------------------------------------------------------------------------------------
-# RoPE
-
-
-def rope_tables(rope: LagunaRope, head_dim: int, rule: str = "transformers") -> tuple[np.ndarray, float]:
-    """``(inv_freq [rot/2] float64, cos/sin scale)`` of one layer type.
-
-    ``rot = int(head_dim * partial)``; default ``theta^(-2j/rot)``; YaRN as transformers
-    ``_compute_yarn_parameters`` with ``dim = rot`` (correction range floored/ceiled when
-    ``truncate``, linear ramp, ``low == high`` nudged by 0.001). Scale from
-    :func:`dflash_jax.config_laguna.yarn_scale`.
-    """
-    rot = int(head_dim * rope.partial)
-    pos_freqs = rope.theta ** (np.arange(0, rot, 2, dtype=np.float64) / rot)
-    inv = 1.0 / pos_freqs
-    if rope.kind != "yarn":
-        return inv, 1.0
-
-    def corr(n_rot):
-        return rot * math.log(rope.original_max_position_embeddings / (n_rot * 2 * math.pi)) / (2 * math.log(rope.theta))
-
-    low, high = corr(rope.beta_fast), corr(rope.beta_slow)
-    if rope.truncate:
-        low, high = math.floor(low), math.ceil(high)
-    low, high = max(low, 0), min(high, rot - 1)
-    if low == high:
-        high += 0.001
-    ramp = np.clip((np.arange(rot // 2, dtype=np.float64) - low) / (high - low), 0, 1)
-    extrap = 1 - ramp
-    inv = (inv / rope.factor) * (1 - extrap) + inv * extrap
-    return inv, yarn_scale(rope, rule)
-
-
-# --------------------------------------------------------------------------------------------
 # Layers
 
 
@@ -325,18 +292,6 @@ def _layer(cfg: LagunaConfig, i: int, lp, x, k_all, v_all, rep, positions, ring_
     if cfg.mlp_layer_types[i] == "dense":
         return x + swiglu(h2, lp["w_gate"], lp["w_up"], lp["w_down"]), k_all, v_all
     return x + moe(cfg, lp, h2), k_all, v_all
-
-
-def embed(params: Params, tokens: jnp.ndarray) -> jnp.ndarray:
-    """``[B, T]`` int32 -> ``[B, T, H]`` embedding rows (no scaling)."""
-    return jnp.take(params["embed"], tokens, axis=0)
-
-
-def lm_head(params: Params, cfg: LagunaConfig, hidden: jnp.ndarray) -> jnp.ndarray:
-    """Final-normed hidden ``[..., H]`` -> float32 logits ``[..., V]`` (untied unless configured)."""
-    if "lm_head" in params:
-        return jnp.einsum("...h,hv->...v", hidden, params["lm_head"], preferred_element_type=jnp.float32)
-    return jnp.einsum("...h,vh->...v", hidden, params["embed"], preferred_element_type=jnp.float32)
 
 
 def forward_hidden(

@@ -27,7 +27,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from dflash_jax.config import DrafterConfig
-from dflash_jax.models.target import module_for
+from dflash_jax.nn import embedding
 from dflash_jax.nn.attention import gqa_attention_parts, swiglu
 from dflash_jax.nn.norms import rms_norm
 from dflash_jax.nn.rope import apply_rope, inv_frequencies
@@ -109,7 +109,7 @@ def forward(params, cfg: DrafterConfig, target_params, target_cfg, block_tokens,
         block_len = jnp.full((b,), w, jnp.int32)
     D, hq, hkv = cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads
     inv_freq = inv_frequencies(cfg.rope, D)
-    x = module_for(target_cfg).embed(target_params, block_tokens).astype(cfg.dtype)
+    x = embedding.embed(target_params, block_tokens).astype(cfg.dtype)
     ctx_mask, blk_mask = block_masks(cfg, positions, ctx_len, block_len, ctx_k.shape[2])
 
     def body(x, xs):

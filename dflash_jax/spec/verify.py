@@ -18,7 +18,7 @@ import jax.numpy as jnp
 
 from dflash_jax.cache import init_capture
 from dflash_jax.config import DrafterConfig
-from dflash_jax.models.target import module_for
+from dflash_jax.registry import module_for
 from dflash_jax.sampling import SamplingConfig, probabilities, top2_gap
 from dflash_jax.spec.propose import block_positions
 from dflash_jax.spec.state import absorb_context

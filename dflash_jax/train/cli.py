@@ -149,9 +149,9 @@ def init_weights(path, target_cfg, cfg):
         layers, MLP width, mask token id, block size or block attention differ from this run's
         (names the option, this run's value and the drafter's).
     """
-    from dflash_jax.io.drafter import load_drafter
+    from dflash_jax.registry import load_hf_drafter
 
-    got, params = load_drafter(path, target_cfg, dtype="float32")
+    got, params = load_hf_drafter(path, target_cfg, dtype="float32")
     show = {"target_layer_ids": lambda v: ",".join(map(str, v)), "layer_causal": lambda v: "given" if all(v) else "not given"}
     for field, flag in (("num_hidden_layers", "--layers"), ("target_layer_ids", "--target-layer-ids"),
                         ("intermediate_size", "--intermediate-size"), ("mask_token_id", "--mask-token-id"),

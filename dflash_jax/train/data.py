@@ -46,7 +46,7 @@ from dflash_jax.io.files import atomic_path, save_npy, write_text
 from dflash_jax.cache import init_capture
 from dflash_jax.config import TargetConfig
 from dflash_jax.errors import DFlashError
-from dflash_jax.models.target import module_for
+from dflash_jax.registry import module_for
 
 
 LABELS = ("data", "target")

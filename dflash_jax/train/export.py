@@ -43,7 +43,7 @@ def _rope_fields(cfg: DrafterConfig) -> dict:
 
 def _attention_fields(cfg: DrafterConfig) -> dict:
     """``layer_types`` / ``sliding_window`` / ``is_causal`` reproducing ``layer_causal`` and
-    ``layer_window`` under :func:`dflash_jax.config.drafter_config_from_hf`'s rules."""
+    ``layer_window`` under :func:`dflash_jax.config.dflash_drafter_config_from_hf`'s rules."""
     windows = sorted({w for w in cfg.layer_window if w > 0})
     if len(windows) > 1:
         raise DFlashError("drafter config: layer_window", f"several sliding windows {windows}", "one sliding_window for all sliding layers")

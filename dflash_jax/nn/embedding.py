@@ -1,0 +1,23 @@
+"""The input embedding and output head every target family shares.
+
+A target's params carry ``embed [V, H]`` and, untied or after
+:func:`dflash_jax.loading.with_output_head`, ``lm_head [H, V]``; the drafters read the target's
+through these functions, so they need no per-family dispatch.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+
+def embed(params: dict, tokens: jnp.ndarray) -> jnp.ndarray:
+    """``[B, T]`` int32 -> ``[B, T, H]`` rows of ``params["embed"]`` (no scaling)."""
+    return jnp.take(params["embed"], tokens, axis=0)
+
+
+def lm_head(params: dict, cfg, hidden: jnp.ndarray) -> jnp.ndarray:
+    """Final-normed hidden ``[..., H]`` -> float32 logits ``[..., V]`` through ``params["lm_head"]
+    [H, V]`` when present, else the tied embedding ``[V, H]`` (``cfg`` unused: the model API)."""
+    if "lm_head" in params:
+        return jnp.einsum("...h,hv->...v", hidden, params["lm_head"], preferred_element_type=jnp.float32)
+    return jnp.einsum("...h,vh->...v", hidden, params["embed"], preferred_element_type=jnp.float32)

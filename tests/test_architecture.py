@@ -1,0 +1,142 @@
+"""The package's import graph has no cycle (module-level and function-level imports alike).
+
+The graph is built from the source with ``ast``: every ``import dflash_jax.x`` and
+``from dflash_jax... import y`` anywhere in a module (inside functions too: a lazy import that
+closes a cycle is still a cycle) is an edge; ``from package import y`` is an edge to the
+submodule ``package.y`` when there is one, else to ``package`` (a name of its ``__init__``); a
+relative import resolves against the module's package. The enclosing packages that Python
+initialises first are not edges: they are complete before the module starts.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+PACKAGE = "dflash_jax"
+ROOT = Path(__file__).resolve().parent.parent / PACKAGE
+
+
+def _modules(root: Path = ROOT) -> dict[str, Path]:
+    """``{dotted module name: file}`` of every module of the package."""
+    out = {}
+    for f in sorted(root.rglob("*.py")):
+        parts = list(f.relative_to(root.parent).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        out[".".join(parts)] = f
+    return out
+
+
+def _longest_module(name: str, modules: dict) -> str | None:
+    """``name``, or the longest enclosing package of it that is a module of the package."""
+    parts = name.split(".")
+    for i in range(len(parts), 0, -1):
+        if ".".join(parts[:i]) in modules:
+            return ".".join(parts[:i])
+    return None
+
+
+def _imports(name: str, path: Path, modules: dict) -> set[str]:
+    """The package modules ``name`` imports anywhere in its source."""
+    is_pkg = path.name == "__init__.py"
+    package = name if is_pkg else name.rpartition(".")[0]
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found.update(_longest_module(alias.name, modules) for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")
+                base = base[: len(base) - (node.level - 1)]
+                target = ".".join(base + ([node.module] if node.module else []))
+            else:
+                target = node.module or ""
+            for alias in node.names:  # `from pkg import submodule` imports the submodule
+                sub = f"{target}.{alias.name}"
+                found.add(sub if sub in modules else _longest_module(target, modules))
+    found.discard(name)
+    return {m for m in found if m is not None and m.split(".")[0] == PACKAGE}
+
+
+def import_graph(root: Path = ROOT) -> dict[str, set[str]]:
+    """``{module: modules it imports}`` over the whole package."""
+    modules = _modules(root)
+    return {name: _imports(name, path, modules) for name, path in modules.items()}
+
+
+def find_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Every strongly connected component with more than one module (or a self-loop), each as one
+    cycle through it ``[a, b, ..., a]``, sorted."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    components: list[list[str]] = []
+
+    def connect(v: str) -> None:  # Tarjan's algorithm
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph.get(v, ())):
+            if w not in index:
+                connect(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                components.append(sorted(comp))
+
+    for v in sorted(graph):
+        if v not in index:
+            connect(v)
+    return sorted(_cycle_in(graph, comp) for comp in components)
+
+
+def _cycle_in(graph: dict[str, set[str]], comp: list[str]) -> list[str]:
+    """One cycle through the first module of a strongly connected component (breadth-first)."""
+    start, members = comp[0], set(comp)
+    prev: dict[str, str] = {}
+    frontier = [start]
+    while frontier:
+        nxt = []
+        for v in frontier:
+            for w in sorted(graph[v] & members):
+                if w == start:
+                    path = [v]
+                    while path[-1] != start:
+                        path.append(prev[path[-1]])
+                    return [start] + path[::-1][1:] + [start] if v != start else [start, start]
+                if w not in prev:
+                    prev[w] = v
+                    nxt.append(w)
+        frontier = nxt
+    return comp  # unreachable for a strongly connected component
+
+
+def test_the_graph_sees_function_level_and_submodule_imports(tmp_path):
+    pkg = tmp_path / PACKAGE
+    (pkg / "sub").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "sub" / "__init__.py").write_text("")
+    (pkg / "a.py").write_text("def f():\n    from dflash_jax.sub import b\n")
+    (pkg / "sub" / "b.py").write_text("from .. import a\n")
+    (pkg / "c.py").write_text("import dflash_jax.sub.b\n")
+    graph = import_graph(pkg)
+    assert graph[f"{PACKAGE}.a"] == {f"{PACKAGE}.sub.b"}
+    assert graph[f"{PACKAGE}.sub.b"] == {f"{PACKAGE}.a"}
+    assert graph[f"{PACKAGE}.c"] == {f"{PACKAGE}.sub.b"}
+    assert find_cycles(graph) == [[f"{PACKAGE}.a", f"{PACKAGE}.sub.b", f"{PACKAGE}.a"]]
+
+
+def test_no_import_cycle_inside_the_package():
+    cycles = find_cycles(import_graph())
+    assert not cycles, "import cycles inside dflash_jax:\n" + "\n".join(" -> ".join(c) for c in cycles)
