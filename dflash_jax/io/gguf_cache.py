@@ -30,7 +30,8 @@ def cache_path(path: str | os.PathLike) -> Path:
     return Path(str(path) + _CACHE_SUFFIX)
 
 
-def _cache_key(path: str) -> str:
+def cache_key(path: str) -> str:
+    """``"<size>:<mtime_ns>"`` of a file: what a cache built from it is keyed by."""
     st = os.stat(path)
     return f"{st.st_size}:{st.st_mtime_ns}"
 
@@ -70,7 +71,7 @@ def read_cache(path: str) -> tuple[TargetConfig, dict] | None:
     try:
         with safe_open(str(cpath), framework="numpy") as f:
             meta = f.metadata() or {}
-        if meta.get("format") != _CACHE_FORMAT or meta.get("source_key") != _cache_key(path):
+        if meta.get("format") != _CACHE_FORMAT or meta.get("source_key") != cache_key(path):
             return None
         cfg = _cfg_from_json(meta["config"])
         params = _unflatten(load_file(str(cpath)))
@@ -89,7 +90,7 @@ def write_cache(path: str, cfg: TargetConfig, params: dict) -> None:
     """Writes the float32 ``params`` of the GGUF ``path`` to its cache (atomically); a failure to
     write is reported on stderr and otherwise ignored."""
     cpath = cache_path(path)
-    meta = {"format": _CACHE_FORMAT, "source_key": _cache_key(path), "config": _cfg_to_json(cfg.with_dtype("float32"))}
+    meta = {"format": _CACHE_FORMAT, "source_key": cache_key(path), "config": _cfg_to_json(cfg.with_dtype("float32"))}
     try:
         with atomic_path(cpath) as tmp:
             save_file(_flatten(params), str(tmp), metadata=meta)

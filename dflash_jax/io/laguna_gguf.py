@@ -294,7 +294,7 @@ def load_laguna_gguf_target(path: str | os.PathLike, dtype: Any = "float32", *, 
     """Loads a Laguna target GGUF as ``(LagunaConfig, params)``, one tensor at a time.
 
     Args:
-      path: the ``.gguf`` file (any tensor type :func:`dflash_jax.io.gguf.dequantize_tensor`
+      path: the ``.gguf`` file (any tensor type :func:`dflash_jax.io.gguf_file.dequantize_tensor`
         reads: F32, F16, BF16, Q*_0, Q*_1, K-quants).
       dtype: parameter dtype (``"float32"``, ``"bfloat16"``, ``"float16"``); weights are
         dequantized to float32 and cast; ``router_bias`` (``exp_probs_b``) stays float32.

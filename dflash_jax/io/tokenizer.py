@@ -104,14 +104,14 @@ def _tok_cache_path(path: str) -> Path:
 def _read_tok_cache(path: str) -> "Tokenizer | None":
     from tokenizers import Tokenizer as HFTokenizer
 
-    from dflash_jax.io.gguf import _cache_key
+    from dflash_jax.io.gguf_cache import cache_key
 
     cpath = _tok_cache_path(path)
     try:
         if not cpath.is_file() or not os.path.isfile(path):
             return None
         d = json.loads(cpath.read_text(encoding="utf-8"))
-        if d.get("format") != _TOK_CACHE_FORMAT or d.get("source_key") != _cache_key(path):
+        if d.get("format") != _TOK_CACHE_FORMAT or d.get("source_key") != cache_key(path):
             return None
         return Tokenizer(HFTokenizer.from_str(d["tokenizer"]), bos_token_id=d["bos_token_id"], eos_token_ids=d["eos_token_ids"],
                          add_bos=d["add_bos"], chat_template=d["chat_template"], source=path)
@@ -122,10 +122,10 @@ def _read_tok_cache(path: str) -> "Tokenizer | None":
 def _write_tok_cache(path: str, tok: "Tokenizer") -> None:
     import sys
 
-    from dflash_jax.io.gguf import _cache_key
+    from dflash_jax.io.gguf_cache import cache_key
 
     cpath = _tok_cache_path(path)
-    d = dict(format=_TOK_CACHE_FORMAT, source_key=_cache_key(path), tokenizer=tok._tok.to_str(), bos_token_id=tok.bos_token_id,
+    d = dict(format=_TOK_CACHE_FORMAT, source_key=cache_key(path), tokenizer=tok._tok.to_str(), bos_token_id=tok.bos_token_id,
              eos_token_ids=list(tok.eos_token_ids), add_bos=tok.add_bos, chat_template=tok.chat_template)
     try:
         with atomic_path(cpath) as tmp, open(tmp, "w", encoding="utf-8") as f:
@@ -197,7 +197,7 @@ class Tokenizer:
             other than ``gpt2``); an unsupported ``tokenizer.ggml.pre``; token/type lists of
             different lengths. Messages name the file and key.
         """
-        from dflash_jax.io.gguf import metadata, open_gguf, reader_name
+        from dflash_jax.io.gguf_file import metadata, open_gguf, reader_name
 
         is_path = isinstance(path_or_reader, (str, os.PathLike))
         path = str(path_or_reader) if is_path else reader_name(path_or_reader)
