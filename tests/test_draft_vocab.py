@@ -126,7 +126,7 @@ def _prefilled_and_full_logits(target, d):
     block = jnp.asarray([[int(a)] + [dcfg.mask_token_id] * (w - 1) for a in anchor], jnp.int32)
     pos = jnp.asarray(start[:, None] + np.arange(w), jnp.int32)
     h = drafter.forward(dparams, dcfg, params, cfg, block, pos, st.spec.ctx_k, st.spec.ctx_v, jnp.asarray(start, jnp.int32))
-    return st, np.asarray(drafter.logits(params, cfg, dcfg, h[:, 1:]))
+    return st, np.asarray(drafter.logits(dparams, dcfg, params, cfg, h[:, 1:]))
 
 
 def test_argmax_drafts_are_the_best_listed_token(target):

@@ -92,7 +92,7 @@ def test_drafter_logits_match_reference(tmp_path, target, variant):
     cv = jnp.zeros_like(ck).at[:, :, :ctx_len].set(v)
     pos = ctx_len + jnp.arange(w, dtype=jnp.int32)[None]
     out = drafter.forward(params, cfg, t_params, t_cfg, jnp.asarray(block), pos, ck, cv, jnp.array([ctx_len]))
-    got = np.asarray(drafter.logits(t_params, t_cfg, cfg, out))
+    got = np.asarray(drafter.logits(params, cfg, t_params, t_cfg, out))
     assert np.abs(got - want).max() / np.abs(want).max() < 1e-4
 
 

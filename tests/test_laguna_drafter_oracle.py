@@ -155,7 +155,7 @@ def test_drafter_matches_numpy_oracle(gating, theta):
     ck, cv = drafter.context_kv(params, cfg, jnp.asarray(feats, jnp.float32), jnp.asarray(pos, jnp.int32))
     hid = drafter.forward(params, cfg, tparams, tcfg, jnp.asarray(blocks, jnp.int32), jnp.asarray(bpos, jnp.int32),
                           ck, cv, jnp.asarray(ctx_len, jnp.int32))
-    lg = np.asarray(drafter.logits(tparams, tcfg, cfg, hid))
+    lg = np.asarray(drafter.logits(params, cfg, tparams, tcfg, hid))
 
     sd = checkpoint_layout(cfg, params)
     hp = dict(H=H, nh=cfg.num_attention_heads, nkv=cfg.num_key_value_heads, d=cfg.head_dim, eps=cfg.rms_norm_eps,

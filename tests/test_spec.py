@@ -219,7 +219,7 @@ def test_bug_positions_block_uses_absolute_positions(target):
     def direct(offset):
         pos = jnp.arange(start, start + 4, dtype=jnp.int32)[None] + offset
         h = dm.forward(dparams, dcfg, params, cfg, block, pos, st.spec.ctx_k, st.spec.ctx_v, jnp.asarray([start]))
-        return dm.logits(params, cfg, dcfg, h[:, 1:])
+        return dm.logits(dparams, dcfg, params, cfg, h[:, 1:])
 
     np.testing.assert_array_equal(np.asarray(drafts), np.asarray(jnp.argmax(direct(0), -1)))
     assert not np.allclose(np.asarray(direct(0)), np.asarray(direct(5)))
@@ -244,7 +244,7 @@ def test_bug_mask_id_block_is_anchor_then_mask_tokens(target):
     def direct(mask_id):
         block = jnp.asarray([[int(st.tokens[0, start])] + [mask_id] * 3])
         h = dm.forward(dparams, dcfg, params, cfg, block, pos, st.spec.ctx_k, st.spec.ctx_v, jnp.asarray([start]))
-        return dm.logits(params, cfg, dcfg, h[:, 1:])
+        return dm.logits(dparams, dcfg, params, cfg, h[:, 1:])
 
     np.testing.assert_array_equal(np.asarray(drafts), np.asarray(jnp.argmax(direct(dcfg.mask_token_id), -1)))
     assert not np.allclose(np.asarray(direct(dcfg.mask_token_id)), np.asarray(direct(3)))

@@ -550,7 +550,7 @@ def test_export_loads_in_our_loader_and_the_zlab_reference(tmp_path, models):
         want = (hid @ torch.tensor(emb).T).numpy()
     k, v = drafter.context_kv(d_params, d_cfg, jnp.asarray(feats), jnp.arange(ctx, dtype=jnp.int32)[None])
     out = drafter.forward(d_params, d_cfg, t_params, t_cfg, jnp.asarray(block), ctx + jnp.arange(w, dtype=jnp.int32)[None], k, v, jnp.array([ctx]))
-    got = np.asarray(drafter.logits(t_params, t_cfg, d_cfg, out))
+    got = np.asarray(drafter.logits(d_params, d_cfg, t_params, t_cfg, out))
     assert np.abs(got - want).max() / np.abs(want).max() < 1e-4
 
 

@@ -25,66 +25,49 @@ Source: transformers ``modeling_llama.py``, ``modeling_qwen2.py``, ``modeling_qw
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
-from dflash_jax.cache import Capture, KVCache, write_layer_rows, write_rows
+from dflash_jax.cache import Capture, KVCache, init_kv_cache, write_layer_rows
 from dflash_jax.config import TargetConfig
-from dflash_jax.nn.attention import causal_mask, gqa_attention, swiglu
+from dflash_jax.models import capture as captures
+from dflash_jax.models import params as P
+from dflash_jax.models.params import ParamSpec, decoder_layer, stacked
+from dflash_jax.nn.attention import causal_mask, gqa_attention
 from dflash_jax.nn.embedding import embed, lm_head  # noqa: F401 (the model API: shared by every family)
+from dflash_jax.nn.layer import attention_output, mlp_residual, project_qkv
 from dflash_jax.nn.norms import rms_norm
-from dflash_jax.nn.rope import apply_rope, inv_frequencies
+from dflash_jax.nn.rope import inv_frequencies
 
 Params = dict[str, Any]
 
 
+def param_specs(cfg: TargetConfig) -> dict:
+    """The :class:`~dflash_jax.models.params.ParamSpec` (shape, logical axes, initialiser) of every
+    parameter leaf, as a pytree shaped like the params (module docstring)."""
+    H, V = cfg.hidden_size, cfg.vocab_size
+    layer = decoder_layer(H, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.intermediate_size,
+                          qkv_bias=cfg.qkv_bias, o_bias=cfg.o_bias, mlp_bias=cfg.mlp_bias, qk_norm=cfg.qk_norm)
+    specs = {"embed": ParamSpec((V, H), ("vocab", "embed")), "layers": stacked(cfg.num_hidden_layers, layer),
+             "norm": ParamSpec((H,), ("embed",), "norm")}
+    if not cfg.tie_word_embeddings:
+        specs["lm_head"] = ParamSpec((H, V), ("embed", "vocab"))
+    return specs
+
+
 def param_shapes(cfg: TargetConfig) -> dict:
     """The expected shape of every parameter leaf, as a pytree shaped like the params."""
-    L, H, I, V = cfg.num_hidden_layers, cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
-    qd, kd, D = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim, cfg.head_dim
-    layers = {
-        "attn_norm": (L, H), "wq": (L, H, qd), "wk": (L, H, kd), "wv": (L, H, kd), "wo": (L, qd, H),
-        "mlp_norm": (L, H), "w_gate": (L, H, I), "w_up": (L, H, I), "w_down": (L, I, H),
-    }
-    if cfg.qkv_bias:
-        layers.update(bq=(L, qd), bk=(L, kd), bv=(L, kd))
-    if cfg.o_bias:
-        layers.update(bo=(L, H))
-    if cfg.mlp_bias:
-        layers.update(b_gate=(L, I), b_up=(L, I), b_down=(L, H))
-    if cfg.qk_norm:
-        layers.update(q_norm=(L, D), k_norm=(L, D))
-    shapes = {"embed": (V, H), "layers": layers, "norm": (H,)}
-    if not cfg.tie_word_embeddings:
-        shapes["lm_head"] = (H, V)
-    return shapes
-
-
-_AXES = {
-    "attn_norm": ("layers", "embed"), "mlp_norm": ("layers", "embed"),
-    "wq": ("layers", "embed", "q_heads"), "wk": ("layers", "embed", "kv_heads"), "wv": ("layers", "embed", "kv_heads"),
-    "wo": ("layers", "q_heads", "embed"), "bq": ("layers", "q_heads"), "bk": ("layers", "kv_heads"),
-    "bv": ("layers", "kv_heads"), "bo": ("layers", "embed"), "q_norm": ("layers", "head_dim"),
-    "k_norm": ("layers", "head_dim"), "w_gate": ("layers", "embed", "mlp"), "w_up": ("layers", "embed", "mlp"),
-    "w_down": ("layers", "mlp", "embed"), "b_gate": ("layers", "mlp"), "b_up": ("layers", "mlp"),
-    "b_down": ("layers", "embed"),
-}
+    return P.shapes(param_specs(cfg))
 
 
 def param_axes(cfg: TargetConfig, per_layer: bool = False) -> dict:
     """Logical axis names of every parameter leaf (same tree as :func:`param_shapes`; with
     ``per_layer`` the tree of :func:`unstack_layers`: ``L`` dicts without the ``"layers"`` axis)."""
-    shapes = param_shapes(cfg)
-    layer = {k: _AXES[k] for k in shapes["layers"]}
-    if per_layer:
-        layer = tuple({k: v[1:] for k, v in layer.items()} for _ in range(cfg.num_hidden_layers))
-    axes = {"embed": ("vocab", "embed"), "layers": layer, "norm": ("embed",)}
-    if "lm_head" in shapes:
-        axes["lm_head"] = ("embed", "vocab")
-    return axes
+    return P.axes(param_specs(cfg), per_layer)
 
 
 def unstack_layers(params: Params) -> Params:
@@ -131,52 +114,26 @@ def run_layers(body, carry, layers, xs):
 
 def init_params(cfg: TargetConfig, key: jax.Array, scale: float = 0.02) -> Params:
     """Random normal parameters (norm weights near 1) for tests and experiments."""
-    shapes = param_shapes(cfg)
-    leaves, treedef = jax.tree_util.tree_flatten(shapes, is_leaf=lambda x: isinstance(x, tuple))
-    paths = [p for p, _ in jax.tree_util.tree_flatten_with_path(shapes, is_leaf=lambda x: isinstance(x, tuple))[0]]
-    keys = jax.random.split(key, len(leaves))
-    out = []
-    for path, shape, k in zip(paths, leaves, keys):
-        name = str(path[-1].key)
-        x = jax.random.normal(k, shape, jnp.float32)
-        x = 1.0 + 0.1 * x if "norm" in name else scale * x
-        out.append(x.astype(cfg.dtype))
-    return jax.tree_util.tree_unflatten(treedef, out)
+    return P.init(param_specs(cfg), key, scale, cfg.dtype)
 
 
 def init_cache(cfg: TargetConfig, batch: int, capacity: int) -> KVCache:
     """An empty KV cache for ``cfg`` of ``capacity`` slots per row."""
-    from dflash_jax.cache import init_kv_cache
-
     return init_kv_cache(cfg.num_hidden_layers, batch, capacity, cfg.num_key_value_heads, cfg.head_dim, cfg.dtype)
 
 
 def _layer(cfg: TargetConfig, inv_freq, x, lp, k_all, v_all, positions, layer):
     """One decoder layer over ``x [B,T,H]``; writes this layer's K/V rows into the stacked cache
     ``[L, B, S, Hkv, D]`` in place at index ``layer`` (carried through the scan, never copied)."""
-    b, t, _ = x.shape
-    D, hq, hkv = cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads
     h = rms_norm(x, lp["attn_norm"], cfg.rms_norm_eps)
-    q, k, v = h @ lp["wq"], h @ lp["wk"], h @ lp["wv"]
-    if cfg.qkv_bias:
-        q, k, v = q + lp["bq"], k + lp["bk"], v + lp["bv"]
-    q, k, v = q.reshape(b, t, hq, D), k.reshape(b, t, hkv, D), v.reshape(b, t, hkv, D)
-    if cfg.qk_norm:
-        q = rms_norm(q, lp["q_norm"], cfg.rms_norm_eps)
-        k = rms_norm(k, lp["k_norm"], cfg.rms_norm_eps)
-    q = apply_rope(q, positions, inv_freq)
-    k = apply_rope(k, positions, inv_freq)
+    q, k, v = project_qkv(lp, h, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, positions, inv_freq,
+                          cfg.rms_norm_eps, bias=cfg.qkv_bias, qk_norm=cfg.qk_norm)
     k_all = write_layer_rows(k_all, layer, k, positions)
     v_all = write_layer_rows(v_all, layer, v, positions)
     k_cache, v_cache = k_all[layer], v_all[layer]
     mask = causal_mask(positions, k_cache.shape[1])
-    a = gqa_attention(q, k_cache, v_cache, mask).reshape(b, t, hq * D) @ lp["wo"]
-    if cfg.o_bias:
-        a = a + lp["bo"]
-    x = x + a
-    h = rms_norm(x, lp["mlp_norm"], cfg.rms_norm_eps)
-    x = x + swiglu(h, lp["w_gate"], lp["w_up"], lp["w_down"], lp.get("b_gate"), lp.get("b_up"), lp.get("b_down"))
-    return x, k_all, v_all
+    x = x + attention_output(lp, gqa_attention(q, k_cache, v_cache, mask), h, bias=cfg.o_bias)
+    return mlp_residual(lp, x, cfg.rms_norm_eps), k_all, v_all
 
 
 def forward_hidden(
@@ -190,44 +147,27 @@ def forward_hidden(
     """Runs the decoder stack; returns the final-normed hidden states ``[B, T, H]``.
 
     Same contract as :func:`forward` without the LM head, so callers that need only some rows'
-    logits (prefill's last row) pay for the head once.
+    logits (prefill's last row) pay for the head once. Raises
+    :class:`~dflash_jax.errors.DFlashError` for a capture layer id outside the target.
     """
     n_layers = cfg.num_hidden_layers
     inv_freq = inv_frequencies(cfg.rope, cfg.head_dim)
     positions = positions.astype(jnp.int32)
     x = embed(params, tokens).astype(cfg.dtype)
-    if capture is not None:
-        for i in capture.layer_ids:
-            if not 0 <= i < n_layers:
-                raise ValueError(f"capture layer id {i} out of range for a {n_layers}-layer target")
-        slot_of = [len(capture.layer_ids)] * n_layers
-        for s, i in enumerate(capture.layer_ids):
-            slot_of[i] = s
-        slot_of = jnp.asarray(slot_of, jnp.int32)
-        cap = jnp.zeros((len(capture.layer_ids) + 1,) + x.shape, x.dtype)
-    else:
-        slot_of, cap = jnp.zeros((n_layers,), jnp.int32), jnp.zeros((1, 1, 1, 1), x.dtype)
+    slot_of = jnp.asarray(captures.slots(capture, n_layers))
+    cap = captures.stack(capture, x)
 
     def body(carry, lp, slot, i):
         x, cap, k_all, v_all = carry
         x, k_all, v_all = _layer(cfg, inv_freq, x, lp, k_all, v_all, positions, i)
-        if capture is not None:
-            cap = lax.dynamic_update_index_in_dim(cap, x, slot, 0)
-        return x, cap, k_all, v_all
+        return x, captures.keep(capture, cap, x, slot), k_all, v_all
 
     x, cap, k_new, v_new = run_layers(body, (x, cap, cache.k, cache.v), params["layers"], slot_of)
     new_len = jnp.minimum(jnp.maximum(cache.length, positions[:, -1] + 1), cache.capacity)
     cache = KVCache(k=k_new, v=v_new, length=new_len.astype(jnp.int32))
-    if capture is not None:
-        cap = cap[:-1]
-        if capture.post_norm_last and n_layers - 1 in capture.layer_ids:
-            s = capture.layer_ids.index(n_layers - 1)
-            cap = cap.at[s].set(rms_norm(cap[s], params["norm"], cfg.rms_norm_eps))
-        feats = jnp.moveaxis(cap, 0, 2)  # [B, T, n, H]
-        feats = feats.reshape(feats.shape[0], feats.shape[1], -1)
-        idx = positions - capture.base[:, None]
-        capture = capture.replace(hidden=write_rows(capture.hidden, feats, jnp.where(idx < 0, capture.hidden.shape[1], idx)))
-    return rms_norm(x, params["norm"], cfg.rms_norm_eps), cache, capture
+    final_norm = functools.partial(rms_norm, weight=params["norm"], eps=cfg.rms_norm_eps)
+    capture = captures.write(capture, cap, positions, n_layers, final_norm)
+    return final_norm(x), cache, capture
 
 
 def forward(

@@ -22,11 +22,13 @@ import jax
 import jax.numpy as jnp
 
 from dflash_jax.config import LAGUNA_DRAFTER, DrafterConfig, TargetConfig
-from dflash_jax.models.dense import run_layers
+from dflash_jax.errors import DFlashError
+from dflash_jax.models import drafter_layers
+from dflash_jax.models import params as P
+from dflash_jax.models.drafter_layers import context_heads
+from dflash_jax.models.params import ParamSpec, decoder_layer, stacked
 from dflash_jax.nn import embedding
-from dflash_jax.nn.attention import gqa_attention_parts, swiglu
 from dflash_jax.nn.norms import rms_norm
-from dflash_jax.nn.rope import apply_rope, inv_frequencies
 
 
 def _laguna(cfg: DrafterConfig):
@@ -38,65 +40,50 @@ def _laguna(cfg: DrafterConfig):
     return None
 
 
-def param_shapes(cfg: DrafterConfig) -> dict:
-    """Expected shape of every drafter parameter, as a pytree shaped like the params
-    (dispatches to :mod:`dflash_jax.models.laguna_drafter` for Laguna drafters)."""
+def param_specs(cfg: DrafterConfig) -> dict:
+    """The :class:`~dflash_jax.models.params.ParamSpec` (shape, logical axes, initialiser) of every
+    drafter parameter, as a pytree shaped like the params (dispatches to
+    :mod:`dflash_jax.models.laguna_drafter` for Laguna drafters)."""
     if _laguna(cfg):
-        return _with_draft_vocab(cfg, _laguna(cfg).param_shapes(cfg), (cfg.draft_vocab_size,), (cfg.hidden_size, cfg.draft_vocab_size))
-    L, H, I = cfg.num_hidden_layers, cfg.hidden_size, cfg.intermediate_size
-    qd, kd, D = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim, cfg.head_dim
-    layers = {
-        "attn_norm": (L, H), "wq": (L, H, qd), "wk": (L, H, kd), "wv": (L, H, kd), "wo": (L, qd, H),
-        "q_norm": (L, D), "k_norm": (L, D), "mlp_norm": (L, H),
-        "w_gate": (L, H, I), "w_up": (L, H, I), "w_down": (L, I, H),
-    }
-    if cfg.attention_bias:
-        layers.update(bq=(L, qd), bk=(L, kd), bv=(L, kd), bo=(L, H))
-    shapes = {"fc": (len(cfg.target_layer_ids) * H, H), "hidden_norm": (H,), "norm": (H,), "layers": layers}
-    return _with_draft_vocab(cfg, shapes, (cfg.draft_vocab_size,), (H, cfg.draft_vocab_size))
+        return _with_draft_vocab(cfg, _laguna(cfg).param_specs(cfg))
+    H = cfg.hidden_size
+    layer = decoder_layer(H, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.intermediate_size,
+                          qkv_bias=cfg.attention_bias, o_bias=cfg.attention_bias, qk_norm=True)
+    specs = {"fc": ParamSpec((len(cfg.target_layer_ids) * H, H), ("features", "embed")), "hidden_norm": ParamSpec((H,), ("embed",), "norm"),
+             "norm": ParamSpec((H,), ("embed",), "norm"), "layers": stacked(cfg.num_hidden_layers, layer)}
+    return _with_draft_vocab(cfg, specs)
 
 
-def _with_draft_vocab(cfg: DrafterConfig, tree: dict, ids, head) -> dict:
-    """Adds the reduced-vocabulary leaves ``draft_ids`` / ``draft_head`` when the config has them."""
-    return dict(tree, draft_ids=ids, draft_head=head) if cfg.draft_vocab_size else tree
+def _with_draft_vocab(cfg: DrafterConfig, specs: dict) -> dict:
+    """Adds the reduced-vocabulary leaves ``draft_ids [Vd]`` (int32, initialised ``0..Vd-1``) and
+    ``draft_head [H, Vd]`` when the config has a draft vocabulary."""
+    if not cfg.draft_vocab_size:
+        return specs
+    Vd = cfg.draft_vocab_size
+    return dict(specs, draft_ids=ParamSpec((Vd,), ("draft_vocab",), "arange"),
+                draft_head=ParamSpec((cfg.hidden_size, Vd), ("embed", "draft_vocab")))
+
+
+def param_shapes(cfg: DrafterConfig) -> dict:
+    """Expected shape of every drafter parameter, as a pytree shaped like the params."""
+    return P.shapes(param_specs(cfg))
 
 
 def param_axes(cfg: DrafterConfig, per_layer: bool = False) -> dict:
     """Logical axis names of every drafter parameter leaf (with ``per_layer`` the tree of
-    :func:`dflash_jax.models.dense.unstack_layers`: ``Ld`` dicts without the layer axis; not for
-    Laguna drafters, which stay stacked)."""
-    if _laguna(cfg):
-        if per_layer:
-            raise ValueError("Laguna drafters keep stacked layers: no per-layer axes")
-        return _with_draft_vocab(cfg, _laguna(cfg).param_axes(cfg), ("draft_vocab",), ("embed", "draft_vocab"))
-    from dflash_jax.models.dense import _AXES  # same leaf names as the dense target
+    :func:`dflash_jax.models.dense.unstack_layers`: ``Ld`` dicts without the layer axis).
 
-    shapes = param_shapes(cfg)
-    layer = {k: _AXES[k] for k in shapes["layers"]}
-    if per_layer:
-        layer = tuple({k: v[1:] for k, v in layer.items()} for _ in range(cfg.num_hidden_layers))
-    axes = {"fc": ("features", "embed"), "hidden_norm": ("embed",), "norm": ("embed",), "layers": layer}
-    return _with_draft_vocab(cfg, axes, ("draft_vocab",), ("embed", "draft_vocab"))
+    Raises:
+      DFlashError: ``per_layer`` for a Laguna drafter (its layers stay stacked).
+    """
+    if per_layer and _laguna(cfg):
+        raise DFlashError("param_axes(per_layer=True)", "Laguna drafters keep stacked layers", "per_layer=False")
+    return P.axes(param_specs(cfg), per_layer)
 
 
 def init_params(cfg: DrafterConfig, key: jax.Array, scale: float = 0.02) -> dict:
     """Random drafter parameters (norm weights near 1) for tests and training from scratch."""
-    shapes = param_shapes(cfg)
-    flat, treedef = jax.tree_util.tree_flatten_with_path(shapes, is_leaf=lambda x: isinstance(x, tuple))
-    keys = jax.random.split(key, len(flat))
-    out = []
-    for (path, shape), k in zip(flat, keys):
-        if str(path[-1].key) == "draft_ids":
-            out.append(jnp.arange(shape[0], dtype=jnp.int32))
-            continue
-        x = jax.random.normal(k, shape, jnp.float32)
-        x = 1.0 + 0.1 * x if "norm" in str(path[-1].key) else scale * x
-        out.append(x.astype(cfg.dtype))
-    return jax.tree_util.tree_unflatten(treedef, out)
-
-
-def _heads(x, n, d):
-    return x.reshape(x.shape[:-1] + (n, d))
+    return P.init(param_specs(cfg), key, scale, cfg.dtype)
 
 
 def context_kv(params: dict, cfg: DrafterConfig, features: jnp.ndarray, positions: jnp.ndarray):
@@ -123,40 +110,7 @@ def context_kv(params: dict, cfg: DrafterConfig, features: jnp.ndarray, position
         v = jnp.einsum("bth,lhd->lbtd", c, lp["wv"])
     if cfg.attention_bias:
         k, v = k + lp["bk"][:, None, None, :], v + lp["bv"][:, None, None, :]
-    hkv, D = cfg.num_key_value_heads, cfg.head_dim
-    k, v = _heads(k, hkv, D), _heads(v, hkv, D)
-    k = rms_norm(k, lp["k_norm"][:, None, None, None, :], cfg.rms_norm_eps)
-    inv_freq = inv_frequencies(cfg.rope, D)
-    k = jax.vmap(lambda x: apply_rope(x, positions, inv_freq))(k)
-    return k, v
-
-
-def block_masks(cfg: DrafterConfig, positions, ctx_len, block_len, num_ctx: int):
-    """Per-layer visibility masks of one block over ``[context slots | block slots]``.
-
-    Args:
-      positions: ``[B, W]`` int32 absolute block positions (slot 0 = anchor).
-      ctx_len: ``[B]`` int32 number of valid context slots (positions ``[0, ctx_len)``).
-      block_len: ``[B]`` int32 block slots that exist (shorter final block, as z-lab's loop).
-      num_ctx: static number of context slots.
-    Returns:
-      ``(ctx_mask [Ld, B, W, S], blk_mask [Ld, B, W, W])`` bool. Causal layers see block slots
-      at or before their own; windowed layers see keys with ``|q - k| < window`` (context keys
-      are always earlier).
-    """
-    causal = jnp.asarray(cfg.layer_causal, bool)[:, None, None, None]
-    window = jnp.asarray(cfg.layer_window, jnp.int32)[:, None, None, None]
-    s = jnp.arange(num_ctx, dtype=jnp.int32)[None, None, :]
-    qpos = positions[:, :, None]
-    ctx = (s < ctx_len[:, None, None])[None]
-    ctx = ctx & ((window == 0) | ((qpos - s)[None] < window))
-    w = positions.shape[1]
-    off = jnp.arange(w, dtype=jnp.int32)
-    kpos = positions[:, None, :]
-    blk = (off[None, None, :] < block_len[:, None, None])[None]
-    blk = blk & (~causal | (off[None, None, None, :] <= off[None, None, :, None]))
-    blk = blk & ((window == 0) | ((jnp.abs(qpos - kpos))[None] < window))
-    return ctx, blk
+    return context_heads(cfg, k, v, lp["k_norm"], positions)
 
 
 def forward(
@@ -186,40 +140,16 @@ def forward(
     """
     if _laguna(cfg):
         return _laguna(cfg).forward(params, cfg, target_params, target_cfg, block_tokens, positions, ctx_k, ctx_v, ctx_len, block_len)
-    b, w = block_tokens.shape
-    if block_len is None:
-        block_len = jnp.full((b,), w, jnp.int32)
-    D, hq, hkv = cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads
-    inv_freq = inv_frequencies(cfg.rope, D)
-    x = (embedding.embed(target_params, block_tokens) * cfg.input_embedding_scale).astype(cfg.dtype)
-    ctx_mask, blk_mask = block_masks(cfg, positions, ctx_len, block_len, ctx_k.shape[2])
-
-    def body(x, lp, layer_xs, i):
-        ck, cv, cm, bm = layer_xs
-        h = rms_norm(x, lp["attn_norm"], cfg.rms_norm_eps)
-        q, k, v = h @ lp["wq"], h @ lp["wk"], h @ lp["wv"]
-        if cfg.attention_bias:
-            q, k, v = q + lp["bq"], k + lp["bk"], v + lp["bv"]
-        q = apply_rope(rms_norm(_heads(q, hq, D), lp["q_norm"], cfg.rms_norm_eps), positions, inv_freq)
-        k = apply_rope(rms_norm(_heads(k, hkv, D), lp["k_norm"], cfg.rms_norm_eps), positions, inv_freq)
-        a = gqa_attention_parts(q, ((ck, cv, cm), (k, _heads(v, hkv, D), bm))).reshape(b, w, hq * D) @ lp["wo"]
-        if cfg.attention_bias:
-            a = a + lp["bo"]
-        x = x + a
-        x = x + swiglu(rms_norm(x, lp["mlp_norm"], cfg.rms_norm_eps), lp["w_gate"], lp["w_up"], lp["w_down"])
-        return x
-
-    x = run_layers(body, x, params["layers"], (ctx_k, ctx_v, ctx_mask, blk_mask))
-    return rms_norm(x, params["norm"], cfg.rms_norm_eps)
+    return drafter_layers.forward(params, cfg, target_params, target_cfg, block_tokens, positions, ctx_k, ctx_v, ctx_len, block_len)
 
 
-def logits(target_params: dict, target_cfg: TargetConfig, cfg: DrafterConfig, hidden: jnp.ndarray, params: dict | None = None) -> jnp.ndarray:
-    """Draft logits float32 through the target's LM head, with the drafter's
-    ``output_multiplier`` and optional tanh soft-cap (z-lab ``compute_logits``).
+def logits(params: dict, cfg: DrafterConfig, target_params: dict, target_cfg, hidden: jnp.ndarray) -> jnp.ndarray:
+    """Draft logits float32 of final-normed drafter hidden states ``hidden [..., H]``.
 
-    Returns ``[..., V]``, or ``[..., Vd]`` over the draft vocabulary when
-    ``cfg.draft_vocab_size`` is set (then ``params`` must carry ``draft_head``; map indices
-    back to target ids with :func:`draft_token_ids`).
+    Through the target's LM head (``target_params``, ``target_cfg``), with the drafter's
+    ``output_multiplier`` and optional tanh soft-cap (z-lab ``compute_logits``). Returns
+    ``[..., V]``, or ``[..., Vd]`` through ``params["draft_head"]`` when ``cfg.draft_vocab_size``
+    is set (map indices back to target ids with :func:`draft_token_ids`).
     """
     if cfg.draft_vocab_size:
         return head_logits(cfg, hidden, params["draft_head"])

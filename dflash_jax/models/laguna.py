@@ -44,20 +44,24 @@ the committed length). Positions ``>= capacity`` are treated as padding: never w
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import struct
 from jax import lax
 
 from dflash_jax.cache import Capture, write_layer_rows, write_rows
 from dflash_jax.config_laguna import LagunaConfig
+from dflash_jax.models import capture as captures
+from dflash_jax.models import params as P
+from dflash_jax.models.params import ParamSpec, decoder_layer, stacked
 from dflash_jax.nn.attention import gqa_attention_parts, swiglu
 from dflash_jax.nn.embedding import embed, lm_head  # noqa: F401 (the model API: shared by every family)
+from dflash_jax.nn.layer import attention_output, mlp_residual, project_qkv
 from dflash_jax.nn.norms import rms_norm
-from dflash_jax.nn.rope import apply_rope, rope_tables
+from dflash_jax.nn.rope import rope_tables
 
 Params = dict[str, Any]
 
@@ -106,71 +110,52 @@ def layer_slot(cfg: LagunaConfig, layer: int) -> tuple[str, int]:
     raise IndexError(layer)
 
 
-def _layer_shapes(cfg: LagunaConfig, i: int) -> dict:
-    H, D, kv = cfg.hidden_size, cfg.head_dim, cfg.num_key_value_heads
-    nh = cfg.heads_per_layer[i]
-    s = {
-        "attn_norm": (H,), "wq": (H, nh * D), "wk": (H, kv * D), "wv": (H, kv * D), "wo": (nh * D, H),
-        "wg": (H, cfg.gate_width(i)), "q_norm": (D,), "k_norm": (D,), "mlp_norm": (H,),
-    }
-    if cfg.mlp_layer_types[i] == "dense":
-        I = cfg.intermediate_size
-        s.update(w_gate=(H, I), w_up=(H, I), w_down=(I, H))
-    else:
+def _layer_specs(cfg: LagunaConfig, i: int) -> dict:
+    """Specs of decoder layer ``i``'s leaves (no layer axis): attention with gate, then the dense
+    SwiGLU MLP or the MoE leaves."""
+    H = cfg.hidden_size
+    dense = cfg.mlp_layer_types[i] == "dense"
+    s = decoder_layer(H, cfg.heads_per_layer[i], cfg.num_key_value_heads, cfg.head_dim, cfg.intermediate_size if dense else 0,
+                      qk_norm=True, gate=cfg.gate_width(i))
+    if not dense:
         E, Im, Is = cfg.num_experts, cfg.moe_intermediate_size, cfg.shared_expert_intermediate_size
-        s.update(router=(H, E), router_bias=(E,), e_gate=(E, H, Im), e_up=(E, H, Im), e_down=(E, Im, H),
-                 s_gate=(H, Is), s_up=(H, Is), s_down=(Is, H))
+        s.update(
+            router=ParamSpec((H, E), ("embed", "experts")), router_bias=ParamSpec((E,), ("experts",), "bias32"),
+            e_gate=ParamSpec((E, H, Im), ("experts", "embed", "expert_mlp")), e_up=ParamSpec((E, H, Im), ("experts", "embed", "expert_mlp")),
+            e_down=ParamSpec((E, Im, H), ("experts", "expert_mlp", "embed")), s_gate=ParamSpec((H, Is), ("embed", "mlp")),
+            s_up=ParamSpec((H, Is), ("embed", "mlp")), s_down=ParamSpec((Is, H), ("mlp", "embed")),
+        )
     return s
+
+
+def param_specs(cfg: LagunaConfig) -> dict:
+    """The :class:`~dflash_jax.models.params.ParamSpec` (shape, logical axes, initialiser) of every
+    parameter leaf, as a pytree shaped like the params (module docstring); the router bias is
+    float32 (initialised ``normal(0.1)`` so the selection bias matters)."""
+    H = cfg.hidden_size
+    specs: dict = {"embed": ParamSpec((cfg.vocab_size, H), ("vocab", "embed")), "norm": ParamSpec((H,), ("embed",), "norm")}
+    if not cfg.tie_word_embeddings:
+        specs["lm_head"] = ParamSpec((H, cfg.vocab_size), ("embed", "vocab"))
+    for j, (start, p, reps) in enumerate(segments(cfg)):
+        for k in range(p):
+            specs[f"seg{j}_{k}"] = stacked(reps, _layer_specs(cfg, start + k))
+    return specs
 
 
 def param_shapes(cfg: LagunaConfig) -> dict:
     """The shape of every parameter leaf, as a pytree shaped like the params (module docstring)."""
-    shapes: dict = {"embed": (cfg.vocab_size, cfg.hidden_size), "norm": (cfg.hidden_size,)}
-    if not cfg.tie_word_embeddings:
-        shapes["lm_head"] = (cfg.hidden_size, cfg.vocab_size)
-    for j, (start, p, reps) in enumerate(segments(cfg)):
-        for k in range(p):
-            shapes[f"seg{j}_{k}"] = {n: (reps,) + s for n, s in _layer_shapes(cfg, start + k).items()}
-    return shapes
-
-
-_AXES = {
-    "attn_norm": ("embed",), "mlp_norm": ("embed",), "wq": ("embed", "q_heads"), "wk": ("embed", "kv_heads"),
-    "wv": ("embed", "kv_heads"), "wo": ("q_heads", "embed"), "wg": ("embed", "gate"), "q_norm": ("head_dim",),
-    "k_norm": ("head_dim",), "w_gate": ("embed", "mlp"), "w_up": ("embed", "mlp"), "w_down": ("mlp", "embed"),
-    "router": ("embed", "experts"), "router_bias": ("experts",), "e_gate": ("experts", "embed", "expert_mlp"),
-    "e_up": ("experts", "embed", "expert_mlp"), "e_down": ("experts", "expert_mlp", "embed"),
-    "s_gate": ("embed", "mlp"), "s_up": ("embed", "mlp"), "s_down": ("mlp", "embed"),
-}
+    return P.shapes(param_specs(cfg))
 
 
 def param_axes(cfg: LagunaConfig) -> dict:
     """Logical axis names of every parameter leaf (same tree as :func:`param_shapes`)."""
-    out: dict = {}
-    for key, val in param_shapes(cfg).items():
-        if isinstance(val, dict):
-            out[key] = {n: ("layers",) + _AXES[n] for n in val}
-        else:
-            out[key] = {"embed": ("vocab", "embed"), "norm": ("embed",), "lm_head": ("embed", "vocab")}[key]
-    return out
+    return P.axes(param_specs(cfg))
 
 
 def init_params(cfg: LagunaConfig, key: jax.Array, scale: float = 0.02) -> Params:
     """Random parameters for tests: normal(``scale``) weights, norms near 1, router bias
     ``normal(0.1)`` in float32 (so the selection bias matters)."""
-    shapes = param_shapes(cfg)
-    flat, treedef = jax.tree_util.tree_flatten_with_path(shapes, is_leaf=lambda x: isinstance(x, tuple))
-    keys = jax.random.split(key, len(flat))
-    out = []
-    for (path, shape), k in zip(flat, keys):
-        name = str(path[-1].key)
-        x = jax.random.normal(k, shape, jnp.float32)
-        if name == "router_bias":
-            out.append(0.1 * x)
-            continue
-        x = 1.0 + 0.1 * x if "norm" in name else scale * x
-        out.append(x.astype(cfg.dtype))
-    return jax.tree_util.tree_unflatten(treedef, out)
+    return P.init(param_specs(cfg), key, scale, cfg.dtype)
 
 
 # --------------------------------------------------------------------------------------------
@@ -212,12 +197,6 @@ def init_cache(cfg: LagunaConfig, batch: int, capacity: int) -> LagunaCache:
                        capacity=int(capacity))
 
 
-def cache_bytes(cfg: LagunaConfig, batch: int, capacity: int, itemsize: int = 2) -> int:
-    """Bytes of K and V for ``batch`` rows of ``capacity`` tokens (sliding layers: the ring)."""
-    per = 2 * cfg.num_key_value_heads * cfg.head_dim * itemsize * batch
-    return sum(per * (cfg.ring_size if t == "sliding_attention" else capacity) for t in cfg.layer_types)
-
-
 # --------------------------------------------------------------------------------------------
 # Layers
 
@@ -256,18 +235,12 @@ def _layer(cfg: LagunaConfig, i: int, lp, x, k_all, v_all, rep, positions, ring_
     """Decoder layer ``i`` (static) on ``x [B,T,H]``, whose cache is entry ``rep`` (traced int32)
     of its segment's stacked ``k_all``/``v_all`` ``[reps, B, S, Hkv, D]``; the new rows are
     scattered into the carried stacks in place. Returns ``(x, k_all, v_all)``."""
-    b, t, _ = x.shape
     D, hkv = cfg.head_dim, cfg.num_key_value_heads
-    nh = cfg.heads_per_layer[i]
     sliding = cfg.layer_types[i] == "sliding_attention"
     rope = cfg.rope_sliding if sliding else cfg.rope_full
     inv_freq, scale = rope_tables(rope, D, cfg.attention_factor_rule)
     h = rms_norm(x, lp["attn_norm"], cfg.rms_norm_eps)
-    q = rms_norm((h @ lp["wq"]).reshape(b, t, nh, D), lp["q_norm"], cfg.rms_norm_eps)
-    k = rms_norm((h @ lp["wk"]).reshape(b, t, hkv, D), lp["k_norm"], cfg.rms_norm_eps)
-    v = (h @ lp["wv"]).reshape(b, t, hkv, D)
-    q = apply_rope(q, positions, inv_freq, scale)
-    k = apply_rope(k, positions, inv_freq, scale)
+    q, k, v = project_qkv(lp, h, cfg.heads_per_layer[i], hkv, D, positions, inv_freq, cfg.rms_norm_eps, qk_norm=True, rope_scale=scale)
     qpos = positions[:, :, None]
     if sliding:
         win = cfg.sliding_window
@@ -282,16 +255,10 @@ def _layer(cfg: LagunaConfig, i: int, lp, x, k_all, v_all, rep, positions, ring_
         k_all, v_all = write_layer_rows(k_all, rep, k, positions), write_layer_rows(v_all, rep, v, positions)
         mask = jnp.arange(k_all.shape[2], dtype=jnp.int32)[None, None, :] <= qpos
         a = gqa_attention_parts(q, ((k_all[rep], v_all[rep], mask),))
-    g = jax.nn.softplus((h @ lp["wg"]).astype(jnp.float32)).astype(a.dtype)
-    if cfg.gate_per_head[i]:
-        a = (a * g[..., None]).reshape(b, t, nh * D)
-    else:
-        a = a.reshape(b, t, nh * D) * g
-    x = x + a @ lp["wo"]
-    h2 = rms_norm(x, lp["mlp_norm"], cfg.rms_norm_eps)
+    x = x + attention_output(lp, a, h, gate="head" if cfg.gate_per_head[i] else "element")
     if cfg.mlp_layer_types[i] == "dense":
-        return x + swiglu(h2, lp["w_gate"], lp["w_up"], lp["w_down"]), k_all, v_all
-    return x + moe(cfg, lp, h2), k_all, v_all
+        return mlp_residual(lp, x, cfg.rms_norm_eps), k_all, v_all
+    return x + moe(cfg, lp, rms_norm(x, lp["mlp_norm"], cfg.rms_norm_eps)), k_all, v_all
 
 
 def forward_hidden(
@@ -328,20 +295,12 @@ def forward_hidden(
     ring = cache.ring_pos.shape[1]
     ring_ok = real & (positions > last[:, None] - ring)
     ring_idx = jnp.where(ring_ok, positions % ring, ring)
-    n_cap = 0 if capture is None else len(capture.layer_ids)
-    slot_of = [n_cap] * n_layers
-    if capture is not None:
-        for s, i in enumerate(capture.layer_ids):
-            if not 0 <= i < n_layers:
-                raise ValueError(f"capture layer id {i} out of range for a {n_layers}-layer target")
-            slot_of[i] = s
-        cap = jnp.zeros((n_cap + 1,) + x.shape, x.dtype)
-    else:
-        cap = jnp.zeros((1, 1, 1, 1), x.dtype)
+    slot_of = captures.slots(capture, n_layers)
+    cap = captures.stack(capture, x)
     new_kv = {}
     for j, (start, p, reps) in enumerate(segments(cfg)):
         keys = [f"seg{j}_{k}" for k in range(p)]
-        slots = jnp.asarray(np.array(slot_of[start : start + p * reps], np.int32).reshape(reps, p))
+        slots = jnp.asarray(slot_of[start : start + p * reps].reshape(reps, p))
 
         def body(carry, xs, start=start, p=p):  # the caches ride in the carry: rows scattered in place
             x, cap, kvs = carry
@@ -349,8 +308,7 @@ def forward_hidden(
             kvs = list(kvs)
             for k in range(p):
                 x, *kvs[k] = _layer(cfg, start + k, lps[k], x, *kvs[k], r, positions, cache.ring_pos, ring_idx, capacity)
-                if capture is not None:
-                    cap = lax.dynamic_update_index_in_dim(cap, x, slot[k], 0)
+                cap = captures.keep(capture, cap, x, slot[k])
             return (x, cap, [tuple(kv) for kv in kvs]), None
 
         xs = ([params[key] for key in keys], slots, jnp.arange(reps, dtype=jnp.int32))
@@ -359,17 +317,9 @@ def forward_hidden(
     ring_pos = write_rows(cache.ring_pos[..., None], positions[..., None], ring_idx)[..., 0]
     new_len = jnp.minimum(jnp.maximum(cache.length, last + 1), capacity)
     cache = cache.replace(kv=new_kv, ring_pos=ring_pos, length=new_len.astype(jnp.int32))
-    if capture is not None:
-        cap = cap[:-1]
-        if capture.post_norm_last and n_layers - 1 in capture.layer_ids:
-            s = capture.layer_ids.index(n_layers - 1)
-            cap = cap.at[s].set(rms_norm(cap[s], params["norm"], cfg.rms_norm_eps))
-        feats = jnp.moveaxis(cap, 0, 2)
-        feats = feats.reshape(feats.shape[0], feats.shape[1], -1)
-        idx = positions - capture.base[:, None]
-        idx = jnp.where((idx < 0) | ~real, capture.hidden.shape[1], idx)
-        capture = capture.replace(hidden=write_rows(capture.hidden, feats, idx))
-    return rms_norm(x, params["norm"], cfg.rms_norm_eps), cache, capture
+    final_norm = functools.partial(rms_norm, weight=params["norm"], eps=cfg.rms_norm_eps)
+    capture = captures.write(capture, cap, positions, n_layers, final_norm, valid=real)
+    return final_norm(x), cache, capture
 
 
 def forward(params: Params, cfg: LagunaConfig, tokens, positions, cache: LagunaCache, capture: Capture | None = None):

@@ -22,45 +22,32 @@ Parameter pytree (``[in, out]`` layout, layers stacked on ``Ld``)::
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
-from jax import lax
 
 from dflash_jax.config import DrafterConfig
-from dflash_jax.nn import embedding
-from dflash_jax.nn.attention import gqa_attention_parts, swiglu
+from dflash_jax.models import drafter_layers
+from dflash_jax.models import params as P
+from dflash_jax.models.drafter_layers import context_heads
+from dflash_jax.models.params import ParamSpec, decoder_layer, stacked
 from dflash_jax.nn.norms import rms_norm
-from dflash_jax.nn.rope import apply_rope, inv_frequencies
 
 
-def gate_width(cfg: DrafterConfig) -> int:
-    return cfg.num_attention_heads * (1 if cfg.gate == "head" else cfg.head_dim)
+def param_specs(cfg: DrafterConfig) -> dict:
+    """The :class:`~dflash_jax.models.params.ParamSpec` of every Laguna drafter parameter (module
+    docstring; the draft-vocabulary leaves are added by :func:`dflash_jax.models.drafter.param_specs`)."""
+    H = cfg.hidden_size
+    gate = cfg.num_attention_heads * (1 if cfg.gate == "head" else cfg.head_dim)
+    layer = decoder_layer(H, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.intermediate_size,
+                          qk_norm=True, gate=gate)
+    return {"fc": ParamSpec((len(cfg.target_layer_ids) * H, H), ("features", "embed")),
+            "aux_norm": ParamSpec((len(cfg.target_layer_ids), H), ("captures", "embed"), "norm"),
+            "hidden_norm": ParamSpec((H,), ("embed",), "norm"), "norm": ParamSpec((H,), ("embed",), "norm"),
+            "layers": stacked(cfg.num_hidden_layers, layer)}
 
 
 def param_shapes(cfg: DrafterConfig) -> dict:
     """Expected shape of every Laguna drafter parameter (module docstring)."""
-    L, H, I = cfg.num_hidden_layers, cfg.hidden_size, cfg.intermediate_size
-    qd, kd, D = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim, cfg.head_dim
-    K = len(cfg.target_layer_ids)
-    layers = {
-        "attn_norm": (L, H), "wq": (L, H, qd), "wk": (L, H, kd), "wv": (L, H, kd), "wo": (L, qd, H),
-        "wg": (L, H, gate_width(cfg)), "q_norm": (L, D), "k_norm": (L, D), "mlp_norm": (L, H),
-        "w_gate": (L, H, I), "w_up": (L, H, I), "w_down": (L, I, H),
-    }
-    return {"fc": (K * H, H), "aux_norm": (K, H), "hidden_norm": (H,), "norm": (H,), "layers": layers}
-
-
-def param_axes(cfg: DrafterConfig) -> dict:
-    """Logical axis names of every Laguna drafter parameter leaf."""
-    from dflash_jax.models.dense import _AXES
-
-    axes = dict(_AXES, wg=("layers", "embed", "gate"))
-    return {"fc": ("features", "embed"), "aux_norm": ("captures", "embed"), "hidden_norm": ("embed",), "norm": ("embed",),
-            "layers": {k: axes[k] for k in param_shapes(cfg)["layers"]}}
-
-
-def _heads(x, n, d):
-    return x.reshape(x.shape[:-1] + (n, d))
+    return P.shapes(param_specs(cfg))
 
 
 def fuse(params: dict, cfg: DrafterConfig, features: jnp.ndarray) -> jnp.ndarray:
@@ -87,43 +74,9 @@ def context_kv(params: dict, cfg: DrafterConfig, features: jnp.ndarray, position
     u = rms_norm(c[None], lp["attn_norm"][:, None, None, :], cfg.rms_norm_eps)
     k = jnp.einsum("lbth,lhd->lbtd", u, lp["wk"])
     v = jnp.einsum("lbth,lhd->lbtd", u, lp["wv"])
-    hkv, D = cfg.num_key_value_heads, cfg.head_dim
-    k, v = _heads(k, hkv, D), _heads(v, hkv, D)
-    k = rms_norm(k, lp["k_norm"][:, None, None, None, :], cfg.rms_norm_eps)
-    inv_freq = inv_frequencies(cfg.rope, D)
-    k = jax.vmap(lambda x: apply_rope(x, positions, inv_freq))(k)
-    return k, v
+    return context_heads(cfg, k, v, lp["k_norm"], positions)
 
 
-def forward(params, cfg: DrafterConfig, target_params, target_cfg, block_tokens, positions, ctx_k, ctx_v, ctx_len, block_len=None):
-    """One draft pass over a block; same contract as :func:`dflash_jax.models.drafter.forward`.
-
-    Returns:
-      ``[B, W, H]`` final-normed hidden states; slot ``s >= 1`` predicts the token at
-      ``positions[:, s]``.
-    """
-    from dflash_jax.models.drafter import block_masks
-
-    b, w = block_tokens.shape
-    if block_len is None:
-        block_len = jnp.full((b,), w, jnp.int32)
-    D, hq, hkv = cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads
-    inv_freq = inv_frequencies(cfg.rope, D)
-    x = embedding.embed(target_params, block_tokens).astype(cfg.dtype)
-    ctx_mask, blk_mask = block_masks(cfg, positions, ctx_len, block_len, ctx_k.shape[2])
-
-    def body(x, xs):
-        lp, ck, cv, cm, bm = xs
-        h = rms_norm(x, lp["attn_norm"], cfg.rms_norm_eps)
-        q, k, v = h @ lp["wq"], h @ lp["wk"], h @ lp["wv"]
-        q = apply_rope(rms_norm(_heads(q, hq, D), lp["q_norm"], cfg.rms_norm_eps), positions, inv_freq)
-        k = apply_rope(rms_norm(_heads(k, hkv, D), lp["k_norm"], cfg.rms_norm_eps), positions, inv_freq)
-        a = gqa_attention_parts(q, ((ck, cv, cm), (k, _heads(v, hkv, D), bm)))
-        g = jax.nn.softplus((h @ lp["wg"]).astype(jnp.float32)).astype(a.dtype)
-        a = (a * g[..., None]).reshape(b, w, hq * D) if cfg.gate == "head" else a.reshape(b, w, hq * D) * g
-        x = x + a @ lp["wo"]
-        x = x + swiglu(rms_norm(x, lp["mlp_norm"], cfg.rms_norm_eps), lp["w_gate"], lp["w_up"], lp["w_down"])
-        return x, None
-
-    x, _ = lax.scan(body, x, (params["layers"], ctx_k, ctx_v, ctx_mask, blk_mask))
-    return rms_norm(x, params["norm"], cfg.rms_norm_eps)
+forward = drafter_layers.forward
+"""One draft pass over a block (:func:`dflash_jax.models.drafter_layers.forward`: the generic
+drafter's layers with this config's softplus gate, causal block and sliding windows)."""

@@ -50,7 +50,7 @@ def propose_fn(
     b = anchor.shape[0]
     block = jnp.concatenate([anchor, jnp.full((b, width - 1), cfg_d.mask_token_id, jnp.int32)], axis=1)
     hidden = drafter.forward(params_d, cfg_d, params_t, cfg_t, block, positions, state.spec.ctx_k, state.spec.ctx_v, start, block_len)
-    lg = drafter.logits(params_t, cfg_t, cfg_d, hidden[:, 1:], params_d)
+    lg = drafter.logits(params_d, cfg_d, params_t, cfg_t, hidden[:, 1:])
     if sampling.greedy or draft_mode == "argmax":
         return drafter.draft_token_ids(params_d, cfg_d, jnp.argmax(lg, axis=-1)), None
     drafts = drafter.draft_token_ids(params_d, cfg_d, jax.random.categorical(key, warp_logits(lg, sampling), axis=-1))

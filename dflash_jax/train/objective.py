@@ -178,7 +178,7 @@ def loss_terms(
     hidden = block_hidden(params, cfg, target_params, target_cfg, features.astype(cfg.dtype), blk, pos, anchors)
     lab, wt = labels[:, :, 1:], weights[:, :, 1:]  # slot 0 never has a loss
     if draft_ids is None:
-        lg = drafter.logits(target_params, target_cfg, cfg, hidden[:, :, 1:])
+        lg = drafter.logits(params, cfg, target_params, target_cfg, hidden[:, :, 1:])
         ce_wt = wt
     else:
         head = jax.lax.stop_gradient(draft_vocab.head_columns(target_params, draft_ids))

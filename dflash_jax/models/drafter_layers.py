@@ -1,0 +1,99 @@
+"""The draft pass over one block, shared by the generic z-lab drafter and the Laguna drafter.
+
+Both run the same pre-norm layer over ``[context K/V | block]``: q/k/v of the block with
+per-head ``q_norm``/``k_norm`` and RoPE, attention of the block over the cached context plus
+itself (per-layer masks from :func:`block_masks`), the optional softplus output gate
+(``cfg.gate``, Laguna), ``o_proj`` (+ bias with ``attention_bias``) and a SwiGLU MLP. What
+differs between the two (feature fusion and the context K/V input) lives in
+:mod:`dflash_jax.models.drafter` and :mod:`dflash_jax.models.laguna_drafter`.
+
+Source: z-lab ``dflash/model.py`` (``Qwen3DFlashAttention``, ``DFlashDraftModel.forward``);
+vLLM ``laguna_dflash.py`` (``docs/specs/laguna.md`` 6.4 (e)).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from dflash_jax.config import DrafterConfig
+from dflash_jax.models.dense import run_layers
+from dflash_jax.nn import embedding
+from dflash_jax.nn.attention import gqa_attention_parts
+from dflash_jax.nn.layer import attention_output, mlp_residual, project_qkv, split_heads
+from dflash_jax.nn.norms import rms_norm
+from dflash_jax.nn.rope import apply_rope, inv_frequencies
+
+
+def context_heads(cfg: DrafterConfig, k: jnp.ndarray, v: jnp.ndarray, k_norm: jnp.ndarray, positions: jnp.ndarray):
+    """Every layer's context keys and values from their projections.
+
+    Args:
+      k, v: ``[Ld, B, T, Hkv*D]`` projected context (biases added).
+      k_norm: ``[Ld, D]`` each layer's ``k_norm`` weight.
+      positions: ``[B, T]`` int32 absolute positions of the context tokens.
+    Returns:
+      ``(k, v)`` each ``[Ld, B, T, Hkv, D]``: ``k`` per-head ``k_norm``-ed and rotated, ``v`` raw.
+    """
+    hkv, D = cfg.num_key_value_heads, cfg.head_dim
+    k, v = split_heads(k, hkv, D), split_heads(v, hkv, D)
+    k = rms_norm(k, k_norm[:, None, None, None, :], cfg.rms_norm_eps)
+    inv_freq = inv_frequencies(cfg.rope, D)
+    k = jax.vmap(lambda x: apply_rope(x, positions, inv_freq))(k)
+    return k, v
+
+
+def block_masks(cfg: DrafterConfig, positions, ctx_len, block_len, num_ctx: int):
+    """Per-layer visibility masks of one block over ``[context slots | block slots]``.
+
+    Args:
+      positions: ``[B, W]`` int32 absolute block positions (slot 0 = anchor).
+      ctx_len: ``[B]`` int32 number of valid context slots (positions ``[0, ctx_len)``).
+      block_len: ``[B]`` int32 block slots that exist (shorter final block, as z-lab's loop).
+      num_ctx: static number of context slots.
+    Returns:
+      ``(ctx_mask [Ld, B, W, S], blk_mask [Ld, B, W, W])`` bool. Causal layers see block slots
+      at or before their own; windowed layers see keys with ``|q - k| < window`` (context keys
+      are always earlier).
+    """
+    causal = jnp.asarray(cfg.layer_causal, bool)[:, None, None, None]
+    window = jnp.asarray(cfg.layer_window, jnp.int32)[:, None, None, None]
+    s = jnp.arange(num_ctx, dtype=jnp.int32)[None, None, :]
+    qpos = positions[:, :, None]
+    ctx = (s < ctx_len[:, None, None])[None]
+    ctx = ctx & ((window == 0) | ((qpos - s)[None] < window))
+    w = positions.shape[1]
+    off = jnp.arange(w, dtype=jnp.int32)
+    kpos = positions[:, None, :]
+    blk = (off[None, None, :] < block_len[:, None, None])[None]
+    blk = blk & (~causal | (off[None, None, None, :] <= off[None, None, :, None]))
+    blk = blk & ((window == 0) | ((jnp.abs(qpos - kpos))[None] < window))
+    return ctx, blk
+
+
+def forward(params_d: dict, cfg_d: DrafterConfig, params_t: dict, cfg_t, block_tokens: jnp.ndarray, positions: jnp.ndarray,
+            ctx_k: jnp.ndarray, ctx_v: jnp.ndarray, ctx_len: jnp.ndarray, block_len: jnp.ndarray | None = None) -> jnp.ndarray:
+    """One draft pass over a block (contract of :func:`dflash_jax.models.drafter.forward`).
+
+    The block is embedded with the target's embedding times ``cfg_d.input_embedding_scale``;
+    layers run stacked (one scan) or per layer (:func:`dflash_jax.models.dense.run_layers`).
+    Returns ``[B, W, H]`` final-normed hidden states in ``cfg_d.dtype``.
+    """
+    b, w = block_tokens.shape
+    if block_len is None:
+        block_len = jnp.full((b,), w, jnp.int32)
+    D, hq, hkv, eps = cfg_d.head_dim, cfg_d.num_attention_heads, cfg_d.num_key_value_heads, cfg_d.rms_norm_eps
+    inv_freq = inv_frequencies(cfg_d.rope, D)
+    x = (embedding.embed(params_t, block_tokens) * cfg_d.input_embedding_scale).astype(cfg_d.dtype)
+    ctx_mask, blk_mask = block_masks(cfg_d, positions, ctx_len, block_len, ctx_k.shape[2])
+
+    def body(x, lp, layer_xs, i):
+        ck, cv, cm, bm = layer_xs
+        h = rms_norm(x, lp["attn_norm"], eps)
+        q, k, v = project_qkv(lp, h, hq, hkv, D, positions, inv_freq, eps, bias=cfg_d.attention_bias, qk_norm=True)
+        a = gqa_attention_parts(q, ((ck, cv, cm), (k, v, bm)))
+        x = x + attention_output(lp, a, h, gate=cfg_d.gate, bias=cfg_d.attention_bias)
+        return mlp_residual(lp, x, eps)
+
+    x = run_layers(body, x, params_d["layers"], (ctx_k, ctx_v, ctx_mask, blk_mask))
+    return rms_norm(x, params_d["norm"], eps)

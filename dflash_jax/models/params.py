@@ -1,0 +1,104 @@
+"""One declaration per parameter leaf: its shape, logical axes and initialiser.
+
+Each model module builds a tree of :class:`ParamSpec` (``param_specs(cfg)``) shaped like its
+parameter pytree; its ``param_shapes``, ``param_axes`` and ``init_params`` are read off that one
+tree with :func:`shapes`, :func:`axes` and :func:`init`. :func:`decoder_layer` declares the leaves
+shared by every decoder layer (attention, optional gate, SwiGLU MLP) under the same names and
+logical axes for the dense targets, Laguna and both drafters.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+
+class ParamSpec(NamedTuple):
+    """One parameter leaf.
+
+    Attributes:
+      shape: the array shape.
+      axes: one logical axis name (``dflash_jax.sharding``) per dimension.
+      init: ``"normal"`` (``scale * N(0, 1)`` in the model dtype), ``"norm"`` (``1 + 0.1 N(0, 1)``,
+        model dtype), ``"bias32"`` (``0.1 N(0, 1)`` kept float32) or ``"arange"`` (int32
+        ``0..shape[0]-1``).
+    """
+
+    shape: tuple
+    axes: tuple
+    init: str = "normal"
+
+
+def _is_spec(x) -> bool:
+    return isinstance(x, ParamSpec)
+
+
+def stacked(n: int, layer: dict) -> dict:
+    """``layer``'s specs with a leading ``n``-sized ``"layers"`` axis (layers run by one scan)."""
+    return {k: ParamSpec((n,) + s.shape, ("layers",) + s.axes, s.init) for k, s in layer.items()}
+
+
+def shapes(specs) -> dict:
+    """The tree of shapes (tuples) of a spec tree."""
+    return jax.tree_util.tree_map(lambda s: tuple(s.shape), specs, is_leaf=_is_spec)
+
+
+def axes(specs, per_layer: bool = False) -> dict:
+    """The tree of logical axis names (tuples) of a spec tree. With ``per_layer``, its stacked
+    ``"layers"`` dict becomes the tuple of :func:`dflash_jax.models.dense.unstack_layers`: one
+    dict per layer of the axes without their leading ``"layers"`` name."""
+    out = jax.tree_util.tree_map(lambda s: tuple(s.axes), specs, is_leaf=_is_spec)
+    if per_layer:
+        layers = specs["layers"]
+        n = next(iter(layers.values())).shape[0]
+        out["layers"] = tuple({k: tuple(s.axes[1:]) for k, s in layers.items()} for _ in range(n))
+    return out
+
+
+def init(specs, key: jax.Array, scale: float, dtype) -> dict:
+    """Random parameters of a spec tree: one subkey per leaf in flattening order, each leaf drawn
+    as its :attr:`ParamSpec.init` says (``"arange"`` leaves use no randomness but take a key)."""
+    flat, treedef = jax.tree_util.tree_flatten(specs, is_leaf=_is_spec)
+    keys = jax.random.split(key, len(flat))
+    out = []
+    for s, k in zip(flat, keys):
+        if s.init == "arange":
+            out.append(jnp.arange(s.shape[0], dtype=jnp.int32))
+            continue
+        x = jax.random.normal(k, s.shape, jnp.float32)
+        if s.init == "bias32":
+            out.append(0.1 * x)
+            continue
+        x = 1.0 + 0.1 * x if s.init == "norm" else scale * x
+        out.append(x.astype(dtype))
+    return jax.tree_util.tree_unflatten(treedef, out)
+
+
+def decoder_layer(hidden: int, q_heads: int, kv_heads: int, head_dim: int, mlp: int = 0, *, qkv_bias: bool = False,
+                  o_bias: bool = False, mlp_bias: bool = False, qk_norm: bool = False, gate: int = 0) -> dict:
+    """Specs of one decoder layer's leaves (no layer axis): ``attn_norm``, ``wq``/``wk``/``wv``/``wo``,
+    ``mlp_norm``; ``bq``/``bk``/``bv`` with ``qkv_bias``, ``bo`` with ``o_bias``, ``q_norm``/``k_norm``
+    with ``qk_norm``, ``wg [H, gate]`` when ``gate`` > 0, and the SwiGLU MLP ``w_gate``/``w_up``/``w_down``
+    (plus ``b_*`` with ``mlp_bias``) when ``mlp`` > 0."""
+    H, qd, kd, D, I = hidden, q_heads * head_dim, kv_heads * head_dim, head_dim, mlp
+    s = {
+        "attn_norm": ParamSpec((H,), ("embed",), "norm"), "mlp_norm": ParamSpec((H,), ("embed",), "norm"),
+        "wq": ParamSpec((H, qd), ("embed", "q_heads")), "wk": ParamSpec((H, kd), ("embed", "kv_heads")),
+        "wv": ParamSpec((H, kd), ("embed", "kv_heads")), "wo": ParamSpec((qd, H), ("q_heads", "embed")),
+    }
+    if qkv_bias:
+        s.update(bq=ParamSpec((qd,), ("q_heads",)), bk=ParamSpec((kd,), ("kv_heads",)), bv=ParamSpec((kd,), ("kv_heads",)))
+    if o_bias:
+        s.update(bo=ParamSpec((H,), ("embed",)))
+    if qk_norm:
+        s.update(q_norm=ParamSpec((D,), ("head_dim",), "norm"), k_norm=ParamSpec((D,), ("head_dim",), "norm"))
+    if gate:
+        s.update(wg=ParamSpec((H, gate), ("embed", "gate")))
+    if mlp:
+        s.update(w_gate=ParamSpec((H, I), ("embed", "mlp")), w_up=ParamSpec((H, I), ("embed", "mlp")),
+                 w_down=ParamSpec((I, H), ("mlp", "embed")))
+    if mlp and mlp_bias:
+        s.update(b_gate=ParamSpec((I,), ("mlp",)), b_up=ParamSpec((I,), ("mlp",)), b_down=ParamSpec((H,), ("embed",)))
+    return s
