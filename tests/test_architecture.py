@@ -140,3 +140,27 @@ def test_the_graph_sees_function_level_and_submodule_imports(tmp_path):
 def test_no_import_cycle_inside_the_package():
     cycles = find_cycles(import_graph())
     assert not cycles, "import cycles inside dflash_jax:\n" + "\n".join(" -> ".join(c) for c in cycles)
+
+
+def test_registry_finds_each_family_by_architecture_and_type():
+    import pytest
+
+    from dflash_jax import registry
+    from dflash_jax.errors import DFlashError
+    from dflash_jax.testing import tiny_target_config
+
+    for fam in registry.TARGET_FAMILIES:
+        for arch in fam.hf_architectures:
+            assert registry.family_for_hf({"architectures": [arch]}) is fam
+        for model_type in fam.hf_model_types:
+            assert registry.family_for_hf({"model_type": model_type}) is fam
+        assert all(callable(getattr(fam.model, f)) for f in ("embed", "forward_hidden", "lm_head", "init_cache"))
+    assert registry.module_for(tiny_target_config("qwen3")) is registry.family_of(tiny_target_config("llama")).model
+    with pytest.raises(DFlashError, match="architectures"):  # a drafter is not a target, whatever its model_type
+        registry.family_for_hf({"architectures": ["DFlashLagunaForCausalLM"], "model_type": "laguna"}, "d/config.json")
+    with pytest.raises(DFlashError, match="no registered family"):
+        registry.module_for(object())
+    for kind in registry.DRAFTER_KINDS:
+        assert registry.drafter_kind(kind.architecture) is kind
+    with pytest.raises(DFlashError, match="DFlash2DraftModel"):
+        registry.drafter_config_from_hf({"architectures": ["DFlash2DraftModel"]})
