@@ -23,8 +23,9 @@ from dflash_jax import config, config_laguna
 from dflash_jax.errors import DFlashError
 from dflash_jax.io import drafter as io_drafter
 from dflash_jax.io import gguf, gguf_file, hf, laguna, laguna_drafter, laguna_gguf
-from dflash_jax.models import dense
+from dflash_jax.models import dense, dflash_drafter
 from dflash_jax.models import laguna as laguna_model
+from dflash_jax.models import laguna_drafter as laguna_drafter_model
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,6 +66,8 @@ class DrafterKind:
     Attributes:
       architecture: the ``config.json`` ``architectures`` entry.
       parse_hf: ``(config dict, source) -> DrafterConfig``.
+      model: the model module (``param_specs``, ``context_kv``, ``forward``), used through
+        :mod:`dflash_jax.models.drafter`.
       load_hf: ``(folder, cfg, numpy dtype) -> (cfg, params)`` (weights of a checked config).
       gguf_architectures: GGUF ``general.architecture`` values of its GGUF form (none: no GGUF).
       load_gguf: ``(path, target cfg, dtype) -> (cfg, params)`` of a GGUF drafter file.
@@ -73,6 +76,7 @@ class DrafterKind:
 
     architecture: str
     parse_hf: Callable[[Mapping[str, Any], str], Any]
+    model: ModuleType
     load_hf: Callable[..., tuple[Any, dict]]
     gguf_architectures: tuple[str, ...] = ()
     load_gguf: Callable[..., tuple[Any, dict]] | None = None
@@ -104,9 +108,9 @@ TARGET_FAMILIES: tuple[TargetFamily, ...] = (
 )
 
 DRAFTER_KINDS: tuple[DrafterKind, ...] = (
-    DrafterKind(architecture=config.DFLASH_DRAFTER, parse_hf=config.dflash_drafter_config_from_hf,
+    DrafterKind(architecture=config.DFLASH_DRAFTER, parse_hf=config.dflash_drafter_config_from_hf, model=dflash_drafter,
                 load_hf=io_drafter.load_dflash_drafter_weights, per_layer=True),
-    DrafterKind(architecture=config.LAGUNA_DRAFTER, parse_hf=config_laguna.laguna_drafter_config_from_hf,
+    DrafterKind(architecture=config.LAGUNA_DRAFTER, parse_hf=config_laguna.laguna_drafter_config_from_hf, model=laguna_drafter_model,
                 load_hf=laguna_drafter.load_laguna_drafter_safetensors, gguf_architectures=("dflash-draft", "dflash"),
                 load_gguf=laguna_drafter.load_laguna_drafter_gguf),
 )

@@ -12,7 +12,7 @@ import numpy as np
 from dflash_jax.config import DrafterConfig
 from dflash_jax.errors import DFlashError
 from dflash_jax.io.hf import ATTENTION_NAMES, MLP_NAMES, QK_NORM_NAMES, Checkpoint, load_named
-from dflash_jax.models import drafter
+from dflash_jax.models import dflash_drafter
 
 _PER_LAYER = {**ATTENTION_NAMES, **QK_NORM_NAMES, **MLP_NAMES}
 _BIASES = {f"self_attn.{p}_proj.bias": (f"b{p}", False) for p in "qkvo"}
@@ -41,7 +41,7 @@ def load_dflash_drafter_weights(folder: str, cfg: DrafterConfig, target: np.dtyp
       cfg: its parsed config.
       target: parameter numpy dtype.
     Returns:
-      ``(cfg, params)``: the params pytree of :mod:`dflash_jax.models.drafter`.
+      ``(cfg, params)``: the params pytree of :mod:`dflash_jax.models.dflash_drafter`.
     Raises:
       DFlashError: an ``fc`` whose width is not ``len(target_layer_ids) * hidden_size``, or
         missing / unexpected / mis-shaped tensors (each message names the file and tensor).
@@ -57,6 +57,6 @@ def load_dflash_drafter_weights(folder: str, cfg: DrafterConfig, target: np.dtyp
                 f"{ckpt.file_of(fc)}: tensor {fc}", f"shape {shape} does not fit {len(cfg.target_layer_ids)} captured layers",
                 f"{want} = (hidden_size, len(target_layer_ids) * hidden_size)",
             )
-    params = load_named(ckpt, folder, drafter_names(cfg, prefix), drafter.param_shapes(cfg), target,
+    params = load_named(ckpt, folder, drafter_names(cfg, prefix), dflash_drafter.param_shapes(cfg), target,
                         lambda n: n.endswith("rotary_emb.inv_freq"), "DFlash drafter")
     return cfg, params

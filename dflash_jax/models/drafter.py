@@ -1,19 +1,16 @@
-"""The DFlash drafter (z-lab ``DFlashDraftModel``) as pure functions over a parameter pytree.
+"""The DFlash drafter API, for every drafter kind, as pure functions over a parameter pytree.
 
-Captured target features are fused (``fc`` then ``hidden_norm``) and injected as context K/V
-in every draft layer through that layer's own ``k_proj``/``v_proj``, ``k_norm`` and RoPE at the
-context tokens' absolute positions. Queries come only from the block ``[anchor, MASK, ...]``,
-embedded with the target's embedding; the final hidden goes through the target's LM head.
+Captured target features are fused and injected as context K/V in every draft layer
+(:func:`context_kv`); queries come only from the block ``[anchor, MASK, ...]``, embedded with the
+target's embedding; the final hidden goes through the target's LM head (:func:`logits`) or the
+reduced draft vocabulary's head. Each kind (:data:`dflash_jax.registry.DRAFTER_KINDS`:
+:mod:`dflash_jax.models.dflash_drafter` for z-lab ``DFlashDraftModel``,
+:mod:`dflash_jax.models.laguna_drafter` for ``DFlashLagunaForCausalLM``) gives its parameters,
+context K/V and draft pass; this module dispatches by ``cfg.architecture`` and adds what is
+common (draft vocabulary leaves, logits).
 
-Parameter pytree (``[in, out]`` layout, layers stacked on ``Ld``, or a tuple of ``Ld`` per-layer
-dicts made by :func:`dflash_jax.models.dense.unstack_layers`, the CPU inference layout)::
-
-    {"fc": [K*H, H], "hidden_norm": [H], "norm": [H],
-     "layers": {"attn_norm", "wq", "wk", "wv", "wo", "q_norm", "k_norm", "mlp_norm",
-                "w_gate", "w_up", "w_down"  (+ "bq","bk","bv","bo" with attention_bias)}}
-
-Source: z-lab ``dflash/model.py`` (PyPI ``dflash==0.1.0``: ``Qwen3DFlashAttention``,
-``DFlashDraftModel.forward``, ``compute_logits``) and ``docs/specs/dflash.md`` sections 1.5-1.8.
+Source: z-lab ``dflash/model.py`` (PyPI ``dflash==0.1.0``: ``compute_logits``) and
+``docs/specs/dflash.md`` sections 1.5-1.8.
 """
 
 from __future__ import annotations
@@ -21,37 +18,24 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from dflash_jax.config import LAGUNA_DRAFTER, DrafterConfig, TargetConfig
+from dflash_jax import registry
+from dflash_jax.config import DrafterConfig, TargetConfig
 from dflash_jax.errors import DFlashError
-from dflash_jax.models import drafter_layers
 from dflash_jax.models import params as P
-from dflash_jax.models.drafter_layers import context_heads
-from dflash_jax.models.params import ParamSpec, decoder_layer, stacked
+from dflash_jax.models.params import ParamSpec
 from dflash_jax.nn import embedding
-from dflash_jax.nn.norms import rms_norm
 
 
-def _laguna(cfg: DrafterConfig):
-    """The Laguna drafter module when ``cfg.architecture`` is ``DFlashLagunaForCausalLM``."""
-    if cfg.architecture == LAGUNA_DRAFTER:
-        from dflash_jax.models import laguna_drafter
-
-        return laguna_drafter
-    return None
+def _model(cfg: DrafterConfig):
+    """The model module of the drafter's kind (:data:`dflash_jax.registry.DRAFTER_KINDS`)."""
+    return registry.drafter_kind(cfg.architecture).model
 
 
 def param_specs(cfg: DrafterConfig) -> dict:
     """The :class:`~dflash_jax.models.params.ParamSpec` (shape, logical axes, initialiser) of every
-    drafter parameter, as a pytree shaped like the params (dispatches to
-    :mod:`dflash_jax.models.laguna_drafter` for Laguna drafters)."""
-    if _laguna(cfg):
-        return _with_draft_vocab(cfg, _laguna(cfg).param_specs(cfg))
-    H = cfg.hidden_size
-    layer = decoder_layer(H, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.intermediate_size,
-                          qkv_bias=cfg.attention_bias, o_bias=cfg.attention_bias, qk_norm=True)
-    specs = {"fc": ParamSpec((len(cfg.target_layer_ids) * H, H), ("features", "embed")), "hidden_norm": ParamSpec((H,), ("embed",), "norm"),
-             "norm": ParamSpec((H,), ("embed",), "norm"), "layers": stacked(cfg.num_hidden_layers, layer)}
-    return _with_draft_vocab(cfg, specs)
+    drafter parameter, as a pytree shaped like the params: the kind's, plus the draft-vocabulary
+    leaves."""
+    return _with_draft_vocab(cfg, _model(cfg).param_specs(cfg))
 
 
 def _with_draft_vocab(cfg: DrafterConfig, specs: dict) -> dict:
@@ -76,7 +60,7 @@ def param_axes(cfg: DrafterConfig, per_layer: bool = False) -> dict:
     Raises:
       DFlashError: ``per_layer`` for a Laguna drafter (its layers stay stacked).
     """
-    if per_layer and _laguna(cfg):
+    if per_layer and not registry.drafter_kind(cfg.architecture).per_layer:
         raise DFlashError("param_axes(per_layer=True)", "Laguna drafters keep stacked layers", "per_layer=False")
     return P.axes(param_specs(cfg), per_layer)
 
@@ -87,30 +71,17 @@ def init_params(cfg: DrafterConfig, key: jax.Array, scale: float = 0.02) -> dict
 
 
 def context_kv(params: dict, cfg: DrafterConfig, features: jnp.ndarray, positions: jnp.ndarray):
-    """Projects captured target features into every draft layer's context keys and values.
+    """Projects captured target features into every draft layer's context keys and values (the
+    kind's ``context_kv``: :func:`dflash_jax.models.dflash_drafter.context_kv`,
+    :func:`dflash_jax.models.laguna_drafter.context_kv`).
 
     Args:
       features: ``[B, T, K*H]`` concatenated captured hidden states (K = len(target_layer_ids)).
       positions: ``[B, T]`` int32 absolute positions of those tokens.
     Returns:
-      ``(k, v)``, each ``[Ld, B, T, Hkv, D]``: ``k`` is ``k_norm``-ed and rotated, ``v`` raw
-      (context rows skip ``input_layernorm``; source: ``Qwen3DFlashAttention.forward``).
-      Laguna drafters dispatch to :func:`dflash_jax.models.laguna_drafter.context_kv`.
+      ``(k, v)``, each ``[Ld, B, T, Hkv, D]``: ``k`` is ``k_norm``-ed and rotated, ``v`` raw.
     """
-    if _laguna(cfg):
-        return _laguna(cfg).context_kv(params, cfg, features, positions)
-    lp = params["layers"]
-    c = rms_norm(features.astype(cfg.dtype) @ params["fc"], params["hidden_norm"], cfg.rms_norm_eps)
-    if isinstance(lp, (tuple, list)):  # per-layer buffers: project per layer, stack the results
-        k = jnp.stack([c @ layer["wk"] for layer in lp])
-        v = jnp.stack([c @ layer["wv"] for layer in lp])
-        lp = {n: jnp.stack([layer[n] for layer in lp]) for n in ("bk", "bv", "k_norm") if n in lp[0]}
-    else:
-        k = jnp.einsum("bth,lhd->lbtd", c, lp["wk"])
-        v = jnp.einsum("bth,lhd->lbtd", c, lp["wv"])
-    if cfg.attention_bias:
-        k, v = k + lp["bk"][:, None, None, :], v + lp["bv"][:, None, None, :]
-    return context_heads(cfg, k, v, lp["k_norm"], positions)
+    return _model(cfg).context_kv(params, cfg, features, positions)
 
 
 def forward(
@@ -135,12 +106,9 @@ def forward(
       block_len: ``[B]`` int32 existing block slots (default all ``W``).
     Returns:
       ``[B, W, H]`` final-normed hidden states; slot ``i`` predicts the token at
-      ``positions[:, i]`` (slot 0 is discarded by callers). Laguna drafters dispatch to
-      :func:`dflash_jax.models.laguna_drafter.forward`.
+      ``positions[:, i]`` (slot 0 is discarded by callers). The kind's ``forward``.
     """
-    if _laguna(cfg):
-        return _laguna(cfg).forward(params, cfg, target_params, target_cfg, block_tokens, positions, ctx_k, ctx_v, ctx_len, block_len)
-    return drafter_layers.forward(params, cfg, target_params, target_cfg, block_tokens, positions, ctx_k, ctx_v, ctx_len, block_len)
+    return _model(cfg).forward(params, cfg, target_params, target_cfg, block_tokens, positions, ctx_k, ctx_v, ctx_len, block_len)
 
 
 def logits(params: dict, cfg: DrafterConfig, target_params: dict, target_cfg, hidden: jnp.ndarray) -> jnp.ndarray:
