@@ -5,7 +5,7 @@ per-head ``q_norm``/``k_norm`` and RoPE, attention of the block over the cached 
 itself (per-layer masks from :func:`block_masks`), the optional softplus output gate
 (``cfg.gate``, Laguna), ``o_proj`` (+ bias with ``attention_bias``) and a SwiGLU MLP. What
 differs between the two (feature fusion and the context K/V input) lives in
-:mod:`dflash_jax.models.drafter` and :mod:`dflash_jax.models.laguna_drafter`.
+:mod:`dflash_jax.models.dflash_drafter` and :mod:`dflash_jax.models.laguna_drafter`.
 
 Source: z-lab ``dflash/model.py`` (``Qwen3DFlashAttention``, ``DFlashDraftModel.forward``);
 vLLM ``laguna_dflash.py`` (``docs/specs/laguna.md`` 6.4 (e)).
