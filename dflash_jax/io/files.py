@@ -4,15 +4,14 @@ the complete new one."""
 from __future__ import annotations
 
 import contextlib
-import json
 import os
-import struct
 import tempfile
 from pathlib import Path
 from typing import Iterator, Mapping
 
 import ml_dtypes
 import numpy as np
+import safetensors.numpy
 
 from dflash_jax.errors import DFlashError
 
@@ -56,48 +55,27 @@ def save_npy(path: str | os.PathLike, arr: np.ndarray) -> Path:
     return Path(path)
 
 
-_ST_DTYPES = {
-    np.dtype(np.float32): "F32", np.dtype(np.float16): "F16", np.dtype(ml_dtypes.bfloat16): "BF16",
-    np.dtype(np.float64): "F64", np.dtype(np.int32): "I32", np.dtype(np.int64): "I64", np.dtype(np.uint32): "U32",
-    np.dtype(np.uint8): "U8", np.dtype(np.int8): "I8", np.dtype(np.uint16): "U16", np.dtype(np.int16): "I16",
-}
-
-
 def write_safetensors(path: str | os.PathLike, tensors: Mapping[str, np.ndarray], metadata: Mapping[str, str] | None = None) -> Path:
-    """Writes a safetensors file atomically (temporary file, fsync, rename).
-
-    Format: 8-byte little-endian header length, a JSON header
-    ``{name: {dtype, shape, data_offsets}, "__metadata__": {...}}`` padded with spaces to a
-    multiple of 8, then the little-endian tensor bytes in header order. bfloat16 goes through
-    ``ml_dtypes`` (safetensors' numpy API has no bfloat16).
+    """Writes a safetensors file atomically (temporary file, fsync, rename) with the
+    ``safetensors`` library (numpy API; bfloat16 as ``ml_dtypes.bfloat16``).
 
     Args:
-      tensors: name -> array (float32/16, bfloat16, float64, signed/unsigned ints); 0-d allowed.
+      tensors: name -> array (float32/16, bfloat16, float64, bool, signed/unsigned ints; any
+        memory layout); 0-d allowed.
       metadata: string -> string.
+    Returns:
+      ``path``.
     Raises:
-      DFlashError: an unsupported dtype (names the tensor).
+      DFlashError: an unsupported dtype (names the file and tensor).
     """
     path = Path(path)
-    header: dict = {}
-    if metadata:
-        header["__metadata__"] = {str(k): str(v) for k, v in metadata.items()}
-    blobs, off = [], 0
-    for name in tensors:
-        a = np.asarray(tensors[name])
-        if not a.flags.c_contiguous:
-            a = a.copy(order="C")  # np.ascontiguousarray would turn a 0-d array into 1-d
-        code = _ST_DTYPES.get(a.dtype)
-        if code is None:
-            raise DFlashError(f"{path}: tensor {name}", f"unsupported dtype {a.dtype}", "a float or integer dtype")
-        data = a.astype(a.dtype.newbyteorder("<"), copy=False).tobytes()
-        header[name] = {"dtype": code, "shape": list(a.shape), "data_offsets": [off, off + len(data)]}
-        blobs.append(data)
-        off += len(data)
-    raw = json.dumps(header, separators=(",", ":")).encode("utf-8")
-    raw += b" " * (-len(raw) % 8)
-    with atomic_path(path) as tmp, open(tmp, "wb") as f:
-        f.write(struct.pack("<Q", len(raw)))
-        f.write(raw)
-        for b in blobs:
-            f.write(b)
+    arrays = {}
+    for name, value in tensors.items():
+        a = np.asarray(value)
+        if a.dtype.kind not in "biuf" and a.dtype != ml_dtypes.bfloat16:
+            raise DFlashError(f"{path}: tensor {name}", f"unsupported dtype {a.dtype}", "a float, integer or bool dtype")
+        arrays[name] = a
+    meta = {str(k): str(v) for k, v in metadata.items()} if metadata else None
+    with atomic_path(path) as tmp:
+        safetensors.numpy.save_file(arrays, str(tmp), metadata=meta)
     return path

@@ -3,11 +3,10 @@
 A checkpoint folder holds ``config.json`` and either ``model.safetensors`` or a sharded
 ``model.safetensors.index.json`` whose ``weight_map`` names a shard per tensor.
 
-Safetensors files are read with a small header parser of our own (8-byte little-endian header
-length, a JSON header of ``{name: {dtype, shape, data_offsets}}``, then the raw little-endian
-data) and ``np.memmap``: tensors are read one at a time, nothing loads a whole file, and
-bfloat16 works through ``ml_dtypes`` (safetensors' own numpy path has no bf16). Every header is
-validated up front so a truncated or corrupt file fails before any weight is converted.
+Safetensors files are opened with the ``safetensors`` library (``safe_open``, numpy framework:
+memory-mapped, tensors read one at a time, BF16 as ``ml_dtypes.bfloat16``); it validates every
+header when the file opens, so a truncated or corrupt file fails before any weight is converted.
+When it refuses a file, :func:`explain_refusal` names the file and the tensor at fault.
 
 Checks are strict: every problem raises :class:`~dflash_jax.errors.DFlashError` whose message
 names the file and, where there is one, the tensor.
@@ -26,6 +25,7 @@ from typing import Any
 import jax
 import ml_dtypes
 import numpy as np
+import safetensors
 
 from dflash_jax.config import TargetConfig, read_json, target_config_from_hf
 from dflash_jax.errors import DFlashError
@@ -33,17 +33,16 @@ from dflash_jax.errors import DFlashError
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 
-# Safetensors dtype codes -> item sizes (all codes of the format, so any header can be checked).
-_ITEMSIZE = {
-    "BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "I16": 2, "U16": 2, "F16": 2, "BF16": 2,
-    "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8, "F64": 8,
+# Safetensors dtype codes -> bits per element (the codes the library knows; used to place tensors
+# and to explain a refused header).
+_BITS = {
+    "BOOL": 8, "U8": 8, "I8": 8, "F8_E4M3": 8, "F8_E5M2": 8, "F8_E8M0": 8, "F8_E4M3FNUZ": 8, "F8_E5M2FNUZ": 8,
+    "F4": 4, "F6_E2M3": 6, "F6_E3M2": 6, "I16": 16, "U16": 16, "F16": 16, "BF16": 16,
+    "I32": 32, "U32": 32, "F32": 32, "I64": 64, "U64": 64, "F64": 64, "C64": 64,
 }
-# The codes weights may be stored in (all read exactly, then cast to the requested dtype).
-_FLOAT_DTYPES = {
-    "F16": np.dtype("<f2"), "BF16": np.dtype(ml_dtypes.bfloat16), "F32": np.dtype("<f4"), "F64": np.dtype("<f8"),
-}
+# The codes weights may be stored in (read exactly, then cast to the requested dtype).
+FLOAT_CODES = ("F16", "BF16", "F32", "F64")
 _TARGET_DTYPES = {"float32": np.dtype(np.float32), "bfloat16": np.dtype(ml_dtypes.bfloat16), "float16": np.dtype(np.float16)}
-_MAX_HEADER = 100 * 1024 * 1024
 
 # Non-parameter buffers some exporters leave in checkpoints.
 _IGNORED = re.compile(r"(^|\.)rotary_emb\.inv_freq$")
@@ -60,24 +59,25 @@ class TensorInfo:
 
 
 class SafetensorsFile:
-    """A validated, memory-mapped safetensors file; tensors are read one at a time.
+    """An open safetensors file (``safetensors.safe_open``, numpy framework); tensors are read one
+    at a time.
 
     Raises (on construction):
-      DFlashError: the file is missing, truncated, or its header is corrupt (bad length, bad JSON,
-        a tensor whose byte range does not match its dtype and shape or runs past the end).
+      DFlashError: the file is missing, truncated, or its header is corrupt (see
+        :func:`read_safetensors_header`).
     """
 
     def __init__(self, path: str | os.PathLike):
         self.path = str(path)
-        self.tensors = read_safetensors_header(self.path)
-        self._mm = None
+        self._handle = _open(self.path)
+        self.tensors = _tensor_infos(self.path, self._handle)
 
     @property
     def names(self) -> list[str]:
         return list(self.tensors)
 
     def read(self, name: str) -> np.ndarray:
-        """The tensor ``name`` as a read-only numpy view in its stored float dtype.
+        """The tensor ``name`` as a numpy array in its stored float dtype (BF16 as ``ml_dtypes.bfloat16``).
 
         Raises:
           DFlashError: the tensor is absent or stored in a non-float dtype (names file and tensor).
@@ -86,71 +86,82 @@ class SafetensorsFile:
         info = self.tensors.get(name)
         if info is None:
             raise DFlashError(where, "missing", "a tensor of that name in this file")
-        dt = _FLOAT_DTYPES.get(info.dtype)
-        if dt is None:
+        if info.dtype not in FLOAT_CODES:
             raise DFlashError(where, f"unsupported dtype {info.dtype}", "a float dtype: F32, F16, BF16 or F64")
-        if info.end == info.start:
-            return np.zeros(info.shape, dt)
-        if self._mm is None:
-            self._mm = np.memmap(self.path, dtype=np.uint8, mode="r")
-        return self._mm[info.start : info.end].view(dt).reshape(info.shape)
+        return self._handle.get_tensor(name)
 
 
 def read_safetensors_header(path: str | os.PathLike) -> dict[str, TensorInfo]:
-    """Parses and validates a safetensors header without reading any tensor data.
+    """The tensors of a safetensors file, as the ``safetensors`` library validated them.
 
     Returns:
-      ``{name: TensorInfo}`` in header order (``__metadata__`` skipped); byte ranges are absolute.
+      ``{name: TensorInfo}`` in file order; byte ranges are absolute (the library checks that the
+      tensors tile the data section, so they follow from the sizes).
     Raises:
       DFlashError: missing file, truncated file, corrupt header, unknown dtype code, or a tensor
-        whose ``data_offsets`` disagree with its shape or lie past the end of the file.
+        whose ``data_offsets`` disagree with its shape or lie past the end of the file (the
+        message names the file and, where there is one, the tensor).
     """
-    path = str(path)
+    return _tensor_infos(str(path), _open(str(path)))
+
+
+def _open(path: str):
+    """``safe_open(path)``, with the library's refusal turned into a DFlashError naming the file."""
+    if os.path.isdir(path):
+        raise DFlashError(path, "is a directory", "a safetensors file")
     try:
-        size = os.path.getsize(path)
-        with open(path, "rb") as f:
-            head = f.read(8)
-            if len(head) < 8:
-                raise DFlashError(path, f"truncated: {size} bytes", "an 8-byte header length and a JSON header")
-            (n,) = struct.unpack("<Q", head)
-            if n > _MAX_HEADER or 8 + n > size:
-                raise DFlashError(path, f"corrupt or truncated: header length {n} but the file has {size} bytes", "a safetensors file")
-            raw = f.read(n)
+        return safetensors.safe_open(path, framework="numpy")
     except FileNotFoundError:
         raise DFlashError(path, "file not found", "an existing safetensors file") from None
-    except IsADirectoryError:
-        raise DFlashError(path, "is a directory", "a safetensors file") from None
-    try:
-        header = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise DFlashError(path, f"corrupt header ({e})", "a JSON safetensors header") from None
-    if not isinstance(header, dict):
-        raise DFlashError(path, "corrupt header: not a JSON object", "a JSON safetensors header")
-    data_start = 8 + n
+    except (safetensors.SafetensorError, OSError) as e:
+        raise explain_refusal(path, e) from None
+
+
+def _tensor_infos(path: str, handle) -> dict[str, TensorInfo]:
+    data_start = os.path.getsize(path) - sum(_nbytes(handle.get_slice(n)) for n in handle.keys())
     out: dict[str, TensorInfo] = {}
-    for name, entry in header.items():
-        if name == "__metadata__":
-            continue
-        where = f"{path}: tensor {name}"
-        if not isinstance(entry, dict):
-            raise DFlashError(where, "corrupt header entry", "{dtype, shape, data_offsets}")
-        dtype, shape, offs = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
-        if dtype not in _ITEMSIZE:
-            raise DFlashError(where, f"unsupported dtype {dtype!r}", "a safetensors dtype code such as F32, F16 or BF16")
-        if not (isinstance(shape, list) and all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape)):
-            raise DFlashError(where, f"corrupt shape {shape!r}", "a list of non-negative integers")
-        if not (isinstance(offs, list) and len(offs) == 2 and all(isinstance(o, int) and not isinstance(o, bool) for o in offs)
-                and 0 <= offs[0] <= offs[1]):
-            raise DFlashError(where, f"corrupt data_offsets {offs!r}", "[begin, end] with 0 <= begin <= end")
-        nbytes = math.prod(shape) * _ITEMSIZE[dtype]
-        if offs[1] - offs[0] != nbytes:
-            raise DFlashError(where, f"data_offsets {offs} span {offs[1] - offs[0]} bytes for {dtype} {tuple(shape)}",
-                              f"{nbytes} bytes")
-        if data_start + offs[1] > size:
-            raise DFlashError(where, f"truncated file: data ends at byte {data_start + offs[1]} but the file has {size} bytes",
-                              "the complete file")
-        out[name] = TensorInfo(dtype, tuple(shape), data_start + offs[0], data_start + offs[1])
+    for name in handle.offset_keys():
+        sl = handle.get_slice(name)
+        out[name] = TensorInfo(sl.get_dtype(), tuple(sl.get_shape()), data_start, data_start + _nbytes(sl))
+        data_start = out[name].end
     return out
+
+
+def _nbytes(sl) -> int:
+    return math.prod(sl.get_shape()) * _BITS.get(sl.get_dtype(), 8) // 8
+
+
+def explain_refusal(path: str, err: Exception) -> DFlashError:
+    """Why the library refused ``path``, as a DFlashError naming the file and, where there is one,
+    the tensor at fault (its own message names none): the header is read again to find it."""
+    size = os.path.getsize(path)
+    with open(path, "rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            return DFlashError(path, f"truncated: {size} bytes", "an 8-byte header length and a JSON header")
+        (n,) = struct.unpack("<Q", head)
+        if 8 + n > size:
+            return DFlashError(path, f"corrupt or truncated: header length {n} but the file has {size} bytes", "a safetensors file")
+        raw = f.read(n)
+    try:
+        header = json.loads(raw)
+    except ValueError as e:  # bad UTF-8 or bad JSON
+        return DFlashError(path, f"corrupt header ({e})", "a JSON safetensors header")
+    for name, entry in header.items() if isinstance(header, dict) else ():
+        where, entry = f"{path}: tensor {name}", entry if isinstance(entry, dict) else {}
+        dtype, shape, offs = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
+        if name == "__metadata__" or dtype not in _BITS:
+            continue
+        try:
+            nbytes, (begin, end) = math.prod(shape) * _BITS[dtype] // 8, offs
+        except (TypeError, ValueError):
+            return DFlashError(where, f"corrupt shape {shape!r} or data_offsets {offs!r}", "{dtype, shape, data_offsets}")
+        if end - begin != nbytes:
+            return DFlashError(where, f"data_offsets {offs} span {end - begin} bytes for {dtype} {tuple(shape)}", f"{nbytes} bytes")
+        if 8 + n + end > size:
+            return DFlashError(where, f"truncated file: data ends at byte {8 + n + end} but the file has {size} bytes",
+                               "the complete file")
+    return DFlashError(path, f"corrupt header ({err})", "a safetensors file")
 
 
 class Checkpoint:
@@ -201,7 +212,7 @@ class Checkpoint:
         return self.where[name].tensors[name]
 
     def read(self, name: str) -> np.ndarray:
-        """The tensor ``name`` in its stored float dtype (a memory-mapped view)."""
+        """The tensor ``name`` in its stored float dtype."""
         return self.where[name].read(name)
 
 
@@ -328,7 +339,7 @@ def load_named(ckpt: Checkpoint, folder: str, names: dict, shapes: dict, target:
         want_hf = tuple(reversed(want)) if transpose else tuple(want)
         info = ckpt.info(n)
         where = f"{ckpt.file_of(n)}: tensor {n}"
-        if info.dtype not in _FLOAT_DTYPES:
+        if info.dtype not in FLOAT_CODES:
             raise DFlashError(where, f"unsupported dtype {info.dtype}", "a float dtype: F32, F16, BF16 or F64")
         if info.shape != want_hf:
             raise DFlashError(where, f"shape {info.shape}", f"{want_hf} for this config")

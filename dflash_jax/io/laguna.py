@@ -22,7 +22,6 @@ import dataclasses
 import os
 from typing import Any
 
-import jax.numpy as jnp
 import numpy as np
 
 from dflash_jax.config import read_json
@@ -243,9 +242,3 @@ def save_published(path: str | os.PathLike, cfg: LagunaConfig, params: dict) -> 
         out[name] = np.ascontiguousarray(x.T if t else x)
     save_file(out, str(path))
 
-
-def to_jnp(params):
-    """Converts a numpy params tree to jax arrays (helper for tests)."""
-    import jax
-
-    return jax.tree_util.tree_map(jnp.asarray, params)
