@@ -15,83 +15,20 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import sys
 import traceback
 from typing import Sequence
 
+from dflash_jax.cli_common import Parser, UsageError, choices_metavar, int_list, integer, number, one_line, one_of
+from dflash_jax.train import cli as train_cli
+
 DEFAULT_PROMPT = "What is the capital of France? Answer in one sentence."
 
-_TYPE_NAMES = {"int": "an integer", "float": "a number"}
-
-
-class UsageError(Exception):
-    """A command-line usage error, already in the ``<option>: <what> (expected <what>)`` form."""
-
-
-def _usage_message(prog: str, message: str) -> str:
-    """Rewrites one argparse error message into the ``<option>: <what> (expected <what>)`` form."""
-    m = re.fullmatch(r"argument (\S+): (.*)", message, re.S)
-    if m:
-        name, rest = m.group(1).split("/")[-1], m.group(2)
-        inv = re.fullmatch(r"invalid (\w+) value: (.*)", rest, re.S)
-        if inv:
-            return f"{name}: got {inv.group(2)} (expected {_TYPE_NAMES.get(inv.group(1), 'a ' + inv.group(1))})"
-        ch = re.fullmatch(r"invalid choice: (.*?) \(choose from (.*)\)", rest, re.S)
-        if ch:
-            choices = ", ".join(c.strip().strip("'") for c in ch.group(2).split(","))
-            if name == "COMMAND":
-                return f"{ch.group(1).strip(chr(39))}: unknown command (expected one of: {choices})"
-            return f"{name}: got {ch.group(1)} (expected one of: {choices})"
-        if rest.startswith("expected ") and "argument" in rest:
-            return f"{name}: missing value (expected a value after {name})"
-        if rest.startswith("ignored explicit argument"):
-            return f"{name}: {rest} (expected no value)"
-        if "(expected " in rest:
-            return f"{name}: {rest}"
-        return f"{name}: {rest} (expected a valid value, see {prog} --help)"
-    m = re.fullmatch(r"unrecognized arguments: (.*)", message, re.S)
-    if m:
-        return _extra_message(prog, m.group(1).split())
-    m = re.fullmatch(r"ambiguous option: (\S+) could match (.*)", message, re.S)
-    if m:
-        return f"{m.group(1)}: ambiguous option (expected one of: {m.group(2)})"
-    m = re.fullmatch(r"the following arguments are required: (.*)", message, re.S)
-    if m:
-        return f"{m.group(1)}: missing (expected a value)"
-    return f"{prog}: {message} (expected a valid command line, see {prog} --help)"
-
-
-def _extra_message(prog: str, extras: Sequence[str]) -> str:
-    first = extras[0]
-    if first.startswith("-") and len(first) > 1:
-        return f"{first}: unknown option (expected an option listed by {prog} --help)"
-    return f"{first}: unexpected extra argument (expected at most one PROMPT; quote a prompt that has spaces)"
-
-
-class _Parser(argparse.ArgumentParser):
-    """An ``ArgumentParser`` whose usage errors raise :class:`UsageError` (one line, no usage block).
-
-    Subparsers inherit the class, so a new subcommand gets the same behaviour. ``--help`` still
-    prints help and exits with 0.
-    """
-
-    def parse_args(self, args=None, namespace=None):
-        ns, extras = self.parse_known_args(args, namespace)
-        if extras:  # named with the subcommand whose options were parsed
-            command = getattr(ns, "command", None)
-            raise UsageError(_extra_message(f"{self.prog} {command}" if command else self.prog, extras))
-        return ns
-
-    def error(self, message):
-        raise UsageError(_usage_message(self.prog, message))
+DTYPES = ("float32", "bfloat16", "float16")
 
 
 def _prompt_ids(text: str) -> list[int]:
-    try:
-        ids = [int(x) for x in text.replace(" ", "").split(",") if x != ""]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"got {text!r} (expected a comma-separated list of integers, e.g. 1,2,3)") from None
+    ids = list(int_list(text))
     if not ids:
         raise argparse.ArgumentTypeError("empty list (expected e.g. 1,2,3)")
     return ids
@@ -108,7 +45,7 @@ def _json_object(text: str) -> dict:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="dflash-jax", description="DFlash speculative decoding in JAX.")
+    parser = Parser(prog="dflash-jax", description="DFlash speculative decoding in JAX.")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     g = sub.add_parser(
         "generate",
@@ -122,17 +59,18 @@ def build_parser() -> argparse.ArgumentParser:
                    help="target model: a Hugging Face folder or a .gguf file (default: the embedded SmolLM2-135M-Instruct)")
     g.add_argument("--draft", metavar="PATH", default=None, help="DFlash drafter checkpoint (speculative decoding)")
     g.add_argument("--no-spec", action="store_true", help="force plain (non-speculative) decoding")
-    g.add_argument("--block-size", type=int, default=None, metavar="N", help="speculative block size (drafter default)")
-    g.add_argument("--n-max", type=int, default=None, metavar="N", help="most draft tokens verified per step")
-    g.add_argument("--max-new-tokens", type=int, default=128, metavar="N", help="new-token budget (default 128)")
-    g.add_argument("--temperature", type=float, default=0.0, metavar="T", help="sampling temperature (default 0 = greedy)")
-    g.add_argument("--top-k", type=int, default=0, metavar="K", help="keep the K most likely tokens (default 0 = off)")
-    g.add_argument("--top-p", type=float, default=1.0, metavar="P", help="nucleus sampling mass (default 1 = off)")
-    g.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
-    g.add_argument("--chunk-size", type=int, default=256, metavar="N", help="prompt tokens per prefill pass (default 256)")
-    g.add_argument("--max-len", type=int, default=None, metavar="N",
+    g.add_argument("--block-size", type=integer, default=None, metavar="N", help="speculative block size (drafter default)")
+    g.add_argument("--n-max", type=integer, default=None, metavar="N", help="most draft tokens verified per step")
+    g.add_argument("--max-new-tokens", type=integer, default=128, metavar="N", help="new-token budget (default 128)")
+    g.add_argument("--temperature", type=number, default=0.0, metavar="T", help="sampling temperature (default 0 = greedy)")
+    g.add_argument("--top-k", type=integer, default=0, metavar="K", help="keep the K most likely tokens (default 0 = off)")
+    g.add_argument("--top-p", type=number, default=1.0, metavar="P", help="nucleus sampling mass (default 1 = off)")
+    g.add_argument("--seed", type=integer, default=0, help="sampling seed (default 0)")
+    g.add_argument("--chunk-size", type=integer, default=256, metavar="N", help="prompt tokens per prefill pass (default 256)")
+    g.add_argument("--max-len", type=integer, default=None, metavar="N",
                    help="capacity in tokens, prompt included (default: prompt + max-new-tokens, rounded up to 64)")
-    g.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32", help="compute dtype (default float32)")
+    g.add_argument("--dtype", type=one_of(*DTYPES), metavar=choices_metavar(*DTYPES), default="float32",
+                   help="compute dtype (default float32)")
     g.add_argument("--system", metavar="TEXT", default=None, help="system message for the chat template")
     g.add_argument("--stop", metavar="TEXT", action="append", default=[],
                    help="stop when the output contains TEXT (repeatable)")
@@ -143,7 +81,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--json", action="store_true", help="print one JSON object (no streaming)")
     g.add_argument("--chat-template-kwargs", type=_json_object, default=None, metavar="JSON",
                    help='extra chat-template variables, e.g. \'{"enable_thinking": false}\'')
-    sub.add_parser("train", help="train a DFlash drafter (dflash-jax train --help)", add_help=False)
+    train_cli.add_arguments(sub.add_parser("train", help="train a DFlash drafter (dflash-jax train --help)", **train_cli.PARSER_TEXT))
     return parser
 
 
@@ -200,11 +138,9 @@ def _stats_line(stats: dict, finish: str) -> str:
     )
 
 
-def _generate(args) -> int:
-    from dflash_jax import api
-    from dflash_jax.errors import DFlashError, option_error
-    from dflash_jax.sampling import SamplingConfig
-    from dflash_jax.text import TextStream, encode_prompt
+def _check_options(args) -> None:
+    """Refuses option values and combinations before anything loads (DFlashError naming the option)."""
+    from dflash_jax.errors import DFlashError
 
     if args.prompt_ids is not None:
         if args.prompt is not None:
@@ -223,54 +159,57 @@ def _generate(args) -> int:
     for opt, given in (("--n-max", args.n_max is not None), ("--block-size", args.block_size is not None), ("--draft", args.draft is not None)):
         if args.no_spec and given:
             raise DFlashError(opt, "conflicts with --no-spec (plain decoding drafts nothing)", f"either {opt} or --no-spec, not both")
-    sampling = SamplingConfig(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
     if not 0 <= args.seed < 2**63:
         raise DFlashError("--seed", f"got {args.seed}", "an integer in [0, 2**63)")
     if args.max_len is not None and args.max_len < 2:
         raise DFlashError("--max-len", f"got {args.max_len}", "an integer >= 2")
 
-    target = api.load_target(args.target, dtype=args.dtype)
-    tok = target.tokenizer
+
+def _prompt(args, target) -> list[int]:
+    """The prompt ids: ``--prompt-ids``, else PROMPT (or the default question) encoded."""
+    from dflash_jax.errors import DFlashError
+    from dflash_jax.text import encode_prompt
+
     if args.prompt_ids is not None:
-        prompt_ids = list(args.prompt_ids)
-    else:
-        text = DEFAULT_PROMPT if args.prompt is None else args.prompt
-        if not text.strip():
-            raise DFlashError("PROMPT", "empty text (an unset shell variable?)", "a non-empty prompt, or none for the default question")
-        if tok is None:
-            raise DFlashError(f"{target.source}: tokenizer", "missing, so a text prompt cannot be encoded", "--prompt-ids 1,2,3")
-        prompt_ids = encode_prompt(target, text, system=args.system, raw=args.raw,
-                                   chat_template_kwargs=args.chat_template_kwargs)
-    drafter, why = _drafter(args, target)
-    n_max = _n_max(args, drafter)
+        return list(args.prompt_ids)
+    text = DEFAULT_PROMPT if args.prompt is None else args.prompt
+    if not text.strip():
+        raise DFlashError("PROMPT", "empty text (an unset shell variable?)", "a non-empty prompt, or none for the default question")
+    if target.tokenizer is None:
+        raise DFlashError(f"{target.source}: tokenizer", "missing, so a text prompt cannot be encoded", "--prompt-ids 1,2,3")
+    return encode_prompt(target, text, system=args.system, raw=args.raw, chat_template_kwargs=args.chat_template_kwargs)
 
-    out = sys.stdout
-    stream = None
-    on_tokens = None
-    if not args.json:
-        if tok is not None:
-            stream = TextStream(tok, args.stop)
 
-            def on_tokens(new):
-                piece = stream.feed(new[0])
-                if piece:
-                    out.write(piece)
-                    out.flush()
-        else:
-            def on_tokens(new):
-                if new[0]:
-                    out.write(" ".join(str(i) for i in new[0]) + " ")
-                    out.flush()
+def _streamer(tok, stop, out):
+    """``(stream, on_tokens)``: streams one row's text to ``out`` (ids when there is no tokenizer)."""
+    from dflash_jax.text import TextStream
 
-    kwargs = dict(
-        max_new_tokens=args.max_new_tokens, sampling=sampling, max_len=args.max_len, chunk_size=args.chunk_size,
-        stop=args.stop, ignore_eos=args.ignore_eos, seed=args.seed, on_tokens=on_tokens, drafter=drafter, n_max=n_max,
-    )
+    if tok is None:
+        def on_ids(new):
+            if new[0]:
+                out.write(" ".join(str(i) for i in new[0]) + " ")
+                out.flush()
+
+        return None, on_ids
+    stream = TextStream(tok, stop)
+
+    def on_text(new):
+        piece = stream.feed(new[0])
+        if piece:
+            out.write(piece)
+            out.flush()
+
+    return stream, on_text
+
+
+def _run_generate(args, target, prompt_ids, **kwargs):
+    """``api.generate`` with an API error renamed to the option (or PROMPT) its value came from."""
+    from dflash_jax import api
+    from dflash_jax.errors import DFlashError, option_error
+
     try:
-        res = api.generate(target, [prompt_ids], **kwargs)
+        return api.generate(target, [prompt_ids], **kwargs)
     except DFlashError as e:
-        # the API names its argument ("max_len (--max-len)", "prompt"); the command line names
-        # the option the value came from
         if e.where == "prompt":
             raise DFlashError("--prompt-ids" if args.prompt_ids is not None else "PROMPT", e.what, e.expected) from e
         mapped = option_error(e)
@@ -278,16 +217,25 @@ def _generate(args) -> int:
             raise mapped from e
         raise
 
-    stats = res.stats
+
+def _generate(args) -> int:
+    from dflash_jax import api
+    from dflash_jax.sampling import SamplingConfig
+
+    _check_options(args)
+    sampling = SamplingConfig(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
+    target = api.load_target(args.target, dtype=args.dtype)
+    prompt_ids = _prompt(args, target)
+    drafter, why = _drafter(args, target)
+    n_max = _n_max(args, drafter)
+    out = sys.stdout
+    stream, on_tokens = (None, None) if args.json else _streamer(target.tokenizer, args.stop, out)
+    res = _run_generate(args, target, prompt_ids, max_new_tokens=args.max_new_tokens, sampling=sampling, max_len=args.max_len,
+                        chunk_size=args.chunk_size, stop=args.stop, ignore_eos=args.ignore_eos, seed=args.seed,
+                        on_tokens=on_tokens, drafter=drafter, n_max=n_max)
     if args.json:
-        obj = dict(
-            prompt_ids=res.prompt_ids[0],
-            output_ids=res.output_ids[0],
-            text=None if res.texts is None else res.texts[0],
-            finish_reason=res.finish_reason[0],
-            top2_logit_gaps=res.top2_logit_gaps[0],
-            stats=stats,
-        )
+        obj = dict(prompt_ids=res.prompt_ids[0], output_ids=res.output_ids[0], text=None if res.texts is None else res.texts[0],
+                   finish_reason=res.finish_reason[0], top2_logit_gaps=res.top2_logit_gaps[0], stats=res.stats)
         out.write(json.dumps(obj, ensure_ascii=False) + "\n")
         out.flush()
     else:
@@ -295,41 +243,27 @@ def _generate(args) -> int:
             out.write(stream.finish())
         out.write("\n")
         out.flush()
-        print(_stats_line(stats, res.finish_reason[0]) + f" | {why}", file=sys.stderr, flush=True)
+        print(_stats_line(res.stats, res.finish_reason[0]) + f" | {why}", file=sys.stderr, flush=True)
     return 0
-
-
-def _commands(parser: argparse.ArgumentParser) -> list[str]:
-    """The subcommand names of ``parser``."""
-    for action in parser._actions:
-        if isinstance(action, argparse._SubParsersAction):
-            return list(action.choices)
-    return []
-
-
-def _one_line(msg: str) -> str:
-    return " ".join(str(msg).split())
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Runs the command line; returns the exit code (0 ok, 2 bad input or usage)."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv[:1] == ["train"]:  # its own parser and error handling: dflash_jax.train.cli
-        from dflash_jax.train.cli import main as train_main
-
-        return train_main(argv[1:])
     parser = build_parser()
     try:
         args = parser.parse_args(argv)
     except UsageError as e:
-        print(f"error: {_one_line(e)}", file=sys.stderr, flush=True)
+        print(f"error: {one_line(e)}", file=sys.stderr, flush=True)
         return 2
     except SystemExit as e:  # --help (0)
         return int(e.code or 0) if not isinstance(e.code, str) else 2
     if args.command is None:
-        commands = ", ".join(_commands(parser))
+        commands = ", ".join(parser.commands())
         print(f"error: COMMAND: missing (expected one of: {commands}; see dflash-jax --help)", file=sys.stderr, flush=True)
         return 2
+    if args.command == "train":
+        return train_cli.run(args, argv[argv.index("train") + 1 :])
 
     from dflash_jax.errors import DFlashError
 
@@ -345,7 +279,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 130
     if args.debug:
         traceback.print_exception(type(err), err, err.__traceback__, file=sys.stderr)
-    print(f"error: {_one_line(msg)}", file=sys.stderr, flush=True)
+    print(f"error: {one_line(msg)}", file=sys.stderr, flush=True)
     return 2
 
 

@@ -24,72 +24,75 @@ import time
 from pathlib import Path
 
 from dflash_jax import draft_vocab
+from dflash_jax.cli_common import Parser, UsageError, choices_metavar, int_list, integer, number, one_line, one_of
 from dflash_jax.errors import DFlashError, option_error
+from dflash_jax.train.optim import COMPUTE_DTYPES, DECAYS
+
+EXPORT_DTYPES = ("bfloat16", "float16", "float32")
 
 
-def _ids(text: str) -> tuple:
-    try:
-        return tuple(int(x) for x in text.replace(" ", "").split(",") if x)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+PARSER_TEXT = dict(description=__doc__.split("\n\n")[0], epilog=__doc__.split("\n\n", 1)[1],
+                   formatter_class=argparse.RawDescriptionHelpFormatter)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The argument parser of ``dflash-jax train``."""
-    from dflash_jax.cli import _Parser  # one-line usage errors, as `dflash-jax generate`
+    """The argument parser of ``dflash-jax train`` on its own (``python -m dflash_jax.train``)."""
+    return add_arguments(Parser(prog="dflash-jax train", **PARSER_TEXT))
 
-    ap = _Parser(prog="dflash-jax train", description=__doc__.split("\n\n")[0],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__.split("\n\n", 1)[1])
+
+def add_arguments(ap: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Adds the options of ``dflash-jax train`` to ``ap`` (its own parser, or the ``train``
+    subparser of ``dflash-jax``); returns ``ap``."""
     g = ap.add_argument_group("data and target")
     g.add_argument("--data", required=True, help="dataset folder (tools/make_train_data.py, TokenDataset)")
     g.add_argument("--out", required=True, help="run folder: checkpoints, logs, tau curve (resumed when it exists)")
     g.add_argument("--target", default=None, help="target .gguf or HF folder (default: embedded SmolLM2-135M-Instruct)")
     g.add_argument("--features", default=None, help="target-feature cache folder (default <out>/features; built when missing)")
     g.add_argument("--no-feature-cache", action="store_true", help="recompute target features in every step instead")
-    g.add_argument("--labels", choices=("data", "target"), default="data",
+    g.add_argument("--labels", type=one_of("data", "target"), metavar=choices_metavar("data", "target"), default="data",
                    help="what each block slot learns: the data's token (default; self-distilled answers are the target's "
                         "greedy output) or the target's greedy next token after the data's prefix (for text the target "
                         "did not write, e.g. source code; needs the feature cache, which then also stores next tokens)")
     g = ap.add_argument_group("drafter (defaults follow the target)")
-    g.add_argument("--layers", type=int, default=2, help="draft layers (default 2)")
-    g.add_argument("--target-layer-ids", type=_ids, default=None,
+    g.add_argument("--layers", type=integer, default=2, help="draft layers (default 2)")
+    g.add_argument("--target-layer-ids", type=int_list, default=None,
                    help="captured target layers, e.g. 1,10,18,27 (default: z-lab's spread for --layers taps)")
-    g.add_argument("--mask-token-id", type=int, required=True,
+    g.add_argument("--mask-token-id", type=integer, required=True,
                    help="id of the block's MASK token: a row of the target embedding that never appears in the data "
                         "(an unused special token)")
-    g.add_argument("--block-size", type=int, default=16, help="training block size (default 16)")
-    g.add_argument("--intermediate-size", type=int, default=None, help="MLP width (default: the target's)")
+    g.add_argument("--block-size", type=integer, default=16, help="training block size (default 16)")
+    g.add_argument("--intermediate-size", type=integer, default=None, help="MLP width (default: the target's)")
     g.add_argument("--causal", action="store_true", help="causal attention inside the block (default bidirectional)")
     g.add_argument("--init-from", default=None, metavar="DRAFTER",
                    help="start from this drafter's weights (z-lab folder) instead of random ones, e.g. to continue "
                         "a shipped drafter on more data; its layers, taps, MLP width, mask id, block size and block "
                         "attention must equal this run's")
     g = ap.add_argument_group("optimisation (docs/specs/dflash.md 3.7)")
-    g.add_argument("--steps", type=int, default=1000)
-    g.add_argument("--batch-size", type=int, default=8, help="sequences per step (default 8)")
-    g.add_argument("--max-len", type=int, default=512, help="padded sequence length; longer sequences are truncated")
-    g.add_argument("--num-anchors", type=int, default=32, help="blocks per sequence (default 32)")
-    g.add_argument("--gamma", type=float, default=None, help="loss decay (default 7 for block 16, 5 for 10, 4 for 8; <= 0: none)")
-    g.add_argument("--draft-vocab", type=int, default=0,
+    g.add_argument("--steps", type=integer, default=1000)
+    g.add_argument("--batch-size", type=integer, default=8, help="sequences per step (default 8)")
+    g.add_argument("--max-len", type=integer, default=512, help="padded sequence length; longer sequences are truncated")
+    g.add_argument("--num-anchors", type=integer, default=32, help="blocks per sequence (default 32)")
+    g.add_argument("--gamma", type=number, default=None, help="loss decay (default 7 for block 16, 5 for 10, 4 for 8; <= 0: none)")
+    g.add_argument("--draft-vocab", type=integer, default=0,
                    help="train and draft over the N tokens most frequent in the responses (default 0: the whole vocabulary)")
-    g.add_argument("--lr", type=float, default=6e-4)
-    g.add_argument("--warmup-ratio", type=float, default=0.04)
-    g.add_argument("--decay", choices=("cosine", "linear", "constant"), default="cosine")
-    g.add_argument("--final-lr-ratio", type=float, default=0.0)
-    g.add_argument("--weight-decay", type=float, default=0.01)
-    g.add_argument("--grad-clip", type=float, default=1.0)
-    g.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="compute dtype (master weights float32)")
-    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--lr", type=number, default=6e-4)
+    g.add_argument("--warmup-ratio", type=number, default=0.04)
+    g.add_argument("--decay", type=one_of(*DECAYS), metavar=choices_metavar(*DECAYS), default="cosine")
+    g.add_argument("--final-lr-ratio", type=number, default=0.0)
+    g.add_argument("--weight-decay", type=number, default=0.01)
+    g.add_argument("--grad-clip", type=number, default=1.0)
+    g.add_argument("--dtype", type=one_of(*COMPUTE_DTYPES), metavar=choices_metavar(*COMPUTE_DTYPES), default="float32", help="compute dtype (master weights float32)")
+    g.add_argument("--seed", type=integer, default=0)
     g = ap.add_argument_group("run")
-    g.add_argument("--ckpt-every", type=int, default=100, help="steps between checkpoints (default 100)")
-    g.add_argument("--keep", type=int, default=3, help="checkpoints kept (default 3)")
-    g.add_argument("--eval-every", type=int, default=0, help="steps between tau evaluations (0: start and end only)")
+    g.add_argument("--ckpt-every", type=integer, default=100, help="steps between checkpoints (default 100)")
+    g.add_argument("--keep", type=integer, default=3, help="checkpoints kept (default 3)")
+    g.add_argument("--eval-every", type=integer, default=0, help="steps between tau evaluations (0: start and end only)")
     g.add_argument("--eval-prompts", default=None, help="JSON with 'ids' or 'texts' (default <data>/eval_prompts.json)")
-    g.add_argument("--eval-max-new", type=int, default=64)
-    g.add_argument("--time-limit", type=float, default=None, help="minutes; checkpoint and stop after this")
-    g.add_argument("--stop-at", type=int, default=None, help="checkpoint and stop after this step")
+    g.add_argument("--eval-max-new", type=integer, default=64)
+    g.add_argument("--time-limit", type=number, default=None, help="minutes; checkpoint and stop after this")
+    g.add_argument("--stop-at", type=integer, default=None, help="checkpoint and stop after this step")
     g.add_argument("--export", default=None, help="exported drafter folder (default <out>/drafter)")
-    g.add_argument("--export-dtype", choices=("bfloat16", "float16", "float32"), default="bfloat16")
+    g.add_argument("--export-dtype", type=one_of(*EXPORT_DTYPES), metavar=choices_metavar(*EXPORT_DTYPES), default="bfloat16")
     g.add_argument("--no-progress", action="store_true")
     return ap
 
@@ -165,7 +168,7 @@ def init_weights(path, target_cfg, cfg):
 
 def _init_record(path, params) -> dict:
     """What an exported drafter records about the drafter it was continued from."""
-    from dflash_jax.train.trainer import params_fingerprint
+    from dflash_jax.train.step import params_fingerprint
 
     p = Path(path)
     try:
@@ -194,27 +197,35 @@ def main(argv=None) -> int:
     Args:
       argv: arguments without the program and subcommand names (default ``sys.argv[1:]``).
     """
-    from dflash_jax.cli import UsageError
-
     try:
         args = build_parser().parse_args(argv)
     except UsageError as e:
-        print(f"error: {' '.join(str(e).split())}", file=sys.stderr, flush=True)
+        print(f"error: {one_line(e)}", file=sys.stderr, flush=True)
         return 2
     except SystemExit as e:  # --help
         return int(e.code or 0) if not isinstance(e.code, str) else 2
+    return run(args, argv)
+
+
+def run(args, argv) -> int:
+    """Trains with parsed ``args`` (``argv``: the arguments as given, recorded with the export);
+    returns 0, or 2 after printing a one-line error for bad input."""
     try:
         return _run(args, argv)
     except DFlashError as e:
-        print(f"error: {option_error(e)}", file=sys.stderr)
+        print(f"error: {one_line(option_error(e))}", file=sys.stderr)
         return 2
 
 
 def _run(args, argv) -> int:
     from dflash_jax.api import load_target
-    from dflash_jax.train.data import Batcher, FeatureCache, TokenDataset, cache_features, count_valid_anchors, target_fingerprint
+    from dflash_jax.train.data import Batcher, count_valid_anchors
+    from dflash_jax.train.dataset import TokenDataset
+    from dflash_jax.train.features import FeatureCache, cache_features, target_fingerprint
     from dflash_jax.train.export import export_drafter
-    from dflash_jax.train.trainer import TrainConfig, train, write_training_curve
+    from dflash_jax.train.evaluation import write_training_curve
+    from dflash_jax.train.optim import TrainConfig
+    from dflash_jax.train.trainer import train
 
     out = Path(args.out)
     target = load_target(args.target)
