@@ -45,6 +45,7 @@ def _json_object(text: str) -> dict:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The ``dflash-jax`` parser: subcommands ``generate`` and ``train`` (:mod:`dflash_jax.train.cli`)."""
     parser = Parser(prog="dflash-jax", description="DFlash speculative decoding in JAX.")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     g = sub.add_parser(

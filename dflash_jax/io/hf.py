@@ -72,10 +72,6 @@ class SafetensorsFile:
         self._handle = _open(self.path)
         self.tensors = _tensor_infos(self.path, self._handle)
 
-    @property
-    def names(self) -> list[str]:
-        return list(self.tensors)
-
     def read(self, name: str) -> np.ndarray:
         """The tensor ``name`` as a numpy array in its stored float dtype (BF16 as ``ml_dtypes.bfloat16``).
 
