@@ -21,6 +21,7 @@ from dflash_jax.models import drafter
 from dflash_jax.testing import tiny_drafter, tiny_target
 from dflash_jax.train import objective
 from dflash_jax.train import data as data_mod
+from dflash_jax.train import features as features_mod
 from dflash_jax.train.data import Batcher, FeatureCache, TokenDataset, cache_features, target_features
 from dflash_jax.train.export import drafter_hf_config, export_drafter
 from dflash_jax.train.trainer import TrainConfig, latest_checkpoint, lr_schedule, params_fingerprint, train
@@ -312,7 +313,7 @@ def test_grown_dataset_reuses_cached_rows(tmp_path, models, monkeypatch):
     def crash(*args, **kw):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(data_mod, "_features_jit", crash)
+    monkeypatch.setattr(features_mod, "_features_jit", crash)
     with pytest.raises(KeyboardInterrupt):  # interrupted while computing the new sequences' rows
         cache_features(t_params, t_cfg, grown, ids, tmp_path / "feat", tokens_per_batch=64, round_to=8, progress=False)
     monkeypatch.undo()

@@ -4,10 +4,14 @@ Modules:
 
 * :mod:`dflash_jax.train.objective` -- the pure loss: random anchors, block inputs, labels at each
   slot's own position, context strictly before the anchor, position-decayed cross-entropy;
-* :mod:`dflash_jax.train.data` -- token-id datasets with loss masks, target-feature capture and
-  cache, deterministic batches;
-* :mod:`dflash_jax.train.trainer` -- AdamW with warmup and decay, the jitted step, tau
-  evaluation with the speculative loop, exact-resume checkpoints;
+* :mod:`dflash_jax.train.dataset` -- token-id datasets with loss masks;
+* :mod:`dflash_jax.train.features` -- target-feature capture, its on-disk cache, fingerprints;
+* :mod:`dflash_jax.train.data` -- deterministic batches (and the two modules above, re-exported);
+* :mod:`dflash_jax.train.optim` -- training settings, AdamW with warmup and decay;
+* :mod:`dflash_jax.train.step` -- the training state and the jitted step;
+* :mod:`dflash_jax.train.checkpoint` -- exact-resume checkpoints;
+* :mod:`dflash_jax.train.evaluation` -- tau with the speculative loop, the training curve;
+* :mod:`dflash_jax.train.trainer` -- the driver that runs, pauses and resumes a run;
 * :mod:`dflash_jax.train.export` -- writing the z-lab checkpoint layout;
 * :mod:`dflash_jax.train.cli` -- ``dflash-jax train`` (:func:`dflash_jax.train.cli.main`).
 """
