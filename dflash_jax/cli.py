@@ -20,11 +20,10 @@ import traceback
 from typing import Sequence
 
 from dflash_jax.cli_common import Parser, UsageError, choices_metavar, int_list, integer, number, one_line, one_of
+from dflash_jax.loading import DTYPES
 from dflash_jax.train import cli as train_cli
 
 DEFAULT_PROMPT = "What is the capital of France? Answer in one sentence."
-
-DTYPES = ("float32", "bfloat16", "float16")
 
 
 def _prompt_ids(text: str) -> list[int]:
@@ -91,14 +90,14 @@ def _drafter(args, target):
 
     ``--no-spec`` always gives plain decoding; ``why`` says which mode runs and why.
     """
-    from dflash_jax import api
+    from dflash_jax import loading
 
     if args.no_spec:
         return None, "--no-spec"
     if args.draft is not None:
-        d = api.load_drafter(args.draft, target, dtype=args.dtype)
+        d = loading.load_drafter(args.draft, target, dtype=args.dtype)
         return d, f"drafter {d.source}"
-    d = api.shipped_drafter(target, dtype=args.dtype)
+    d = loading.shipped_drafter(target, dtype=args.dtype)
     if d is None:
         return None, "no drafter ships for this target; --draft PATH to speculate"
     return d, f"shipped drafter {d.source}"
@@ -220,12 +219,12 @@ def _run_generate(args, target, prompt_ids, **kwargs):
 
 
 def _generate(args) -> int:
-    from dflash_jax import api
+    from dflash_jax.loading import load_target
     from dflash_jax.sampling import SamplingConfig
 
     _check_options(args)
     sampling = SamplingConfig(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
-    target = api.load_target(args.target, dtype=args.dtype)
+    target = load_target(args.target, dtype=args.dtype)
     prompt_ids = _prompt(args, target)
     drafter, why = _drafter(args, target)
     n_max = _n_max(args, drafter)

@@ -11,10 +11,11 @@ from __future__ import annotations
 from typing import Any, Mapping, Sequence
 
 from dflash_jax.errors import DFlashError
+from dflash_jax.loading import Target
 
 
 def encode_prompt(
-    target,
+    target: Target,
     text: str,
     system: str | None = None,
     raw: bool = False,
@@ -23,7 +24,7 @@ def encode_prompt(
     """Text -> prompt ids.
 
     Args:
-      target: a :class:`~dflash_jax.api.Target` with a tokenizer.
+      target: a :class:`~dflash_jax.loading.Target` with a tokenizer.
       text: the user message (or the whole prompt when ``raw``).
       system: an optional system message (otherwise the template's own default, if any); an
         error with ``raw``.
@@ -37,7 +38,7 @@ def encode_prompt(
         type; the target has no tokenizer; the tokenizer has no chat template (use ``raw``);
         ``system`` together with ``raw``.
     """
-    if not hasattr(target, "tokenizer") or not hasattr(target, "source"):
+    if not isinstance(target, Target):
         raise DFlashError("target", f"got {type(target).__name__}", "a Target from load_target")
     if not isinstance(text, str):
         raise DFlashError("text", f"got {type(text).__name__}", "a str (the user message; token ids go straight to generate)")

@@ -218,7 +218,7 @@ def run(args, argv) -> int:
 
 
 def _run(args, argv) -> int:
-    from dflash_jax.api import load_target
+    from dflash_jax.loading import load_target
     from dflash_jax.train.data import Batcher, count_valid_anchors
     from dflash_jax.train.dataset import TokenDataset
     from dflash_jax.train.features import FeatureCache, cache_features, target_fingerprint
