@@ -282,7 +282,7 @@ def generate(
 
         def step(s):
             if forced.any():  # a stop text ended these rows: freeze them
-                s = s.replace(done=s.done | jnp.asarray(forced), finish=jnp.where(jnp.asarray(forced) & ~s.done, STOP, s.finish))
+                s = s.replace(finish=jnp.where(jnp.asarray(forced) & ~s.done, STOP, s.finish))
             return run_c(*weights, s)
 
         for state, toks, counts in decode.stream(params, cfg, state, sampling, step=step):
@@ -316,7 +316,7 @@ def spec_stats(state) -> dict:
     sp = jax.device_get(state.spec)
     steps = int(np.sum(sp.verify_steps))
     return dict(
-        tau=round(float(np.sum(sp.committed)) / steps, 4) if steps else 0.0,
+        tau=round(float(np.sum(jax.device_get(state.committed))) / steps, 4) if steps else 0.0,
         verify_steps=int(jax.device_get(state.steps)),
         accepted_per_position=[round(float(x) / steps, 4) if steps else 0.0 for x in np.sum(sp.accepted_per_position, axis=0)],
         drafted_tokens=int(np.sum(sp.drafted)),

@@ -1,8 +1,9 @@
 """KV caches and capture buffers: fixed-capacity pytrees indexed by absolute position.
 
-A row's K/V for the token at position ``p`` lives in slot ``p``. ``length[b]`` is the number of
-committed slots of row ``b``; rolling back a rejected block is a length update, never a copy:
-stale slots beyond ``length`` are overwritten before any query can see them.
+A row's K/V for the token at position ``p`` lives in slot ``p``. The cache holds no length of
+its own: the committed slots of row ``b`` are ``[0, DecodeState.length[b] - 1)``, so rolling back a
+rejected block is an update of the state's length, never a copy: stale slots beyond it are
+overwritten before any query can see them.
 """
 
 from __future__ import annotations
@@ -10,8 +11,9 @@ from __future__ import annotations
 import jax.numpy as jnp
 from flax import struct
 
-# Logical axis names of cache arrays (see dflash_jax.sharding).
-KV_AXES = ("layers", "batch", "seq", "kv_heads", "head_dim")
+from dflash_jax.axes import KV_AXES, axes_field
+
+__all__ = ["KV_AXES", "Capture", "KVCache", "init_capture", "init_kv_cache", "write_layer_rows", "write_rows"]
 
 
 @struct.dataclass
@@ -20,26 +22,20 @@ class KVCache:
 
     Attributes:
       k, v: ``[L, B, S, Hkv, D]`` (S = capacity, slot = absolute position).
-      length: ``[B]`` int32 committed slots per row.
     """
 
-    k: jnp.ndarray
-    v: jnp.ndarray
-    length: jnp.ndarray
+    k: jnp.ndarray = axes_field(*KV_AXES)
+    v: jnp.ndarray = axes_field(*KV_AXES)
 
     @property
     def capacity(self) -> int:
         return self.k.shape[2]
 
-    def rollback(self, length: jnp.ndarray) -> "KVCache":
-        """Sets the committed length per row (``[B]`` int32); the arrays are untouched."""
-        return self.replace(length=jnp.asarray(length, jnp.int32))
-
 
 def init_kv_cache(num_layers: int, batch: int, capacity: int, kv_heads: int, head_dim: int, dtype) -> KVCache:
-    """An empty cache: zeros of ``[num_layers, batch, capacity, kv_heads, head_dim]``, lengths 0."""
+    """An empty cache: zeros of ``[num_layers, batch, capacity, kv_heads, head_dim]``."""
     shape = (num_layers, batch, capacity, kv_heads, head_dim)
-    return KVCache(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype), length=jnp.zeros((batch,), jnp.int32))
+    return KVCache(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype))
 
 
 def write_rows(buf: jnp.ndarray, rows: jnp.ndarray, index: jnp.ndarray) -> jnp.ndarray:
@@ -79,8 +75,8 @@ class Capture:
         norm (transformers' ``hidden_states[L]``) instead of the pre-norm residual.
     """
 
-    hidden: jnp.ndarray
-    base: jnp.ndarray
+    hidden: jnp.ndarray = axes_field("batch", "seq", None)
+    base: jnp.ndarray = axes_field("batch")
     layer_ids: tuple = struct.field(pytree_node=False, default=())
     post_norm_last: bool = struct.field(pytree_node=False, default=False)
 

@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from dflash_jax.axes import flat_axes
 from dflash_jax.errors import DFlashError
 from dflash_jax.registry import module_for
 from dflash_jax.sampling import SamplingConfig, sample, top2_gap
@@ -90,7 +91,6 @@ def init_state(
         stop_ids=jnp.asarray(stops),
         cache=mod.init_cache(cfg, b, max_len),
         rng=key,
-        done=jnp.zeros((b,), bool),
         finish=jnp.zeros((b,), jnp.int32),
         gaps=jnp.zeros((b, max_len), jnp.float32),
         steps=jnp.zeros((), jnp.int32),
@@ -119,7 +119,6 @@ def prefill_chunk_forward(params, cfg, state: DecodeState, logits_acc, start, ch
     last = jnp.take_along_axis(hidden, jnp.clip(idx, 0, chunk_size - 1)[:, None, None], axis=1)[:, 0]
     logits = mod.lm_head(params, cfg, last)
     logits_acc = jnp.where(in_chunk[:, None], logits, logits_acc)
-    cache = cache.rollback(jnp.minimum(state.prompt_len, start + chunk_size))
     return state.replace(cache=cache), logits_acc, capture
 
 
@@ -155,11 +154,9 @@ def prefill(params, cfg, state: DecodeState, chunk_size: int, sampling: Sampling
         raise DFlashError("chunk_size (--chunk-size)", f"got {chunk_size}", "an integer >= 1")
     if max_prompt_len is None:
         max_prompt_len = int(jax.device_get(state.prompt_len).max())
-    mod = module_for(cfg)
     acc = jnp.zeros((state.tokens.shape[0], cfg.vocab_size), jnp.float32)
     for start in range(0, max_prompt_len, chunk_size):
         state, acc = prefill_chunk(params, cfg, state, acc, jnp.int32(start), chunk_size)
-    del mod
     return finish_prefill(state, acc, sampling)
 
 
@@ -174,8 +171,7 @@ def decode_step_fn(params, cfg, state: DecodeState, sampling: SamplingConfig) ->
     rng, key = jax.random.split(state.rng)
     nxt = sample(key, logits, sampling)
     state = state.replace(cache=cache, rng=rng, steps=state.steps + 1)
-    state = commit(state, nxt[:, None], jnp.ones((b,), jnp.int32), top2_gap(logits)[:, None])
-    return state.replace(cache=state.cache.rollback(state.length - 1))
+    return commit(state, nxt[:, None], jnp.ones((b,), jnp.int32), top2_gap(logits)[:, None])
 
 
 decode_step = jax.jit(decode_step_fn, static_argnames=("cfg", "sampling"), donate_argnames=("state",))
@@ -231,9 +227,9 @@ def generate_until(params, cfg, state: DecodeState, sampling: SamplingConfig, mi
 def replace_rows(state: DecodeState, fresh: DecodeState, rows) -> DecodeState:
     """``state`` with its rows ``rows`` replaced by the rows of ``fresh`` (continuous batching).
 
-    Every array with a batch axis (tokens, lengths, budgets, flags, gaps, every cache array and a
-    speculative state's drafter context and statistics, found by
-    :func:`dflash_jax.sharding.state_axes`) takes ``fresh``'s row ``j`` at row
+    Every array whose declared axes (:func:`dflash_jax.axes.axes_field`) include ``"batch"``
+    (tokens, lengths, budgets, finish codes, gaps, every cache array and a speculative state's
+    drafter context and statistics) takes ``fresh``'s row ``j`` at row
     ``rows[j]``; the rest (stop ids, PRNG key, step counter) stays ``state``'s. ``fresh`` is
     typically a prefilled :func:`init_state` of the new prompts with the same capacity.
 
@@ -244,14 +240,12 @@ def replace_rows(state: DecodeState, fresh: DecodeState, rows) -> DecodeState:
     Raises:
       DFlashError: ``fresh`` does not match ``state`` apart from the batch axis.
     """
-    from dflash_jax.sharding import state_axes
-
     r = rows.shape[0]
     paths, tdef = jax.tree_util.tree_flatten_with_path(state)
     new, ndef = jax.tree_util.tree_flatten(fresh)
     if ndef != tdef:
         raise DFlashError("replace_rows fresh", f"a state of structure {ndef}", f"the running state's structure {tdef}")
-    axes = tdef.flatten_up_to(state_axes(state))  # one axes tuple per array (the tree itself may hold tuples)
+    axes = flat_axes(state)  # one declared axes tuple per array
     out = []
     for (path, old), ax, x in zip(paths, axes, new):
         if "batch" not in ax:

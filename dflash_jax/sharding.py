@@ -2,7 +2,7 @@
 
 Every parameter leaf has a tuple of logical axis names (``param_axes(cfg)`` of each model module:
 ``"layers"``, ``"embed"``, ``"vocab"``, ``"q_heads"``, ``"kv_heads"``, ``"head_dim"``, ``"mlp"``,
-``"features"``, ``"experts"``, ...) and every cache array has :data:`dflash_jax.cache.KV_AXES`.
+``"features"``, ``"experts"``, ...) and every decode-state array declares its own (:mod:`dflash_jax.axes`).
 :class:`ShardingRules` maps each logical name to a mesh axis (or to nothing: replicated), and
 :func:`logical_to_spec` turns one leaf's names into a :class:`jax.sharding.PartitionSpec`. The
 models themselves never mention devices: jit propagates the shardings of its inputs.
@@ -26,7 +26,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from dflash_jax.cache import KV_AXES
+from dflash_jax.axes import declared_axes, flat_axes
 from dflash_jax.errors import DFlashError
 
 MESH_AXES = ("data", "model", "expert")
@@ -219,38 +219,20 @@ def shard_params(params, axes, mesh: Mesh, rules: ShardingRules = DEFAULT_RULES,
 # --------------------------------------------------------------------------------------------
 # Decode state
 
-_BATCH_FIELDS = {  # DecodeState / SpecState / cache field -> logical axes
-    "tokens": ("batch", "seq"), "gaps": ("batch", "seq"), "length": ("batch",), "prompt_len": ("batch",),
-    "max_new": ("batch",), "done": ("batch",), "finish": ("batch",), "verify_steps": ("batch",),
-    "committed": ("batch",), "drafted": ("batch",), "accepted": ("batch",), "accepted_per_position": ("batch", None),
-    "ring_pos": ("batch", None), "base": ("batch",), "hidden": ("batch", "seq", None),
-    "k": KV_AXES, "v": KV_AXES, "ctx_k": KV_AXES, "ctx_v": KV_AXES,
-}
-
-
-def _leaf_axes(path, leaf) -> tuple:
-    names = [p.name if hasattr(p, "name") else p.key if hasattr(p, "key") else None for p in path]
-    ndim = np.ndim(leaf)
-    # LagunaCache.kv: {"seg{j}_{k}": (k, v)} of [reps, B, rows, Hkv, D]
-    if "kv" in names and ndim == len(KV_AXES):
-        return KV_AXES
-    for n in reversed(names):
-        if isinstance(n, str) and n in _BATCH_FIELDS and len(_BATCH_FIELDS[n]) == ndim:
-            return _BATCH_FIELDS[n]
-    return (None,) * ndim  # stop_ids, rng, steps and anything unknown: replicated
-
-
 def state_axes(state) -> Any:
     """Logical axes of every array of a :class:`~dflash_jax.state.DecodeState` (same tree).
 
-    ``tokens``/``gaps`` ``[B, S]`` -> ``("batch", "seq")``; per-row vectors ``[B]`` -> ``("batch",)``;
-    target cache ``k``/``v`` ``[L, B, S, Hkv, D]`` (Laguna: every ``kv`` pair, ring layers too) and
-    drafter context ``ctx_k``/``ctx_v`` ``[Ld, B, S, Hkv, D]`` -> :data:`~dflash_jax.cache.KV_AXES`;
+    Read from the axes each field declares (:func:`dflash_jax.axes.axes_field`): ``tokens``/``gaps``
+    ``[B, S]`` -> ``("batch", "seq")``; per-row vectors ``[B]`` -> ``("batch",)``; target cache
+    ``k``/``v`` ``[L, B, S, Hkv, D]`` (Laguna: every ``kv`` pair, ring layers too) and drafter context
+    ``ctx_k``/``ctx_v`` ``[Ld, B, S, Hkv, D]`` -> :data:`~dflash_jax.axes.KV_AXES`;
     ``accepted_per_position`` ``[B, n]`` and Laguna ``ring_pos`` ``[B, R]`` -> ``("batch", None)``;
-    ``stop_ids``, ``rng``, ``steps`` and unknown leaves are replicated.
+    ``stop_ids``, ``rng``, ``steps`` are replicated.
+
+    Raises:
+      DFlashError: an array field without declared axes (names it).
     """
-    flat, tdef = jax.tree_util.tree_flatten_with_path(state)
-    return jax.tree_util.tree_unflatten(tdef, [_leaf_axes(p, x) for p, x in flat])
+    return declared_axes(state)
 
 
 def state_shardings(state, mesh: Mesh, rules: ShardingRules = DEFAULT_RULES, strict: bool = False):
@@ -264,9 +246,9 @@ def state_shardings(state, mesh: Mesh, rules: ShardingRules = DEFAULT_RULES, str
     """
     flat, tdef = jax.tree_util.tree_flatten_with_path(state)
     out = []
-    for path, leaf in flat:
+    for (path, leaf), ax in zip(flat, flat_axes(state)):
         try:
-            spec = logical_to_spec(_leaf_axes(path, leaf), rules, mesh, np.shape(leaf), strict)
+            spec = logical_to_spec(ax, rules, mesh, np.shape(leaf), strict)
         except DFlashError as e:
             raise DFlashError(f"sharding state{jax.tree_util.keystr(path)}", e.what, e.expected) from None
         out.append(NamedSharding(mesh, spec))

@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
+from dflash_jax.axes import axes_field
 from dflash_jax.cache import KVCache
 
 # finish codes, per row
@@ -30,31 +31,40 @@ class DecodeState:
       prompt_len: ``[B]`` int32.
       max_new: ``[B]`` int32 new-token budget per row.
       stop_ids: ``[n]`` int32 ids that end a row (EOS and stop ids; ``-1`` pads).
-      cache: target :class:`KVCache` (``cache.length == length - 1`` between steps).
+      cache: target :class:`KVCache`; slots ``[0, length - 1)`` are committed between steps.
       rng: PRNG key, split every step.
-      done: ``[B]`` bool; a done row never changes again.
       finish: ``[B]`` int32 finish code (``RUNNING``, ``STOP``, ``LENGTH``, ``CAPACITY``).
       gaps: ``[B, S]`` float32 top-2 logit gap of the target step that chose each token.
       steps: ``[]`` int32 target passes after prefill (decode steps or verify steps).
       spec: speculative-decoding extension (drafter context and statistics) or ``None``.
     """
 
-    tokens: jnp.ndarray
-    length: jnp.ndarray
-    prompt_len: jnp.ndarray
-    max_new: jnp.ndarray
-    stop_ids: jnp.ndarray
-    cache: KVCache
-    rng: jax.Array
-    done: jnp.ndarray
-    finish: jnp.ndarray
-    gaps: jnp.ndarray
-    steps: jnp.ndarray
+    tokens: jnp.ndarray = axes_field("batch", "seq")
+    length: jnp.ndarray = axes_field("batch")
+    prompt_len: jnp.ndarray = axes_field("batch")
+    max_new: jnp.ndarray = axes_field("batch")
+    stop_ids: jnp.ndarray = axes_field(None)
+    cache: KVCache = axes_field()  # a dataclass: its own fields declare their axes
+    rng: jax.Array = axes_field()
+    finish: jnp.ndarray = axes_field("batch")
+    gaps: jnp.ndarray = axes_field("batch", "seq")
+    steps: jnp.ndarray = axes_field()
     spec: Any = None
 
     @property
     def capacity(self) -> int:
         return self.tokens.shape[1]
+
+    @property
+    def done(self) -> jnp.ndarray:
+        """``[B]`` bool: the row has finished (``finish != RUNNING``); a done row never changes again."""
+        return self.finish != RUNNING
+
+    @property
+    def committed(self) -> jnp.ndarray:
+        """``[B]`` int32 tokens committed by the steps after prefill (decode or verify steps, bonus
+        tokens included; the first token, chosen by prefill, is not counted)."""
+        return jnp.maximum(self.length - self.prompt_len - 1, 0)
 
     @property
     def new_tokens(self) -> jnp.ndarray:
@@ -75,7 +85,7 @@ def commit(state: DecodeState, new: jnp.ndarray, n_new: jnp.ndarray, gaps: jnp.n
       n_new: ``[B]`` int32 how many leading candidates are proposed for commit (``1..K``).
       gaps: ``[B, K]`` float32 top-2 logit gaps of the steps that chose them.
     Returns:
-      The state with ``tokens``, ``gaps``, ``length``, ``done`` and ``finish`` updated.
+      The state with ``tokens``, ``gaps``, ``length`` and ``finish`` updated.
     """
     b, k = new.shape
     idx = jnp.arange(k, dtype=jnp.int32)[None, :]
@@ -100,4 +110,4 @@ def commit(state: DecodeState, new: jnp.ndarray, n_new: jnp.ndarray, gaps: jnp.n
             jnp.where(length - state.prompt_len >= state.max_new, LENGTH, jnp.where(length >= state.capacity, CAPACITY, RUNNING)),
         ),
     ).astype(jnp.int32)
-    return state.replace(tokens=tokens, gaps=all_gaps, length=length, finish=finish, done=finish != RUNNING)
+    return state.replace(tokens=tokens, gaps=all_gaps, length=length, finish=finish)

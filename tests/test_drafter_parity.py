@@ -128,7 +128,7 @@ def test_same_tokens_and_verify_steps_as_dflash_generate(tmp_path, target, monke
     got = list(np.asarray(st.tokens[0, len(prompt) : int(st.length[0])]))
     assert got == want_tokens == free
     assert int(st.spec.verify_steps[0]) == want_steps
-    assert int(st.spec.committed[0]) == sum(out.acceptance_lengths)
+    assert int(st.committed[0]) == sum(out.acceptance_lengths)
 
 
 def test_config_field_locations(tmp_path):

@@ -89,13 +89,54 @@ def test_state_axes_cover_cache_and_context():
     dcfg = tiny_drafter_config(cfg)
     st = spec.init_state(cfg, dcfg, [[1, 2, 3], [4, 5]], 16, 4)
     ax = shd.state_axes(st)
-    assert ax.tokens == ("batch", "seq") and ax.length == ("batch",) and ax.cache.length == ("batch",)
+    assert ax.tokens == ("batch", "seq") and ax.length == ("batch",) and ax.finish == ("batch",)
     assert ax.cache.k == KV_AXES and ax.spec.ctx_k == KV_AXES and ax.spec.ctx_v == KV_AXES
     assert ax.spec.accepted_per_position == ("batch", None)
     assert ax.stop_ids == (None,) and ax.steps == ()
     # the one-device mesh: everything replicated, placement works (typed PRNG key included)
     placed = shd.shard_state(st, shd.make_mesh())
     assert placed.tokens.sharding.spec == P(None, None)
+
+
+def test_every_state_array_declares_axes_and_replace_rows_swaps_every_batch_leaf():
+    """Axes live with the fields: every array of a state with a drafter (dense and Laguna targets)
+    has declared axes of its rank, an undeclared array field raises, and replace_rows swaps
+    exactly the leaves with a batch axis (so a new per-row field cannot be missed)."""
+    import jax.numpy as jnp
+    import numpy as np
+    from flax import struct
+
+    from dflash_jax import decode
+    from dflash_jax.axes import declared_axes, flat_axes
+    from dflash_jax.config import drafter_config_from_hf
+    from laguna_tiny import LAGUNA_DRAFTER, PER_HEAD, tiny_laguna
+
+    cfg = tiny_target_config("qwen3")
+    for cfg, dc in ((cfg, tiny_drafter_config(cfg)), (tiny_laguna(PER_HEAD)[0], drafter_config_from_hf(LAGUNA_DRAFTER))):
+        st = spec.init_state(cfg, dc, [[1, 2, 3], [4, 5], [6]], 16, 4)
+        leaves, axes = jax.tree_util.tree_leaves(st), flat_axes(st)
+        assert len(axes) == len(leaves) and all(len(a) == np.ndim(x) for a, x in zip(axes, leaves))
+        assert any("batch" in a for a in axes) and any("batch" not in a for a in axes)
+        old = jax.tree_util.tree_map(lambda x: x if jnp.issubdtype(x.dtype, jax.dtypes.prng_key) else jnp.zeros_like(x), st)
+        one = spec.init_state(cfg, dc, [[7]], 16, 4)
+        fresh = jax.tree_util.tree_map(lambda x: x if jnp.issubdtype(x.dtype, jax.dtypes.prng_key) else jnp.ones_like(x), one)
+        out = decode.replace_rows(old, fresh, jnp.asarray([1], jnp.int32))
+        for ax, x, leaf in zip(axes, jax.tree_util.tree_leaves(out), leaves):
+            if jnp.issubdtype(x.dtype, jax.dtypes.prng_key):
+                continue
+            x = np.asarray(x)
+            if "batch" in ax:
+                rows = np.moveaxis(x, ax.index("batch"), 0)
+                assert (rows[1] == 1).all() and (rows[0] == 0).all() and (rows[2] == 0).all(), ax
+            else:
+                assert (x == 0).all(), ax
+
+    @struct.dataclass
+    class Undeclared:
+        per_row: jnp.ndarray
+
+    with pytest.raises(DFlashError, match="per_row"):
+        declared_axes(Undeclared(jnp.zeros((2,))))
 
 
 def test_axes_tree_mismatch_raises():

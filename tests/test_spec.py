@@ -89,7 +89,7 @@ def test_scripted_full_acceptance_commits_block_size_tokens(target, block_size):
     st, accepts, ref = scripted_run(target, d, PROMPTS[0], n_new)
     assert outputs(st)[0] == ref[:n_new]
     assert accepts == [block_size - 1] * 4
-    assert int(st.spec.verify_steps[0]) == 4 and int(st.spec.committed[0]) == 4 * block_size
+    assert int(st.spec.verify_steps[0]) == 4 and int(st.committed[0]) == 4 * block_size
 
 
 @pytest.mark.parametrize("j", [0, 1, 3])
@@ -117,7 +117,7 @@ def test_bug_stop_in_block(target, offset):
     out = outputs(st)[0]
     assert out == ref[: 2 + offset] and out[-1] == stop
     assert int(st.finish[0]) == STOP
-    assert int(st.spec.committed[0]) == 1 + offset == len(out) - 1
+    assert int(st.committed[0]) == 1 + offset == len(out) - 1
     assert int(st.spec.accepted[0]) == min(offset + 1, 4)
 
 
@@ -127,7 +127,7 @@ def test_max_new_tokens_smaller_than_block(target, n_new):
     st, _, ref = scripted_run(target, d, PROMPTS[2], n_new)
     assert outputs(st)[0] == ref[:n_new]
     assert int(st.finish[0]) == LENGTH
-    assert int(st.spec.committed[0]) == n_new - 1
+    assert int(st.committed[0]) == n_new - 1
 
 
 def test_batch_rows_equal_rows_alone(target):
@@ -407,7 +407,7 @@ def test_replaced_rows_of_a_speculative_state_answer_as_alone(target):
     fresh = spec.prefill(params, cfg, dparams, dcfg, spec.init_state(cfg, dcfg, [PROMPTS[2]], 64, 20), 4, GREEDY)
     st = spec.generate(params, cfg, dparams, dcfg, decode.replace_rows(st, fresh, jnp.asarray([0], jnp.int32)), GREEDY)
     assert outputs(st) == plain_greedy(target, [PROMPTS[2], PROMPTS[1]], 20)
-    assert int(st.spec.committed[0]) == 19  # the first token comes from prefill
+    assert int(st.committed[0]) == 19  # the first token comes from prefill
 
 
 def test_speculative_continuous_batching_answers_as_plain_greedy(target):

@@ -65,7 +65,7 @@ def run_one(target, drafter, ids, args, n_max, greedy):
                    gaps=[float(g) for g in gaps[0, len(ids) : len(ids) + n]], seconds=dt, decode_tokens=n - 1)
         if mode == "dflash":
             sp = jax.device_get(st.spec)
-            rec.update(steps=int(sp.verify_steps[0]), committed=int(sp.committed[0]),
+            rec.update(steps=int(sp.verify_steps[0]), committed=int(jax.device_get(st.committed)[0]),
                        per_pos=[int(x) for x in sp.accepted_per_position[0]])
         out[mode] = rec
     return out

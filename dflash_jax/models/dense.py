@@ -163,8 +163,7 @@ def forward_hidden(
         return x, captures.keep(capture, cap, x, slot), k_all, v_all
 
     x, cap, k_new, v_new = run_layers(body, (x, cap, cache.k, cache.v), params["layers"], slot_of)
-    new_len = jnp.minimum(jnp.maximum(cache.length, positions[:, -1] + 1), cache.capacity)
-    cache = KVCache(k=k_new, v=v_new, length=new_len.astype(jnp.int32))
+    cache = KVCache(k=k_new, v=v_new)
     final_norm = functools.partial(rms_norm, weight=params["norm"], eps=cfg.rms_norm_eps)
     capture = captures.write(capture, cap, positions, n_layers, final_norm)
     return final_norm(x), cache, capture
@@ -187,8 +186,8 @@ def forward(
       positions: ``[B, T]`` int32 absolute positions, contiguous per row and starting at or
         before the row's committed length; K/V of token ``t`` is written to slot
         ``positions[b, t]`` (slots past the capacity are dropped).
-      cache: :class:`KVCache`; returned with the new rows written and ``length`` raised to
-        ``positions[:, -1] + 1`` (callers roll back rejected rows with ``cache.rollback``).
+      cache: :class:`KVCache`; returned with the new rows written (the cache keeps no length:
+        callers roll back rejected rows by lowering ``DecodeState.length``).
       capture: optional :class:`Capture`; receives the residual after each listed layer.
     Returns:
       ``(logits [B, T, V] float32, cache, capture)``.

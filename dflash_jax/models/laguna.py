@@ -52,6 +52,7 @@ import jax.numpy as jnp
 from flax import struct
 from jax import lax
 
+from dflash_jax.axes import KV_AXES, axes_field
 from dflash_jax.cache import Capture, write_layer_rows, write_rows
 from dflash_jax.config_laguna import LagunaConfig
 from dflash_jax.models import capture as captures
@@ -170,18 +171,12 @@ class LagunaCache:
       kv: ``{"seg{j}_{k}": (k, v)}``; full layers ``[reps, B, S, Hkv, D]`` (slot = position),
         sliding layers ``[reps, B, R, Hkv, D]`` (slot = position % R).
       ring_pos: ``[B, R]`` int32 position held by each ring slot (-1 = empty).
-      length: ``[B]`` int32 committed positions per row.
       capacity: static ``S``.
     """
 
-    kv: dict
-    ring_pos: jnp.ndarray
-    length: jnp.ndarray
+    kv: dict = axes_field(*KV_AXES)
+    ring_pos: jnp.ndarray = axes_field("batch", None)
     capacity: int = struct.field(pytree_node=False, default=0)
-
-    def rollback(self, length: jnp.ndarray) -> "LagunaCache":
-        """Sets the committed length per row (``[B]`` int32); the arrays are untouched."""
-        return self.replace(length=jnp.asarray(length, jnp.int32))
 
 
 def init_cache(cfg: LagunaConfig, batch: int, capacity: int) -> LagunaCache:
@@ -193,8 +188,7 @@ def init_cache(cfg: LagunaConfig, batch: int, capacity: int) -> LagunaCache:
             rows = ring if cfg.layer_types[start + k] == "sliding_attention" else capacity
             shape = (reps, batch, rows, cfg.num_key_value_heads, cfg.head_dim)
             kv[f"seg{j}_{k}"] = (jnp.zeros(shape, cfg.dtype), jnp.zeros(shape, cfg.dtype))
-    return LagunaCache(kv=kv, ring_pos=jnp.full((batch, ring), -1, jnp.int32), length=jnp.zeros((batch,), jnp.int32),
-                       capacity=int(capacity))
+    return LagunaCache(kv=kv, ring_pos=jnp.full((batch, ring), -1, jnp.int32), capacity=int(capacity))
 
 
 # --------------------------------------------------------------------------------------------
@@ -278,8 +272,8 @@ def forward_hidden(
       positions: ``[B, T]`` int32 absolute positions, contiguous per row from the row's first
         new position (at or before its committed length); trailing entries ``>= capacity`` are
         padding (not written, not visible to real rows).
-      cache: :class:`LagunaCache`; returned with the rows written and ``length`` raised to the
-        last real position + 1.
+      cache: :class:`LagunaCache`; returned with the rows written (the committed length lives
+        in ``DecodeState.length``).
       capture: optional :class:`~dflash_jax.cache.Capture`; every row of every listed layer's
         output residual (HF ``hidden_states[i + 1]``) is written at ``position - base``.
     Returns:
@@ -315,8 +309,7 @@ def forward_hidden(
         (x, cap, kvs), _ = lax.scan(body, (x, cap, [tuple(cache.kv[key]) for key in keys]), xs)
         new_kv.update(zip(keys, kvs))
     ring_pos = write_rows(cache.ring_pos[..., None], positions[..., None], ring_idx)[..., 0]
-    new_len = jnp.minimum(jnp.maximum(cache.length, last + 1), capacity)
-    cache = cache.replace(kv=new_kv, ring_pos=ring_pos, length=new_len.astype(jnp.int32))
+    cache = cache.replace(kv=new_kv, ring_pos=ring_pos)
     final_norm = functools.partial(rms_norm, weight=params["norm"], eps=cfg.rms_norm_eps)
     capture = captures.write(capture, cap, positions, n_layers, final_norm, valid=real)
     return final_norm(x), cache, capture

@@ -6,6 +6,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
+from dflash_jax.axes import KV_AXES, axes_field
 from dflash_jax.cache import write_rows
 from dflash_jax.config import DrafterConfig
 from dflash_jax.models import drafter
@@ -23,21 +24,18 @@ class SpecState:
     Attributes:
       ctx_k, ctx_v: ``[Ld, B, S, Hkv, D]``.
       verify_steps: ``[B]`` int32 verify passes while the row was running.
-      committed: ``[B]`` int32 tokens committed by verify steps (bonus included; the first
-        token, chosen by prefill, is not counted).
       drafted: ``[B]`` int32 draft tokens proposed to the target.
       accepted: ``[B]`` int32 draft tokens accepted and kept.
       accepted_per_position: ``[B, n_max]`` int32 steps in which draft position ``i + 1`` was
         accepted and kept.
     """
 
-    ctx_k: jnp.ndarray
-    ctx_v: jnp.ndarray
-    verify_steps: jnp.ndarray
-    committed: jnp.ndarray
-    drafted: jnp.ndarray
-    accepted: jnp.ndarray
-    accepted_per_position: jnp.ndarray
+    ctx_k: jnp.ndarray = axes_field(*KV_AXES)
+    ctx_v: jnp.ndarray = axes_field(*KV_AXES)
+    verify_steps: jnp.ndarray = axes_field("batch")
+    drafted: jnp.ndarray = axes_field("batch")
+    accepted: jnp.ndarray = axes_field("batch")
+    accepted_per_position: jnp.ndarray = axes_field("batch", None)
 
     @property
     def n_max(self) -> int:
@@ -51,7 +49,7 @@ def init_spec_state(cfg: DrafterConfig, batch: int, max_len: int, n_max: int) ->
         return jnp.zeros((batch,), jnp.int32)
 
     return SpecState(
-        ctx_k=jnp.zeros(shape, cfg.dtype), ctx_v=jnp.zeros(shape, cfg.dtype), verify_steps=zeros(), committed=zeros(),
+        ctx_k=jnp.zeros(shape, cfg.dtype), ctx_v=jnp.zeros(shape, cfg.dtype), verify_steps=zeros(),
         drafted=zeros(), accepted=zeros(), accepted_per_position=jnp.zeros((batch, n_max), jnp.int32),
     )
 

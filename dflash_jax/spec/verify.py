@@ -75,7 +75,7 @@ def verify_fn(
 ) -> DecodeState:
     """Verifies ``[anchor, drafts]`` with one target pass and commits ``a`` drafts + the bonus.
 
-    The target KV cache is rolled back to the committed length; the captured rows of the
+    Rollback is the length update of the commit (the cache keeps no length); the captured rows of the
     block are projected into the drafter context (only the committed ones are ever visible);
     statistics count only running rows and only kept tokens.
 
@@ -110,9 +110,8 @@ def verify_fn(
     pos = jnp.arange(1, n + 1, dtype=jnp.int32)[None, :]
     spec = spec.replace(
         verify_steps=spec.verify_steps + running,
-        committed=spec.committed + kept,
         drafted=spec.drafted + jnp.where(running, n_valid, 0),
         accepted=spec.accepted + acc_kept,
         accepted_per_position=spec.accepted_per_position + (pos <= acc_kept[:, None]),
     )
-    return state.replace(cache=state.cache.rollback(state.length - 1), spec=spec, steps=state.steps + 1)
+    return state.replace(spec=spec, steps=state.steps + 1)

@@ -54,7 +54,7 @@ def evaluate_tau(
     st = spec.generate(target_params, target_cfg, p32, cfg32, st, SamplingConfig())
     s = jax.device_get(st.spec)
     steps = int(np.sum(s.verify_steps))
-    committed = int(np.sum(s.committed))
+    committed = int(np.sum(jax.device_get(st.committed)))
     return {
         "tau": committed / max(steps, 1),
         "accept_per_position": (np.sum(s.accepted_per_position, axis=0) / max(steps, 1)).round(4).tolist(),
