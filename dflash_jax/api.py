@@ -36,6 +36,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from dflash_jax import decode
+from dflash_jax.decoding import Decoding, Params
+from dflash_jax.prefill import check_chunk_size, compile_prefill
 from dflash_jax.errors import DFlashError
 from dflash_jax.loading import (  # noqa: F401  (re-exported: dflash_jax.api.load_target etc.)
     DTYPES,
@@ -48,7 +50,6 @@ from dflash_jax.loading import (  # noqa: F401  (re-exported: dflash_jax.api.loa
     with_output_head,
 )
 from dflash_jax.sampling import SamplingConfig
-from dflash_jax.spec import generate as spec
 from dflash_jax.state import FINISH_REASONS, STOP
 from dflash_jax.text import TextStream, encode_prompt, split_stop  # noqa: F401 (TextStream, encode_prompt re-exported)
 from dflash_jax.text import _cut_at_stop_text, _find_stop, _str_list
@@ -186,7 +187,7 @@ def generate(
       n_max: drafted tokens per block (default: the drafter's recorded ``n_max``, else its
         ``block_size - 1``).
       draft_mode: ``"argmax"`` (default) or ``"sample"`` proposals, see
-        :func:`dflash_jax.spec.propose.propose_fn`.
+        :class:`dflash_jax.decoding.Decoding`.
     Returns:
       :class:`GenerationResult`.
     Raises:
@@ -199,18 +200,11 @@ def generate(
     prompts = _check_prompts(prompts, cfg.vocab_size)
     if not _is_int(max_new_tokens) or max_new_tokens < 1:
         raise DFlashError("max_new_tokens (--max-new-tokens)", f"got {max_new_tokens!r}", "an integer >= 1")
-    if not _is_int(chunk_size) or chunk_size < 1:
-        raise DFlashError("chunk_size (--chunk-size)", f"got {chunk_size!r}", "an integer >= 1")
-    if not isinstance(sampling, SamplingConfig):
-        raise DFlashError("sampling", f"got {type(sampling).__name__}", "a SamplingConfig, e.g. SamplingConfig(temperature=0.7)")
-    if not _is_int(seed) or not 0 <= seed < 2**63:
-        raise DFlashError("seed (--seed)", f"got {seed!r}", "an integer in [0, 2**63)")
+    check_chunk_size(chunk_size)
     if drafter is not None and not isinstance(drafter, Drafter):
         raise DFlashError("drafter", f"got {type(drafter).__name__}", "a Drafter from load_drafter or shipped_drafter, or None")
     if n_max is not None and not _is_int(n_max):
         raise DFlashError("n_max (--n-max)", f"got {n_max!r}", "an integer or None")
-    if n_max is not None and drafter is None:
-        raise DFlashError("n_max (--n-max)", f"got {n_max} without a drafter (plain decoding drafts nothing)", "a drafter, or n_max=None")
     if on_tokens is not None and not callable(on_tokens):
         raise DFlashError("on_tokens", f"got {type(on_tokens).__name__}", "a callable or None")
     stop = _str_list(stop, "stop", "--stop")
@@ -240,33 +234,28 @@ def generate(
     max_prompt = max(len(p) for p in prompts)
     chunk = effective_chunk_size(chunk_size, max_prompt)
 
+    static = Decoding(cfg, None if drafter is None else drafter.cfg, sampling, draft_mode,
+                      None if drafter is None else drafter.n_max if n_max is None else n_max)
+    weights = Params(params, None if drafter is None else drafter.params)
+    if not _is_int(seed):  # a PRNG key is for the low-level API (decode.init_state)
+        raise DFlashError("seed (--seed)", f"got {seed!r}", "an integer in [0, 2**63)")
+    state = decode.init_state(static, prompts, max_len, int(max_new_tokens), stops, seed)
+
     # ---- compile ahead of time (lowering traces shapes only; nothing runs); the compiled
     # functions take the dynamic arguments only
     t0 = time.perf_counter()
-    acc = jnp.zeros((batch, cfg.vocab_size), jnp.float32)
-    # uniform callables over the mode: chunk(state, acc, start), loop(state), step(state)
-    if drafter is None:
-        state = decode.init_state(cfg, prompts, max_len, int(max_new_tokens), stops, int(seed))
-        weights = (params,)
-        chunk_c = decode.prefill_chunk.lower(params, cfg, state, acc, jnp.int32(0), chunk).compile()
-        run_c = (decode.generate if on_tokens is None else decode.decode_step).lower(params, cfg, state, sampling).compile()
+    prefill_c = compile_prefill(weights, state, static, chunk)
+    if on_tokens is None:
+        gen_c = decode.generate_until.lower(weights, state, static, jnp.int32(batch)).compile()
+        run_c = lambda w, s: gen_c(w, s, jnp.int32(batch))  # noqa: E731
     else:
-        dcfg, dparams = drafter.cfg, drafter.params
-        n_max = drafter.n_max if n_max is None else n_max
-        state = spec.init_state(cfg, dcfg, prompts, max_len, int(max_new_tokens), stops, int(seed), n_max)
-        weights = (params, dparams)
-        chunk_c = spec.prefill_chunk.lower(params, cfg, dparams, dcfg, state, acc, jnp.int32(0), chunk).compile()
-        run = spec.generate if on_tokens is None else spec.step
-        run_c = run.lower(params, cfg, dparams, dcfg, state, sampling, draft_mode).compile()
-    first_fn = decode.finish_prefill.lower(state, acc, sampling).compile()
+        run_c = decode.decode_step.lower(weights, state, static).compile()
     compile_s = time.perf_counter() - t0
 
     # ---- prefill (+ first token)
-    jax.block_until_ready((params, state, acc))
+    jax.block_until_ready((weights, state))
     t0 = time.perf_counter()
-    for start in range(0, max_prompt, chunk):
-        state, acc = chunk_c(*weights, state, acc, jnp.int32(start))
-    state = first_fn(state, acc)
+    state = decode.prefill(weights, state, static, chunk, max_prompt, compiled=prefill_c)
     jax.block_until_ready(state)
     prefill_s = time.perf_counter() - t0
 
@@ -275,7 +264,7 @@ def generate(
     forced = np.zeros(batch, bool)
     t0 = time.perf_counter()
     if on_tokens is None:
-        state = run_c(*weights, state)
+        state = run_c(weights, state)
         jax.block_until_ready(state)
     else:
         streams = [TextStream(tok, stop_texts) for _ in range(batch)] if stop_texts else None
@@ -283,9 +272,9 @@ def generate(
         def step(s):
             if forced.any():  # a stop text ended these rows: freeze them
                 s = s.replace(finish=jnp.where(jnp.asarray(forced) & ~s.done, STOP, s.finish))
-            return run_c(*weights, s)
+            return run_c(weights, s)
 
-        for state, toks, counts in decode.stream(params, cfg, state, sampling, step=step):
+        for state, toks, counts in decode.stream(weights, state, static, step=step):
             new = [[int(t) for t in toks[b, : counts[b]]] if not forced[b] else [] for b in range(batch)]
             if streams is not None:
                 for b in range(batch):
@@ -313,7 +302,7 @@ def spec_stats(state) -> dict:
     prefill and is not counted, as in z-lab's benchmark). ``accepted_per_position[i]``: the
     fraction of verify steps in which draft position ``i + 1`` was accepted.
     """
-    sp = jax.device_get(state.spec)
+    sp = jax.device_get(state.speculative)
     steps = int(np.sum(sp.verify_steps))
     return dict(
         tau=round(float(np.sum(jax.device_get(state.committed))) / steps, 4) if steps else 0.0,

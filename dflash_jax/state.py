@@ -36,7 +36,8 @@ class DecodeState:
       finish: ``[B]`` int32 finish code (``RUNNING``, ``STOP``, ``LENGTH``, ``CAPACITY``).
       gaps: ``[B, S]`` float32 top-2 logit gap of the target step that chose each token.
       steps: ``[]`` int32 target passes after prefill (decode steps or verify steps).
-      spec: speculative-decoding extension (drafter context and statistics) or ``None``.
+      speculative: :class:`~dflash_jax.speculative.state.SpeculativeState` (drafter context and
+        statistics) with a drafter, else ``None``.
     """
 
     tokens: jnp.ndarray = axes_field("batch", "seq")
@@ -49,7 +50,7 @@ class DecodeState:
     finish: jnp.ndarray = axes_field("batch")
     gaps: jnp.ndarray = axes_field("batch", "seq")
     steps: jnp.ndarray = axes_field()
-    spec: Any = None
+    speculative: Any = None
 
     @property
     def capacity(self) -> int:

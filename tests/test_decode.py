@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from dflash_jax import decode
+from dflash_jax.decoding import Decoding, Params
 from dflash_jax.errors import DFlashError
 from dflash_jax.sampling import SamplingConfig
 from dflash_jax.state import CAPACITY, LENGTH, STOP
@@ -21,9 +22,9 @@ def target():
 
 def run(target, prompts, n_new, chunk, max_len=48, stop_ids=()):
     params, cfg = target[1], target[0]
-    st = decode.init_state(cfg, prompts, max_len, n_new, stop_ids)
-    st = decode.prefill(params, cfg, st, chunk, GREEDY)
-    return decode.generate(params, cfg, st, GREEDY)
+    st = decode.init_state(Decoding(cfg), prompts, max_len, n_new, stop_ids)
+    st = decode.prefill(Params(params), st, Decoding(cfg, sampling=GREEDY), chunk)
+    return decode.generate(Params(params), st, Decoding(cfg, sampling=GREEDY))
 
 
 def outputs(st):
@@ -68,10 +69,10 @@ def test_capacity_finish(target):
 
 def test_stream_yields_same_tokens(target):
     cfg, params = target
-    st = decode.init_state(cfg, PROMPTS, 48, 7)
-    st = decode.prefill(params, cfg, st, 4, GREEDY)
+    st = decode.init_state(Decoding(cfg), PROMPTS, 48, 7)
+    st = decode.prefill(Params(params), st, Decoding(cfg, sampling=GREEDY), 4)
     got = [[] for _ in PROMPTS]
-    for _, toks, counts in decode.stream(params, cfg, st, GREEDY):
+    for _, toks, counts in decode.stream(Params(params), st, Decoding(cfg, sampling=GREEDY)):
         for b, c in enumerate(counts):
             got[b] += list(toks[b, :c])
     assert got == [reference_greedy(params, cfg, p, 7) for p in PROMPTS]
@@ -79,7 +80,7 @@ def test_stream_yields_same_tokens(target):
 
 def test_prompt_longer_than_capacity_is_an_error(target):
     with pytest.raises(DFlashError, match="--max-len"):
-        decode.init_state(target[0], [list(range(20))], 20, 4)
+        decode.init_state(Decoding(target[0]), [list(range(20))], 20, 4)
 
 
 def test_seeded_sampling_is_reproducible_and_varies_with_seed(target):
@@ -87,9 +88,9 @@ def test_seeded_sampling_is_reproducible_and_varies_with_seed(target):
     s = SamplingConfig(temperature=1.5, top_k=50, top_p=0.95)
 
     def go(seed):
-        st = decode.init_state(cfg, PROMPTS, 48, 12, seed=seed)
-        st = decode.prefill(params, cfg, st, 4, s)
-        return outputs(decode.generate(params, cfg, st, s))
+        st = decode.init_state(Decoding(cfg), PROMPTS, 48, 12, seed=seed)
+        st = decode.prefill(Params(params), st, Decoding(cfg, sampling=s), 4)
+        return outputs(decode.generate(Params(params), st, Decoding(cfg, sampling=s)))
 
     assert go(3) == go(3)
     assert go(3) != go(4)
@@ -102,7 +103,7 @@ def test_per_layer_parameters_give_the_stacked_results(family):
     features of a prefill, and the tokens of batched greedy and DFlash speculative decoding."""
     from dflash_jax.cache import init_capture
     from dflash_jax.models import dense
-    from dflash_jax.spec import generate as spec
+    from dflash_jax import decode
     from dflash_jax.testing import tiny_drafter
 
     cfg, p = tiny_target(family, seed=2)
@@ -122,9 +123,9 @@ def test_per_layer_parameters_give_the_stacked_results(family):
     dcfg, dp = tiny_drafter(cfg, layer_ids=(0, 2), block_size=4, seed=1)
 
     def spec_run(params):
-        st = spec.init_state(cfg, dcfg, PROMPTS, 48, 12)
-        st = spec.prefill(params, cfg, dp, dcfg, st, 4, GREEDY)
-        return outputs(spec.generate(params, cfg, dp, dcfg, st, GREEDY))
+        st = decode.init_state(Decoding(cfg, dcfg), PROMPTS, 48, 12)
+        st = decode.prefill(Params(params, dp), st, Decoding(cfg, dcfg, GREEDY), 4)
+        return outputs(decode.generate(Params(params, dp), st, Decoding(cfg, dcfg, GREEDY)))
 
     assert spec_run(per) == spec_run(p) == outputs(run((cfg, p), PROMPTS, 12, 4))
 
@@ -135,14 +136,14 @@ def test_continuous_batching_rows_answer_as_alone(target):
     cfg, params = target
     prompts = PROMPTS + [[7, 7, 30], [2, 4, 6, 8, 10]]
     budgets = [3, 9, 12]
-    st = decode.init_state(cfg, PROMPTS, 48, budgets)
-    st = decode.prefill(params, cfg, st, 4, GREEDY)
-    st = decode.generate_until(params, cfg, st, GREEDY, jnp.int32(1))
+    st = decode.init_state(Decoding(cfg), PROMPTS, 48, budgets)
+    st = decode.prefill(Params(params), st, Decoding(cfg, sampling=GREEDY), 4)
+    st = decode.generate_until(Params(params), st, Decoding(cfg, sampling=GREEDY), jnp.int32(1))
     first = outputs(st)
     assert list(jax.device_get(st.done)) == [True, False, False]  # stopped as soon as one row ended
-    fresh = decode.prefill(params, cfg, decode.init_state(cfg, prompts[3:], 48, [6, 5]), 4, GREEDY)
+    fresh = decode.prefill(Params(params), decode.init_state(Decoding(cfg), prompts[3:], 48, [6, 5]), Decoding(cfg, sampling=GREEDY), 4)
     st = decode.replace_rows(st, fresh, jnp.asarray([0, 2], jnp.int32))
-    st = decode.generate_until(params, cfg, st, GREEDY, jnp.int32(3))
+    st = decode.generate_until(Params(params), st, Decoding(cfg, sampling=GREEDY), jnp.int32(3))
     assert all(jax.device_get(st.done))
     got = outputs(st)
     assert first[0] == reference_greedy(params, cfg, PROMPTS[0], 3)
@@ -152,6 +153,6 @@ def test_continuous_batching_rows_answer_as_alone(target):
 
 def test_replace_rows_refuses_a_state_of_another_shape(target):
     cfg, params = target
-    st = decode.init_state(cfg, PROMPTS, 48, 4)
+    st = decode.init_state(Decoding(cfg), PROMPTS, 48, 4)
     with pytest.raises(DFlashError, match=r"replace_rows fresh.*tokens.*\[1, 48\]"):
-        decode.replace_rows(st, decode.init_state(cfg, [[1, 2]], 40, 4), jnp.asarray([1], jnp.int32))
+        decode.replace_rows(st, decode.init_state(Decoding(cfg), [[1, 2]], 40, 4), jnp.asarray([1], jnp.int32))

@@ -19,10 +19,11 @@ from test_train import GAMMA, _loss_terms, make_batch, models  # noqa: F401
 from dflash_jax import api
 from dflash_jax import draft_vocab as dv
 from dflash_jax import sharding as shd
+from dflash_jax import decode, speculative
+from dflash_jax.decoding import Decoding, Params
 from dflash_jax.errors import DFlashError
 from dflash_jax.models import drafter
 from dflash_jax.sampling import SamplingConfig
-from dflash_jax.spec import generate as spec
 from dflash_jax.testing import tiny_drafter, tiny_target
 from dflash_jax.train import objective
 from dflash_jax.train.export import export_drafter
@@ -106,13 +107,13 @@ def test_whole_vocab_list_changes_nothing(small):
     prompts = [[1, 5, 2], [3, 3, 0, 6], [2]]
     a = run_spec(target, d, prompts, 20)
     b = run_spec(target, with_vocab(target, d, np.arange(8)), prompts, 20)
-    assert int(np.asarray(a.spec.accepted).sum()) > 5, "the drafter should get tokens accepted"
+    assert int(np.asarray(a.speculative.accepted).sum()) > 5, "the drafter should get tokens accepted"
     assert outputs(a) == outputs(b) == plain_greedy(target, prompts, 20)
     for name in ("verify_steps", "drafted", "accepted", "accepted_per_position"):
-        np.testing.assert_array_equal(np.asarray(getattr(a.spec, name)), np.asarray(getattr(b.spec, name)), err_msg=name)
+        np.testing.assert_array_equal(np.asarray(getattr(a.speculative, name)), np.asarray(getattr(b.speculative, name)), err_msg=name)
     np.testing.assert_array_equal(np.asarray(a.committed), np.asarray(b.committed), err_msg="committed")
     c = run_spec(target, with_vocab(target, d, [0, 2, 3, 5]), prompts, 20)
-    assert outputs(c) == outputs(a) and int(np.asarray(c.spec.accepted).sum()) > 0
+    assert outputs(c) == outputs(a) and int(np.asarray(c.speculative.accepted).sum()) > 0
 
 
 def _prefilled_and_full_logits(target, d):
@@ -120,13 +121,13 @@ def _prefilled_and_full_logits(target, d):
     of its next block, computed directly with the drafter."""
     cfg, params = target
     dcfg, dparams = d
-    st = spec.prefill(params, cfg, dparams, dcfg, spec.init_state(cfg, dcfg, PROMPTS, 64, 8), 4, SamplingConfig())
+    st = decode.prefill(Params(params, dparams), decode.init_state(Decoding(cfg, dcfg), PROMPTS, 64, 8), Decoding(cfg, dcfg, SamplingConfig()), 4)
     start = np.asarray(st.length) - 1
     w = dcfg.block_size
     anchor = np.asarray(st.tokens)[np.arange(len(PROMPTS)), start]
     block = jnp.asarray([[int(a)] + [dcfg.mask_token_id] * (w - 1) for a in anchor], jnp.int32)
     pos = jnp.asarray(start[:, None] + np.arange(w), jnp.int32)
-    h = drafter.forward(dparams, dcfg, params, cfg, block, pos, st.spec.ctx_k, st.spec.ctx_v, jnp.asarray(start, jnp.int32))
+    h = drafter.forward(dparams, dcfg, params, cfg, block, pos, st.speculative.ctx_k, st.speculative.ctx_v, jnp.asarray(start, jnp.int32))
     return st, np.asarray(drafter.logits(dparams, dcfg, params, cfg, h[:, 1:]))
 
 
@@ -136,7 +137,7 @@ def test_argmax_drafts_are_the_best_listed_token(target):
     st, full = _prefilled_and_full_logits(target, d)
     ids = np.array(SMALL_IDS)
     dcfg, dparams = with_vocab(target, d, ids)
-    drafts, q = spec.propose(params, cfg, dparams, dcfg, st)
+    drafts, q = speculative.propose(Params(params, dparams), st, Decoding(cfg, dcfg))
     want = ids[np.argmax(full[..., ids], axis=-1)]
     assert q is None
     np.testing.assert_array_equal(np.asarray(drafts), want)
@@ -149,7 +150,7 @@ def test_sampled_proposal_is_the_softmax_over_listed_columns(target):
     st, full = _prefilled_and_full_logits(target, d)
     ids = np.array(SMALL_IDS)
     dcfg, dparams = with_vocab(target, d, ids)
-    drafts, q = spec.propose(params, cfg, dparams, dcfg, st, SamplingConfig(0.7), "sample", jax.random.key(0))
+    drafts, q = speculative.propose(Params(params, dparams), st, Decoding(cfg, dcfg, SamplingConfig(0.7), draft_mode="sample"), jax.random.key(0))
     q = np.asarray(q)
     assert q.shape == full.shape and np.isin(np.asarray(drafts), ids).all()
     want = np.zeros_like(q)
@@ -167,7 +168,7 @@ def test_sampled_tokens_follow_target_distribution_with_draft_vocab(sampling):
     prompt, n = [1, 5, 2], 6000
     st = run_spec((cfg, params), d, [prompt] * n, 3, chunk=4, max_len=8, sampling=sampling, seed=123, mode="sample")
     assert (np.asarray(st.length) == 6).all()
-    assert int(np.asarray(st.spec.accepted).sum()) > n // 20, "the drafter should get some tokens accepted"
+    assert int(np.asarray(st.speculative.accepted).sum()) > n // 20, "the drafter should get some tokens accepted"
     joint = assert_follows_target(cfg, params, prompt, sampling, np.asarray(st.tokens[:, 3:6]))
     assert 1 - joint[np.ix_(ids, ids, ids)].sum() > 0.2, "the target should often emit tokens outside the list"
 

@@ -11,11 +11,12 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 zlab = pytest.importorskip("dflash.model")
 
+from dflash_jax import decode  # noqa: E402
+from dflash_jax.decoding import Decoding, Params  # noqa: E402
 from dflash_jax.registry import load_hf_drafter as load_drafter  # noqa: E402
 from dflash_jax.io.hf import load_hf_target  # noqa: E402
 from dflash_jax.models import drafter  # noqa: E402
 from dflash_jax.sampling import SamplingConfig  # noqa: E402
-from dflash_jax.spec import generate as spec  # noqa: E402
 
 H, V, TARGET_LAYERS = 64, 96, 4
 
@@ -122,12 +123,12 @@ def test_same_tokens_and_verify_steps_as_dflash_generate(tmp_path, target, monke
     assert max(out.acceptance_lengths) > 1, "the steered drafter should get some blocks accepted"
 
     cfg, params = load_drafter(folder, t_cfg)
-    st = spec.init_state(t_cfg, cfg, [prompt], 64, 40)
-    st = spec.prefill(t_params, t_cfg, params, cfg, st, 4, SamplingConfig())
-    st = spec.generate(t_params, t_cfg, params, cfg, st, SamplingConfig())
+    st = decode.init_state(Decoding(t_cfg, cfg), [prompt], 64, 40)
+    st = decode.prefill(Params(t_params, params), st, Decoding(t_cfg, cfg, SamplingConfig()), 4)
+    st = decode.generate(Params(t_params, params), st, Decoding(t_cfg, cfg, SamplingConfig()))
     got = list(np.asarray(st.tokens[0, len(prompt) : int(st.length[0])]))
     assert got == want_tokens == free
-    assert int(st.spec.verify_steps[0]) == want_steps
+    assert int(st.speculative.verify_steps[0]) == want_steps
     assert int(st.committed[0]) == sum(out.acceptance_lengths)
 
 

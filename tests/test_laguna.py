@@ -16,6 +16,7 @@ import pytest
 
 from dflash_jax import decode
 from dflash_jax.config_laguna import laguna_config_from_hf
+from dflash_jax.decoding import Decoding, Params
 from dflash_jax.errors import DFlashError
 from dflash_jax.io.laguna import load_laguna_target, parameter_count, published_shapes, save_published
 from dflash_jax.models import laguna
@@ -110,8 +111,8 @@ def test_greedy_decode_equals_no_cache_recompute():
     g = SamplingConfig()
     want = recompute_greedy(params, cfg, prompt, 10, buf=32)
     for chunk in (4, PROMPT_LEN):
-        st = decode.init_state(cfg, [prompt], 32, 10)
-        st = decode.generate(params, cfg, decode.prefill(params, cfg, st, chunk, g), g)
+        st = decode.init_state(Decoding(cfg), [prompt], 32, 10)
+        st = decode.generate(Params(params), decode.prefill(Params(params), st, Decoding(cfg, sampling=g), chunk), Decoding(cfg, sampling=g))
         got = [int(t) for t in np.asarray(st.tokens[0, PROMPT_LEN : int(st.length[0])])]
         assert got == want, chunk
 
@@ -123,10 +124,10 @@ def test_continuous_batching_replaces_ring_rows():
     cfg, params = tiny_laguna(PER_HEAD, seed=2, max_block=2)
     g = SamplingConfig()
     a, b, c = SEQ[:PROMPT_LEN], SEQ[3:9], SEQ[1:12]
-    st = decode.prefill(params, cfg, decode.init_state(cfg, [a, b], 32, [4, 10]), 4, g)
-    st = decode.generate_until(params, cfg, st, g, jnp.int32(1))
-    fresh = decode.prefill(params, cfg, decode.init_state(cfg, [c], 32, 8), 4, g)
-    st = decode.generate_until(params, cfg, decode.replace_rows(st, fresh, jnp.asarray([0], jnp.int32)), g, jnp.int32(2))
+    st = decode.prefill(Params(params), decode.init_state(Decoding(cfg), [a, b], 32, [4, 10]), Decoding(cfg, sampling=g), 4)
+    st = decode.generate_until(Params(params), st, Decoding(cfg, sampling=g), jnp.int32(1))
+    fresh = decode.prefill(Params(params), decode.init_state(Decoding(cfg), [c], 32, 8), Decoding(cfg, sampling=g), 4)
+    st = decode.generate_until(Params(params), decode.replace_rows(st, fresh, jnp.asarray([0], jnp.int32)), Decoding(cfg, sampling=g), jnp.int32(2))
     toks, length = np.asarray(st.tokens), np.asarray(st.length)
     assert toks[0, len(c) : length[0]].tolist() == recompute_greedy(params, cfg, c, 8, buf=32)
     assert toks[1, len(b) : length[1]].tolist() == recompute_greedy(params, cfg, b, 10, buf=32)

@@ -13,12 +13,12 @@ import pytest
 
 from dflash_jax import decode
 from dflash_jax.registry import drafter_config_from_hf
+from dflash_jax.decoding import Decoding, Params
 from dflash_jax.errors import DFlashError
 from dflash_jax.registry import load_hf_drafter as load_drafter
 from dflash_jax.io.laguna_drafter import load_laguna_drafter_gguf
 from dflash_jax.models import drafter, laguna_drafter
 from dflash_jax.sampling import SamplingConfig
-from dflash_jax.spec import generate as spec
 from laguna_tiny import LAGUNA_DRAFTER, PER_HEAD, tiny_laguna, write_config
 
 gguf = pytest.importorskip("gguf")
@@ -176,8 +176,8 @@ def test_aux_norm_and_context_input_norm_matter(draft):
 
 def plain_greedy(target, prompt, n_new, max_len=48):
     cfg, params = target
-    st = decode.init_state(cfg, [prompt], max_len, n_new)
-    st = decode.generate(params, cfg, decode.prefill(params, cfg, st, 4, GREEDY), GREEDY)
+    st = decode.init_state(Decoding(cfg), [prompt], max_len, n_new)
+    st = decode.generate(Params(params), decode.prefill(Params(params), st, Decoding(cfg, sampling=GREEDY), 4), Decoding(cfg, sampling=GREEDY))
     return [int(t) for t in np.asarray(st.tokens[0, len(prompt) : int(st.length[0])])]
 
 
@@ -186,8 +186,8 @@ def test_spec_greedy_lossless(target, draft, chunk):
     cfg, params = target
     dcfg, dparams = draft
     want = plain_greedy(target, PROMPT, 14)
-    st = spec.init_state(cfg, dcfg, [PROMPT], 48, 14)
-    st = spec.generate(params, cfg, dparams, dcfg, spec.prefill(params, cfg, dparams, dcfg, st, chunk, GREEDY), GREEDY)
+    st = decode.init_state(Decoding(cfg, dcfg), [PROMPT], 48, 14)
+    st = decode.generate(Params(params, dparams), decode.prefill(Params(params, dparams), st, Decoding(cfg, dcfg, GREEDY), chunk), Decoding(cfg, dcfg, GREEDY))
     assert [int(t) for t in np.asarray(st.tokens[0, len(PROMPT) : int(st.length[0])])] == want
 
 

@@ -14,11 +14,12 @@ import jax
 import pytest
 from jax.sharding import AbstractMesh, PartitionSpec as P
 
+from dflash_jax import decode
 from dflash_jax import sharding as shd
 from dflash_jax.cache import KV_AXES
+from dflash_jax.decoding import Decoding, Params
 from dflash_jax.errors import DFlashError
 from dflash_jax.models import dense, drafter
-from dflash_jax.spec import generate as spec
 from dflash_jax.testing import tiny_drafter, tiny_drafter_config, tiny_target, tiny_target_config
 
 MESH = AbstractMesh((2, 2, 1), shd.MESH_AXES)  # data=2, model=2, expert=1 (shape only)
@@ -87,11 +88,11 @@ def test_make_mesh_errors():
 def test_state_axes_cover_cache_and_context():
     cfg = tiny_target_config("qwen3")
     dcfg = tiny_drafter_config(cfg)
-    st = spec.init_state(cfg, dcfg, [[1, 2, 3], [4, 5]], 16, 4)
+    st = decode.init_state(Decoding(cfg, dcfg), [[1, 2, 3], [4, 5]], 16, 4)
     ax = shd.state_axes(st)
     assert ax.tokens == ("batch", "seq") and ax.length == ("batch",) and ax.finish == ("batch",)
-    assert ax.cache.k == KV_AXES and ax.spec.ctx_k == KV_AXES and ax.spec.ctx_v == KV_AXES
-    assert ax.spec.accepted_per_position == ("batch", None)
+    assert ax.cache.k == KV_AXES and ax.speculative.ctx_k == KV_AXES and ax.speculative.ctx_v == KV_AXES
+    assert ax.speculative.accepted_per_position == ("batch", None)
     assert ax.stop_ids == (None,) and ax.steps == ()
     # the one-device mesh: everything replicated, placement works (typed PRNG key included)
     placed = shd.shard_state(st, shd.make_mesh())
@@ -108,17 +109,17 @@ def test_every_state_array_declares_axes_and_replace_rows_swaps_every_batch_leaf
 
     from dflash_jax import decode
     from dflash_jax.axes import declared_axes, flat_axes
-    from dflash_jax.config import drafter_config_from_hf
+    from dflash_jax.registry import drafter_config_from_hf
     from laguna_tiny import LAGUNA_DRAFTER, PER_HEAD, tiny_laguna
 
     cfg = tiny_target_config("qwen3")
     for cfg, dc in ((cfg, tiny_drafter_config(cfg)), (tiny_laguna(PER_HEAD)[0], drafter_config_from_hf(LAGUNA_DRAFTER))):
-        st = spec.init_state(cfg, dc, [[1, 2, 3], [4, 5], [6]], 16, 4)
+        st = decode.init_state(Decoding(cfg, dc), [[1, 2, 3], [4, 5], [6]], 16, 4)
         leaves, axes = jax.tree_util.tree_leaves(st), flat_axes(st)
         assert len(axes) == len(leaves) and all(len(a) == np.ndim(x) for a, x in zip(axes, leaves))
         assert any("batch" in a for a in axes) and any("batch" not in a for a in axes)
         old = jax.tree_util.tree_map(lambda x: x if jnp.issubdtype(x.dtype, jax.dtypes.prng_key) else jnp.zeros_like(x), st)
-        one = spec.init_state(cfg, dc, [[7]], 16, 4)
+        one = decode.init_state(Decoding(cfg, dc), [[7]], 16, 4)
         fresh = jax.tree_util.tree_map(lambda x: x if jnp.issubdtype(x.dtype, jax.dtypes.prng_key) else jnp.ones_like(x), one)
         out = decode.replace_rows(old, fresh, jnp.asarray([1], jnp.int32))
         for ax, x, leaf in zip(axes, jax.tree_util.tree_leaves(out), leaves):
@@ -164,7 +165,7 @@ _MULTI_DEVICE = textwrap.dedent(
     from dflash_jax import sharding as shd
     from dflash_jax.models import dense, drafter
     from dflash_jax.sampling import SamplingConfig
-    from dflash_jax.spec import generate as spec
+    from dflash_jax import decode
     from dflash_jax.testing import tiny_drafter, tiny_target
 
     assert len(jax.devices()) == 4, jax.devices()
@@ -174,11 +175,11 @@ _MULTI_DEVICE = textwrap.dedent(
     greedy = SamplingConfig()
 
     def run(p, dp, mesh=None):
-        st = spec.init_state(cfg, dcfg, prompts, 24, 10)
+        st = decode.init_state(Decoding(cfg, dcfg), prompts, 24, 10)
         if mesh is not None:
             st = shd.shard_state(st, mesh)
-        st = spec.prefill(p, cfg, dp, dcfg, st, 4, greedy, max_prompt_len=4)
-        return spec.generate(p, cfg, dp, dcfg, st, greedy)
+        st = decode.prefill(Params(p, dp), st, Decoding(cfg, dcfg, greedy), 4)
+        return decode.generate(Params(p, dp), st, Decoding(cfg, dcfg, greedy))
 
     ref = run(p, dp)
     mesh = shd.make_mesh(data=2, model=2)
@@ -192,7 +193,7 @@ _MULTI_DEVICE = textwrap.dedent(
     out = run(sp, sdp, mesh)
     k = out.cache.k
     assert k.sharding.shard_shape(k.shape)[1] == 1, k.sharding   # rows still split after generate
-    ck = out.spec.ctx_k
+    ck = out.speculative.ctx_k
     assert len(ck.sharding.device_set) == 4
     a, b = jax.device_get((ref.tokens, out.tokens))
     la, lb = jax.device_get((ref.length, out.length))

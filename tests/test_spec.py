@@ -12,10 +12,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dflash_jax import decode
+from dflash_jax import decode, speculative
+from dflash_jax.decoding import Decoding, Params
 from dflash_jax.errors import DFlashError
 from dflash_jax.sampling import SamplingConfig
-from dflash_jax.spec import generate as spec
 from dflash_jax.state import LENGTH, STOP
 from dflash_jax.testing import tiny_drafter, tiny_target
 
@@ -34,8 +34,8 @@ def drafter_for(cfg, block_size=4, seed=0, **kw):
 
 def plain_greedy(target, prompts, n_new, max_len=64, stop_ids=()):
     cfg, params = target
-    st = decode.init_state(cfg, prompts, max_len, n_new, stop_ids)
-    st = decode.generate(params, cfg, decode.prefill(params, cfg, st, 4, GREEDY), GREEDY)
+    st = decode.init_state(Decoding(cfg), prompts, max_len, n_new, stop_ids)
+    st = decode.generate(Params(params), decode.prefill(Params(params), st, Decoding(cfg, sampling=GREEDY), 4), Decoding(cfg, sampling=GREEDY))
     return outputs(st)
 
 
@@ -47,9 +47,9 @@ def outputs(st):
 def run_spec(target, d, prompts, n_new, chunk=4, max_len=64, stop_ids=(), n_max=None, sampling=GREEDY, seed=0, mode="argmax"):
     cfg, params = target
     dcfg, dparams = d
-    st = spec.init_state(cfg, dcfg, prompts, max_len, n_new, stop_ids, seed=seed, n_max=n_max)
-    st = spec.prefill(params, cfg, dparams, dcfg, st, chunk, sampling)
-    return spec.generate(params, cfg, dparams, dcfg, st, sampling, mode)
+    static, weights = Decoding(cfg, dcfg, sampling, mode, n_max), Params(params, dparams)
+    st = decode.init_state(static, prompts, max_len, n_new, stop_ids, seed=seed)
+    return decode.generate(weights, decode.prefill(weights, st, static, chunk), static)
 
 
 @pytest.mark.parametrize("block_size", [2, 4, 6])
@@ -67,8 +67,8 @@ def scripted_run(target, d, prompt, n_new, corrupt_at=None, stop_ids=(), max_len
     dcfg, dparams = d
     ref = plain_greedy(target, [prompt], n_new + dcfg.block_size, max_len=max_len)[0]
     full = list(prompt) + ref
-    st = spec.init_state(cfg, dcfg, [prompt], max_len, n_new, stop_ids)
-    st = spec.prefill(params, cfg, dparams, dcfg, st, 3, GREEDY)
+    st = decode.init_state(Decoding(cfg, dcfg), [prompt], max_len, n_new, stop_ids)
+    st = decode.prefill(Params(params, dparams), st, Decoding(cfg, dcfg, GREEDY), 3)
     accepts = []
     n = dcfg.block_size - 1
     while not bool(st.done[0]):
@@ -76,9 +76,9 @@ def scripted_run(target, d, prompt, n_new, corrupt_at=None, stop_ids=(), max_len
         drafts = [full[length + i] if length + i < len(full) else 0 for i in range(n)]
         if corrupt_at is not None:
             drafts[corrupt_at] = (drafts[corrupt_at] + 1) % cfg.vocab_size
-        before = int(st.spec.accepted[0])
-        st = spec.verify(params, cfg, dparams, dcfg, st, jnp.asarray([drafts], jnp.int32))
-        accepts.append(int(st.spec.accepted[0]) - before)
+        before = int(st.speculative.accepted[0])
+        st = speculative.verify(Params(params, dparams), st, Decoding(cfg, dcfg), jnp.asarray([drafts], jnp.int32))
+        accepts.append(int(st.speculative.accepted[0]) - before)
     return st, accepts, ref
 
 
@@ -89,7 +89,7 @@ def test_scripted_full_acceptance_commits_block_size_tokens(target, block_size):
     st, accepts, ref = scripted_run(target, d, PROMPTS[0], n_new)
     assert outputs(st)[0] == ref[:n_new]
     assert accepts == [block_size - 1] * 4
-    assert int(st.spec.verify_steps[0]) == 4 and int(st.committed[0]) == 4 * block_size
+    assert int(st.speculative.verify_steps[0]) == 4 and int(st.committed[0]) == 4 * block_size
 
 
 @pytest.mark.parametrize("j", [0, 1, 3])
@@ -98,7 +98,7 @@ def test_scripted_rejection_exactly_at_j(target, j):
     st, accepts, ref = scripted_run(target, d, PROMPTS[1], 16, corrupt_at=j)
     assert outputs(st)[0] == ref[:16]
     assert all(a == j for a in accepts[:-1])  # the last step may be cut by max_new_tokens
-    per_pos = np.asarray(st.spec.accepted_per_position[0])
+    per_pos = np.asarray(st.speculative.accepted_per_position[0])
     assert (per_pos[j:] == 0).all()
     assert (per_pos[:j] >= len(accepts) - 1).all()
 
@@ -118,7 +118,7 @@ def test_bug_stop_in_block(target, offset):
     assert out == ref[: 2 + offset] and out[-1] == stop
     assert int(st.finish[0]) == STOP
     assert int(st.committed[0]) == 1 + offset == len(out) - 1
-    assert int(st.spec.accepted[0]) == min(offset + 1, 4)
+    assert int(st.speculative.accepted[0]) == min(offset + 1, 4)
 
 
 @pytest.mark.parametrize("n_new", [1, 2, 3])
@@ -145,19 +145,19 @@ def test_bug_capture_offsets_chunk_size_invariance(target, chunk):
     dcfg, dparams = drafter_for(cfg, 4, seed=1)
 
     def after_prefill(c):
-        st = spec.init_state(cfg, dcfg, PROMPTS, 64, 12)
-        return spec.prefill(params, cfg, dparams, dcfg, st, c, GREEDY)
+        st = decode.init_state(Decoding(cfg, dcfg), PROMPTS, 64, 12)
+        return decode.prefill(Params(params, dparams), st, Decoding(cfg, dcfg, GREEDY), c)
 
     ref, got = after_prefill(13), after_prefill(chunk)
     for b, p in enumerate(PROMPTS):
         n = len(p)
-        np.testing.assert_allclose(np.asarray(got.spec.ctx_k[:, b, :n]), np.asarray(ref.spec.ctx_k[:, b, :n]), rtol=1e-5, atol=1e-5)
-        np.testing.assert_allclose(np.asarray(got.spec.ctx_v[:, b, :n]), np.asarray(ref.spec.ctx_v[:, b, :n]), rtol=1e-5, atol=1e-5)
-    d_ref, _ = spec.propose(params, cfg, dparams, dcfg, ref)
-    d_got, _ = spec.propose(params, cfg, dparams, dcfg, got)
+        np.testing.assert_allclose(np.asarray(got.speculative.ctx_k[:, b, :n]), np.asarray(ref.speculative.ctx_k[:, b, :n]), rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(np.asarray(got.speculative.ctx_v[:, b, :n]), np.asarray(ref.speculative.ctx_v[:, b, :n]), rtol=1e-5, atol=1e-5)
+    d_ref, _ = speculative.propose(Params(params, dparams), ref, Decoding(cfg, dcfg))
+    d_got, _ = speculative.propose(Params(params, dparams), got, Decoding(cfg, dcfg))
     assert np.array_equal(np.asarray(d_ref), np.asarray(d_got))
-    out = outputs(spec.generate(params, cfg, dparams, dcfg, got, GREEDY))
-    assert out == outputs(spec.generate(params, cfg, dparams, dcfg, ref, GREEDY))
+    out = outputs(decode.generate(Params(params, dparams), got, Decoding(cfg, dcfg, GREEDY)))
+    assert out == outputs(decode.generate(Params(params, dparams), ref, Decoding(cfg, dcfg, GREEDY)))
 
 
 def test_bug_rollback_context_holds_only_committed_rows(target):
@@ -169,10 +169,10 @@ def test_bug_rollback_context_holds_only_committed_rows(target):
     assert any(a < 4 for a in accepts)
     n = int(st.length[0]) - 1
     committed = [int(t) for t in np.asarray(st.tokens[0, :n])]
-    fresh = spec.init_state(cfg, dcfg, [committed], 40, 1)
-    fresh = spec.prefill(params, cfg, dparams, dcfg, fresh, 5, GREEDY)
-    np.testing.assert_allclose(np.asarray(st.spec.ctx_k[:, 0, :n]), np.asarray(fresh.spec.ctx_k[:, 0, :n]), rtol=1e-5, atol=1e-5)
-    np.testing.assert_allclose(np.asarray(st.spec.ctx_v[:, 0, :n]), np.asarray(fresh.spec.ctx_v[:, 0, :n]), rtol=1e-5, atol=1e-5)
+    fresh = decode.init_state(Decoding(cfg, dcfg), [committed], 40, 1)
+    fresh = decode.prefill(Params(params, dparams), fresh, Decoding(cfg, dcfg, GREEDY), 5)
+    np.testing.assert_allclose(np.asarray(st.speculative.ctx_k[:, 0, :n]), np.asarray(fresh.speculative.ctx_k[:, 0, :n]), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(st.speculative.ctx_v[:, 0, :n]), np.asarray(fresh.speculative.ctx_v[:, 0, :n]), rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(np.asarray(st.cache.k[:, 0, :n]), np.asarray(fresh.cache.k[:, 0, :n]), rtol=1e-5, atol=1e-5)
 
 
@@ -199,7 +199,7 @@ def test_per_layer_drafter_gives_the_stacked_results(target, overrides):
     runs = [run_spec(target, (dcfg, d), PROMPTS, 20) for d in (dp, per)]
     assert outputs(runs[0]) == outputs(runs[1]) == plain_greedy(target, PROMPTS, 20)
     for name in ("verify_steps", "drafted", "accepted", "accepted_per_position"):
-        np.testing.assert_array_equal(np.asarray(getattr(runs[0].spec, name)), np.asarray(getattr(runs[1].spec, name)), err_msg=name)
+        np.testing.assert_array_equal(np.asarray(getattr(runs[0].speculative, name)), np.asarray(getattr(runs[1].speculative, name)), err_msg=name)
 
 
 def test_bug_positions_block_uses_absolute_positions(target):
@@ -210,15 +210,15 @@ def test_bug_positions_block_uses_absolute_positions(target):
 
     cfg, params = target
     dcfg, dparams = drafter_for(cfg, 4, seed=4)
-    st = spec.init_state(cfg, dcfg, [PROMPTS[2]], 64, 8)
-    st = spec.prefill(params, cfg, dparams, dcfg, st, 4, GREEDY)
-    drafts, _ = spec.propose(params, cfg, dparams, dcfg, st)
+    st = decode.init_state(Decoding(cfg, dcfg), [PROMPTS[2]], 64, 8)
+    st = decode.prefill(Params(params, dparams), st, Decoding(cfg, dcfg, GREEDY), 4)
+    drafts, _ = speculative.propose(Params(params, dparams), st, Decoding(cfg, dcfg))
     start = int(st.length[0]) - 1
     block = jnp.asarray([[int(st.tokens[0, start])] + [dcfg.mask_token_id] * 3])
 
     def direct(offset):
         pos = jnp.arange(start, start + 4, dtype=jnp.int32)[None] + offset
-        h = dm.forward(dparams, dcfg, params, cfg, block, pos, st.spec.ctx_k, st.spec.ctx_v, jnp.asarray([start]))
+        h = dm.forward(dparams, dcfg, params, cfg, block, pos, st.speculative.ctx_k, st.speculative.ctx_v, jnp.asarray([start]))
         return dm.logits(dparams, dcfg, params, cfg, h[:, 1:])
 
     np.testing.assert_array_equal(np.asarray(drafts), np.asarray(jnp.argmax(direct(0), -1)))
@@ -235,21 +235,21 @@ def test_bug_mask_id_block_is_anchor_then_mask_tokens(target):
 
     cfg, params = target
     dcfg, dparams = drafter_for(cfg, 4, seed=6)
-    st = spec.init_state(cfg, dcfg, [PROMPTS[0]], 64, 8)
-    st = spec.prefill(params, cfg, dparams, dcfg, st, 4, GREEDY)
-    drafts, _ = spec.propose(params, cfg, dparams, dcfg, st)
+    st = decode.init_state(Decoding(cfg, dcfg), [PROMPTS[0]], 64, 8)
+    st = decode.prefill(Params(params, dparams), st, Decoding(cfg, dcfg, GREEDY), 4)
+    drafts, _ = speculative.propose(Params(params, dparams), st, Decoding(cfg, dcfg))
     start = int(st.length[0]) - 1
     pos = jnp.arange(start, start + 4, dtype=jnp.int32)[None]
 
     def direct(mask_id):
         block = jnp.asarray([[int(st.tokens[0, start])] + [mask_id] * 3])
-        h = dm.forward(dparams, dcfg, params, cfg, block, pos, st.spec.ctx_k, st.spec.ctx_v, jnp.asarray([start]))
+        h = dm.forward(dparams, dcfg, params, cfg, block, pos, st.speculative.ctx_k, st.speculative.ctx_v, jnp.asarray([start]))
         return dm.logits(dparams, dcfg, params, cfg, h[:, 1:])
 
     np.testing.assert_array_equal(np.asarray(drafts), np.asarray(jnp.argmax(direct(dcfg.mask_token_id), -1)))
     assert not np.allclose(np.asarray(direct(dcfg.mask_token_id)), np.asarray(direct(3)))
     with pytest.raises(DFlashError, match="mask_token_id"):
-        spec.init_state(cfg, dataclasses.replace(dcfg, mask_token_id=cfg.vocab_size), [PROMPTS[0]], 64, 8)
+        decode.init_state(Decoding(cfg, dataclasses.replace(dcfg, mask_token_id=cfg.vocab_size)), [PROMPTS[0]], 64, 8)
 
 
 def test_bug_layer_id_convention_capture_is_output_of_layer(target):
@@ -319,11 +319,11 @@ def test_config_fields_set_twice_must_agree_and_layer_ids_be_distinct():
 
 def test_bug_rng_streams_are_independent(target):
     """Draft, accept and resample keys are distinct streams split from the carry each step."""
-    from dflash_jax.spec.generate import _keys
+    from dflash_jax.speculative.step import _keys
 
     cfg, params = target
     dcfg, _ = drafter_for(cfg)
-    st = spec.init_state(cfg, dcfg, [PROMPTS[0]], 32, 4, seed=9)
+    st = decode.init_state(Decoding(cfg, dcfg), [PROMPTS[0]], 32, 4, seed=9)
     st2, kd, ka, kb = _keys(st)
     datas = [np.asarray(jax.random.key_data(k)).tobytes() for k in (st2.rng, kd, ka, kb, st.rng)]
     assert len(set(datas)) == 5
@@ -333,9 +333,9 @@ def test_n_max_validation_and_depth(target):
     cfg, params = target
     dcfg, dparams = drafter_for(cfg, 6)
     with pytest.raises(DFlashError, match="--n-max"):
-        spec.init_state(cfg, dcfg, [PROMPTS[0]], 32, 4, n_max=6)
+        decode.init_state(Decoding(cfg, dcfg, n_max=6), [PROMPTS[0]], 32, 4)
     st = run_spec(target, (dcfg, dparams), [PROMPTS[0]], 12, n_max=2)
-    assert st.spec.accepted_per_position.shape == (1, 2)
+    assert st.speculative.accepted_per_position.shape == (1, 2)
     assert outputs(st) == plain_greedy(target, [PROMPTS[0]], 12)
 
 
@@ -353,7 +353,7 @@ def test_sampled_tokens_follow_target_distribution(mode, sampling):
     n = 6000
     st = run_spec((cfg, params), d, [prompt] * n, 3, chunk=4, max_len=8, sampling=sampling, seed=123, mode=mode)
     assert (np.asarray(st.length) == 6).all()
-    assert int(np.asarray(st.spec.accepted).sum()) > n // 10, "the drafter should get some tokens accepted"
+    assert int(np.asarray(st.speculative.accepted).sum()) > n // 10, "the drafter should get some tokens accepted"
     assert_follows_target(cfg, params, prompt, sampling, np.asarray(st.tokens[:, 3:6]))
 
 
@@ -400,27 +400,27 @@ def test_replaced_rows_of_a_speculative_state_answer_as_alone(target):
     its statistics count only the new answer."""
     cfg, params = target
     dcfg, dparams = drafter_for(cfg)
-    step = jax.jit(spec.step_fn, static_argnames=("cfg_t", "cfg_d", "sampling"))
-    st = spec.prefill(params, cfg, dparams, dcfg, spec.init_state(cfg, dcfg, PROMPTS[:2], 64, 20), 4, GREEDY)
+    step = jax.jit(speculative.step_fn, static_argnames=("static",))
+    st = decode.prefill(Params(params, dparams), decode.init_state(Decoding(cfg, dcfg), PROMPTS[:2], 64, 20), Decoding(cfg, dcfg, GREEDY), 4)
     for _ in range(3):
-        st = step(params, cfg, dparams, dcfg, st, GREEDY)
-    fresh = spec.prefill(params, cfg, dparams, dcfg, spec.init_state(cfg, dcfg, [PROMPTS[2]], 64, 20), 4, GREEDY)
-    st = spec.generate(params, cfg, dparams, dcfg, decode.replace_rows(st, fresh, jnp.asarray([0], jnp.int32)), GREEDY)
+        st = step(Params(params, dparams), st, Decoding(cfg, dcfg, GREEDY))
+    fresh = decode.prefill(Params(params, dparams), decode.init_state(Decoding(cfg, dcfg), [PROMPTS[2]], 64, 20), Decoding(cfg, dcfg, GREEDY), 4)
+    st = decode.generate(Params(params, dparams), decode.replace_rows(st, fresh, jnp.asarray([0], jnp.int32)), Decoding(cfg, dcfg, GREEDY))
     assert outputs(st) == plain_greedy(target, [PROMPTS[2], PROMPTS[1]], 20)
     assert int(st.committed[0]) == 19  # the first token comes from prefill
 
 
 def test_speculative_continuous_batching_answers_as_plain_greedy(target):
-    """``spec.generate_until`` stops once a row is done; that row, given the next prompt with
+    """``decode.generate_until`` with a drafter stops once a row is done; that row, given the next prompt with
     ``decode.replace_rows``, and the row that kept running both answer as plain greedy decoding."""
     cfg, params = target
     dcfg, dparams = drafter_for(cfg)
-    st = spec.prefill(params, cfg, dparams, dcfg, spec.init_state(cfg, dcfg, PROMPTS[:2], 64, [6, 20]), 4, GREEDY)
-    st = spec.generate_until(params, cfg, dparams, dcfg, st, GREEDY, jnp.int32(1))
+    st = decode.prefill(Params(params, dparams), decode.init_state(Decoding(cfg, dcfg), PROMPTS[:2], 64, [6, 20]), Decoding(cfg, dcfg, GREEDY), 4)
+    st = decode.generate_until(Params(params, dparams), st, Decoding(cfg, dcfg, GREEDY), jnp.int32(1))
     done, first = jax.device_get(st.done), outputs(st)[0]
     assert done.tolist() == [True, False]  # row 1 was still running when the call returned
     assert first == plain_greedy(target, [PROMPTS[0]], 6)[0]
-    fresh = spec.prefill(params, cfg, dparams, dcfg, spec.init_state(cfg, dcfg, [PROMPTS[2]], 64, 20), 4, GREEDY)
-    st = spec.generate_until(params, cfg, dparams, dcfg, decode.replace_rows(st, fresh, jnp.asarray([0], jnp.int32)), GREEDY, jnp.int32(2))
+    fresh = decode.prefill(Params(params, dparams), decode.init_state(Decoding(cfg, dcfg), [PROMPTS[2]], 64, 20), Decoding(cfg, dcfg, GREEDY), 4)
+    st = decode.generate_until(Params(params, dparams), decode.replace_rows(st, fresh, jnp.asarray([0], jnp.int32)), Decoding(cfg, dcfg, GREEDY), jnp.int32(2))
     assert jax.device_get(st.done).all()
     assert outputs(st) == plain_greedy(target, [PROMPTS[2], PROMPTS[1]], 20)

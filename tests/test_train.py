@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 
 from dflash_jax import draft_vocab
+from dflash_jax.decoding import Decoding, Params
 from dflash_jax.models import drafter
 from dflash_jax.testing import tiny_drafter, tiny_target
 from dflash_jax.train import objective
@@ -265,9 +266,9 @@ def greedy_dataset(t_cfg, t_params, n=12, seed=0):
 
     rs = np.random.RandomState(seed)
     prompts = [rs.randint(0, 127, rs.randint(3, 7)).tolist() for _ in range(n)]
-    st = decode.init_state(t_cfg, prompts, 40, 24)
-    st = decode.prefill(t_params, t_cfg, st, 8, SamplingConfig())
-    st = decode.generate(t_params, t_cfg, st, SamplingConfig())
+    st = decode.init_state(Decoding(t_cfg), prompts, 40, 24)
+    st = decode.prefill(Params(t_params), st, Decoding(t_cfg, sampling=SamplingConfig()), 8)
+    st = decode.generate(Params(t_params), st, Decoding(t_cfg, sampling=SamplingConfig()))
     toks, lens = np.asarray(st.tokens), np.asarray(st.length)
     seqs = [toks[i, : lens[i]].tolist() for i in range(n)]
     masks = [[0] * len(p) + [1] * (lens[i] - len(p)) for i, p in enumerate(prompts)]

@@ -37,25 +37,21 @@ def run_one(target, drafter, ids, args, n_max, greedy):
 
     from dflash_jax import decode
     from dflash_jax.compile_count import count_compilations
-    from dflash_jax.spec import generate as spec
+    from dflash_jax.decoding import Decoding, Params
 
     cfg, params = target.cfg, target.params
     out = {}
     for mode in ("plain", "dflash"):
         with count_compilations() as compiled:  # prefill + generate only
             if mode == "plain":
-                st = decode.init_state(cfg, [ids], args.max_len, args.max_new_tokens, target.eos_ids)
-                st = decode.prefill(params, cfg, st, args.chunk_size, greedy, max_prompt_len=len(ids))
-                jax.block_until_ready(st)
-                t0 = time.perf_counter()
-                st = decode.generate(params, cfg, st, greedy)
+                static, weights = Decoding(cfg, sampling=greedy), Params(params)
             else:
-                dc, dp = drafter.cfg, drafter.params
-                st = spec.init_state(cfg, dc, [ids], args.max_len, args.max_new_tokens, target.eos_ids, n_max=n_max)
-                st = spec.prefill(params, cfg, dp, dc, st, args.chunk_size, greedy, max_prompt_len=len(ids))
-                jax.block_until_ready(st)
-                t0 = time.perf_counter()
-                st = spec.generate(params, cfg, dp, dc, st, greedy)
+                static, weights = Decoding(cfg, drafter.cfg, greedy, n_max=n_max), Params(params, drafter.params)
+            st = decode.init_state(static, [ids], args.max_len, args.max_new_tokens, target.eos_ids)
+            st = decode.prefill(weights, st, static, args.chunk_size, max_prompt_len=len(ids))
+            jax.block_until_ready(st)
+            t0 = time.perf_counter()
+            st = decode.generate(weights, st, static)
             jax.block_until_ready(st)
             dt = time.perf_counter() - t0
             compiles[0] += compiled()
@@ -64,7 +60,7 @@ def run_one(target, drafter, ids, args, n_max, greedy):
         rec = dict(ids=[int(t) for t in tokens[0, len(ids) : len(ids) + n]],
                    gaps=[float(g) for g in gaps[0, len(ids) : len(ids) + n]], seconds=dt, decode_tokens=n - 1)
         if mode == "dflash":
-            sp = jax.device_get(st.spec)
+            sp = jax.device_get(st.speculative)
             rec.update(steps=int(sp.verify_steps[0]), committed=int(jax.device_get(st.committed)[0]),
                        per_pos=[int(x) for x in sp.accepted_per_position[0]])
         out[mode] = rec
@@ -115,17 +111,17 @@ def propose_cost(target, drafter, ids, args, n_max, repeats: int = 7) -> float:
     """Median seconds of one jitted propose (drafter forward + LM head over the block)."""
     import jax
 
-    from dflash_jax.sampling import SamplingConfig
-    from dflash_jax.spec import generate as spec
+    from dflash_jax import decode, speculative
+    from dflash_jax.decoding import Decoding, Params
 
-    t, d = target, drafter
-    st = spec.init_state(t.cfg, d.cfg, [ids], args.max_len, args.max_new_tokens, n_max=n_max)
-    st = spec.prefill(t.params, t.cfg, d.params, d.cfg, st, args.chunk_size, SamplingConfig())
-    jax.block_until_ready(spec.propose(t.params, t.cfg, d.params, d.cfg, st))
+    static, weights = Decoding(target.cfg, drafter.cfg, n_max=n_max), Params(target.params, drafter.params)
+    st = decode.init_state(static, [ids], args.max_len, args.max_new_tokens)
+    st = decode.prefill(weights, st, static, args.chunk_size)
+    jax.block_until_ready(speculative.propose(weights, st, static))
     ts = []
     for _ in range(repeats):
         t0 = time.perf_counter()
-        jax.block_until_ready(spec.propose(t.params, t.cfg, d.params, d.cfg, st))
+        jax.block_until_ready(speculative.propose(weights, st, static))
         ts.append(time.perf_counter() - t0)
     return statistics.median(ts)
 

@@ -6,7 +6,7 @@ Counts come from the published configs (``dflash_jax.models.laguna_presets``) an
 shapes of ``dflash_jax.models.laguna`` / ``laguna_drafter``; nothing is loaded. Assumptions:
 bf16 weights and KV; full-attention layers cache every position, sliding layers a ring of
 ``window + block`` rows (this package's cache); the drafter keeps context K/V for every position
-(``dflash_jax.spec.state``) but attends only the last ``window`` of them; FLOPs count 2 per
+(``dflash_jax.speculative.state``) but attends only the last ``window`` of them; FLOPs count 2 per
 multiply-add of the matmuls and attention score/value products (no softmax, norms, rope); a
 verify step runs ``block`` target tokens and is amortised over ``accept`` committed tokens
 (mean accepted length incl. the bonus token). Devices: H200 with 141 GB, 90 % usable.

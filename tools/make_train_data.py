@@ -355,17 +355,18 @@ def generate_answers(target, ids: list[list[int]], todo: list[int], rows: int, r
     import jax.numpy as jnp
 
     from dflash_jax import decode
+    from dflash_jax.decoding import Decoding, Params
     from dflash_jax.sampling import SamplingConfig
 
-    params, cfg, sampling = target.params, target.cfg, SamplingConfig()
+    params, static = Params(target.params), Decoding(target.cfg, sampling=SamplingConfig())
     queue = list(todo)
 
     def prefilled(idx: list[int], n: int):
         """``n`` prefilled rows answering ``idx``; padding rows (a copy of the first prompt) get
         a budget of one token, so they are done at once and free."""
         chunk = [ids[j] for j in idx] + [ids[idx[0]]] * (n - len(idx))
-        st = decode.init_state(cfg, chunk, cap, [max_new] * len(idx) + [1] * (n - len(idx)), stop_ids=target.eos_ids)
-        return decode.prefill(params, cfg, st, 32, sampling, max_prompt_len=max(len(c) for c in chunk))
+        st = decode.init_state(static, chunk, cap, [max_new] * len(idx) + [1] * (n - len(idx)), stop_ids=target.eos_ids)
+        return decode.prefill(params, st, static, 32)
 
     def take(n: int) -> list[int]:
         if queue and deadline is not None and time.time() > deadline:
@@ -402,7 +403,7 @@ def generate_answers(target, ids: list[list[int]], todo: list[int], rows: int, r
         done = np.asarray(jax.device_get(state.done))
         # wait for enough rows to refill at once, or for every row when nothing is left to start
         need = rows if not queue else int(done.sum()) + max(1, refill - len(free))
-        state = decode.generate_until(params, cfg, state, sampling, jnp.int32(min(need, rows)))
+        state = decode.generate_until(params, state, static, jnp.int32(min(need, rows)))
 
 
 def main(argv=None) -> int:

@@ -32,7 +32,7 @@ def evaluate_tau(
 ) -> dict:
     """Greedy DFlash speculative decoding of ``prompts`` (one batch) and its acceptance.
 
-    Uses :mod:`dflash_jax.spec.generate` (the inference path), drafter in float32, drafting over
+    Uses :func:`dflash_jax.decode.generate` with the drafter (the inference path), drafter in float32, drafting over
     ``draft_ids`` when given.
 
     Returns:
@@ -40,8 +40,9 @@ def evaluate_tau(
       acceptance length), ``accept_per_position`` (fraction of verify steps in which draft
       position ``i + 1`` was accepted), ``new_tokens``, ``verify_steps``, ``seconds``.
     """
+    from dflash_jax import decode
+    from dflash_jax.decoding import Decoding, Params
     from dflash_jax.sampling import SamplingConfig
-    from dflash_jax.spec import generate as spec
 
     cfg32 = cfg.with_dtype("float32")
     p32 = jax.tree_util.tree_map(lambda a: jnp.asarray(a, jnp.float32), params)
@@ -49,10 +50,10 @@ def evaluate_tau(
         cfg32, p32 = draft_vocab.attach(cfg32, p32, target_params, draft_ids)
     t0 = time.time()
     max_len = max(len(p) for p in prompts) + int(max_new_tokens)
-    st = spec.init_state(target_cfg, cfg32, [list(p) for p in prompts], max_len, int(max_new_tokens), stop_ids, 0, n_max)
-    st = spec.prefill(target_params, target_cfg, p32, cfg32, st, chunk_size, SamplingConfig())
-    st = spec.generate(target_params, target_cfg, p32, cfg32, st, SamplingConfig())
-    s = jax.device_get(st.spec)
+    static, weights = Decoding(target_cfg, cfg32, SamplingConfig(), n_max=n_max), Params(target_params, p32)
+    st = decode.init_state(static, [list(p) for p in prompts], max_len, int(max_new_tokens), stop_ids, 0)
+    st = decode.generate(weights, decode.prefill(weights, st, static, chunk_size), static)
+    s = jax.device_get(st.speculative)
     steps = int(np.sum(s.verify_steps))
     committed = int(np.sum(jax.device_get(st.committed)))
     return {

@@ -2,15 +2,15 @@
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
-from dflash_jax.config import DrafterConfig
+from dflash_jax.decoding import Decoding, Params
 from dflash_jax.models import drafter
-from dflash_jax.sampling import SamplingConfig, probabilities, warp_logits
+from dflash_jax.sampling import probabilities, warp_logits
 from dflash_jax.state import DecodeState
-
-DRAFT_MODES = ("argmax", "sample")
 
 
 def block_positions(state: DecodeState, width: int):
@@ -26,35 +26,37 @@ def block_positions(state: DecodeState, width: int):
     return start, positions, jnp.clip(room, 1, width).astype(jnp.int32)
 
 
-def propose_fn(
-    params_t, cfg_t, params_d, cfg_d: DrafterConfig, state: DecodeState, width: int, sampling: SamplingConfig, draft_mode: str = "argmax", key=None
-):
-    """Drafts ``width - 1`` tokens per row.
+def propose_fn(params: Params, state: DecodeState, static: Decoding, key=None):
+    """Drafts ``static.n_max`` tokens per row (pure; the state is read only).
 
-    Args:
-      width: block width ``n_max + 1`` (static).
-      sampling: the target's sampling settings (the drafter's distribution is warped the same way).
-      draft_mode: ``"argmax"`` proposes the drafter's argmax (one-hot proposal distribution; the
-        default, see docs/specs/dflash.md 2.2) or ``"sample"`` draws each position from the warped
-        drafter distribution (z-lab PyPI behaviour).
-      key: PRNG key for ``"sample"``.
+    ``static.draft_mode`` ``"argmax"`` proposes the drafter's argmax (a one-hot proposal
+    distribution); ``"sample"`` draws each position from the drafter distribution warped by the
+    target's ``static.sampling`` (z-lab PyPI behaviour), with ``key``.
+
     Returns:
-      ``(drafts [B, W-1] int32, q [B, W-1, V] float32 or None)``; ``q`` is the proposal
+      ``(drafts [B, n_max] int32, q [B, n_max, V] float32 or None)``; ``q`` is the proposal
       distribution when it is not one-hot (zero outside a draft vocabulary, when the drafter
       has one).
     """
-    if draft_mode not in DRAFT_MODES:
-        raise ValueError(f"draft_mode must be one of {DRAFT_MODES}, got {draft_mode!r}")
+    cfg_t, cfg_d, sampling, width = static.target, static.drafter, static.sampling, static.width
+    params_d = params.drafter
     start, positions, block_len = block_positions(state, width)
     anchor = jnp.take_along_axis(state.tokens, start[:, None], axis=1)
     b = anchor.shape[0]
     block = jnp.concatenate([anchor, jnp.full((b, width - 1), cfg_d.mask_token_id, jnp.int32)], axis=1)
-    hidden = drafter.forward(params_d, cfg_d, params_t, cfg_t, block, positions, state.spec.ctx_k, state.spec.ctx_v, start, block_len)
-    lg = drafter.logits(params_d, cfg_d, params_t, cfg_t, hidden[:, 1:])
-    if sampling.greedy or draft_mode == "argmax":
+    ctx = state.speculative
+    hidden = drafter.forward(params_d, cfg_d, params.target, cfg_t, block, positions, ctx.ctx_k, ctx.ctx_v, start, block_len)
+    lg = drafter.logits(params_d, cfg_d, params.target, cfg_t, hidden[:, 1:])
+    if sampling.greedy or static.draft_mode == "argmax":
         return drafter.draft_token_ids(params_d, cfg_d, jnp.argmax(lg, axis=-1)), None
     drafts = drafter.draft_token_ids(params_d, cfg_d, jax.random.categorical(key, warp_logits(lg, sampling), axis=-1))
     q = probabilities(lg, sampling)
     if cfg_d.draft_vocab_size:  # no proposal mass outside the draft vocabulary
         q = jnp.zeros(q.shape[:-1] + (cfg_d.vocab_size,), q.dtype).at[..., params_d["draft_ids"]].set(q)
     return drafts, q
+
+
+@functools.partial(jax.jit, static_argnames=("static",))
+def propose(params: Params, state: DecodeState, static: Decoding, key=None):
+    """Jitted :func:`propose_fn`: ``(drafts [B, n_max] int32, q [B, n_max, V] or None)``."""
+    return propose_fn(params, state, static, key)

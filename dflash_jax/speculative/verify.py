@@ -1,4 +1,4 @@
-"""Verify: one target pass over the block, the accept rule, commit, rollback and context update.
+"""Verify: one target pass over the block ``[anchor, drafts]`` and the accept rule.
 
 Accept rules (docs/specs/dflash.md 2.2):
 - greedy: accept the longest prefix of drafts equal to the target's argmax; the bonus token is
@@ -13,16 +13,18 @@ Accept rules (docs/specs/dflash.md 2.2):
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import jax
 import jax.numpy as jnp
 
-from dflash_jax.cache import init_capture
-from dflash_jax.config import DrafterConfig
+from dflash_jax.cache import Capture
+from dflash_jax.decoding import Decoding, Params
 from dflash_jax.registry import module_for
 from dflash_jax.sampling import SamplingConfig, probabilities, top2_gap
-from dflash_jax.spec.propose import block_positions
-from dflash_jax.spec.state import absorb_context
-from dflash_jax.state import DecodeState, commit
+from dflash_jax.speculative.capture import block_capture
+from dflash_jax.speculative.propose import block_positions
+from dflash_jax.state import DecodeState
 
 
 def accept_greedy(drafts: jnp.ndarray, logits: jnp.ndarray, n_valid: jnp.ndarray):
@@ -70,48 +72,50 @@ def accept_sampled(drafts, logits, q, n_valid, sampling: SamplingConfig, key_acc
     return a, bonus
 
 
-def verify_fn(
-    params_t, cfg_t, params_d, cfg_d: DrafterConfig, state: DecodeState, drafts, q, sampling: SamplingConfig, key_accept=None, key_bonus=None
-) -> DecodeState:
-    """Verifies ``[anchor, drafts]`` with one target pass and commits ``a`` drafts + the bonus.
+class Verdict(NamedTuple):
+    """What the target said about one block, for :func:`dflash_jax.speculative.commit.commit_block`.
 
-    Rollback is the length update of the commit (the cache keeps no length); the captured rows of the
-    block are projected into the drafter context (only the committed ones are ever visible);
-    statistics count only running rows and only kept tokens.
+    Attributes:
+      tokens: ``[B, n + 1]`` int32: the ``accepted`` leading drafts, then the bonus token.
+      accepted: ``[B]`` int32 drafts accepted.
+      n_valid: ``[B]`` int32 drafts that could be accepted (shorter final block).
+      gaps: ``[B, n + 1]`` float32 top-2 logit gaps of the target at each block slot.
+      cache: the target cache with the block's K/V written.
+      capture: the block's captured target features (base = the anchor's position).
+    """
+
+    tokens: jnp.ndarray
+    accepted: jnp.ndarray
+    n_valid: jnp.ndarray
+    gaps: jnp.ndarray
+    cache: object
+    capture: Capture
+
+
+def verify_fn(params: Params, state: DecodeState, static: Decoding, drafts, q=None, key_accept=None, key_bonus=None) -> Verdict:
+    """One target pass over ``[anchor, drafts]`` of each row, then the accept rule (module docstring).
 
     Args:
-      drafts: ``[B, n]`` int32 from propose; ``q``: ``[B, n, V]`` or ``None`` (one-hot).
+      drafts: ``[B, n]`` int32 from propose; ``q``: ``[B, n, V]`` proposal probabilities or
+        ``None`` (one-hot); ``key_accept``, ``key_bonus``: PRNG keys when sampling.
     Returns:
-      The new state.
+      :class:`Verdict` (the state is read only).
     """
+    cfg_t = static.target
     mod = module_for(cfg_t)
-    b, n = drafts.shape
-    width = n + 1
+    width = drafts.shape[1] + 1
     start, positions, block_len = block_positions(state, width)
     anchor = jnp.take_along_axis(state.tokens, start[:, None], axis=1)
     block = jnp.concatenate([anchor, drafts], axis=1)
-    capture = init_capture(cfg_d.target_layer_ids, b, width, cfg_t.hidden_size, cfg_t.dtype, base=start, post_norm_last=cfg_d.post_norm_last)
-    hidden, cache, capture = mod.forward_hidden(params_t, cfg_t, block, positions, state.cache, capture)
-    logits = mod.lm_head(params_t, cfg_t, hidden)
+    capture = block_capture(static, start, width)
+    hidden, cache, capture = mod.forward_hidden(params.target, cfg_t, block, positions, state.cache, capture)
+    logits = mod.lm_head(params.target, cfg_t, hidden)
     n_valid = block_len - 1
-    if sampling.greedy:
+    if static.sampling.greedy:
         a, bonus = accept_greedy(drafts, logits, n_valid)
     else:
-        a, bonus = accept_sampled(drafts, logits, q, n_valid, sampling, key_accept, key_bonus)
+        a, bonus = accept_sampled(drafts, logits, q, n_valid, static.sampling, key_accept, key_bonus)
     k = jnp.arange(width, dtype=jnp.int32)[None, :]
     drafts_pad = jnp.concatenate([drafts, drafts[:, :1]], axis=1)
-    new = jnp.where(k < a[:, None], drafts_pad, bonus[:, None])
-    running = ~state.done
-    before = state.length
-    state = commit(state.replace(cache=cache), new, a + 1, top2_gap(logits))
-    kept = state.length - before
-    spec = absorb_context(params_d, cfg_d, state.spec, capture.hidden, positions)
-    acc_kept = jnp.minimum(a, kept)
-    pos = jnp.arange(1, n + 1, dtype=jnp.int32)[None, :]
-    spec = spec.replace(
-        verify_steps=spec.verify_steps + running,
-        drafted=spec.drafted + jnp.where(running, n_valid, 0),
-        accepted=spec.accepted + acc_kept,
-        accepted_per_position=spec.accepted_per_position + (pos <= acc_kept[:, None]),
-    )
-    return state.replace(spec=spec, steps=state.steps + 1)
+    tokens = jnp.where(k < a[:, None], drafts_pad, bonus[:, None])
+    return Verdict(tokens=tokens, accepted=a, n_valid=n_valid, gaps=top2_gap(logits), cache=cache, capture=capture)

@@ -2,24 +2,22 @@
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 from flax import struct
 
 from dflash_jax.axes import KV_AXES, axes_field
-from dflash_jax.cache import write_rows
 from dflash_jax.config import DrafterConfig
-from dflash_jax.models import drafter
 
 
 @struct.dataclass
-class SpecState:
-    """Drafter context and acceptance statistics, carried in ``DecodeState.spec``.
+class SpeculativeState:
+    """Drafter context and acceptance statistics, carried in ``DecodeState.speculative``.
 
     Context slot ``p`` holds the projected K/V of the committed token at position ``p``; slots
     ``[0, length - 1)`` are valid (the anchor's hidden state is not known before it is verified).
     Only committed rows are ever inside that range: rows written by a verify beyond the accepted
-    prefix are masked out and overwritten by the next verify.
+    prefix are masked out and overwritten by the next verify. Tokens committed by verify steps
+    are not stored: they are :attr:`dflash_jax.state.DecodeState.committed`.
 
     Attributes:
       ctx_k, ctx_v: ``[Ld, B, S, Hkv, D]``.
@@ -42,23 +40,14 @@ class SpecState:
         return self.accepted_per_position.shape[1]
 
 
-def init_spec_state(cfg: DrafterConfig, batch: int, max_len: int, n_max: int) -> SpecState:
+def init_speculative_state(cfg: DrafterConfig, batch: int, max_len: int, n_max: int) -> SpeculativeState:
     """Empty context of ``max_len`` slots and zeroed statistics for ``n_max`` draft positions."""
     shape = (cfg.num_hidden_layers, batch, max_len, cfg.num_key_value_heads, cfg.head_dim)
+
     def zeros():  # distinct buffers: the state is donated
         return jnp.zeros((batch,), jnp.int32)
 
-    return SpecState(
+    return SpeculativeState(
         ctx_k=jnp.zeros(shape, cfg.dtype), ctx_v=jnp.zeros(shape, cfg.dtype), verify_steps=zeros(),
         drafted=zeros(), accepted=zeros(), accepted_per_position=jnp.zeros((batch, n_max), jnp.int32),
     )
-
-
-def absorb_context(params_d, cfg_d: DrafterConfig, spec: SpecState, features: jnp.ndarray, positions: jnp.ndarray) -> SpecState:
-    """Projects captured rows ``features [B, T, K*H]`` at ``positions [B, T]`` into the context.
-
-    Rows past a row's committed length may be written; they stay masked until overwritten.
-    """
-    k, v = drafter.context_kv(params_d, cfg_d, features, positions)
-    write = jax.vmap(write_rows, in_axes=(0, 0, None))
-    return spec.replace(ctx_k=write(spec.ctx_k, k, positions), ctx_v=write(spec.ctx_v, v, positions))

@@ -1,1 +1,0 @@
-"""DFlash speculative decoding: drafter context, propose, verify (accept rules) and the loop."""

@@ -1,0 +1,38 @@
+"""One DFlash step: propose -> verify -> commit, pure (the on-device loop is
+:func:`dflash_jax.decode.steps_until`, shared with plain decoding).
+
+``propose`` and ``verify`` (verify and commit, state donated) are also exposed as separate jitted
+steps for notebooks and experiments.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+
+from dflash_jax.decoding import Decoding, Params
+from dflash_jax.speculative.commit import commit_block
+from dflash_jax.speculative.propose import propose_fn
+from dflash_jax.speculative.verify import verify_fn
+from dflash_jax.state import DecodeState
+
+
+def _keys(state: DecodeState):
+    """Independent streams per step: drafting, acceptance, resampling."""
+    rng, k_draft, k_accept, k_bonus = jax.random.split(state.rng, 4)
+    return state.replace(rng=rng), k_draft, k_accept, k_bonus
+
+
+def step_fn(params: Params, state: DecodeState, static: Decoding) -> DecodeState:
+    """One speculative step: propose a block, verify it, commit (pure, unjitted)."""
+    state, k_draft, k_accept, k_bonus = _keys(state)
+    drafts, q = propose_fn(params, state, static, k_draft)
+    return commit_block(params, state, static, verify_fn(params, state, static, drafts, q, k_accept, k_bonus))
+
+
+@functools.partial(jax.jit, static_argnames=("static",), donate_argnames=("state",))
+def verify(params: Params, state: DecodeState, static: Decoding, drafts, q=None, key_accept=None, key_bonus=None) -> DecodeState:
+    """Jitted verify and commit of given ``drafts [B, n]`` (``q``: ``[B, n, V]`` or ``None`` for
+    one-hot proposals; keys when sampling), state donated: the new state."""
+    return commit_block(params, state, static, verify_fn(params, state, static, drafts, q, key_accept, key_bonus))
