@@ -183,17 +183,23 @@ def tree_shardings(tree, axes, mesh: Mesh, rules: ShardingRules = DEFAULT_RULES,
         or (``strict``) a non-dividing mesh axis.
     """
     ax_leaves, ax_def = jax.tree_util.tree_flatten(axes, is_leaf=_is_axes)
-    leaves, tdef = jax.tree_util.tree_flatten(tree)
+    tdef = jax.tree_util.tree_structure(tree)
     if ax_def.num_leaves != tdef.num_leaves or jax.tree_util.tree_structure(ax_def.unflatten([0] * len(ax_leaves))) != tdef:
         raise DFlashError("sharding", f"logical axes tree {ax_def} does not match the array tree {tdef}",
                           "param_axes(cfg) of the same config (param_axes(cfg, per_layer=True) for per-layer parameters)")
-    paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
+    return _named_shardings(tree, ax_leaves, mesh, rules, strict, "sharding ")
+
+
+def _named_shardings(tree, ax_leaves, mesh: Mesh, rules: ShardingRules, strict: bool, where: str):
+    """The :class:`NamedSharding` tree of ``tree`` from one axes tuple per leaf (errors name
+    ``where`` + the leaf's path)."""
+    flat, tdef = jax.tree_util.tree_flatten_with_path(tree)
     out = []
-    for path, leaf, ax in zip(paths, leaves, ax_leaves):
+    for (path, leaf), ax in zip(flat, ax_leaves):
         try:
             spec = logical_to_spec(ax, rules, mesh, np.shape(leaf), strict)
         except DFlashError as e:
-            raise DFlashError(f"sharding {path}", e.what, e.expected) from None
+            raise DFlashError(f"{where}{jax.tree_util.keystr(path)}", e.what, e.expected) from None
         out.append(NamedSharding(mesh, spec))
     return jax.tree_util.tree_unflatten(tdef, out)
 
@@ -244,15 +250,7 @@ def state_shardings(state, mesh: Mesh, rules: ShardingRules = DEFAULT_RULES, str
     Raises:
       DFlashError: with ``strict``, a non-dividing mesh axis.
     """
-    flat, tdef = jax.tree_util.tree_flatten_with_path(state)
-    out = []
-    for (path, leaf), ax in zip(flat, flat_axes(state)):
-        try:
-            spec = logical_to_spec(ax, rules, mesh, np.shape(leaf), strict)
-        except DFlashError as e:
-            raise DFlashError(f"sharding state{jax.tree_util.keystr(path)}", e.what, e.expected) from None
-        out.append(NamedSharding(mesh, spec))
-    return jax.tree_util.tree_unflatten(tdef, out)
+    return _named_shardings(state, flat_axes(state), mesh, rules, strict, "sharding state")
 
 
 def shard_state(state, mesh: Mesh, rules: ShardingRules = DEFAULT_RULES, strict: bool = False):

@@ -1,0 +1,154 @@
+"""Checking and resolving the arguments of :func:`dflash_jax.generate` (errors name the argument
+and its command-line option)."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Sequence
+
+import numpy as np
+
+from dflash_jax.decoding import Decoding, Params
+from dflash_jax.errors import DFlashError
+from dflash_jax.loading import Drafter, Target
+from dflash_jax.prefill import check_chunk_size
+from dflash_jax.text import _str_list, split_stop
+
+
+@dataclasses.dataclass(frozen=True)
+class Request:
+    """Checked arguments of one generation: what :func:`dflash_jax.decode.init_state` and the
+    driver need. ``chunk_size`` is the effective one (:func:`effective_chunk_size`), ``stop_ids``
+    holds EOS (unless ignored), the given ids and the single-token stop texts."""
+
+    prompts: list[list[int]]
+    max_new_tokens: int
+    max_len: int
+    chunk_size: int
+    stop_ids: tuple[int, ...]
+    stop_texts: tuple[str, ...]
+    seed: int
+    static: Decoding
+    params: Params
+
+
+def default_max_len(prompts: Sequence[Sequence[int]], max_new_tokens: int) -> int:
+    """Longest prompt + ``max_new_tokens``, rounded up to a multiple of 64."""
+    need = max(len(p) for p in prompts) + int(max_new_tokens)
+    return 64 * math.ceil(need / 64)
+
+
+def effective_chunk_size(chunk_size: int, max_prompt_len: int) -> int:
+    """``chunk_size`` capped at the longest prompt rounded up to a multiple of 64.
+
+    A chunk larger than the prompt only computes padding; the cap keeps short prompts cheap while
+    bucketing their lengths so few shapes compile. The result does not depend on the chunk size.
+    """
+    return max(1, min(int(chunk_size), 64 * math.ceil(max_prompt_len / 64)))
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_))
+
+
+def _check_target(target) -> None:
+    if not isinstance(target, Target):
+        raise DFlashError("target", f"got {type(target).__name__}", "a Target from load_target")
+
+
+def _prompt_ids(b: int, p, vocab_size: int) -> list[int]:
+    """Row ``b`` of the prompts as a list of in-vocabulary ids."""
+    if hasattr(p, "__array__") and not isinstance(p, (list, tuple)):
+        arr = np.asarray(p)
+        if arr.ndim != 1 or not (arr.size == 0 or np.issubdtype(arr.dtype, np.integer)):
+            raise DFlashError("prompts", f"prompt {b} is a {arr.dtype} array of shape {arr.shape}", "a 1-D integer array or a list of token ids")
+        p = arr.tolist()
+    if isinstance(p, (str, bytes)) or not isinstance(p, Sequence):
+        raise DFlashError("prompts", f"prompt {b} is {type(p).__name__}", "a list of token ids (see encode_prompt)")
+    for i in p:
+        if not _is_int(i):
+            raise DFlashError("prompt", f"prompt {b} holds {i!r} ({type(i).__name__})", "integer token ids")
+    ids = [int(i) for i in p]
+    if not ids:
+        raise DFlashError("prompt", f"prompt {b} is empty", "at least one token")
+    bad = [i for i in ids if not 0 <= i < vocab_size]
+    if bad:
+        raise DFlashError("prompt", f"token id {bad[0]} outside the vocabulary", f"ids in [0, {vocab_size})")
+    return ids
+
+
+def _check_prompts(prompts, vocab_size: int) -> list[list[int]]:
+    """``prompts`` as ``list[list[int]]``: rows may be lists, tuples, numpy or JAX integer arrays
+    (a 2-D integer array is a batch of equal-length rows)."""
+    if hasattr(prompts, "__array__") and not isinstance(prompts, (list, tuple)):
+        arr = np.asarray(prompts)
+        if arr.ndim != 2:
+            raise DFlashError("prompts", f"array of shape {arr.shape}", "a [batch, length] integer array or a list of token-id lists")
+        prompts = list(arr)
+    if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence) or not prompts:
+        raise DFlashError("prompts", "not a non-empty list of token-id lists", "[[id, ...], ...]")
+    return [_prompt_ids(b, p, vocab_size) for b, p in enumerate(prompts)]
+
+
+def _resolve_max_len(cfg, prompts: list[list[int]], max_new_tokens: int, max_len) -> int:
+    """The capacity per row: ``max_len`` checked against the target's positions, or the default."""
+    limit = int(cfg.max_position_embeddings)
+    longest = max(len(p) for p in prompts)
+    if max_len is None:
+        if longest + max_new_tokens > limit:
+            raise DFlashError("max_new_tokens (--max-new-tokens)", f"{max_new_tokens} after a prompt of {longest} tokens needs {longest + max_new_tokens} "
+                              f"positions; the target has {limit} (max_position_embeddings)", f"at most {max(limit - longest, 0)}")
+        return min(default_max_len(prompts, max_new_tokens), limit)
+    if not _is_int(max_len) or max_len < 2:
+        raise DFlashError("max_len (--max-len)", f"got {max_len!r}", "an integer >= 2")
+    if max_len > limit:
+        raise DFlashError("max_len (--max-len)", f"{max_len} exceeds the target's {limit} positions (max_position_embeddings)", f"an integer in [2, {limit}]")
+    return int(max_len)
+
+
+def _stops(target: Target, stop_ids, stop, ignore_eos: bool) -> tuple[list[int], list[str]]:
+    """``(stop ids, stop texts)``: EOS (unless ``ignore_eos``), ``stop_ids`` and the stop texts of
+    one token; every stop text also cuts the text (see :mod:`dflash_jax.api`)."""
+    stop = _str_list(stop, "stop", "--stop")
+    if isinstance(stop_ids, (str, bytes)) or not isinstance(stop_ids, (Sequence, np.ndarray)) or not all(_is_int(i) for i in stop_ids):
+        raise DFlashError("stop_ids", f"got {stop_ids!r}", "a list of integer token ids")
+    stop_tok_ids, _ = split_stop(target.tokenizer, stop)
+    stops = [] if ignore_eos else list(target.eos_ids)
+    for i in list(stop_ids) + stop_tok_ids:
+        if int(i) not in stops:
+            stops.append(int(i))
+    return stops, stop
+
+
+def check_request(target, prompts, max_new_tokens, sampling, max_len, chunk_size, stop_ids, stop, ignore_eos, seed, on_tokens,
+                  drafter, n_max, draft_mode) -> Request:
+    """Checks :func:`dflash_jax.generate`'s arguments (same names) and resolves the defaults.
+
+    Raises:
+      DFlashError: naming the first bad argument (and its option).
+    """
+    _check_target(target)
+    prompts = _check_prompts(prompts, target.cfg.vocab_size)
+    if not _is_int(max_new_tokens) or max_new_tokens < 1:
+        raise DFlashError("max_new_tokens (--max-new-tokens)", f"got {max_new_tokens!r}", "an integer >= 1")
+    check_chunk_size(chunk_size)
+    if not _is_int(seed):  # the range is checked by decode.init_state (which also takes a PRNG key)
+        raise DFlashError("seed (--seed)", f"got {seed!r}", "an integer in [0, 2**63)")
+    if drafter is not None and not isinstance(drafter, Drafter):
+        raise DFlashError("drafter", f"got {type(drafter).__name__}", "a Drafter from load_drafter or shipped_drafter, or None")
+    if n_max is not None and not _is_int(n_max):
+        raise DFlashError("n_max (--n-max)", f"got {n_max!r}", "an integer or None")
+    if on_tokens is not None and not callable(on_tokens):
+        raise DFlashError("on_tokens", f"got {type(on_tokens).__name__}", "a callable or None")
+    stops, stop_texts = _stops(target, stop_ids, stop, ignore_eos)
+    max_len = _resolve_max_len(target.cfg, prompts, max_new_tokens, max_len)
+    if drafter is None:
+        static, params = Decoding(target.cfg, None, sampling, draft_mode, n_max), Params(target.params)
+    else:
+        depth = drafter.n_max if n_max is None else n_max
+        static, params = Decoding(target.cfg, drafter.cfg, sampling, draft_mode, depth), Params(target.params, drafter.params)
+    # a budget beyond the capacity never applies; capping it keeps it within int32
+    return Request(prompts=prompts, max_new_tokens=min(int(max_new_tokens), max_len), max_len=max_len,
+                   chunk_size=effective_chunk_size(chunk_size, max(len(p) for p in prompts)), stop_ids=tuple(stops),
+                   stop_texts=tuple(stop_texts), seed=int(seed), static=static, params=params)

@@ -1,0 +1,140 @@
+"""The timed generation driver behind :func:`dflash_jax.generate` (plain or DFlash decoding).
+
+It checks the arguments (:mod:`dflash_jax.arguments`), compiles every step ahead of time
+(``jax.jit(...).lower(...).compile()``) before the clock starts, runs :mod:`dflash_jax.decode`'s
+prefill and its on-device loop (or steps it from Python to stream), and reads the result back
+(:mod:`dflash_jax.results`). The reported times exclude compilation.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from dflash_jax import decode
+from dflash_jax.arguments import Request, check_request
+from dflash_jax.loading import Drafter, Target
+from dflash_jax.prefill import compile_prefill
+from dflash_jax.results import GenerationResult, build_result, spec_stats
+from dflash_jax.sampling import SamplingConfig
+from dflash_jax.state import STOP
+from dflash_jax.text import TextStream
+
+
+def _compile(req: Request, state, streaming: bool):
+    """``(prefill, run)`` compiled for these shapes: :func:`dflash_jax.prefill.compile_prefill`'s
+    pair and ``run(params, state)``, the whole on-device loop or (``streaming``) one step."""
+    prefill_c = compile_prefill(req.params, state, req.static, req.chunk_size)
+    if streaming:
+        return prefill_c, decode.decode_step.lower(req.params, state, req.static).compile()
+    rows = jnp.int32(state.tokens.shape[0])
+    loop = decode.generate_until.lower(req.params, state, req.static, rows).compile()
+    return prefill_c, lambda params, s: loop(params, s, rows)
+
+
+def _stream(req: Request, tokenizer, state, run, on_tokens) -> tuple[Any, float]:
+    """Steps ``run`` from Python, calling ``on_tokens`` with each row's new ids; a row whose text
+    reaches a stop text is frozen (finish code ``STOP``). Returns ``(state, seconds in callbacks)``."""
+    batch = len(req.prompts)
+    forced = np.zeros(batch, bool)
+    streams = [TextStream(tokenizer, req.stop_texts) for _ in range(batch)] if req.stop_texts else None
+    callback_s = 0.0
+
+    def step(s):
+        if forced.any():  # a stop text ended these rows: freeze them
+            s = s.replace(finish=jnp.where(jnp.asarray(forced) & ~s.done, STOP, s.finish))
+        return run(req.params, s)
+
+    for state, toks, counts in decode.stream(req.params, state, req.static, step=step):
+        new = [[int(t) for t in toks[b, : counts[b]]] if not forced[b] else [] for b in range(batch)]
+        for b in range(batch):
+            if streams is not None and new[b] and not forced[b]:
+                streams[b].feed(new[b])
+                forced[b] = streams[b].stopped
+        c0 = time.perf_counter()
+        on_tokens(new)
+        callback_s += time.perf_counter() - c0
+        if np.all(forced | np.asarray(jax.device_get(state.done))):
+            break
+    return state, callback_s
+
+
+def generate(
+    target: Target,
+    prompts: Sequence[Sequence[int]],
+    max_new_tokens: int = 128,
+    sampling: SamplingConfig = SamplingConfig(),
+    max_len: int | None = None,
+    chunk_size: int = 256,
+    stop_ids: Sequence[int] = (),
+    stop: Sequence[str] = (),
+    ignore_eos: bool = False,
+    seed: int = 0,
+    on_tokens: Callable[[list[list[int]]], Any] | None = None,
+    drafter: Drafter | None = None,
+    n_max: int | None = None,
+    draft_mode: str = "argmax",
+) -> GenerationResult:
+    """Generation for a batch of prompts: DFlash speculative decoding with a ``drafter``, plain
+    decoding without.
+
+    Args:
+      target: from :func:`~dflash_jax.loading.load_target`.
+      prompts: ``B`` lists of token ids (lengths may differ); rows may also be 1-D integer numpy
+        or JAX arrays, or the whole batch one ``[B, P]`` integer array.
+      max_new_tokens: new-token budget per row (>= 1).
+      sampling: :class:`~dflash_jax.sampling.SamplingConfig` (default greedy).
+      max_len: capacity per row, prompt included; default: longest prompt + ``max_new_tokens``
+        rounded up to a multiple of 64 (capped at the target's ``max_position_embeddings``, which
+        neither may exceed). A row that fills it finishes with ``"capacity"``.
+      chunk_size: prompt tokens per prefill pass (capped, see :func:`~dflash_jax.arguments.effective_chunk_size`).
+      stop_ids: extra token ids that end a row (kept in the output).
+      stop: stop texts (see :mod:`dflash_jax.api` for how they are applied).
+      ignore_eos: do not stop at the target's EOS ids.
+      seed: PRNG seed for sampling, an integer in ``[0, 2**63)``.
+      on_tokens: streaming callback, called with ``B`` lists of the ids each row committed since
+        the previous call (the first call carries the token from prefill). With it, decoding is
+        stepped from Python (``decode.stream``); without, it runs as one on-device loop.
+      drafter: a :class:`~dflash_jax.loading.Drafter` for DFlash speculative decoding (``None``:
+        plain decoding). Stats then add ``tau`` (mean tokens committed per verify step, bonus
+        included), ``verify_steps``, ``accepted_per_position`` (fraction of verify steps in which
+        draft position ``i`` was accepted), ``drafted_tokens`` and ``accepted_tokens``.
+      n_max: drafted tokens per block (default: the drafter's recorded ``n_max``, else its
+        ``block_size - 1``).
+      draft_mode: ``"argmax"`` (default) or ``"sample"`` proposals, see
+        :class:`dflash_jax.decoding.Decoding`.
+    Returns:
+      :class:`~dflash_jax.results.GenerationResult`.
+    Raises:
+      DFlashError: bad prompts (non-integer or out-of-vocabulary ids), a prompt that does not fit
+        ``max_len``, bad sizes, a capacity beyond the target's ``max_position_embeddings``, stop
+        texts without a tokenizer, or an argument of the wrong type (the message names it).
+    """
+    req = check_request(target, prompts, max_new_tokens, sampling, max_len, chunk_size, stop_ids, stop, ignore_eos, seed,
+                        on_tokens, drafter, n_max, draft_mode)
+    state = decode.init_state(req.static, req.prompts, req.max_len, req.max_new_tokens, req.stop_ids, req.seed)
+    t0 = time.perf_counter()
+    prefill_c, run = _compile(req, state, streaming=on_tokens is not None)  # traces shapes only; nothing runs
+    compile_s = time.perf_counter() - t0
+
+    jax.block_until_ready((req.params, state))
+    t0 = time.perf_counter()
+    state = decode.prefill(req.params, state, req.static, req.chunk_size, max(len(p) for p in req.prompts), compiled=prefill_c)
+    jax.block_until_ready(state)
+    prefill_s = time.perf_counter() - t0
+
+    t0, callback_s = time.perf_counter(), 0.0
+    if on_tokens is None:
+        state = run(req.params, state)
+    else:
+        state, callback_s = _stream(req, target.tokenizer, state, run, on_tokens)
+    jax.block_until_ready(state)
+    decode_s = time.perf_counter() - t0 - callback_s
+
+    timings = dict(compile_time_s=compile_s, prefill_time_s=prefill_s, decode_time_s=decode_s)
+    extra = dict(mode="plain") if drafter is None else dict(mode="dflash", **spec_stats(state))
+    return build_result(target, req.prompts, state, req.stop_texts, timings, max_len=req.max_len, chunk_size=req.chunk_size, **extra)
