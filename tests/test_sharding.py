@@ -164,8 +164,9 @@ _MULTI_DEVICE = textwrap.dedent(
     jax.config.update("jax_default_matmul_precision", "highest")
     from dflash_jax import sharding as shd
     from dflash_jax.models import dense, drafter
-    from dflash_jax.sampling import SamplingConfig
     from dflash_jax import decode
+    from dflash_jax.decoding import Decoding, Params
+    from dflash_jax.sampling import SamplingConfig
     from dflash_jax.testing import tiny_drafter, tiny_target
 
     assert len(jax.devices()) == 4, jax.devices()
@@ -174,12 +175,14 @@ _MULTI_DEVICE = textwrap.dedent(
     prompts = [[5, 9, 17, 3], [40, 2, 7]]
     greedy = SamplingConfig()
 
+    static = Decoding(cfg, dcfg, greedy)
+
     def run(p, dp, mesh=None):
-        st = decode.init_state(Decoding(cfg, dcfg), prompts, 24, 10)
+        st = decode.init_state(static, prompts, 24, 10)
         if mesh is not None:
             st = shd.shard_state(st, mesh)
-        st = decode.prefill(Params(p, dp), st, Decoding(cfg, dcfg, greedy), 4)
-        return decode.generate(Params(p, dp), st, Decoding(cfg, dcfg, greedy))
+        st = decode.prefill(Params(p, dp), st, static, 4)
+        return decode.generate(Params(p, dp), st, static)
 
     ref = run(p, dp)
     mesh = shd.make_mesh(data=2, model=2)
