@@ -45,7 +45,7 @@ class DecodeState:
     prompt_len: jnp.ndarray = axes_field("batch")
     max_new: jnp.ndarray = axes_field("batch")
     stop_ids: jnp.ndarray = axes_field(None)
-    cache: KVCache = axes_field()  # a dataclass: its own fields declare their axes
+    cache: KVCache  # its own fields declare their axes (as speculative's do)
     rng: jax.Array = axes_field()
     finish: jnp.ndarray = axes_field("batch")
     gaps: jnp.ndarray = axes_field("batch", "seq")
