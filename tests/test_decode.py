@@ -103,7 +103,6 @@ def test_per_layer_parameters_give_the_stacked_results(family):
     features of a prefill, and the tokens of batched greedy and DFlash speculative decoding."""
     from dflash_jax.cache import init_capture
     from dflash_jax.models import dense
-    from dflash_jax import decode
     from dflash_jax.testing import tiny_drafter
 
     cfg, p = tiny_target(family, seed=2)
@@ -122,10 +121,11 @@ def test_per_layer_parameters_give_the_stacked_results(family):
     assert outputs(run((cfg, per), PROMPTS, 8, 4)) == outputs(run((cfg, p), PROMPTS, 8, 4))
     dcfg, dp = tiny_drafter(cfg, layer_ids=(0, 2), block_size=4, seed=1)
 
+    static = Decoding(cfg, dcfg, GREEDY)
+
     def spec_run(params):
-        st = decode.init_state(Decoding(cfg, dcfg), PROMPTS, 48, 12)
-        st = decode.prefill(Params(params, dp), st, Decoding(cfg, dcfg, GREEDY), 4)
-        return outputs(decode.generate(Params(params, dp), st, Decoding(cfg, dcfg, GREEDY)))
+        st = decode.init_state(static, PROMPTS, 48, 12)
+        return outputs(decode.generate(Params(params, dp), decode.prefill(Params(params, dp), st, static, 4), static))
 
     assert spec_run(per) == spec_run(p) == outputs(run((cfg, p), PROMPTS, 12, 4))
 
