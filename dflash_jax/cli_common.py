@@ -88,6 +88,23 @@ class Parser(argparse.ArgumentParser):
             raise UsageError(extra_message(f"{self.prog} {command}" if command else self.prog, extras))
         return ns
 
+    def parse_known_args(self, args=None, namespace=None):
+        """argparse's ``parse_known_args`` (subparsers call it too), except that a required option
+        left out raises an :class:`argparse.ArgumentError` naming it (argparse itself reports
+        those only as text, through :meth:`error`)."""
+        required = [a for a in self._actions if a.required and a.option_strings]
+        for a in required:
+            a.required = False
+        try:
+            ns, extras = super().parse_known_args(args, namespace)
+        finally:
+            for a in required:
+                a.required = True
+        for a in required:
+            if getattr(ns, a.dest, None) is None:
+                raise argparse.ArgumentError(a, "missing (expected a value)")
+        return ns, extras
+
     def _argument_message(self, e: argparse.ArgumentError, args) -> str:
         name = (e.argument_name or self.prog).split("/")[-1]
         if "(expected " in e.message:  # from a type= callable above: already complete
@@ -102,8 +119,8 @@ class Parser(argparse.ArgumentParser):
         return f"{name}: missing value (expected a value after {name})"
 
     def error(self, message):
-        """argparse's remaining string-only errors (a required option missing, an ambiguous
-        abbreviation): one line naming the command."""
+        """argparse's remaining string-only errors (such as an ambiguous abbreviation): one line
+        naming the command."""
         raise UsageError(f"{self.prog}: {message} (expected a valid command line, see {self.prog} --help)")
 
     def commands(self) -> list[str]:

@@ -1,4 +1,5 @@
-"""The package's import graph has no cycle (module-level and function-level imports alike).
+"""The package's architecture: an import graph without cycles (module-level and function-level imports
+alike), one registry of families, and small modules (file and function size limits).
 
 The graph is built from the source with ``ast``: every ``import dflash_jax.x`` and
 ``from dflash_jax... import y`` anywhere in a module (inside functions too: a lazy import that
@@ -164,3 +165,21 @@ def test_registry_finds_each_family_by_architecture_and_type():
         assert registry.drafter_kind(kind.architecture) is kind
     with pytest.raises(DFlashError, match="DFlash2DraftModel"):
         registry.drafter_config_from_hf({"architectures": ["DFlash2DraftModel"]})
+
+
+MAX_FILE_LINES, MAX_FUNCTION_LINES = 450, 80
+
+
+def test_modules_and_functions_stay_small():
+    """Small modules with one job: no file of the package over 450 lines, no function over 80."""
+    too_long = []
+    for name, f in _modules().items():
+        src = f.read_text()
+        if src.count("\n") > MAX_FILE_LINES:
+            too_long.append(f"{name}: {src.count(chr(10))} lines")
+        for node in ast.walk(ast.parse(src)):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                n = node.end_lineno - node.lineno + 1
+                if n > MAX_FUNCTION_LINES:
+                    too_long.append(f"{name}.{node.name}: {n} lines")
+    assert not too_long, "over the size limits: " + "; ".join(too_long)

@@ -398,6 +398,7 @@ def test_train_subcommand_dispatch_and_errors(capsys, tmp_path):
     """`dflash-jax train` reaches the trainer's CLI, with the same one-line error contract."""
     code, out, err = run(capsys, "train", "--out", tmp_path / "o", "--mask-token-id", 16)
     assert_one_line_error(code, out, err, "--data")
+    assert err.strip() == "error: --data: missing (expected a value)"
     code, out, err = run(capsys, "train", "--data", tmp_path / "nope", "--out", tmp_path / "o", "--mask-token-id", 16)
     assert_one_line_error(code, out, err, "nope")
 
