@@ -43,14 +43,18 @@ from dflash_jax.loading import (
     shipped_drafter,
     with_output_head,
 )
+from dflash_jax.errors import DFlashError
 from dflash_jax.results import GenerationResult, build_result, spec_stats
+from dflash_jax.sampling import SamplingConfig
 from dflash_jax.text import TextStream, encode_prompt, split_stop
 
 __all__ = [
+    "DFlashError",
     "DTYPES",
     "LAYER_LAYOUTS",
     "Drafter",
     "GenerationResult",
+    "SamplingConfig",
     "Target",
     "TextStream",
     "build_result",

@@ -13,7 +13,7 @@ from dflash_jax.decoding import Decoding, Params
 from dflash_jax.errors import DFlashError
 from dflash_jax.loading import Drafter, Target
 from dflash_jax.prefill import check_chunk_size
-from dflash_jax.text import _str_list, split_stop
+from dflash_jax.text import str_list, split_stop
 
 
 @dataclasses.dataclass(frozen=True)
@@ -110,7 +110,7 @@ def _resolve_max_len(cfg, prompts: list[list[int]], max_new_tokens: int, max_len
 def _stops(target: Target, stop_ids, stop, ignore_eos: bool) -> tuple[list[int], list[str]]:
     """``(stop ids, stop texts)``: EOS (unless ``ignore_eos``), ``stop_ids`` and the stop texts of
     one token; every stop text also cuts the text (see :mod:`dflash_jax.api`)."""
-    stop = _str_list(stop, "stop", "--stop")
+    stop = str_list(stop, "stop", "--stop")
     if isinstance(stop_ids, (str, bytes)) or not isinstance(stop_ids, (Sequence, np.ndarray)) or not all(_is_int(i) for i in stop_ids):
         raise DFlashError("stop_ids", f"got {stop_ids!r}", "a list of integer token ids")
     stop_tok_ids, _ = split_stop(target.tokenizer, stop)

@@ -89,21 +89,42 @@ class Parser(argparse.ArgumentParser):
         return ns
 
     def parse_known_args(self, args=None, namespace=None):
-        """argparse's ``parse_known_args`` (subparsers call it too), except that a required option
-        left out raises an :class:`argparse.ArgumentError` naming it (argparse itself reports
-        those only as text, through :meth:`error`)."""
+        """argparse's ``parse_known_args`` (subparsers call it too), except that required options
+        left out raise one :class:`UsageError` naming them all (argparse itself reports those
+        only as text, through :meth:`error`); an unknown option is reported before them."""
         required = [a for a in self._actions if a.required and a.option_strings]
+        self._relaxed = required
         for a in required:
             a.required = False
         try:
             ns, extras = super().parse_known_args(args, namespace)
         finally:
+            self._relaxed = []
             for a in required:
                 a.required = True
-        for a in required:
-            if getattr(ns, a.dest, None) is None:
-                raise argparse.ArgumentError(a, "missing (expected a value)")
+        missing = [a.option_strings[-1] for a in required if getattr(ns, a.dest, None) is None]
+        if missing and not extras:
+            raise UsageError(f"{', '.join(missing)}: missing (expected a value)")
         return ns, extras
+
+    def format_usage(self):
+        """Usage with required options shown as required (also while :meth:`parse_known_args`
+        runs, when ``--help`` prints it)."""
+        return self._with_required(super().format_usage)
+
+    def format_help(self):
+        """Help with required options shown as required (see :meth:`format_usage`)."""
+        return self._with_required(super().format_help)
+
+    def _with_required(self, fmt):
+        relaxed = getattr(self, "_relaxed", [])
+        for a in relaxed:
+            a.required = True
+        try:
+            return fmt()
+        finally:
+            for a in relaxed:
+                a.required = False
 
     def _argument_message(self, e: argparse.ArgumentError, args) -> str:
         name = (e.argument_name or self.prog).split("/")[-1]

@@ -20,14 +20,14 @@ import jax.numpy as jnp
 import numpy as np
 
 from dflash_jax.axes import flat_axes
-from dflash_jax.decoding import Decoding, Params
+from dflash_jax.decoding import Decoding, Params, check_step_inputs
 from dflash_jax.errors import DFlashError
 from dflash_jax.registry import module_for
 from dflash_jax.prefill import compile_prefill, finish_prefill, prefill, prefill_chunk  # noqa: F401  (part of this API)
 from dflash_jax.sampling import sample, top2_gap
 from dflash_jax.speculative import step as speculative_step
 from dflash_jax.speculative.state import init_speculative_state
-from dflash_jax.state import DecodeState, commit
+from dflash_jax.state import RUNNING, DecodeState, commit
 
 def pad_prompts(prompts: Sequence[Sequence[int]]) -> tuple[np.ndarray, np.ndarray]:
     """Right-pads token-id lists: returns ``([B, P] int32, [B] int32 lengths)``.
@@ -68,6 +68,7 @@ def init_state(
       DFlashError: a prompt that leaves no room for one new token within ``max_len``; a budget
         below 1; a seed that is neither an integer in ``[0, 2**63)`` nor a key.
     """
+    check_step_inputs(None, None, static)
     toks, lens = pad_prompts(prompts)
     if int(lens.max()) + 1 > max_len:
         raise DFlashError(
@@ -126,11 +127,8 @@ def decode_step_fn(params: Params, state: DecodeState, static: Decoding) -> Deco
     """One step (pure, unjitted): a DFlash propose/verify/commit when ``static`` has a drafter
     (:func:`dflash_jax.speculative.step.step_fn`), else one plain target pass (:func:`plain_step_fn`).
     Every running row commits at least one token."""
+    check_step_inputs(params, state, static)
     if static.speculative:
-        ctx = state.speculative
-        if ctx is None or ctx.n_max != static.n_max:
-            got = "no drafter context" if ctx is None else f"a drafter context for n_max {ctx.n_max}"
-            raise DFlashError("decode state", f"{got} under a Decoding with n_max {static.n_max}", "a state from init_state with the same Decoding")
         return speculative_step.step_fn(params, state, static)
     return plain_step_fn(params, state, static)
 
@@ -232,7 +230,8 @@ def stream(params: Params, state: DecodeState, static: Decoding, step=None) -> I
     step = step or (lambda s: decode_step(params, s, static))
     length = np.asarray(jax.device_get(state.prompt_len))
     while True:
-        tokens, new_len, done = jax.device_get((state.tokens, state.length, state.done))
+        tokens, new_len, finish = jax.device_get((state.tokens, state.length, state.finish))
+        done = finish != RUNNING  # on the host: no device op per step
         counts = new_len - length
         k = int(counts.max()) if counts.size else 0
         if k:

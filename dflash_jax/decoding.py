@@ -12,8 +12,9 @@ import dataclasses
 import numbers
 from typing import Any, NamedTuple
 
-from dflash_jax.config import check_drafter_fits
+from dflash_jax.config import DrafterConfig, check_drafter_fits
 from dflash_jax.errors import DFlashError
+from dflash_jax.registry import family_of
 from dflash_jax.sampling import SamplingConfig
 
 DRAFT_MODES = ("argmax", "sample")
@@ -54,6 +55,9 @@ class Decoding:
     def __post_init__(self):
         if not isinstance(self.sampling, SamplingConfig):
             raise DFlashError("sampling", f"got {type(self.sampling).__name__}", "a SamplingConfig, e.g. SamplingConfig(temperature=0.7)")
+        family_of(self.target)  # a registered target config (DFlashError naming the types otherwise)
+        if self.drafter is not None and not isinstance(self.drafter, DrafterConfig):
+            raise DFlashError("drafter", f"got {type(self.drafter).__name__}", "a DrafterConfig (Drafter.cfg) or None")
         if self.draft_mode not in DRAFT_MODES:
             raise DFlashError("draft_mode", f"got {self.draft_mode!r}", f"one of {', '.join(DRAFT_MODES)}")
         if self.drafter is None:
@@ -72,6 +76,35 @@ class Decoding:
     def width(self) -> int:
         """Tokens one target pass reads per row: ``n_max + 1`` (anchor and drafts), or 1 (plain)."""
         return 1 if self.drafter is None else self.n_max + 1
+
+
+def check_step_inputs(params, state, static) -> None:
+    """Checks that a step's arguments go together (at trace time: types and pytree structure only).
+
+    Args:
+      params: a :class:`Params`; state: a :class:`~dflash_jax.state.DecodeState` or ``None``
+        (not checked); static: a :class:`Decoding`.
+    Raises:
+      DFlashError: an argument of the wrong type (the pre-0.2 orders ``f(params, cfg, state, ...)``
+        included), drafter params missing under a drafter, or a state whose drafter context does
+        not match ``static`` (none, or another ``n_max``).
+    """
+    if not isinstance(static, Decoding):
+        raise DFlashError("static", f"got {type(static).__name__}", "a dflash_jax.decoding.Decoding(target_cfg, drafter_cfg, ...); steps are f(params, state, static)")
+    if params is not None and not isinstance(params, Params):
+        raise DFlashError("params", f"got {type(params).__name__}", "a dflash_jax.decoding.Params(target_params, drafter_params); steps are f(params, state, static)")
+    if params is not None and static.speculative and params.drafter is None:
+        raise DFlashError("params.drafter", "None under a Decoding with a drafter", "the drafter's params (Params(target.params, drafter.params))")
+    if state is None:
+        return
+    ctx = getattr(state, "speculative", None)
+    if not hasattr(state, "finish"):
+        raise DFlashError("state", f"got {type(state).__name__}", "a DecodeState from dflash_jax.decode.init_state")
+    if static.speculative and (ctx is None or ctx.n_max != static.n_max):
+        got = "no drafter context" if ctx is None else f"a drafter context for n_max {ctx.n_max}"
+        raise DFlashError("decode state", f"{got} under a Decoding with n_max {static.n_max}", "a state from init_state with the same Decoding")
+    if not static.speculative and ctx is not None:
+        raise DFlashError("decode state", "a drafter context under a Decoding without a drafter", "a state from init_state with the same Decoding")
 
 
 def check_n_max(cfg_d, n_max: int | None) -> int:

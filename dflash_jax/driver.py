@@ -21,7 +21,7 @@ from dflash_jax.loading import Drafter, Target
 from dflash_jax.prefill import compile_prefill
 from dflash_jax.results import GenerationResult, build_result, spec_stats
 from dflash_jax.sampling import SamplingConfig
-from dflash_jax.state import STOP
+from dflash_jax.state import RUNNING, STOP
 from dflash_jax.text import TextStream
 
 
@@ -58,7 +58,7 @@ def _stream(req: Request, tokenizer, state, run, on_tokens) -> tuple[Any, float]
         c0 = time.perf_counter()
         on_tokens(new)
         callback_s += time.perf_counter() - c0
-        if np.all(forced | np.asarray(jax.device_get(state.done))):
+        if np.all(forced | (np.asarray(jax.device_get(state.finish)) != RUNNING)):
             break
     return state, callback_s
 

@@ -14,7 +14,7 @@ import numbers
 import jax
 import jax.numpy as jnp
 
-from dflash_jax.decoding import Decoding, Params
+from dflash_jax.decoding import Decoding, Params, check_step_inputs
 from dflash_jax.errors import DFlashError
 from dflash_jax.registry import module_for
 from dflash_jax.sampling import sample, top2_gap
@@ -95,8 +95,10 @@ def prefill(params: Params, state: DecodeState, static: Decoding, chunk_size: in
     Returns:
       The state with ``length = prompt_len + 1`` (or done, if the first token stops the row).
     Raises:
-      DFlashError: ``chunk_size`` not an integer >= 1.
+      DFlashError: ``chunk_size`` not an integer >= 1; arguments that do not go together
+        (:func:`~dflash_jax.decoding.check_step_inputs`).
     """
+    check_step_inputs(params, state, static)
     chunk_size = check_chunk_size(chunk_size)
     if max_prompt_len is None:
         max_prompt_len = int(jax.device_get(state.prompt_len).max())

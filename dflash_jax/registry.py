@@ -255,7 +255,7 @@ def load_hf_drafter(folder: str | os.PathLike, target_cfg=None, dtype: str = "fl
     folder = str(folder)
     if not os.path.isdir(folder):
         raise DFlashError(folder, "not a directory", "a drafter checkpoint folder with config.json")
-    target = hf._np_dtype(dtype)
+    target = hf.numpy_dtype(dtype)
     config_path = os.path.join(folder, "config.json")
     cfg = drafter_config_from_hf(config.read_json(config_path), config_path).with_dtype(target.name)
     if target_cfg is not None:

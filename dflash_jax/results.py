@@ -9,7 +9,7 @@ import jax
 import numpy as np
 
 from dflash_jax.state import FINISH_REASONS
-from dflash_jax.text import _cut_at_stop_text, _find_stop
+from dflash_jax.text import cut_at_stop_text, find_stop
 
 
 @dataclasses.dataclass
@@ -69,13 +69,13 @@ def _rows(tokenizer, state, batch: int, stop_texts: Sequence[str]):
         ids = [int(t) for t in tokens[b, plen[b] : length[b]]]
         g = [float(x) for x in gaps[b, plen[b] : length[b]]]
         reason = FINISH_REASONS[int(finish[b])] or "length"
-        cut = _cut_at_stop_text(tokenizer, ids, stop_texts) if stop_texts else None
+        cut = cut_at_stop_text(tokenizer, ids, stop_texts) if stop_texts else None
         if cut is not None:
             ids, g, reason = ids[:cut], g[:cut], "stop"
         text = None
         if tokenizer is not None:
             text = tokenizer.decode(ids, skip_special_tokens=True)
-            c = _find_stop(text, stop_texts)
+            c = find_stop(text, stop_texts)
             text = text if c is None else text[:c]
         yield ids, g, reason, text
 

@@ -76,7 +76,7 @@ class TextStream:
     def text(self) -> str:
         """The full text so far (cut before a stop text)."""
         text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
-        cut = _find_stop(text, self.stop)
+        cut = find_stop(text, self.stop)
         return text if cut is None else text[:cut]
 
     def feed(self, ids: Sequence[int]) -> str:
@@ -85,7 +85,7 @@ class TextStream:
             return ""
         self.ids.extend(int(i) for i in ids)
         full = self.tokenizer.decode(self.ids, skip_special_tokens=True)
-        cut = _find_stop(full, self.stop)
+        cut = find_stop(full, self.stop)
         if cut is not None:
             self.stopped = True
             out = full[self.emitted : cut]
@@ -113,12 +113,14 @@ class TextStream:
         return out
 
 
-def _find_stop(text: str, stop: Sequence[str]) -> int | None:
+def find_stop(text: str, stop: Sequence[str]) -> int | None:
+    """The index in ``text`` where the earliest stop text starts, or ``None``."""
     hits = [i for i in (text.find(s) for s in stop if s) if i >= 0]
     return min(hits) if hits else None
 
 
-def _str_list(value, name: str, option: str) -> list[str]:
+def str_list(value, name: str, option: str) -> list[str]:
+    """``value`` as a list of strings; raises DFlashError naming ``name`` (one ``option`` each) otherwise."""
     if isinstance(value, (str, bytes)) or not isinstance(value, Sequence) or not all(isinstance(x, str) for x in value):
         raise DFlashError(name, f"got {value!r}", f"a list of strings (one per {option})")
     return list(value)
@@ -144,14 +146,14 @@ def split_stop(tokenizer, stop: Sequence[str]) -> tuple[list[int], list[str]]:
     return ids, texts
 
 
-def _cut_at_stop_text(tokenizer, ids: list[int], stop: Sequence[str]) -> int | None:
+def cut_at_stop_text(tokenizer, ids: list[int], stop: Sequence[str]) -> int | None:
     """The shortest prefix length of ``ids`` whose text contains a stop text, or ``None``."""
-    if not stop or _find_stop(tokenizer.decode(ids, skip_special_tokens=True), stop) is None:
+    if not stop or find_stop(tokenizer.decode(ids, skip_special_tokens=True), stop) is None:
         return None
     lo, hi = 1, len(ids)
     while lo < hi:
         mid = (lo + hi) // 2
-        if _find_stop(tokenizer.decode(ids[:mid], skip_special_tokens=True), stop) is None:
+        if find_stop(tokenizer.decode(ids[:mid], skip_special_tokens=True), stop) is None:
             lo = mid + 1
         else:
             hi = mid

@@ -399,6 +399,12 @@ def test_train_subcommand_dispatch_and_errors(capsys, tmp_path):
     code, out, err = run(capsys, "train", "--out", tmp_path / "o", "--mask-token-id", 16)
     assert_one_line_error(code, out, err, "--data")
     assert err.strip() == "error: --data: missing (expected a value)"
+    code, out, err = run(capsys, "train")
+    assert err.strip() == "error: --data, --out, --mask-token-id: missing (expected a value)" and code == 2
+    code, out, err = run(capsys, "train", "--bogus")
+    assert_one_line_error(code, out, err, "--bogus: unknown option")
+    code, out, err = run(capsys, "train", "--help")
+    assert code == 0 and "--data DATA --out OUT" in " ".join(out.split())
     code, out, err = run(capsys, "train", "--data", tmp_path / "nope", "--out", tmp_path / "o", "--mask-token-id", 16)
     assert_one_line_error(code, out, err, "nope")
 

@@ -137,7 +137,7 @@ def test_argmax_drafts_are_the_best_listed_token(target):
     st, full = _prefilled_and_full_logits(target, d)
     ids = np.array(SMALL_IDS)
     dcfg, dparams = with_vocab(target, d, ids)
-    drafts, q = speculative.propose(Params(params, dparams), st, Decoding(cfg, dcfg))
+    drafts, q = speculative.propose_block(Params(params, dparams), st, Decoding(cfg, dcfg))
     want = ids[np.argmax(full[..., ids], axis=-1)]
     assert q is None
     np.testing.assert_array_equal(np.asarray(drafts), want)
@@ -150,7 +150,7 @@ def test_sampled_proposal_is_the_softmax_over_listed_columns(target):
     st, full = _prefilled_and_full_logits(target, d)
     ids = np.array(SMALL_IDS)
     dcfg, dparams = with_vocab(target, d, ids)
-    drafts, q = speculative.propose(Params(params, dparams), st, Decoding(cfg, dcfg, SamplingConfig(0.7), draft_mode="sample"), jax.random.key(0))
+    drafts, q = speculative.propose_block(Params(params, dparams), st, Decoding(cfg, dcfg, SamplingConfig(0.7), draft_mode="sample"), jax.random.key(0))
     q = np.asarray(q)
     assert q.shape == full.shape and np.isin(np.asarray(drafts), ids).all()
     want = np.zeros_like(q)

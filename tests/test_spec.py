@@ -77,7 +77,7 @@ def scripted_run(target, d, prompt, n_new, corrupt_at=None, stop_ids=(), max_len
         if corrupt_at is not None:
             drafts[corrupt_at] = (drafts[corrupt_at] + 1) % cfg.vocab_size
         before = int(st.speculative.accepted[0])
-        st = speculative.verify(Params(params, dparams), st, Decoding(cfg, dcfg), jnp.asarray([drafts], jnp.int32))
+        st = speculative.verify_block(Params(params, dparams), st, Decoding(cfg, dcfg), jnp.asarray([drafts], jnp.int32))
         accepts.append(int(st.speculative.accepted[0]) - before)
     return st, accepts, ref
 
@@ -153,8 +153,8 @@ def test_bug_capture_offsets_chunk_size_invariance(target, chunk):
         n = len(p)
         np.testing.assert_allclose(np.asarray(got.speculative.ctx_k[:, b, :n]), np.asarray(ref.speculative.ctx_k[:, b, :n]), rtol=1e-5, atol=1e-5)
         np.testing.assert_allclose(np.asarray(got.speculative.ctx_v[:, b, :n]), np.asarray(ref.speculative.ctx_v[:, b, :n]), rtol=1e-5, atol=1e-5)
-    d_ref, _ = speculative.propose(Params(params, dparams), ref, Decoding(cfg, dcfg))
-    d_got, _ = speculative.propose(Params(params, dparams), got, Decoding(cfg, dcfg))
+    d_ref, _ = speculative.propose_block(Params(params, dparams), ref, Decoding(cfg, dcfg))
+    d_got, _ = speculative.propose_block(Params(params, dparams), got, Decoding(cfg, dcfg))
     assert np.array_equal(np.asarray(d_ref), np.asarray(d_got))
     out = outputs(decode.generate(Params(params, dparams), got, Decoding(cfg, dcfg, GREEDY)))
     assert out == outputs(decode.generate(Params(params, dparams), ref, Decoding(cfg, dcfg, GREEDY)))
@@ -212,7 +212,7 @@ def test_bug_positions_block_uses_absolute_positions(target):
     dcfg, dparams = drafter_for(cfg, 4, seed=4)
     st = decode.init_state(Decoding(cfg, dcfg), [PROMPTS[2]], 64, 8)
     st = decode.prefill(Params(params, dparams), st, Decoding(cfg, dcfg, GREEDY), 4)
-    drafts, _ = speculative.propose(Params(params, dparams), st, Decoding(cfg, dcfg))
+    drafts, _ = speculative.propose_block(Params(params, dparams), st, Decoding(cfg, dcfg))
     start = int(st.length[0]) - 1
     block = jnp.asarray([[int(st.tokens[0, start])] + [dcfg.mask_token_id] * 3])
 
@@ -237,7 +237,7 @@ def test_bug_mask_id_block_is_anchor_then_mask_tokens(target):
     dcfg, dparams = drafter_for(cfg, 4, seed=6)
     st = decode.init_state(Decoding(cfg, dcfg), [PROMPTS[0]], 64, 8)
     st = decode.prefill(Params(params, dparams), st, Decoding(cfg, dcfg, GREEDY), 4)
-    drafts, _ = speculative.propose(Params(params, dparams), st, Decoding(cfg, dcfg))
+    drafts, _ = speculative.propose_block(Params(params, dparams), st, Decoding(cfg, dcfg))
     start = int(st.length[0]) - 1
     pos = jnp.arange(start, start + 4, dtype=jnp.int32)[None]
 
@@ -337,6 +337,30 @@ def test_n_max_validation_and_depth(target):
     st = run_spec(target, (dcfg, dparams), [PROMPTS[0]], 12, n_max=2)
     assert st.speculative.accepted_per_position.shape == (1, 2)
     assert outputs(st) == plain_greedy(target, [PROMPTS[0]], 12)
+
+
+
+def test_step_arguments_that_do_not_go_together_are_named(target):
+    """Every mismatch of params, state and Decoding is a DFlashError naming the argument, not an
+    AttributeError from deep inside a trace (including the pre-0.2 argument orders)."""
+    cfg, params = target
+    dcfg, dparams = drafter_for(cfg, 4)
+    spec, plain = Decoding(cfg, dcfg), Decoding(cfg)
+    plain_state = decode.init_state(plain, [PROMPTS[0]], 32, 4)
+    spec_state = decode.init_state(spec, [PROMPTS[0]], 32, 4)
+    cases = [
+        (lambda: decode.init_state(cfg, [PROMPTS[0]], 32, 4), "static"),  # the old order
+        (lambda: decode.prefill(params, plain_state, plain, 4), "params"),  # a bare params dict
+        (lambda: decode.prefill(Params(params), spec_state, spec, 4), "params.drafter"),
+        (lambda: decode.prefill(Params(params, dparams), plain_state, spec, 4), "no drafter context"),
+        (lambda: decode.prefill(Params(params), spec_state, plain, 4), "a drafter context under a Decoding without"),
+        (lambda: decode.decode_step(Params(params, dparams), spec_state, Decoding(cfg, dcfg, n_max=2)), "n_max 3"),
+        (lambda: Decoding(cfg, cfg), "DrafterConfig"),
+        (lambda: Decoding(dcfg), "registered family|TargetConfig"),
+    ]
+    for call, match in cases:
+        with pytest.raises(DFlashError, match=match):
+            call()
 
 
 def _chi2_threshold(df, z=3.29):  # Wilson-Hilferty, upper 0.9995 quantile

@@ -117,11 +117,11 @@ def propose_cost(target, drafter, ids, args, n_max, repeats: int = 7) -> float:
     static, weights = Decoding(target.cfg, drafter.cfg, n_max=n_max), Params(target.params, drafter.params)
     st = decode.init_state(static, [ids], args.max_len, args.max_new_tokens)
     st = decode.prefill(weights, st, static, args.chunk_size)
-    jax.block_until_ready(speculative.propose(weights, st, static))
+    jax.block_until_ready(speculative.propose_block(weights, st, static))
     ts = []
     for _ in range(repeats):
         t0 = time.perf_counter()
-        jax.block_until_ready(speculative.propose(weights, st, static))
+        jax.block_until_ready(speculative.propose_block(weights, st, static))
         ts.append(time.perf_counter() - t0)
     return statistics.median(ts)
 

@@ -259,7 +259,9 @@ def _ignorable(name: str, cfg: TargetConfig) -> bool:
     return bool(_IGNORED.search(name)) or (cfg.tie_word_embeddings and name == "lm_head.weight")
 
 
-def _np_dtype(dtype: Any) -> np.dtype:
+def numpy_dtype(dtype: Any) -> np.dtype:
+    """The numpy dtype of a parameter dtype name or dtype (``float32``, ``bfloat16`` as
+    ``ml_dtypes.bfloat16``, ``float16``). Raises DFlashError naming ``dtype`` for others."""
     try:
         name = np.dtype(dtype).name if not isinstance(dtype, str) else dtype
     except TypeError:
@@ -289,7 +291,7 @@ def load_hf_target(folder: str | os.PathLike, dtype: Any = "float32") -> tuple[T
     from dflash_jax.models import dense
 
     folder = str(folder)
-    target = _np_dtype(dtype)
+    target = numpy_dtype(dtype)
     config_path = os.path.join(folder, "config.json")
     cfg = target_config_from_hf(read_json(config_path), source=config_path).with_dtype(target.name)
     ckpt = Checkpoint(folder)

@@ -27,7 +27,7 @@ import numpy as np
 from dflash_jax.config import read_json
 from dflash_jax.config_laguna import LagunaConfig, laguna_config_from_hf
 from dflash_jax.errors import DFlashError
-from dflash_jax.io.hf import ATTENTION_NAMES, MLP_NAMES, QK_NORM_NAMES, Checkpoint, TensorInfo, _np_dtype, load_named
+from dflash_jax.io.hf import ATTENTION_NAMES, MLP_NAMES, QK_NORM_NAMES, Checkpoint, TensorInfo, numpy_dtype, load_named
 
 _ATTN = {**ATTENTION_NAMES, "self_attn.g_proj.weight": ("wg", True), **QK_NORM_NAMES}
 _DENSE = MLP_NAMES
@@ -200,7 +200,7 @@ def load_laguna_target(folder: str | os.PathLike, dtype: Any = "float32", cfg: L
     from dflash_jax.models import laguna
 
     folder = str(folder)
-    target = _np_dtype(dtype)
+    target = numpy_dtype(dtype)
     config_path = os.path.join(folder, "config.json")
     if cfg is None:
         cfg = laguna_config_from_hf(read_json(config_path), source=config_path)

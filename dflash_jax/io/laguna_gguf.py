@@ -50,7 +50,7 @@ from dflash_jax.config import RopeConfig
 from dflash_jax.config_laguna import LagunaConfig
 from dflash_jax.errors import DFlashError
 from dflash_jax.io.gguf_file import as_f32, dequantize_tensor, embedding_vocab, metadata, open_gguf, tensor_table
-from dflash_jax.io.hf import _np_dtype
+from dflash_jax.io.hf import numpy_dtype
 from dflash_jax.io.laguna import resolve_gating
 from dflash_jax.models import laguna
 
@@ -309,7 +309,7 @@ def load_laguna_gguf_target(path: str | os.PathLike, dtype: Any = "float32", *, 
     import jax
 
     path = str(path)
-    target = _np_dtype(dtype)
+    target = numpy_dtype(dtype)
     reader = open_gguf(path)
     cfg, tensors = laguna_gguf_config(reader, path, target.name)
     names = gguf_names(cfg)

@@ -13,7 +13,7 @@ Prefill, the on-device loop and continuous batching are shared with plain decodi
 :mod:`dflash_jax.decode`, driven by a :class:`~dflash_jax.decoding.Decoding` with a drafter.
 """
 
-from dflash_jax.speculative.propose import propose  # noqa: E402
-from dflash_jax.speculative.step import step_fn, verify  # noqa: E402
+from dflash_jax.speculative.propose import propose_block  # noqa: E402
+from dflash_jax.speculative.step import step_fn, verify_block  # noqa: E402
 
-__all__ = ["propose", "step_fn", "verify"]
+__all__ = ["propose_block", "step_fn", "verify_block"]

@@ -7,7 +7,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from dflash_jax.decoding import Decoding, Params
+from dflash_jax.decoding import Decoding, Params, check_step_inputs
 from dflash_jax.models import drafter
 from dflash_jax.sampling import probabilities, warp_logits
 from dflash_jax.state import DecodeState
@@ -57,6 +57,9 @@ def propose_fn(params: Params, state: DecodeState, static: Decoding, key=None):
 
 
 @functools.partial(jax.jit, static_argnames=("static",))
-def propose(params: Params, state: DecodeState, static: Decoding, key=None):
-    """Jitted :func:`propose_fn`: ``(drafts [B, n_max] int32, q [B, n_max, V] or None)``."""
+def propose_block(params: Params, state: DecodeState, static: Decoding, key=None):
+    """Jitted :func:`propose_fn`: ``(drafts [B, n_max] int32, q [B, n_max, V] or None)``.
+    Raises DFlashError for arguments that do not go together
+    (:func:`~dflash_jax.decoding.check_step_inputs`)."""
+    check_step_inputs(params, state, static)
     return propose_fn(params, state, static, key)

@@ -1,8 +1,9 @@
 """One DFlash step: propose -> verify -> commit, pure (the on-device loop is
 :func:`dflash_jax.decode.steps_until`, shared with plain decoding).
 
-``propose`` and ``verify`` (verify and commit, state donated) are also exposed as separate jitted
-steps for notebooks and experiments.
+``propose_block`` (from :mod:`~dflash_jax.speculative.propose`) and ``verify_block`` (verify
+and commit, state donated) are also exposed as separate jitted steps for notebooks and
+experiments.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ import functools
 
 import jax
 
-from dflash_jax.decoding import Decoding, Params
+from dflash_jax.decoding import Decoding, Params, check_step_inputs
 from dflash_jax.speculative.commit import commit_block
 from dflash_jax.speculative.propose import propose_fn
 from dflash_jax.speculative.verify import verify_fn
@@ -32,7 +33,9 @@ def step_fn(params: Params, state: DecodeState, static: Decoding) -> DecodeState
 
 
 @functools.partial(jax.jit, static_argnames=("static",), donate_argnames=("state",))
-def verify(params: Params, state: DecodeState, static: Decoding, drafts, q=None, key_accept=None, key_bonus=None) -> DecodeState:
+def verify_block(params: Params, state: DecodeState, static: Decoding, drafts, q=None, key_accept=None, key_bonus=None) -> DecodeState:
     """Jitted verify and commit of given ``drafts [B, n]`` (``q``: ``[B, n, V]`` or ``None`` for
-    one-hot proposals; keys when sampling), state donated: the new state."""
+    one-hot proposals; keys when sampling), state donated: the new state. Raises DFlashError for
+    arguments that do not go together (:func:`~dflash_jax.decoding.check_step_inputs`)."""
+    check_step_inputs(params, state, static)
     return commit_block(params, state, static, verify_fn(params, state, static, drafts, q, key_accept, key_bonus))

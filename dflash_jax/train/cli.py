@@ -1,7 +1,7 @@
 """``dflash-jax train``: trains a DFlash drafter for a target on a self-distillation dataset.
 
-Example (the first of the six runs that made the shipped SmolLM2 drafter;
-``tools/train_default_drafter.sh`` runs them all, ``dflash_jax/drafters/smollm2-135m-instruct``)::
+Example (the first of the eight runs that made the shipped SmolLM2 drafter;
+``tools/train_default_drafter.sh`` in the source repository runs them all, ``dflash_jax/drafters/smollm2-135m-instruct``)::
 
     python tools/make_train_data.py --out runs/smollm2/data1 --num-prompts 2193
     dflash-jax train --data runs/smollm2/data1 --out runs/smollm2/run1 --mask-token-id 16 \\
