@@ -20,7 +20,7 @@ from dflash_jax.io.hf import load_hf_target  # noqa: E402
 from dflash_jax.testing import reference_greedy  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
-FIXTURE = REPO.parent / "shared" / "fixtures" / "smollm2_llamacpp_greedy.json"
+FIXTURE = Path(__file__).resolve().parent / "fixtures" / "smollm2_llamacpp_greedy.json"
 PROMPT_IDS = [256, 117, 115, 101, 114, 10, 72, 105, 257, 10, 256]
 STATS_KEYS = {"new_tokens", "compile_time_s", "prefill_time_s", "decode_time_s", "decode_tokens_per_s"}
 
@@ -381,8 +381,6 @@ def test_python_dash_m_entry_point(tmp_path):
 @pytest.mark.slow
 def test_default_model_matches_llamacpp_greedy(capsys):
     """The embedded default model, end to end through the CLI, against llama.cpp's greedy ids."""
-    if not FIXTURE.is_file():
-        pytest.skip(f"llama.cpp fixture not found at {FIXTURE}")
     case = json.loads(FIXTURE.read_text(encoding="utf-8"))["cases"][0]
     n = 0  # compare only while llama.cpp's choice is confident (ours may differ below a 0.25 gap)
     while n < 8 and case["top2_logit_gap"][n] >= 0.25:

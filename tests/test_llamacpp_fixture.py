@@ -1,6 +1,6 @@
 """The outside oracle: llama.cpp's prompt tokens and greedy tokens for the default model (SmolLM2-135M Q4_1).
 
-The fixture (``shared/fixtures/smollm2_llamacpp_greedy.json`` next to the repository) was made with
+The fixture (``tests/fixtures/smollm2_llamacpp_greedy.json``, a copy of ``shared/fixtures/``) was made with
 llama-cpp-python from the same GGUF: the GGUF's own chat template, special tokens parsed, then 48
 greedy steps. We check that our rendered prompt ids are identical, and, teacher-forcing
 ``prompt_ids + greedy_ids`` through our float32 dense forward, that our argmax equals llama.cpp's
@@ -20,8 +20,7 @@ import pytest
 
 from dflash_jax.models import dense
 
-REPO = Path(__file__).resolve().parents[1]
-FIXTURE = REPO.parent / "shared" / "fixtures" / "smollm2_llamacpp_greedy.json"
+FIXTURE = Path(__file__).resolve().parent / "fixtures" / "smollm2_llamacpp_greedy.json"
 MIN_GAP = 0.25
 
 pytestmark = pytest.mark.slow
@@ -29,8 +28,6 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def fixture():
-    if not FIXTURE.is_file():
-        pytest.skip(f"llama.cpp fixture not found at {FIXTURE} (it lives in the shared/ folder next to the repository)")
     return json.loads(FIXTURE.read_text(encoding="utf-8"))
 
 
