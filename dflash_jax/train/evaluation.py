@@ -66,6 +66,7 @@ def evaluate_tau(
 
 
 def read_jsonl(path: Path) -> list[dict]:
+    """The records of a JSON-lines log (one object per non-empty line); ``[]`` when there is no file."""
     if not path.is_file():
         return []
     return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
