@@ -428,3 +428,16 @@ def test_drafter_recorded_n_max_is_the_default_depth(capsys, hf_dir, draft_dir, 
         code, out, err = run(capsys, "generate", *common)
         line = assert_one_line_error(code, out, err, "config.json: field dflash_jax.n_max", repr(bad))
         assert "--n-max" not in line
+
+
+def test_every_option_says_what_it_does():
+    """`--help` of both commands: every option has a help text (no bare option names)."""
+    import argparse
+
+    from dflash_jax.train.cli import build_parser as train_parser
+
+    top = cli.build_parser()
+    sub = next(a for a in top._actions if isinstance(a, argparse._SubParsersAction))
+    for parser in [*sub.choices.values(), train_parser()]:
+        bare = [a.option_strings[-1] for a in parser._actions if a.option_strings and not a.help]
+        assert not bare, f"{parser.prog}: options without help: {bare}"
