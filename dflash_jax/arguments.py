@@ -137,8 +137,6 @@ def check_request(target, prompts, max_new_tokens, sampling, max_len, chunk_size
         raise DFlashError("seed (--seed)", f"got {seed!r}", "an integer in [0, 2**63)")
     if drafter is not None and not isinstance(drafter, Drafter):
         raise DFlashError("drafter", f"got {type(drafter).__name__}", "a Drafter from load_drafter or shipped_drafter, or None")
-    if n_max is not None and not _is_int(n_max):
-        raise DFlashError("n_max (--n-max)", f"got {n_max!r}", "an integer or None")
     if on_tokens is not None and not callable(on_tokens):
         raise DFlashError("on_tokens", f"got {type(on_tokens).__name__}", "a callable or None")
     stops, stop_texts = _stops(target, stop_ids, stop, ignore_eos)

@@ -355,6 +355,8 @@ def test_step_arguments_that_do_not_go_together_are_named(target):
         (lambda: decode.prefill(Params(params, dparams), plain_state, spec, 4), "no drafter context"),
         (lambda: decode.prefill(Params(params), spec_state, plain, 4), "a drafter context under a Decoding without"),
         (lambda: decode.decode_step(Params(params, dparams), spec_state, Decoding(cfg, dcfg, n_max=2)), "n_max 3"),
+        (lambda: Decoding(cfg, dcfg, n_max=2.0), "--n-max"),  # n_max is checked once, by Decoding
+        (lambda: Decoding(cfg, n_max="2"), "without a drafter"),
         (lambda: Decoding(cfg, cfg), "DrafterConfig"),
         (lambda: Decoding(dcfg), "registered family|TargetConfig"),
     ]
