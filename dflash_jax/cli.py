@@ -33,6 +33,11 @@ def _prompt_ids(text: str) -> list[int]:
     return ids
 
 
+def _depth(text: str) -> int | str:
+    """``type=`` of ``--n-max``: an integer or ``auto``."""
+    return "auto" if text == "auto" else integer(text)
+
+
 def _json_object(text: str) -> dict:
     try:
         value = json.loads(text)
@@ -60,7 +65,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--draft", metavar="PATH", default=None, help="DFlash drafter checkpoint (speculative decoding)")
     g.add_argument("--no-spec", action="store_true", help="force plain (non-speculative) decoding")
     g.add_argument("--block-size", type=integer, default=None, metavar="N", help="speculative block size (drafter default)")
-    g.add_argument("--n-max", type=integer, default=None, metavar="N", help="most draft tokens verified per step")
+    g.add_argument("--n-max", type=_depth, default=None, metavar="N|auto",
+                   help="draft tokens verified per step, or 'auto': each step chooses from the drafter's confidences and "
+                   "measured costs (default: the drafter's recorded depth, 'auto' for the shipped drafter)")
+    g.add_argument("--measure-costs", action="store_true",
+                   help="with --n-max auto: measure the step costs again instead of reading them from the cache folder")
     g.add_argument("--max-new-tokens", type=integer, default=128, metavar="N", help="new-token budget (default 128)")
     g.add_argument("--temperature", type=number, default=0.0, metavar="T", help="sampling temperature (default 0 = greedy)")
     g.add_argument("--top-k", type=integer, default=0, metavar="K", help="keep the K most likely tokens (default 0 = off)")
@@ -103,7 +112,7 @@ def _drafter(args, target):
     return d, f"shipped drafter {d.source}"
 
 
-def _n_max(args, drafter) -> int | None:
+def _n_max(args, drafter) -> int | str | None:
     """Draft depth from ``--n-max`` / ``--block-size`` (verify width ``n_max + 1``).
 
     Errors name the option the user gave: ``--block-size`` is checked against the drafter's
@@ -130,6 +139,8 @@ def _n_max(args, drafter) -> int | None:
 def _stats_line(stats: dict, finish: str) -> str:
     mode = "plain decoding" if stats.get("mode", "plain") == "plain" else f"{stats['mode']} decoding"
     spec = f"tau {stats['tau']:.2f} over {stats['verify_steps']} verify steps | " if "tau" in stats else ""
+    if stats.get("n_max") == "auto":
+        spec += f"widths {' '.join(f'{w}:{c}' for w, c in enumerate(stats['widths']) if c)} plain {stats['plain_steps']} | "
     return (
         f"[{mode}] {stats['new_tokens']} new tokens ({finish}) | {spec}"
         f"decode {stats['decode_tokens_per_s']:.2f} tok/s in {stats['decode_time_s']:.3f} s | "
@@ -152,11 +163,14 @@ def _check_options(args) -> None:
     for name in ("max_new_tokens", "chunk_size"):
         if getattr(args, name) < 1:
             raise DFlashError("--" + name.replace("_", "-"), f"got {getattr(args, name)}", "an integer >= 1")
-    if args.n_max is not None and args.n_max < 1:
-        raise DFlashError("--n-max", f"got {args.n_max}", "an integer >= 1")
+    if args.n_max is not None and args.n_max != "auto" and args.n_max < 1:
+        raise DFlashError("--n-max", f"got {args.n_max}", "an integer >= 1 or auto")
     if args.block_size is not None and args.block_size < 2:
         raise DFlashError("--block-size", f"got {args.block_size}", "an integer >= 2")
-    for opt, given in (("--n-max", args.n_max is not None), ("--block-size", args.block_size is not None), ("--draft", args.draft is not None)):
+    if args.n_max == "auto" and args.block_size is not None:
+        raise DFlashError("--block-size", "given with --n-max auto (which verifies up to the drafter's whole block)", "one of them")
+    for opt, given in (("--n-max", args.n_max is not None), ("--block-size", args.block_size is not None), ("--draft", args.draft is not None),
+                       ("--measure-costs", args.measure_costs)):
         if args.no_spec and given:
             raise DFlashError(opt, "conflicts with --no-spec (plain decoding drafts nothing)", f"either {opt} or --no-spec, not both")
     if not 0 <= args.seed < 2**63:
@@ -232,7 +246,7 @@ def _generate(args) -> int:
     stream, on_tokens = (None, None) if args.json else _streamer(target.tokenizer, args.stop, out)
     res = _run_generate(args, target, prompt_ids, max_new_tokens=args.max_new_tokens, sampling=sampling, max_len=args.max_len,
                         chunk_size=args.chunk_size, stop=args.stop, ignore_eos=args.ignore_eos, seed=args.seed,
-                        on_tokens=on_tokens, drafter=drafter, n_max=n_max)
+                        on_tokens=on_tokens, drafter=drafter, n_max=n_max, cost_model="refresh" if args.measure_costs else None)
     if args.json:
         obj = dict(prompt_ids=res.prompt_ids[0], output_ids=res.output_ids[0], text=None if res.texts is None else res.texts[0],
                    finish_reason=res.finish_reason[0], top2_logit_gaps=res.top2_logit_gaps[0], stats=res.stats)

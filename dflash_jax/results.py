@@ -42,23 +42,30 @@ class GenerationResult:
     stats: dict
 
 
-def spec_stats(state) -> dict:
+def spec_stats(state, n_max=None) -> dict:
     """Speculative statistics of a finished state, summed over rows (``docs/specs/dflash.md`` 2.3).
 
     ``tau``: tokens committed per verify step, bonus included (the first token comes from
-    prefill and is not counted, as in z-lab's benchmark; :attr:`DecodeState.committed`).
+    prefill and is not counted, as in z-lab's benchmark; :attr:`DecodeState.committed`); under
+    ``n_max="auto"`` its plain steps count as verify steps of the anchor alone.
     ``accepted_per_position[i]``: the fraction of verify steps in which draft position ``i + 1``
-    was accepted. Also ``verify_steps``, ``drafted_tokens``, ``accepted_tokens``, ``n_max``.
+    was accepted. Also ``verify_steps``, ``drafted_tokens``, ``accepted_tokens``, ``n_max``
+    (the given ``n_max``, e.g. ``"auto"``, else the drafted depth), ``widths`` (steps that
+    proposed and verified ``w`` drafts, ``w = 0..depth``; batch steps, not rows) and
+    ``plain_steps`` (batch steps without a propose).
     """
     sp, committed, passes = jax.device_get((state.speculative, state.committed, state.steps))
     steps = int(np.sum(sp.verify_steps))
+    depth = int(sp.accepted_per_position.shape[1])
     return dict(
         tau=round(float(np.sum(committed)) / steps, 4) if steps else 0.0,
         verify_steps=int(passes),
         accepted_per_position=[round(float(x) / steps, 4) if steps else 0.0 for x in np.sum(sp.accepted_per_position, axis=0)],
         drafted_tokens=int(np.sum(sp.drafted)),
         accepted_tokens=int(np.sum(sp.accepted)),
-        n_max=int(sp.accepted_per_position.shape[1]),
+        n_max=depth if n_max is None else n_max,
+        widths=[int(x) for x in sp.widths],
+        plain_steps=int(passes) - int(np.sum(sp.widths)),
     )
 
 

@@ -13,13 +13,21 @@ import numpy as np
 import pytest
 
 from dflash_jax import decode, speculative
+from dflash_jax.costs import CostModel, depth_policy
 from dflash_jax.decoding import Decoding, Params
 from dflash_jax.errors import DFlashError
 from dflash_jax.sampling import SamplingConfig
+from dflash_jax.speculative.depth import Calibration
 from dflash_jax.state import LENGTH, STOP
 from dflash_jax.testing import tiny_drafter, tiny_target
 
 GREEDY = SamplingConfig()
+
+
+def auto_policy(n):
+    """``n_max="auto"``'s numbers for tests: widths that depend on the confidences, and a plain
+    step after a propose that does not pay."""
+    return depth_policy(Calibration((1.0,) * n, (1.0,) * n), CostModel(step_cost=(tuple(1.0 + 0.4 * w for w in range(n + 1)),), plain_cost=(1.1,)))
 PROMPTS = [[5, 9, 17, 3, 22, 8, 1], [40, 2, 7], [11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 30, 31]]
 
 
@@ -48,6 +56,8 @@ def run_spec(target, d, prompts, n_new, chunk=4, max_len=64, stop_ids=(), n_max=
     cfg, params = target
     dcfg, dparams = d
     static, weights = Decoding(cfg, dcfg, sampling, mode, n_max), Params(params, dparams)
+    if n_max == "auto":
+        weights = weights._replace(depth=auto_policy(static.depth))
     st = decode.init_state(static, prompts, max_len, n_new, stop_ids, seed=seed)
     return decode.generate(weights, decode.prefill(weights, st, static, chunk), static)
 
@@ -369,15 +379,20 @@ def _chi2_threshold(df, z=3.29):  # Wilson-Hilferty, upper 0.9995 quantile
     return df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
 
 
-@pytest.mark.parametrize("mode,sampling", [("argmax", SamplingConfig(1.0)), ("sample", SamplingConfig(1.0)), ("sample", SamplingConfig(0.8, top_k=5))])
-def test_sampled_tokens_follow_target_distribution(mode, sampling):
+@pytest.mark.parametrize("mode,sampling,n_max", [("argmax", SamplingConfig(1.0), None), ("sample", SamplingConfig(1.0), None),
+                                                  ("sample", SamplingConfig(0.8, top_k=5), None), ("sample", SamplingConfig(1.0), "auto")])
+def test_sampled_tokens_follow_target_distribution(mode, sampling, n_max):
     """Chi-square of (t1, t2, t3) over many independent rows against the exact enumerated target
-    distribution, on an 8-token vocabulary (two of three tokens come from a verify step)."""
+    distribution, on an 8-token vocabulary (two of three tokens come from a verify step). With
+    ``n_max="auto"`` the policy verifies 0-3 drafts per step from the drafter's confidences
+    (several widths are used) and proposes are skipped after one that does not pay."""
     cfg, params = tiny_target("llama", seed=11, vocab_size=8, scale=0.5)
     d = tiny_drafter(cfg, seed=1, block_size=4, layer_ids=(0, 2), scale=0.5)
     prompt = [1, 5, 2]
     n = 6000
-    st = run_spec((cfg, params), d, [prompt] * n, 3, chunk=4, max_len=8, sampling=sampling, seed=123, mode=mode)
+    st = run_spec((cfg, params), d, [prompt] * n, 3, chunk=4, max_len=8, sampling=sampling, seed=123, mode=mode, n_max=n_max)
+    if n_max == "auto":
+        assert np.count_nonzero(np.asarray(st.speculative.widths)) >= 2 and int(st.steps) > int(np.sum(st.speculative.widths))
     assert (np.asarray(st.length) == 6).all()
     assert int(np.asarray(st.speculative.accepted).sum()) > n // 10, "the drafter should get some tokens accepted"
     assert_follows_target(cfg, params, prompt, sampling, np.asarray(st.tokens[:, 3:6]))
