@@ -25,6 +25,7 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 import numpy as np
+from scipy.optimize import isotonic_regression
 
 from dflash_jax.decoding import Decoding, Params
 from dflash_jax.errors import DFlashError
@@ -116,7 +117,9 @@ def measure(run: Callable, params: Params, state, static: Decoding, tokens: int 
       state: a prefilled state of the generation's shapes (read only).
       static: the adaptive :class:`~dflash_jax.decoding.Decoding`.
       tokens: new tokens per row per timed run (its ``max_new`` is cut to that).
-      rounds: runs per kind, alternating kinds; the fastest counts.
+      rounds: runs per kind, alternating kinds; the fastest counts, then the step costs are
+        made non-decreasing in the width (isotonic regression) and the plain step at most the
+        narrowest propose step.
     Returns:
       One bucket's :class:`CostModel` (seconds per step); equal costs (``info["source"]``
       ``"none"``) when every row is done already (no step will run).
@@ -139,7 +142,10 @@ def measure(run: Callable, params: Params, state, static: Decoding, tokens: int 
             s = run(params._replace(depth=policy), s)
             steps = int(jax.device_get(s.steps - base.steps))  # waits for the run
             best[i] = min(best[i], (time.perf_counter() - t0) / max(steps, 1))
-    return CostModel(step_cost=(tuple(best[:-1]),), plain_cost=(best[-1],), info=dict(source="measured"))
+    # a wider verify never costs less, and a plain step never more than a propose with the anchor
+    # alone: the isotonic fit keeps a loaded machine's noise from reordering neighbouring widths
+    step = isotonic_regression(best[:-1]).x
+    return CostModel(step_cost=(tuple(float(c) for c in step),), plain_cost=(min(best[-1], float(step[0])),), info=dict(source="measured"))
 
 
 def costs_dir() -> Path:

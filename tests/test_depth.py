@@ -7,6 +7,7 @@ from the target's greedy continuation (acceptance known in advance), the policy'
 written out in NumPy.
 """
 
+import dataclasses
 import json
 
 import jax
@@ -25,12 +26,13 @@ from dflash_jax.testing import tiny_drafter, tiny_target
 
 PROMPTS = [[5, 9, 17, 3, 22, 8, 1], [40, 2, 7], [11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 30, 31]]
 N = 3  # drafted tokens of the tiny drafter (block size 4)
+CHOOSE = jax.jit(depth.choose_width)  # one compile for every policy (traced) of batch 4
 
 
 @pytest.fixture(scope="module")
 def pair():
-    cfg, params = tiny_target("qwen3", seed=3)
-    dcfg, dparams = tiny_drafter(cfg, seed=0, block_size=N + 1, layer_ids=(0, 2))
+    cfg, params = tiny_target("qwen3", seed=3, num_hidden_layers=2)  # few layers: little to compile
+    dcfg, dparams = tiny_drafter(cfg, seed=0, block_size=N + 1, layer_ids=(0, 1), num_hidden_layers=1)
     return cfg, params, dcfg, dparams
 
 
@@ -146,7 +148,7 @@ def width_oracle(scale, bias, step_cost, plain_cost, conf, n_valid, running):
 
 def test_width_rule_matches_its_numpy_statement():
     rng = np.random.default_rng(0)
-    chosen, choose = set(), jax.jit(depth.choose_width)
+    chosen = set()
     for _ in range(40):
         b = 4
         conf = rng.uniform(0.01, 0.99, (b, N)).astype(np.float32)
@@ -157,7 +159,7 @@ def test_width_rule_matches_its_numpy_statement():
         plain_cost = np.float32(rng.uniform(0.7, 1.2))
         model = CostModel(step_cost=(tuple(step_cost),), plain_cost=(float(plain_cost),))
         policy = depth_policy(Calibration(tuple(scale), tuple(bias)), model)
-        w, pays = choose(policy, jnp.asarray(conf), jnp.asarray(n_valid, jnp.int32), jnp.asarray(running), jnp.int32(20))
+        w, pays = CHOOSE(policy, jnp.asarray(conf), jnp.asarray(n_valid, jnp.int32), jnp.asarray(running), jnp.int32(20))
         assert (int(w), bool(pays)) == width_oracle(scale, bias, step_cost, plain_cost, conf, n_valid, running)
         chosen.add(int(w))
     assert len(chosen) >= 3, f"the trials should reach several widths, got {chosen}"
@@ -166,9 +168,9 @@ def test_width_rule_matches_its_numpy_statement():
 def test_cost_buckets_follow_the_longest_live_row():
     model = CostModel(step_cost=((1, 1, 1, 1), (1, 9, 9, 9)), plain_cost=(5, 5), bounds=(16, costs.NEVER))
     policy = depth_policy(Calibration.identity(N), model)
-    conf, n_valid, running = jnp.full((1, N), 0.9), jnp.full((1,), N, jnp.int32), jnp.ones((1,), bool)
-    assert int(depth.choose_width(policy, conf, n_valid, running, jnp.int32(16))[0]) == N
-    assert int(depth.choose_width(policy, conf, n_valid, running, jnp.int32(17))[0]) == 0
+    conf, n_valid, running = jnp.full((4, N), 0.9), jnp.full((4,), N, jnp.int32), jnp.ones((4,), bool)
+    assert int(CHOOSE(policy, conf, n_valid, running, jnp.int32(16))[0]) == N
+    assert int(CHOOSE(policy, conf, n_valid, running, jnp.int32(17))[0]) == 0
 
 
 def test_missing_or_misshapen_policy_and_bad_cost_models_are_named(pair):
@@ -217,7 +219,10 @@ def test_generate_measures_keeps_and_refreshes_the_cost_model(api_pair, tmp_path
     assert len(kept) == 1 and json.loads(kept[0].read_text())["key"]["batch"] == 3
     again = dj.generate(target, PROMPTS, max_new_tokens=12, drafter=drafter)
     assert again.stats["cost_model"] == "cached" and again.stats["step_cost_ms"] == st["step_cost_ms"]
-    assert dj.generate(target, PROMPTS, max_new_tokens=12, drafter=drafter, cost_model="refresh").stats["cost_model"] == "measured"
+    key = json.loads(kept[0].read_text())["key"]
+    fresh = CostModel.forcing(N, 1)
+    remeasured = costs.cost_model_for(key, lambda: dataclasses.replace(fresh, info=dict(source="measured")), refresh=True)
+    assert remeasured.step_cost == fresh.step_cost and costs.load_cached(key).step_cost == fresh.step_cost  # "refresh"
     given = dj.generate(target, PROMPTS, max_new_tokens=12, drafter=drafter, cost_model=CostModel.forcing(N, 2))
     assert given.stats["cost_model"] == "given" and given.stats["widths"][2] == given.stats["steps"]
     streamed = []
