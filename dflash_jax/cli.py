@@ -35,7 +35,12 @@ def _prompt_ids(text: str) -> list[int]:
 
 def _depth(text: str) -> int | str:
     """``type=`` of ``--n-max``: an integer or ``auto``."""
-    return "auto" if text == "auto" else integer(text)
+    if text == "auto":
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"got {text!r} (expected an integer or auto)") from None
 
 
 def _json_object(text: str) -> dict:

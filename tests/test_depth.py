@@ -82,6 +82,20 @@ def test_greedy_lossless_with_every_forced_width_and_the_plain_step(pair):
     assert compiled() == 0
 
 
+def test_continuous_batching_with_auto_answers_as_plain_greedy(pair):
+    """``generate_until`` under ``auto`` stops once a row is done; that row, given a new prompt with
+    ``replace_rows``, and the rows that kept running answer as plain greedy decoding."""
+    cfg, params, dcfg, dparams = pair
+    static = Decoding(cfg, dcfg, n_max="auto")
+    weights = Params(params, dparams, depth_policy(CONFIDENT, GROWING))
+    st = decode.prefill(weights, decode.init_state(static, PROMPTS, 64, [6, 20, 20]), static, 4)
+    st = decode.generate_until(weights, st, static, jnp.int32(1))
+    assert bool(st.done[0]) and outputs(st)[0] == plain_greedy(pair, PROMPTS, 6)[0]
+    fresh = decode.prefill(weights, decode.init_state(static, [PROMPTS[1]], 64, 20), static, 4)
+    st = decode.generate(weights, decode.replace_rows(st, fresh, jnp.asarray([0], jnp.int32)), static)
+    assert outputs(st) == plain_greedy(pair, [PROMPTS[1], PROMPTS[1], PROMPTS[2]], 20)
+
+
 def test_plain_steps_follow_the_backoff_schedule(pair):
     """Drafting never pays: proposes alternate with plain runs of 1, 2, 4, 8, 8, ... steps, and
     plain steps commit one token each (the drafter context still follows: output unchanged)."""
