@@ -20,7 +20,7 @@ import json
 import math
 import time
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -107,28 +107,22 @@ def _copy(state):
     return jax.tree.map(lambda x: jnp.array(x, copy=True), state)
 
 
-def measure(run: Callable, params: Params, state, static: Decoding, tokens: int = 8, rounds: int = 3) -> CostModel:
-    """Times one step of each kind with the generation's own compiled ``run``.
+def _at_length(state, live: int | None, tokens: int):
+    """A copy of ``state`` whose running rows are ``live`` tokens long (``None``: as they are;
+    the rows past their real length hold stale slots, which cost what live ones do) with a
+    budget of ``tokens`` new tokens."""
+    s = _copy(state)
+    if live is not None:
+        length = jnp.where(s.done, s.length, jnp.clip(jnp.maximum(s.length, live), 1, s.capacity - tokens - 1))
+        s = s.replace(length=length, prompt_len=length - 1)
+    return s.replace(max_new=jnp.minimum(s.max_new, s.new_tokens + tokens))
 
-    Args:
-      run: ``run(params, state) -> state``, the compiled loop or step of the generation (it may
-        donate the state; every run gets a copy).
-      params: with any ``depth`` of the right shapes (replaced here).
-      state: a prefilled state of the generation's shapes (read only).
-      static: the adaptive :class:`~dflash_jax.decoding.Decoding`.
-      tokens: new tokens per row per timed run (its ``max_new`` is cut to that).
-      rounds: runs per kind, alternating kinds; the fastest counts, then the step costs are
-        made non-decreasing in the width (isotonic regression) and the plain step at most the
-        narrowest propose step.
-    Returns:
-      One bucket's :class:`CostModel` (seconds per step); equal costs (``info["source"]``
-      ``"none"``) when every row is done already (no step will run).
-    """
-    n = static.depth
+
+def _time_kinds(run, params, base, n: int, rounds: int) -> tuple[list[float], float]:
+    """Seconds per step of every forced width and of the plain step: the fastest of ``rounds``
+    runs each (kinds alternating), made non-decreasing in the width by an isotonic fit (a loaded
+    machine's noise otherwise reorders neighbouring widths), the plain step at most the narrowest."""
     ident = Calibration.identity(n)
-    base = state.replace(max_new=jnp.minimum(state.max_new, state.new_tokens + tokens))
-    if bool(jax.device_get(jnp.all(base.done))):
-        return CostModel(step_cost=((1.0,) * (n + 1),), plain_cost=(1.0,), info=dict(source="none"))
     kinds = [(depth_policy(ident, CostModel.forcing(n, w)), False) for w in range(n + 1)]
     kinds.append((depth_policy(ident, CostModel.forcing(n, n)), True))  # plain: the schedule says plain throughout
     best = [math.inf] * len(kinds)
@@ -142,10 +136,34 @@ def measure(run: Callable, params: Params, state, static: Decoding, tokens: int 
             s = run(params._replace(depth=policy), s)
             steps = int(jax.device_get(s.steps - base.steps))  # waits for the run
             best[i] = min(best[i], (time.perf_counter() - t0) / max(steps, 1))
-    # a wider verify never costs less, and a plain step never more than a propose with the anchor
-    # alone: the isotonic fit keeps a loaded machine's noise from reordering neighbouring widths
-    step = isotonic_regression(best[:-1]).x
-    return CostModel(step_cost=(tuple(float(c) for c in step),), plain_cost=(min(best[-1], float(step[0])),), info=dict(source="measured"))
+    step = [float(c) for c in isotonic_regression(best[:-1]).x]
+    return step, min(best[-1], step[0])
+
+
+def measure(run: Callable, params: Params, state, static: Decoding, tokens: int = 8, rounds: int = 3,
+            lengths: Sequence[int] | None = None) -> CostModel:
+    """Times one step of each kind with the generation's own compiled ``run``.
+
+    Args:
+      run: ``run(params, state) -> state``, the compiled loop or step of the generation (it may
+        donate the state; every run gets a copy).
+      params: with any ``depth`` of the right shapes (replaced here).
+      state: a prefilled state of the generation's shapes (read only).
+      static: the adaptive :class:`~dflash_jax.decoding.Decoding`.
+      tokens: new tokens per row per timed run (its ``max_new`` is cut to that).
+      rounds: runs per kind, alternating kinds; the fastest counts (:func:`_time_kinds`).
+      lengths: live-length buckets to price, ascending (each measured with the running rows
+        that long); ``None``: one bucket, at the state's own lengths (today's attention costs
+        what the capacity costs, whatever the live length).
+    Returns:
+      A :class:`CostModel` (seconds per step); equal costs (``info["source"]`` ``"none"``) when
+      every row is done already (no step will run).
+    """
+    n = static.depth
+    if bool(jax.device_get(jnp.all(state.done))):
+        return CostModel(step_cost=((1.0,) * (n + 1),), plain_cost=(1.0,), info=dict(source="none"))
+    step, plain = zip(*[_time_kinds(run, params, _at_length(state, live, tokens), n, rounds) for live in (lengths or [None])])
+    return CostModel(step_cost=step, plain_cost=plain, bounds=tuple(lengths or (NEVER,)), info=dict(source="measured"))
 
 
 def costs_dir() -> Path:

@@ -294,3 +294,13 @@ def test_measure_times_every_width_and_the_plain_step(pair):
         assert sum(widths) == (0 if i == N + 1 else widths[i]) and (i == N + 1 or widths[i] > 0)
     done = st.replace(finish=jnp.ones_like(st.finish))
     assert costs.measure(run, weights, done, static).info["source"] == "none"
+    seen.clear()
+    lengths = []
+
+    def run_at(p, s):
+        lengths.append(int(jnp.max(s.length)))
+        return run(p, s)
+
+    model = costs.measure(run_at, weights, st, static, tokens=4, rounds=1, lengths=(16, 40))
+    assert model.bounds == (16, 40) and len(model.step_cost) == 2 and len(model.plain_cost) == 2
+    assert lengths == [16] * (N + 2) + [40] * (N + 2)  # each bucket priced with rows that long
