@@ -8,7 +8,7 @@ verify, the on-device ``generate`` loop and ``replace_rows``, greedy and sampled
 sampled proposals), the dense target and Laguna (MoE dispatch, sliding rings) with the generic,
 reduced-vocabulary and Laguna drafters, the drafter training step, and the sharded loop on an
 abstract 4-device mesh (``jax.sharding.AbstractMesh``: shardings of 4 devices, no devices needed).
-Lowering only: nothing is compiled.
+Lowering only, of abstract weights: nothing is drawn or compiled.
 """
 
 import jax
@@ -32,14 +32,23 @@ SAMPLINGS = {"greedy": (SamplingConfig(), "argmax"), "sampled": (SamplingConfig(
              "sampled-proposals": (SamplingConfig(temperature=0.7, top_p=0.9), "sample")}
 
 
+def shapes_only(make):
+    """``(cfg, params)`` of ``make()`` with the params as :class:`jax.ShapeDtypeStruct` (lowering
+    needs shapes and dtypes only: no weights are drawn)."""
+    made = []
+    params = jax.eval_shape(lambda: made.append(make()) or made[0][1])
+    return made[0][0], params
+
+
 @pytest.fixture(scope="session")
 def models():
-    """``{name: (target cfg, target params, drafter cfg, drafter params)}`` of tiny random models."""
-    cfg, p = tiny_target("qwen3")
-    lcfg, lp = tiny_laguna(PER_HEAD)
+    """``{name: (target cfg, target params, drafter cfg, drafter params)}`` of tiny models (abstract params)."""
+    cfg, p = shapes_only(lambda: tiny_target("qwen3"))
+    lcfg, lp = shapes_only(lambda: tiny_laguna(PER_HEAD))
     ldcfg = drafter_config_from_hf(LAGUNA_DRAFTER)
-    return {"dense": (cfg, p) + tiny_drafter(cfg), "dense-draft-vocab": (cfg, p) + tiny_drafter(cfg, draft_vocab_size=32),
-            "laguna": (lcfg, lp, ldcfg, drafter_mod.init_params(ldcfg, jax.random.key(1)))}
+    return {"dense": (cfg, p) + shapes_only(lambda: tiny_drafter(cfg)),
+            "dense-draft-vocab": (cfg, p) + shapes_only(lambda: tiny_drafter(cfg, draft_vocab_size=32)),
+            "laguna": (lcfg, lp) + shapes_only(lambda: (ldcfg, drafter_mod.init_params(ldcfg, jax.random.key(1))))}
 
 
 def lower(jitted, *args):
@@ -97,7 +106,7 @@ def test_drafter_training_step_lowers_for_cuda_and_tpu(models):
     tc = TrainConfig(steps=4, batch_size=2, max_len=16, num_anchors=3, compute_dtype="bfloat16")
     batch = {"tokens": jnp.ones((2, 16), jnp.int32), "loss_mask": jnp.ones((2, 16), jnp.float32)}
     for extra in ({}, {"features": jnp.zeros((2, 16, len(dcfg.target_layer_ids) * cfg.hidden_size), jnp.bfloat16)}):
-        _, text = lower(train_step, init_train_state(dcfg, tc), p, dict(batch, **extra), dcfg, cfg, tc)
+        _, text = lower(train_step, jax.eval_shape(lambda: init_train_state(dcfg, tc)), p, dict(batch, **extra), dcfg, cfg, tc)
         assert _donates(text)
 
 

@@ -42,7 +42,8 @@ import time
 import traceback
 from pathlib import Path
 
-os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # leave device memory to the pytest subprocess too
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # leave device memory to the pytest subprocess (run first)
+os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.9")  # Laguna-XS-2.1 in bf16: 67 GB of weights plus temporaries
 os.environ.setdefault("DFLASH_JAX_NO_COMPILE_CACHE", "1")  # compile times are those of a first run
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(1, str(Path(__file__).resolve().parents[1]))
@@ -217,7 +218,7 @@ def device_info() -> dict:
     """Backend, device kind and (on NVIDIA machines) what ``nvidia-smi`` says about the GPU."""
     dev = jax.devices()[0]
     info = dict(backend=jax.default_backend(), device_kind=dev.device_kind, devices=len(jax.devices()),
-                matmul_precision=str(jax.config.jax_default_matmul_precision))
+                matmul_precision=str(getattr(jax.config, "jax_default_matmul_precision", None)))
     try:
         q = "name,driver_version,memory.total,clocks.sm,clocks.mem,clocks.max.sm"
         r = subprocess.run(["nvidia-smi", f"--query-gpu={q}", "--format=csv,noheader"], capture_output=True, text=True, timeout=20)
