@@ -18,12 +18,14 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
-def gpu_shapes():
+def tools():
+    """The modules ``gpu_check`` and ``gpu_shapes`` of tools/ (importing them changes no setting)."""
     sys.path.insert(0, str(REPO / "tools"))
     try:
+        import gpu_check
         import gpu_shapes
 
-        yield gpu_shapes
+        yield gpu_check, gpu_shapes
     finally:
         sys.path.remove(str(REPO / "tools"))
 
@@ -74,9 +76,10 @@ def test_merge_puts_the_section_into_benchmarks_once(dry_run, tmp_path):
     assert (out / "gpu_check.md").read_text(encoding="utf-8").strip() in text
 
 
-def test_bytes_per_decode_step(gpu_shapes):
+def test_bytes_per_decode_step(tools):
     """Every weight once, but one embedding row when the LM head is separate and only the top-k
     experts of a MoE; the live K/V rows, a sliding layer's at most its window."""
+    gpu_shapes = tools[1]
     for name, tied in (("smollm2-135m", True), ("qwen3-8b", False)):
         cfg, dcfg = gpu_shapes.configs(name, "bfloat16", tiny=True)
         params, _ = jax.eval_shape(lambda: gpu_shapes.random_models(cfg, dcfg))
@@ -97,3 +100,25 @@ def test_bytes_per_decode_step(gpu_shapes):
     live = cfg.sliding_window + 40
     want = per_row * (full * live + (cfg.num_hidden_layers - full) * cfg.sliding_window)
     assert gpu_shapes.kv_bytes_live(cache, 256, live, cfg.sliding_window) == want
+
+
+def test_the_gpu_plans_fit_their_capacity_and_the_h200(tools):
+    """The full and quick plans never run here: their lengths, blocks and widths fit the capacity
+    (and a Laguna target's rings),
+    DFlash runs at a context the same model decodes at, and the weights fit an H200 (139 GiB; the
+    check lets JAX take 90%) with room for temporaries."""
+    gpu_check, gpu_shapes = tools
+    for name, plan in gpu_check.PLANS.items():
+        decoded = set()
+        for run in plan.runs:
+            cfg, dcfg = gpu_shapes.configs(run.shape, run.dtype, plan.tiny)
+            decoded |= {(run.shape, run.dtype, n) for n in run.lengths}
+            assert all(n + plan.steps + 1 <= plan.capacity for n in run.lengths), (name, run)
+            assert run.context + max(run.widths) <= plan.capacity, (name, run)
+            assert max(run.widths) <= getattr(cfg, "max_block", 16), (name, run)  # Laguna: what its rings hold past the length
+            if run.accepts:
+                assert (run.shape, run.dtype, run.context) in decoded, (name, run)
+                assert max(run.accepts) < dcfg.block_size and run.context + 1 + plan.steps * (max(run.accepts) + 1) <= plan.capacity
+            if not plan.tiny:
+                target, drafter = jax.eval_shape(lambda: gpu_shapes.random_models(cfg, dcfg))
+                assert gpu_shapes.tree_bytes(target) + gpu_shapes.tree_bytes(drafter) < 0.6 * 139 * 2**30, (name, run)

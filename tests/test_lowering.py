@@ -63,11 +63,12 @@ def _donates(text: str) -> bool:
     return "tf.aliasing_output" in text or "jax.buffer_donor = true" in text
 
 
-def setup(models, name, speculative, sampling):
+def decoding(models, name, spec, sampling):
+    """``(params, state, static)`` of a plain or speculative (``spec``) decoding of ``PROMPTS``."""
     cfg, p, dcfg, dp = models[name]
     samp, mode = SAMPLINGS[sampling]
-    static = Decoding(cfg, dcfg if speculative else None, samp, mode if speculative else "argmax")
-    params = Params(p, dp if speculative else None)
+    static = Decoding(cfg, dcfg if spec else None, samp, mode if spec else "argmax")
+    params = Params(p, dp if spec else None)
     return params, decode.init_state(static, PROMPTS, 24, 8), static
 
 
@@ -78,7 +79,7 @@ CASES += [("dense", True, "sampled-proposals"), ("laguna", True, "sampled-propos
 
 @pytest.mark.parametrize("name,spec,sampling", CASES, ids=[f"{n}-{'spec' if s else 'plain'}-{m}" for n, s, m in CASES])
 def test_decoding_steps_lower_for_cuda_and_tpu(models, name, spec, sampling):
-    params, state, static = setup(models, name, spec, sampling)
+    params, state, static = decoding(models, name, spec, sampling)
     acc = jnp.zeros((len(PROMPTS), static.target.vocab_size), jnp.float32)
     steps = {
         "prefill_chunk": (decode.prefill_chunk, params, state, static, acc, jnp.int32(0), 4),
@@ -119,7 +120,7 @@ def _abstract(tree, shardings):
 def test_sharded_steps_lower_for_cuda_and_tpu_on_four_devices(models, name, mesh_shape, split):
     mesh = AbstractMesh(mesh_shape, shd.MESH_AXES)
     for spec in (False, True):
-        params, state, static = setup(models, name, spec, "greedy")
+        params, state, static = decoding(models, name, spec, "greedy")
         cfg, dcfg = static.target, static.drafter
         p = _abstract(params.target, shd.param_shardings(params.target, module_for(cfg).param_axes(cfg), mesh))
         dp = _abstract(params.drafter, shd.param_shardings(params.drafter, drafter_mod.param_axes(dcfg), mesh)) if spec else None

@@ -42,18 +42,10 @@ import time
 import traceback
 from pathlib import Path
 
-os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # leave device memory to the pytest subprocess (run first)
-os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.9")  # Laguna-XS-2.1 in bf16: 67 GB of weights plus temporaries
-os.environ.setdefault("DFLASH_JAX_NO_COMPILE_CACHE", "1")  # compile times are those of a first run
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(1, str(Path(__file__).resolve().parents[1]))
 
 import jax  # noqa: E402
-
-try:
-    jax.config.update("jax_enable_compilation_cache", False)  # not even a cache named by JAX_COMPILATION_CACHE_DIR
-except AttributeError:  # a JAX without the option
-    pass
 
 from benchlib import machine, write_section  # noqa: E402
 from dflash_jax.decoding import Decoding, Params  # noqa: E402
@@ -111,12 +103,12 @@ PLANS = {
                        Run("qwen3-8b", "float32", (1024,)), Run("smollm2-135m", "float32", (1024,)),
                        Run("qwen3-8b", "bfloat16", widths=(12, 3, 6, 10, 14, 5, 7, 9, 11, 13, 15))),  # B = 1..16 if time is left
                  capacity=4096, steps=64, repeats=5, calls=20, chunk=512, copy_bytes=4 << 30,
-                 oracle=(ORACLE_FILES, ORACLE_EXPR), oracle_s=120, budget_s=450),
+                 oracle=(ORACLE_FILES, ORACLE_EXPR), oracle_s=120, budget_s=420),
     "quick": Plan(runs=(Run("qwen3-8b", "bfloat16", (1024, 1984), (1, 16, 8), (0, 15, 3)),
                         Run("smollm2-135m", "bfloat16", (1024, 1984), (1, 16), (0, 7, 3)),
                         Run("laguna-xs-2.1", "bfloat16", (1024,), (1, 16), (0, 15)), Run("qwen3-8b", "float32", (1024,))),
                   capacity=2048, steps=32, repeats=3, calls=10, chunk=512, copy_bytes=2 << 30,
-                  oracle=(ORACLE_FILES, ORACLE_EXPR), oracle_s=60, budget_s=270),
+                  oracle=(ORACLE_FILES, ORACLE_EXPR), oracle_s=60, budget_s=240),
     # every shape kind, both dtypes, every section and a fill-in run, at toy sizes; a budget that skips nothing
     "dry-run": Plan(runs=(Run("qwen3-8b", "bfloat16", (64, 200), (1,), (0, 7, 3), 64), Run("laguna-xs-2.1", "bfloat16", (64,), (1,), (7,), 64),
                           Run("smollm2-135m", "float32", (64,), (1,), (3,), 64), Run("qwen3-8b", "bfloat16", widths=(4,), context=64)),
@@ -260,6 +252,18 @@ def check(plan: Plan, mode: str, out: Path, argv) -> dict:
     return results
 
 
+def _prepare_process(dry_run: bool) -> None:
+    """Settings read when JAX starts its backend (at the first device use, after this)."""
+    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # leave device memory to the pytest subprocess (run first)
+    os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.9")  # Laguna-XS-2.1 in bf16: 67 GB of weights plus temporaries
+    if dry_run:  # the dry run checks code, not speed: compile quickly
+        os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
+    try:  # compile times are those of a first run: no persistent cache (dflash_jax's or JAX_COMPILATION_CACHE_DIR)
+        jax.config.update("jax_enable_compilation_cache", False)
+    except AttributeError:  # a JAX without the option
+        pass
+
+
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -269,7 +273,7 @@ def main(argv=None) -> int:
     g.add_argument("--merge", metavar="MD", help="put a gpu_check.md written by a run into --benchmarks, and do nothing else")
     p.add_argument("--out", default=os.environ.get("OUT"), help="folder for gpu_check.json, gpu_check.md, oracle_tests.log "
                    "(default: $OUT, else a new temporary folder)")
-    p.add_argument("--budget-s", type=float, default=None, help="wall-clock budget in seconds (default: the mode's: 450 full, 270 quick)")
+    p.add_argument("--budget-s", type=float, default=None, help="wall-clock budget in seconds (default: the mode's: 420 full, 240 quick)")
     p.add_argument("--benchmarks", default=str(Path(__file__).resolve().parents[1] / "BENCHMARKS.md"), help="the file --merge writes")
     args = p.parse_args(argv)
     if args.merge:
@@ -277,8 +281,7 @@ def main(argv=None) -> int:
         print(f"wrote {args.benchmarks}", file=sys.stderr)
         return 0
     mode = "dry-run" if args.dry_run else "quick" if args.quick else "full"
-    if args.dry_run:  # read when the backend starts (below): the dry run checks code, not speed, so compile quickly
-        os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
+    _prepare_process(args.dry_run)
     plan = PLANS[mode]
     if args.budget_s is not None:
         plan = dataclasses.replace(plan, budget_s=args.budget_s)
