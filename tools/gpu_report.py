@@ -32,7 +32,7 @@ def _decode(results: dict) -> str:
             ok = d["hbm_fraction"] >= GOAL_HBM
             goal = f"{'met' if ok else 'NOT met'} ({100 * d['hbm_fraction']:.0f}%)"
     head = ["target", "dtype", "live", "weights GB/step", "KV GB/step", "step ms", "tok/s", "TB/s", "of peak",
-            "of copy", "prefill tok/s"]
+            "of copy", "prefill tok/s (1 run)"]
     return (_table(head, rows) + f"\n\nGoal, decode of the Qwen3-8B shape in bf16 at >= {GOAL_HBM:.0%} of HBM bandwidth: **{goal}**. "
             "Bytes per step: every weight once (a MoE: only the top-k experts; untied embeddings: one row), plus the K/V of "
             "the live positions (sliding layers: the window); 'of peak' divides by the peak named above, 'of copy' by the "
