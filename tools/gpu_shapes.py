@@ -47,13 +47,12 @@ def _dflash(hidden, inter, layers, heads, kv, head_dim, vocab, block, mask, ids,
 
 
 def _laguna(hidden, layers, heads, kv, head_dim, experts, top_k, moe, window, vocab, inter):
-    cfg = dict(PUBLISHED["XS-2.1"], hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
+    return dict(PUBLISHED["XS-2.1"], hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
                num_attention_heads_per_layer=[heads] * layers, num_key_value_heads=kv, head_dim=head_dim,
                layer_types=["full_attention" if i % 4 == 0 else "sliding_attention" for i in range(layers)],
                mlp_layer_types=["dense"] + ["sparse"] * (layers - 1), num_experts=experts, num_experts_per_tok=top_k,
                moe_intermediate_size=moe, shared_expert_intermediate_size=moe, sliding_window=window, vocab_size=vocab,
                intermediate_size=inter, max_position_embeddings=4096)
-    return cfg
 
 
 def _laguna_drafter(hidden, layers, heads, kv, head_dim, inter, vocab, ids, n_target, window):
