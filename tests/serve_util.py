@@ -116,6 +116,6 @@ def raw(url: str, method: str = "GET", body: bytes | None = None, headers: dict 
     req = urllib.request.Request(url, data=body, method=method, headers=dict({"Content-Type": "application/json"}, **(headers or {})))
     try:
         with urllib.request.urlopen(req, timeout=timeout) as r:
-            return r.status, dict(r.headers), r.read()
+            return r.status, {k.lower(): v for k, v in r.headers.items()}, r.read()
     except urllib.error.HTTPError as e:
-        return e.code, dict(e.headers), e.read()
+        return e.code, {k.lower(): v for k, v in e.headers.items()}, e.read()

@@ -91,7 +91,7 @@ def test_api_key_queue_full_and_engine_death(serve_tiny_model):
         while engine.counts()[1] < 1:
             time.sleep(0.01)
         status, headers, out = post(url, CHAT, headers=key)
-        assert status == 429 and out["error"]["code"] == "queue_full" and headers["Retry-After"] == "1"
+        assert status == 429 and out["error"]["code"] == "queue_full" and headers["retry-after"] == "1"
 
         def broken_round():
             raise RuntimeError("device lost")

@@ -74,6 +74,7 @@ def build_app(engine: Engine, metrics: Metrics | None = None, api_key: str | Non
     """The server's app around ``engine`` (started by the app's lifespan unless ``start_engine``
     is false; stopped, with ``shutdown_timeout`` seconds for running requests, at shutdown)."""
     metrics = metrics or engine.metrics or Metrics()
+    engine.metrics = metrics  # the engine counts into the registry /metrics shows
     model, created = engine.model, int(time.time())
 
     @contextlib.asynccontextmanager
