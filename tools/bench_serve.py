@@ -140,7 +140,7 @@ def run(args) -> dict:
     results: dict = {name: {} for name in srv}
     try:
         for i, c in enumerate(args.concurrency):
-            prompts = (CHAT_PROMPTS * 4)[: max(args.requests_min, 2 * c)]
+            prompts = (CHAT_PROMPTS * 4)[: max(args.requests_min, c)]
             names = list(srv) if i % 2 == 0 else list(srv)[::-1]  # alternate the order
             for name in names:
                 s = srv[name]
@@ -210,7 +210,7 @@ def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--concurrency", type=lambda s: [int(x) for x in s.split(",")], default=[1, 4, 16])
     p.add_argument("--max-tokens", type=int, default=64)
-    p.add_argument("--requests-min", type=int, default=4, help="requests per concurrency at least (default 4; else 2 x concurrency)")
+    p.add_argument("--requests-min", type=int, default=4, help="requests per concurrency at least (default 4; else the concurrency)")
     p.add_argument("--no-llamacpp", action="store_true", help="skip llama.cpp's server")
     p.add_argument("--no-write", action="store_true", help="print only")
     args = p.parse_args(argv)

@@ -79,7 +79,7 @@ def build_app(engine: Engine, metrics: Metrics | None = None, api_key: str | Non
 
     @contextlib.asynccontextmanager
     async def lifespan(_app):
-        if start_engine and not engine._thread.is_alive() and engine.error is None:
+        if start_engine and not engine.started:
             engine.start()
         yield
         await asyncio.to_thread(engine.stop, shutdown_timeout)

@@ -81,8 +81,9 @@ class Engine:
         self._thread.start()
 
     @property
-    def alive(self) -> bool:
-        return self.error is None and self._thread.is_alive()
+    def started(self) -> bool:
+        """Whether :meth:`start` was called (the thread may have ended since)."""
+        return self._thread.ident is not None
 
     def submit(self, job: Job) -> None:
         """Queues ``job``. Raises :class:`QueueFull` or :class:`NotAccepting`."""
