@@ -20,6 +20,7 @@ import numpy as np
 
 from dflash_jax import decode
 from dflash_jax.arguments import effective_chunk_size
+from dflash_jax.axes import flat_axes
 from dflash_jax.decoding import Decoding, Params
 from dflash_jax.results import spec_stats
 from dflash_jax.state import STOP, DecodeState
@@ -29,6 +30,20 @@ from dflash_jax.state import STOP, DecodeState
 def freeze_rows(state: DecodeState, rows_mask) -> DecodeState:
     """Ends the rows of ``rows_mask`` (``[B]`` bool) that are still running (finish code ``STOP``)."""
     return state.replace(finish=jnp.where(rows_mask & ~state.done, STOP, state.finish))
+
+
+@jax.jit
+def take_rows(state: DecodeState, rows) -> DecodeState:
+    """A state of the rows ``rows`` (``[R]`` int32) of ``state``: every array with a ``"batch"``
+    axis gathered along it, the rest (stop ids, key, step counter) kept."""
+    leaves, tdef = jax.tree_util.tree_flatten(state)
+    out = [x if "batch" not in ax else jnp.take(x, rows, axis=ax.index("batch")) for x, ax in zip(leaves, flat_axes(state))]
+    return jax.tree_util.tree_unflatten(tdef, out)
+
+
+def bucket(n: int) -> int:
+    """The smallest power of two >= ``n`` (batch sizes come in few shapes: few compiles)."""
+    return 1 << max(0, (n - 1).bit_length())
 
 
 @dataclasses.dataclass
@@ -68,8 +83,25 @@ class Batch:
     def __init__(self, params: Params, static: Decoding, rows: int, max_len: int, stop_ids, chunk_size: int):
         self.params, self.static, self.rows, self.max_len, self.chunk_size = params, static, rows, max_len, chunk_size
         self.stop_ids = tuple(stop_ids) or (-1,)
-        state = decode.init_state(static, [[0]] * rows, max_len, 1, self.stop_ids)
-        self.state = freeze_rows(state, jnp.ones((rows,), bool))
+        self.state = self._empty(rows)
+
+    def _empty(self, rows: int) -> DecodeState:
+        state = decode.init_state(self.static, [[0]] * rows, self.max_len, 1, self.stop_ids)
+        return freeze_rows(state, jnp.ones((rows,), bool))
+
+    def resize(self, rows: int, keep: list[int]) -> None:
+        """Makes the batch ``rows`` rows, keeping the rows ``keep`` (as rows ``0..len(keep)-1``
+        when shrinking; at their own index when growing). Idle rows cost a full share of every
+        step's compute, so the batch holds only as many rows as its requests need (rounded up to
+        a power of two)."""
+        if rows == self.rows:
+            return
+        if rows > self.rows:  # grow: the old rows keep their indices
+            state = decode.replace_rows(self._empty(rows), self.state, jnp.arange(self.rows, dtype=jnp.int32))
+        else:  # shrink: the kept rows first, then copies of a free (done) row
+            free = next(i for i in range(self.rows) if i not in keep)
+            state = take_rows(self.state, jnp.asarray(list(keep) + [free] * (rows - len(keep)), jnp.int32))
+        self.state, self.rows = state.replace(rng=self.state.rng), rows
 
     def start_prefill(self, rows: list[int], prompts: list[list[int]], max_new: list[int], seed: int) -> Prefill:
         """A :class:`Prefill` of ``prompts`` for ``rows`` (raises DFlashError for a bad prompt)."""

@@ -21,7 +21,7 @@ import traceback
 import numpy as np
 
 from dflash_jax.errors import DFlashError
-from dflash_jax.serve.batch import Batch, Prefill
+from dflash_jax.serve.batch import Batch, Prefill, bucket
 from dflash_jax.serve.jobs import Done, Failed, Job, ServedModel, Text
 from dflash_jax.state import FINISH_REASONS, RUNNING
 from dflash_jax.text import TextStream, cut_at_stop_text
@@ -64,7 +64,7 @@ class Engine:
         self.tokenizer = model.target.tokenizer
         self._queue: collections.deque[Job] = collections.deque()
         self._cv = threading.Condition()
-        self._rows: list[_Row | None] = [None] * max_batch
+        self._rows: list[_Row | None] = []  # one per batch row; the batch grows up to max_batch
         self._reserved: set[int] = set()
         self._batch: Batch | None = None
         self._lane = None
@@ -176,23 +176,25 @@ class Engine:
                 self._deliver(self._batch.read())
 
     def _start_group(self) -> None:
-        """Takes the next requests of the running lane (a power-of-two group, at most the free
-        rows) off the queue and starts their prefill; switches lanes when the batch is idle."""
-        free = [i for i, r in enumerate(self._rows) if r is None and i not in self._reserved]
+        """Takes the next requests of the running lane (a power-of-two group, at most the rows
+        left) off the queue and starts their prefill, growing the batch to hold them; switches
+        lanes when the batch is idle."""
+        active = sum(r is not None for r in self._rows)
         with self._cv:
-            if not self._queue or not free:
+            if not self._queue or active >= self.max_batch:
                 return
             head = self._queue[0].spec.lane
             if head != self._lane:
-                if len(free) < self.max_batch:
+                if active:
                     return  # the running lane drains first
                 self._switch_lane(head)
             n = 0
-            while n < min(len(free), len(self._queue)) and self._queue[n].spec.lane == head:
+            while n < min(self.max_batch - active, len(self._queue)) and self._queue[n].spec.lane == head:
                 n += 1
             n = 1 << (n.bit_length() - 1)  # few group sizes: few compiles
             jobs = [self._queue.popleft() for _ in range(n)]
-        rows = free[:n]
+        self._resize(min(self.max_batch, bucket(active + n)))
+        rows = [i for i, r in enumerate(self._rows) if r is None][:n]
         try:
             group = self._batch.start_prefill(rows, [list(j.spec.prompt) for j in jobs], [j.spec.max_new for j in jobs],
                                               jobs[0].spec.seed)
@@ -204,12 +206,26 @@ class Engine:
         self._prefill = (group, jobs)
         self._gauges()
 
+    def _resize(self, rows: int) -> None:
+        """Grows or shrinks the batch to ``rows`` rows (never while a prefill holds rows)."""
+        if rows == self._batch.rows or self._prefill is not None:
+            return
+        running = [r for r in self._rows if r is not None]
+        self._batch.resize(rows, [r.row for r in running])
+        if rows > len(self._rows):
+            self._rows = self._rows + [None] * (rows - len(self._rows))
+        else:
+            self._rows = running + [None] * (rows - len(running))
+            for i, r in enumerate(running):
+                r.row = i
+
     def _switch_lane(self, lane) -> None:
         static, ignore_eos = lane
         eos = tuple(self.model.target.eos_ids)
         stop_ids = (-1,) * len(eos) if ignore_eos else eos  # same shape: the same compiled steps
         self._batch = None  # free the old batch's buffers first
-        self._batch = Batch(self.model.params, static, self.max_batch, self.max_len, stop_ids, self.chunk_size)
+        self._batch = Batch(self.model.params, static, 1, self.max_len, stop_ids, self.chunk_size)
+        self._rows = [None]
         self._lane = lane
 
     def _decode(self) -> None:
@@ -217,6 +233,9 @@ class Engine:
         done = sum(r is None for r in self._rows)
         self._batch.run(done + 1, self.steps_per_round)
         self._deliver(self._batch.read())
+        active = sum(r is not None for r in self._rows)
+        if active <= self._batch.rows // 2:
+            self._resize(bucket(max(active, 1)))
 
     def _deliver(self, readback) -> None:
         """Hands every running request its new tokens; finishes and frees ended rows."""
