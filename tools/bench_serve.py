@@ -90,6 +90,7 @@ async def load(url: str, model: str, prompts: list[str], concurrency: int, max_t
     t0 = time.perf_counter()
     await asyncio.gather(*(worker() for _ in range(concurrency)))
     wall = time.perf_counter() - t0
+    await client.close()
     ttft = np.array([r["ttft"] for r in results])
     itl = np.array([r["itl"] for r in results if np.isfinite(r["itl"])])
     return dict(tokens=int(sum(r["tokens"] for r in results)), wall=wall, tok_s=sum(r["tokens"] for r in results) / wall,
