@@ -166,6 +166,18 @@ def measure(run: Callable, params: Params, state, static: Decoding, tokens: int 
     return CostModel(step_cost=step, plain_cost=plain, bounds=tuple(lengths or (NEVER,)), info=dict(source="measured"))
 
 
+def adaptive_params(params: Params, static: Decoding, calibration: Calibration, state, run: Callable, key: dict,
+                    cost_model: CostModel | str | None = None) -> tuple[Params, CostModel]:
+    """``params`` with the depth policy of ``n_max="auto"`` set, and its cost model: ``cost_model``
+    when it is a :class:`CostModel`, else the one kept for ``key`` (:func:`cost_key`) or measured
+    with ``run`` on copies of the prefilled ``state`` (:func:`measure`; ``"refresh"``: measured
+    again). The generation's driver and the serving engine both call it."""
+    if not isinstance(cost_model, CostModel):
+        measure_now = lambda: measure(run, params, state, static)  # noqa: E731
+        cost_model = cost_model_for(key, measure_now, refresh=cost_model == "refresh")
+    return params._replace(depth=depth_policy(calibration, cost_model)), cost_model
+
+
 def costs_dir() -> Path:
     """Where measured cost models are kept: ``<cache folder>/depth_costs``, next to the
     compilation cache (``<cache folder>/jax_cache``)."""

@@ -38,27 +38,23 @@ def _compile(req: Request, state, streaming: bool):
 
 
 def _with_policy(req: Request, target: Target, drafter: Drafter, state, run, streaming: bool) -> tuple[Request, dict]:
-    """``req`` with ``params.depth`` set for ``n_max="auto"`` (the drafter's calibration and the
-    cost model: given, kept on disk, or measured with ``run`` on copies of the prefilled
-    ``state``), and the statistics that say where the costs came from."""
+    """``req`` with ``params.depth`` set for ``n_max="auto"`` (:func:`dflash_jax.costs.adaptive_params`:
+    the costs given, kept on disk, or measured with ``run`` on copies of the prefilled ``state``),
+    and the statistics that say where the costs came from."""
     if not req.static.adaptive:
         return req, {}
-    if isinstance(req.cost_model, costs.CostModel):
-        model = req.cost_model
-    else:
-        def steps(params, s):  # streaming compiles one step: run it until the rows are done
-            while not bool(jax.device_get(jnp.all(s.done))):
-                s = run(params, s)
-            return s
 
-        key = costs.cost_key(req.static, req.params, len(req.prompts), req.max_len, (target.source, drafter.source),
-                             "step" if streaming else "loop")
-        measure = lambda: costs.measure(steps if streaming else run, req.params, state, req.static)  # noqa: E731
-        model = costs.cost_model_for(key, measure, refresh=req.cost_model == "refresh")
-    req = dataclasses.replace(req, params=req.params._replace(depth=costs.depth_policy(req.calibration, model)))
+    def steps(params, s):  # streaming compiles one step: run it until the rows are done
+        while not bool(jax.device_get(jnp.all(s.done))):
+            s = run(params, s)
+        return s
+
+    key = costs.cost_key(req.static, req.params, len(req.prompts), req.max_len, (target.source, drafter.source), "step" if streaming else "loop")
+    params, model = costs.adaptive_params(req.params, req.static, req.calibration, state, steps if streaming else run, key, req.cost_model)
     info = model.info or {}
-    return req, dict(cost_model=info.get("source", "given"), cost_model_s=info.get("seconds", 0.0) if info.get("source") == "measured" else 0.0,
-                     step_cost_ms=[round(1000 * c, 3) for c in model.step_cost[0]], plain_cost_ms=round(1000 * model.plain_cost[0], 3))
+    return dataclasses.replace(req, params=params), dict(
+        cost_model=info.get("source", "given"), cost_model_s=info.get("seconds", 0.0) if info.get("source") == "measured" else 0.0,
+        step_cost_ms=[round(1000 * c, 3) for c in model.step_cost[0]], plain_cost_ms=round(1000 * model.plain_cost[0], 3))
 
 
 def _stream(req: Request, tokenizer, state, run, on_tokens) -> tuple[Any, float]:
@@ -166,5 +162,5 @@ def generate(
     decode_s = time.perf_counter() - t0 - callback_s
 
     timings = dict(compile_time_s=compile_s, prefill_time_s=prefill_s, decode_time_s=decode_s)
-    extra = dict(mode="plain") if drafter is None else dict(mode="dflash", **spec_stats(state, req.static.n_max), **policy_stats)
+    extra = dict(mode="plain") if drafter is None else dict(mode="dflash", **spec_stats(state, n_max=req.static.n_max), **policy_stats)
     return build_result(target, req.prompts, state, req.stop_texts, timings, max_len=req.max_len, chunk_size=req.chunk_size, **extra)

@@ -42,7 +42,7 @@ class GenerationResult:
     stats: dict
 
 
-def spec_stats(state, n_max=None) -> dict:
+def spec_stats(state, rows: Sequence[int] | None = None, n_max=None) -> dict:
     """Speculative statistics of a finished state, summed over rows (``docs/specs/dflash.md`` 2.3).
 
     ``tau``: tokens committed per verify step, bonus included (the first token comes from
@@ -53,19 +53,32 @@ def spec_stats(state, n_max=None) -> dict:
     (the given ``n_max``, e.g. ``"auto"``, else the drafted depth), ``widths`` (steps that
     proposed and verified ``w`` drafts, ``w = 0..depth``; batch steps, not rows) and
     ``plain_steps`` (batch steps without a propose).
+
+    Args:
+      state: a :class:`~dflash_jax.state.DecodeState` with a speculative extension.
+      rows: sum over these rows only (a server reads one request's row); ``verify_steps`` is
+        then their own verify passes rather than the batch's target passes (``widths`` and
+        ``plain_steps`` stay the batch's).
+      n_max: the depth the generation was asked for, reported as given (default: the drafted one).
     """
-    sp, committed, passes = jax.device_get((state.speculative, state.committed, state.steps))
-    steps = int(np.sum(sp.verify_steps))
-    depth = int(sp.accepted_per_position.shape[1])
+    sp = state.speculative  # the statistics only: the drafter context stays on device
+    fields = (sp.verify_steps, sp.accepted_per_position, sp.drafted, sp.accepted, state.committed, sp.widths)
+    verify, per_pos, drafted, accepted, committed, widths = jax.device_get(fields)
+    passes = total = int(jax.device_get(state.steps))
+    if rows is not None:
+        idx = np.asarray(rows, np.int64)
+        verify, per_pos, drafted, accepted, committed = (a[idx] for a in (verify, per_pos, drafted, accepted, committed))
+        passes = int(np.sum(verify))
+    steps = int(np.sum(verify))
     return dict(
         tau=round(float(np.sum(committed)) / steps, 4) if steps else 0.0,
-        verify_steps=int(passes),
-        accepted_per_position=[round(float(x) / steps, 4) if steps else 0.0 for x in np.sum(sp.accepted_per_position, axis=0)],
-        drafted_tokens=int(np.sum(sp.drafted)),
-        accepted_tokens=int(np.sum(sp.accepted)),
-        n_max=depth if n_max is None else n_max,
-        widths=[int(x) for x in sp.widths],
-        plain_steps=int(passes) - int(np.sum(sp.widths)),
+        verify_steps=passes,
+        accepted_per_position=[round(float(x) / steps, 4) if steps else 0.0 for x in np.sum(per_pos, axis=0)],
+        drafted_tokens=int(np.sum(drafted)),
+        accepted_tokens=int(np.sum(accepted)),
+        n_max=int(per_pos.shape[1]) if n_max is None else n_max,
+        widths=[int(x) for x in widths],
+        plain_steps=total - int(np.sum(widths)),
     )
 
 
