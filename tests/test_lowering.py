@@ -114,8 +114,10 @@ def test_adaptive_depth_steps_lower_for_cuda_and_tpu(models, sampling):
     params = Params(p, dp, depth_policy(Calibration.identity(n), CostModel.forcing(n, n)))
     state = decode.init_state(static, PROMPTS, 24, 8)
     drafts, conf = jnp.zeros((len(PROMPTS), n), jnp.int32), jnp.zeros((len(PROMPTS), n), jnp.float32)
+    q = None if mode == "argmax" else jnp.full(drafts.shape + (cfg.vocab_size,), 1.0 / cfg.vocab_size)
+    verify_args = (drafts, conf, q, False, jax.random.key(1), jax.random.key(2))
     for jitted, *args in ((decode.decode_step, params, state, static), (decode.generate_until, params, state, static, jnp.int32(2)),
-                          (verify_auto, params, state, static, drafts, conf)):
+                          (verify_auto, params, state, static, *verify_args)):
         _, text = lower(jitted, *args)
         assert _donates(text), jitted
 
