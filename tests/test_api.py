@@ -103,9 +103,13 @@ def test_bad_input(tiny, kwargs, needle):
         dj.generate(tiny, **kwargs)
 
 
-def test_default_max_len():
-    assert api.default_max_len([[1] * 10], 54) == 64
-    assert api.default_max_len([[1] * 10, [1] * 11], 54) == 128
+def test_default_capacity_and_chunk_come_from_fixed_buckets():
+    assert api.default_max_len([[1] * 10], 54) == 1024
+    assert api.default_max_len([[1] * 10, [1] * 11], 1013) == 1024  # 1024 exactly
+    assert api.default_max_len([[1] * 10, [1] * 11], 1014) == 2048
+    assert api.default_max_len([[1] * 3000], 2000) == 8192
+    assert [api.effective_chunk_size(256, n) for n in (1, 64, 65, 128, 129, 5000)] == [64, 64, 128, 128, 256, 256]
+    assert api.effective_chunk_size(100, 5000) == 100 and api.effective_chunk_size(16, 3) == 16
 
 
 def test_load_target_errors(tmp_path):
@@ -245,7 +249,7 @@ def test_capacity_is_bounded_by_max_position_embeddings(tiny):
 
     small = dj.Target(cfg=dataclasses.replace(tiny.cfg, max_position_embeddings=40), params=tiny.params, source="tiny")
     prompt = [[5, 9, 17, 3, 22, 8, 1]]  # 7 tokens
-    # 7 + 33 = 40 fits exactly: the default capacity (rounded up to 64) is capped at the limit
+    # 7 + 33 = 40 fits exactly: the default capacity (1024) is capped at the limit
     res = dj.generate(small, prompt, 33)
     assert res.stats["max_len"] == 40 and len(res.output_ids[0]) == 33
     with pytest.raises(DFlashError) as e:
