@@ -47,7 +47,7 @@ def test_generate_batch_matches_oracle(tiny):
     assert [len(g) for g in res.top2_logit_gaps] == [6, 6, 6]
     st = res.stats
     assert st["new_tokens"] == 18 and st["batch"] == 3 and st["prompt_tokens"] == sum(map(len, PROMPTS))
-    assert st["max_len"] == 64 and st["chunk_size"] == 4 and st["steps"] == 5
+    assert st["max_len"] == 1024 and st["chunk_size"] == 4 and st["steps"] == 5  # the smallest capacity bucket
     assert st["decode_tokens_per_s"] == pytest.approx((18 - 3) / st["decode_time_s"], rel=1e-2)
 
 
@@ -56,7 +56,7 @@ def test_chunk_size_does_not_change_the_result(tiny):
     b = dj.generate(tiny, PROMPTS, 5, chunk_size=256)
     assert a.output_ids == b.output_ids
     np.testing.assert_allclose(np.array(a.top2_logit_gaps), np.array(b.top2_logit_gaps), rtol=1e-5, atol=1e-5)
-    assert b.stats["chunk_size"] == 64  # capped at the longest prompt rounded up to 64
+    assert b.stats["chunk_size"] == 64  # the smallest chunk bucket that holds the longest prompt
 
 
 def test_streaming_reports_every_token_once(tiny):
