@@ -55,7 +55,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=integer, default=0, help="sampling seed (default 0)")
     g.add_argument("--chunk-size", type=integer, default=256, metavar="N", help="prompt tokens per prefill pass (default 256)")
     g.add_argument("--max-len", type=integer, default=None, metavar="N",
-                   help="capacity in tokens, prompt included (default: prompt + max-new-tokens, rounded up to 64)")
+                   help="capacity in tokens, prompt included (default: the smallest of 1024, 2048, 4096, ... that holds prompt + max-new-tokens)")
     g.add_argument("--system", metavar="TEXT", default=None, help="system message for the chat template")
     g.add_argument("--stop", metavar="TEXT", action="append", default=[],
                    help="stop when the output contains TEXT (repeatable)")
