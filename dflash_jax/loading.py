@@ -43,7 +43,7 @@ class Target:
         ``generation_config.json``).
       fingerprint: the fingerprint of the weights (:mod:`dflash_jax.fingerprint`) when it came
         for free (a GGUF's float32 cache records it); ``None``: computed when needed
-        (:func:`target_fingerprint`).
+        (:func:`fingerprint_of`).
     """
 
     cfg: TargetConfig
@@ -210,7 +210,7 @@ def _recorded_n_max(config_path: Path, block_size: int) -> int | None:
     return value
 
 
-def target_fingerprint(target: Target) -> str:
+def fingerprint_of(target: Target) -> str:
     """The fingerprint of ``target``'s weights (:func:`dflash_jax.fingerprint.weights_fingerprint`):
     ``target.fingerprint`` when its loader recorded one, else computed from ``target.params``
     (which equals the float32 weights' fingerprint when the target was loaded in float32, or its
@@ -231,7 +231,7 @@ def shipped_drafter_path(target: Target) -> Path | None:
     candidates = [d for d in shipped_drafters() if d.target_shape == shape]
     if not candidates:
         return None
-    fp = target_fingerprint(target)
+    fp = fingerprint_of(target)
     return next((d.folder for d in candidates if d.target_fingerprint == fp), None)
 
 

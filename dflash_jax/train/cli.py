@@ -220,7 +220,7 @@ def run(args, argv) -> int:
 
 
 def _run(args, argv) -> int:
-    from dflash_jax.loading import load_target
+    from dflash_jax.loading import fingerprint_of, load_target
     from dflash_jax.train.data import Batcher, count_valid_anchors
     from dflash_jax.train.dataset import TokenDataset
     from dflash_jax.train.features import FeatureCache, cache_features, target_fingerprint
@@ -275,7 +275,8 @@ def _run(args, argv) -> int:
         mask_text = target.tokenizer.decode([cfg.mask_token_id]) if target.tokenizer is not None else None
         extra = {"dflash_jax": {
             "trained_with": "dflash-jax train " + " ".join(shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:])),
-            "target": Path(str(target.source)).name, "mask_token": mask_text, "dataset": ds.fingerprint(),
+            "target": Path(str(target.source)).name, "target_fingerprint": fingerprint_of(target),
+            "mask_token": mask_text, "dataset": ds.fingerprint(),
             "dataset_sequences": len(batcher), "tokens_seen": summary["tokens_seen"], "steps": summary["step"],
             "train_seconds": summary["seconds"], "tau_eval": tau.get("tau"), "gamma": gamma,
         }}
