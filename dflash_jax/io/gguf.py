@@ -315,7 +315,7 @@ def _dequantize(path: str) -> tuple[TargetConfig, dict, str]:
     """``(float32 cfg, numpy float32 params, general.architecture)`` of a GGUF, dequantized with
     progress lines on stderr (seconds to minutes: a first load)."""
     name = os.path.basename(path)
-    with progress.step(f"reading and dequantizing {name} to float32 (first load of this file)", f"dequantized {name}"):
+    with progress.step(f"dequantizing {name} to float32 (first load of this file)", f"dequantized {name}"):
         reader = open_gguf(path)
         cfg, tensors = gguf_config(reader, path, "float32")
         return cfg, _convert(reader, cfg, tensors, path), metadata(reader, "general.architecture")

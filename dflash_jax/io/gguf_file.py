@@ -16,6 +16,7 @@ from typing import Any, Iterator
 
 import numpy as np
 
+from dflash_jax import progress
 from dflash_jax.errors import DFlashError
 
 
@@ -46,8 +47,11 @@ def open_gguf(path: str | os.PathLike):
     shared = _SHARED[0]
     if shared is not None and path in shared:
         return shared[path]
+    name = os.path.basename(path)
+    slow = os.path.getsize(path) >= _REPORT_BYTES  # seconds for a real model's metadata: say so on stderr
     try:
-        reader = gguf.GGUFReader(path, "r")
+        with progress.step(f"reading the metadata of {name}", f"read the metadata of {name}", routine=not slow):
+            reader = gguf.GGUFReader(path, "r")
     except Exception as e:  # the reader raises ValueError, struct/IndexError, OSError on bad files
         raise DFlashError(path, f"truncated or corrupt GGUF file ({type(e).__name__}: {e})", "a complete GGUF v2/v3 file") from None
     if shared is not None:
@@ -56,6 +60,7 @@ def open_gguf(path: str | os.PathLike):
 
 
 _SHARED: list[dict | None] = [None]
+_REPORT_BYTES = 16 << 20  # files from this size on announce their metadata read (small test files do not)
 
 
 @contextlib.contextmanager
