@@ -26,7 +26,7 @@ import jax
 import numpy as np
 
 from dflash_jax.config import RopeConfig, TargetConfig
-from dflash_jax.io.files import save_npy, write_text
+from dflash_jax.io.files import save_npy, umasked, write_text
 from dflash_jax.models.dense import param_shapes
 
 _CACHE_FORMAT = "dflash_jax.gguf.f32/2"
@@ -107,9 +107,7 @@ def write_cache(path: str, cfg: TargetConfig, params: dict, architecture: str, f
     tmp = None
     try:
         tmp = Path(tempfile.mkdtemp(prefix=folder.name + ".", suffix=".tmp", dir=str(folder.parent)))
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o777 & ~umask)  # mkdtemp makes it private
+        os.chmod(tmp, umasked(0o777))
         for name, a in _flatten(params).items():
             save_npy(tmp / f"{name}.npy", np.asarray(a, np.float32))
         write_text(tmp / _META, json.dumps(meta, sort_keys=True))
