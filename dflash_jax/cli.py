@@ -19,8 +19,9 @@ import sys
 import traceback
 from typing import Sequence
 
-from dflash_jax.cli_common import Parser, UsageError, choices_metavar, int_list, integer, number, one_line, one_of
-from dflash_jax.loading import DTYPES
+from dflash_jax.cli_common import Parser, UsageError, int_list, integer, number, one_line
+from dflash_jax.cli_model import add_model_options, check_model_options, load_model
+from dflash_jax.serve import cli as serve_cli
 from dflash_jax.train import cli as train_cli
 
 DEFAULT_PROMPT = "What is the capital of France? Answer in one sentence."
@@ -36,18 +37,9 @@ def _prompt_ids(text: str) -> list[int]:
     return ids
 
 
-def _json_object(text: str) -> dict:
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise argparse.ArgumentTypeError(f"not valid JSON ({e.msg}) (expected a JSON object)") from None
-    if not isinstance(value, dict):
-        raise argparse.ArgumentTypeError(f"got {type(value).__name__} (expected a JSON object)")
-    return value
-
-
 def build_parser() -> argparse.ArgumentParser:
-    """The ``dflash-jax`` parser: subcommands ``generate`` and ``train`` (:mod:`dflash_jax.train.cli`)."""
+    """The ``dflash-jax`` parser: subcommands ``generate``, ``serve`` (:mod:`dflash_jax.serve.cli`) and
+    ``train`` (:mod:`dflash_jax.train.cli`)."""
     parser = Parser(prog="dflash-jax", description="DFlash speculative decoding in JAX.")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     g = sub.add_parser(
@@ -58,12 +50,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     g.add_argument("prompt", nargs="?", default=None, metavar="PROMPT",
                    help=f"the user message (default: {DEFAULT_PROMPT!r})")
-    g.add_argument("--target", metavar="PATH", default=None,
-                   help="target model: a Hugging Face folder or a .gguf file (default: the embedded SmolLM2-135M-Instruct)")
-    g.add_argument("--draft", metavar="PATH", default=None, help="DFlash drafter checkpoint (speculative decoding)")
-    g.add_argument("--no-spec", action="store_true", help="force plain (non-speculative) decoding")
-    g.add_argument("--block-size", type=integer, default=None, metavar="N", help="speculative block size (drafter default)")
-    g.add_argument("--n-max", type=integer, default=None, metavar="N", help="most draft tokens verified per step")
+    add_model_options(g)
     g.add_argument("--max-new-tokens", type=integer, default=None, metavar="N",
                    help=f"new-token budget (default {DEFAULT_MAX_NEW_TOKENS}, or what fits after the prompt in a shorter "
                    "context; an answer it cuts says so on stderr)")
@@ -74,8 +61,6 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--chunk-size", type=integer, default=256, metavar="N", help="prompt tokens per prefill pass (default 256)")
     g.add_argument("--max-len", type=integer, default=None, metavar="N",
                    help="capacity in tokens, prompt included (default: prompt + max-new-tokens, rounded up to 64)")
-    g.add_argument("--dtype", type=one_of(*DTYPES), metavar=choices_metavar(*DTYPES), default="float32",
-                   help="compute dtype (default float32)")
     g.add_argument("--system", metavar="TEXT", default=None, help="system message for the chat template")
     g.add_argument("--stop", metavar="TEXT", action="append", default=[],
                    help="stop when the output contains TEXT (repeatable)")
@@ -84,52 +69,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--prompt-ids", type=_prompt_ids, default=None, metavar="1,2,3", help="token ids instead of a text prompt")
     g.add_argument("--debug", action="store_true", help="show tracebacks on errors")
     g.add_argument("--json", action="store_true", help="print one JSON object (no streaming)")
-    g.add_argument("--chat-template-kwargs", type=_json_object, default=None, metavar="JSON",
-                   help='extra chat-template variables, e.g. \'{"enable_thinking": false}\'')
+    serve_cli.add_arguments(sub.add_parser("serve", help="serve a model over an OpenAI-compatible API (dflash-jax serve --help)",
+                                           **serve_cli.PARSER_TEXT))
     train_cli.add_arguments(sub.add_parser("train", help="train a DFlash drafter (dflash-jax train --help)", **train_cli.PARSER_TEXT))
     return parser
-
-
-def _drafter(args, target):
-    """``(drafter or None, why)``: ``--draft``, else the drafter shipped for the target, else none.
-
-    ``--no-spec`` always gives plain decoding; ``why`` says which mode runs and why.
-    """
-    from dflash_jax import loading
-
-    if args.no_spec:
-        return None, "--no-spec"
-    if args.draft is not None:
-        d = loading.load_drafter(args.draft, target, dtype=args.dtype)
-        return d, f"drafter {d.source}"
-    d = loading.shipped_drafter(target, dtype=args.dtype)
-    if d is None:
-        return None, "no drafter ships for this target; --draft PATH to speculate"
-    return d, f"shipped drafter {d.source}"
-
-
-def _n_max(args, drafter) -> int | None:
-    """Draft depth from ``--n-max`` / ``--block-size`` (verify width ``n_max + 1``).
-
-    Errors name the option the user gave: ``--block-size`` is checked against the drafter's
-    ``block_size`` here (``check_n_max``, inside ``api.generate``, checks the depth it implies
-    and names ``--n-max``); conflicts with ``--no-spec`` are refused before (``_generate``).
-    """
-    from dflash_jax.errors import DFlashError
-
-    n = args.n_max
-    opt = "--n-max" if args.n_max is not None else "--block-size"
-    if args.block_size is not None:
-        if n is not None and n != args.block_size - 1:
-            raise DFlashError("--n-max", f"{n} disagrees with --block-size {args.block_size}", f"{args.block_size - 1} (block size - 1), or only one of them")
-        n = args.block_size - 1
-    if n is not None and drafter is None:
-        raise DFlashError(opt, "given without a drafter", "--draft PATH, or a target with a shipped drafter")
-    if args.block_size is not None and drafter is not None:
-        top = drafter.cfg.block_size
-        if not 2 <= args.block_size <= top:
-            raise DFlashError("--block-size", f"got {args.block_size}", f"an integer in [2, {top}] (the drafter's block_size)")
-    return n
 
 
 def _stats_line(stats: dict, finish: str) -> str:
@@ -157,13 +100,7 @@ def _check_options(args) -> None:
     for name in ("max_new_tokens", "chunk_size"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
             raise DFlashError("--" + name.replace("_", "-"), f"got {getattr(args, name)}", "an integer >= 1")
-    if args.n_max is not None and args.n_max < 1:
-        raise DFlashError("--n-max", f"got {args.n_max}", "an integer >= 1")
-    if args.block_size is not None and args.block_size < 2:
-        raise DFlashError("--block-size", f"got {args.block_size}", "an integer >= 2")
-    for opt, given in (("--n-max", args.n_max is not None), ("--block-size", args.block_size is not None), ("--draft", args.draft is not None)):
-        if args.no_spec and given:
-            raise DFlashError(opt, "conflicts with --no-spec (plain decoding drafts nothing)", f"either {opt} or --no-spec, not both")
+    check_model_options(args)
     if not 0 <= args.seed < 2**63:
         raise DFlashError("--seed", f"got {args.seed}", "an integer in [0, 2**63)")
     if args.max_len is not None and args.max_len < 2:
@@ -234,16 +171,13 @@ def _run_generate(args, target, prompt_ids, **kwargs):
 
 def _generate(args) -> int:
     from dflash_jax import progress
-    from dflash_jax.loading import load_target
     from dflash_jax.sampling import SamplingConfig
 
     _check_options(args)
     progress.verbose(sys.stderr.isatty())  # loading and compile times (DFLASH_JAX_PROGRESS=1/0: always/never)
     sampling = SamplingConfig(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
-    target = load_target(args.target, dtype=args.dtype)
+    target, drafter, n_max, why = load_model(args)
     prompt_ids = _prompt(args, target)
-    drafter, why = _drafter(args, target)
-    n_max = _n_max(args, drafter)
     out = sys.stdout
     stream, on_tokens = (None, None) if args.json else _streamer(target.tokenizer, args.stop, out)
     budget = _budget(args, target, prompt_ids)
@@ -288,7 +222,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from dflash_jax.errors import DFlashError
 
     try:
-        return _generate(args)
+        return serve_cli.run(args) if args.command == "serve" else _generate(args)
     except DFlashError as e:
         err, msg = e, str(e)
     except OSError as e:

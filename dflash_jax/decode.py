@@ -137,20 +137,24 @@ decode_step = jax.jit(decode_step_fn, static_argnames=("static",), donate_argnam
 decode_step.__doc__ = "Jitted :func:`decode_step_fn` (state donated)."
 
 
-def steps_until(step, state: DecodeState, min_done) -> DecodeState:
+def steps_until(step, state: DecodeState, min_done, max_steps=None) -> DecodeState:
     """Runs ``step`` on device (``lax.while_loop``) until ``min_done`` rows are done or all are,
     and at most ``capacity`` steps from here (every row finishes within that many, as each step
-    commits at least one token per running row). The loop of plain and speculative
-    ``generate``/``generate_until``; call it inside a jitted function.
+    commits at least one token per running row), or ``max_steps`` when given. The loop of plain
+    and speculative ``generate``/``generate_until``; call it inside a jitted function.
 
     Args:
       step: a pure ``DecodeState -> DecodeState`` function (one decode or speculative step).
       state: ``B`` rows.
       min_done: ``[]`` int32 or int, the number of done rows to stop at.
+      max_steps: ``[]`` int32 or int, the most steps to take (``None``: ``capacity``); a server
+        bounds the steps between two host round trips with it.
     Returns:
       The state after the steps taken.
     """
     start, limit = state.steps, state.capacity
+    if max_steps is not None:
+        limit = jnp.minimum(limit, max_steps)
 
     def cond(s):
         return (jnp.sum(s.done) < min_done) & ~jnp.all(s.done) & (s.steps - start < limit)
@@ -159,7 +163,7 @@ def steps_until(step, state: DecodeState, min_done) -> DecodeState:
 
 
 @functools.partial(jax.jit, static_argnames=("static",), donate_argnames=("state",))
-def generate_until(params: Params, state: DecodeState, static: Decoding, min_done) -> DecodeState:
+def generate_until(params: Params, state: DecodeState, static: Decoding, min_done, max_steps=None) -> DecodeState:
     """Decodes until at least ``min_done`` rows are done (or all are), on device.
 
     The building block of continuous batching: the caller collects the finished rows and puts new
@@ -171,10 +175,12 @@ def generate_until(params: Params, state: DecodeState, static: Decoding, min_don
       state: after :func:`prefill` (donated), ``B`` rows.
       min_done: ``[]`` int32 (traced: one compile for every value); done rows count whether they
         finished in this call or before.
+      max_steps: ``[]`` int32 (traced), the most steps this call takes, or ``None`` (no bound
+        but ``capacity``); the serving engine returns to the host every few steps with it.
     Returns:
       The state after the steps taken (a done row never changes).
     """
-    return steps_until(lambda s: decode_step_fn(params, s, static), state, min_done)
+    return steps_until(lambda s: decode_step_fn(params, s, static), state, min_done, max_steps)
 
 
 def generate(params: Params, state: DecodeState, static: Decoding) -> DecodeState:

@@ -42,23 +42,35 @@ class GenerationResult:
     stats: dict
 
 
-def spec_stats(state) -> dict:
+def spec_stats(state, rows: Sequence[int] | None = None) -> dict:
     """Speculative statistics of a finished state, summed over rows (``docs/specs/dflash.md`` 2.3).
 
     ``tau``: tokens committed per verify step, bonus included (the first token comes from
     prefill and is not counted, as in z-lab's benchmark; :attr:`DecodeState.committed`).
     ``accepted_per_position[i]``: the fraction of verify steps in which draft position ``i + 1``
     was accepted. Also ``verify_steps``, ``drafted_tokens``, ``accepted_tokens``, ``n_max``.
+
+    Args:
+      state: a :class:`~dflash_jax.state.DecodeState` with a speculative extension.
+      rows: sum over these rows only (a server reads one request's row); ``verify_steps`` is
+        then their own verify passes rather than the batch's target passes.
     """
-    sp, committed, passes = jax.device_get((state.speculative, state.committed, state.steps))
-    steps = int(np.sum(sp.verify_steps))
+    sp = state.speculative  # the statistics only: the drafter context stays on device
+    fields = (sp.verify_steps, sp.accepted_per_position, sp.drafted, sp.accepted, state.committed)
+    verify, per_pos, drafted, accepted, committed = jax.device_get(fields)
+    passes = int(jax.device_get(state.steps))
+    if rows is not None:
+        idx = np.asarray(rows, np.int64)
+        verify, per_pos, drafted, accepted, committed = (a[idx] for a in (verify, per_pos, drafted, accepted, committed))
+        passes = int(np.sum(verify))
+    steps = int(np.sum(verify))
     return dict(
         tau=round(float(np.sum(committed)) / steps, 4) if steps else 0.0,
-        verify_steps=int(passes),
-        accepted_per_position=[round(float(x) / steps, 4) if steps else 0.0 for x in np.sum(sp.accepted_per_position, axis=0)],
-        drafted_tokens=int(np.sum(sp.drafted)),
-        accepted_tokens=int(np.sum(sp.accepted)),
-        n_max=int(sp.accepted_per_position.shape[1]),
+        verify_steps=passes,
+        accepted_per_position=[round(float(x) / steps, 4) if steps else 0.0 for x in np.sum(per_pos, axis=0)],
+        drafted_tokens=int(np.sum(drafted)),
+        accepted_tokens=int(np.sum(accepted)),
+        n_max=int(per_pos.shape[1]),
     )
 
 

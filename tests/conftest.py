@@ -37,3 +37,55 @@ def _release_compiled_programs():
     yield
     jax.clear_caches()
     gc.collect()
+
+
+# ---------------------------------------------------------------- the server tests' shared servers
+
+SERVE_MAX_BATCH, SERVE_MAX_LEN = 8, 160
+
+
+@pytest.fixture(scope="session")
+def serve_tiny_model(tmp_path_factory):
+    """``(hf folder, target, drafter)``: the tiny HF Llama with its byte tokenizer and a tiny random drafter."""
+    import tiny_hf
+
+    import dflash_jax as dj
+    from dflash_jax.loading import Drafter
+    from dflash_jax.testing import tiny_drafter
+
+    folder = tiny_hf.make_tiny_hf(tmp_path_factory.mktemp("serve_tiny_hf"))
+    target = dj.load_target(folder)
+    cfg, params = tiny_drafter(target.cfg, seed=3, layer_ids=(0, 1), block_size=4)
+    return folder, target, Drafter(cfg=cfg, params=params, source="tiny-drafter")
+
+
+@pytest.fixture(scope="session")
+def serve_tiny(serve_tiny_model):
+    """A DFlash server of the tiny model on a free loopback port, shared by the server tests:
+    ``(base url, engine)``; its model name is ``tiny``."""
+    from serve_util import serve_in_thread
+
+    from dflash_jax.serve.app import build_app
+    from dflash_jax.serve.engine import Engine
+    from dflash_jax.serve.jobs import ServedModel
+
+    _, target, drafter = serve_tiny_model
+    engine = Engine(ServedModel(target, drafter, name="tiny"), max_batch=SERVE_MAX_BATCH, max_len=SERVE_MAX_LEN, max_queue=64)
+    url, stop = serve_in_thread(build_app(engine, max_body_bytes=64 << 10))
+    yield url, engine
+    stop()
+
+
+@pytest.fixture(scope="session")
+def serve_scripted():
+    """A plain-decoding server of the scripted model (tests/serve_util.py): ``(base url, engine)``."""
+    from serve_util import scripted_target, serve_in_thread
+
+    from dflash_jax.serve.app import build_app
+    from dflash_jax.serve.engine import Engine
+    from dflash_jax.serve.jobs import ServedModel
+
+    engine = Engine(ServedModel(scripted_target(), None, name="scripted"), max_batch=2, max_len=480)
+    url, stop = serve_in_thread(build_app(engine))
+    yield url, engine
+    stop()

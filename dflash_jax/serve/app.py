@@ -1,0 +1,130 @@
+"""The FastAPI application: ``POST /v1/chat/completions``, ``POST /v1/completions``,
+``GET /v1/models``, ``GET /health``, ``GET /metrics``.
+
+Handlers check a request (:mod:`~dflash_jax.serve.requests`), queue it on the
+:class:`~dflash_jax.serve.engine.Engine` and turn its events into OpenAI responses
+(:mod:`~dflash_jax.serve.responses`). With an API key, the ``/v1`` endpoints need
+``Authorization: Bearer KEY`` (401 otherwise). A body over ``max_body_bytes`` is refused with 413,
+a full queue with 429 and ``Retry-After``; ``/health`` answers 503 once the engine died.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import secrets
+import time
+
+from fastapi import Depends, FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from fastapi.sse import EventSourceResponse
+from starlette.datastructures import Headers
+from starlette.middleware.body_limit import RequestBodyLimitMiddleware
+
+from dflash_jax.serve import responses
+from dflash_jax.serve.engine import Engine, NotAccepting, QueueFull
+from dflash_jax.serve.errors import APIError, install_handlers
+from dflash_jax.serve.jobs import Job
+from dflash_jax.serve.metrics import Metrics
+from dflash_jax.serve.requests import chat_job, completion_job
+from dflash_jax.serve.schemas import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
+
+
+class _ContentLength:
+    """Refuses a declared body over the limit before reading it (413 as an OpenAI error object);
+    bodies without a length are counted by Starlette's ``RequestBodyLimitMiddleware`` inside."""
+
+    def __init__(self, app, max_body_bytes: int):
+        self.app, self.max_body_bytes = app, max_body_bytes
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http":
+            declared = Headers(scope=scope).get("content-length", "")
+            if declared.isdigit() and int(declared) > self.max_body_bytes:
+                err = APIError(413, f"request body of {declared} bytes is over this server's limit of {self.max_body_bytes} bytes",
+                               None, "request_too_large")
+                await err.response()(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+def _auth(api_key: str | None):
+    async def check(request: Request) -> None:
+        if api_key is None:
+            return
+        given = request.headers.get("authorization", "")
+        if not (given.startswith("Bearer ") and secrets.compare_digest(given[7:].encode(), api_key.encode())):
+            raise APIError(401, "invalid or missing API key (expected the header Authorization: Bearer <key>)", None, "invalid_api_key")
+    return check
+
+
+def _submit(engine: Engine, job: Job, metrics: Metrics) -> None:
+    try:
+        engine.submit(job)
+    except QueueFull as e:
+        metrics.errors.labels("429").inc()
+        raise APIError(429, f"the server is busy: {e}; retry later", None, "queue_full", headers={"Retry-After": "1"}) from None
+    except NotAccepting as e:
+        metrics.errors.labels("503").inc()
+        raise APIError(503, f"the server is not accepting requests: {e}", None, "unavailable", headers={"Retry-After": "5"}) from None
+
+
+def build_app(engine: Engine, metrics: Metrics | None = None, api_key: str | None = None, max_body_bytes: int = 4 << 20,
+              shutdown_timeout: float = 30.0, start_engine: bool = True) -> FastAPI:
+    """The server's app around ``engine`` (started by the app's lifespan unless ``start_engine``
+    is false; stopped, with ``shutdown_timeout`` seconds for running requests, at shutdown)."""
+    metrics = metrics or engine.metrics or Metrics()
+    engine.metrics = metrics  # the engine counts into the registry /metrics shows
+    model, created = engine.model, int(time.time())
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_app):
+        if start_engine and not engine.started:
+            engine.start()
+        yield
+        await asyncio.to_thread(engine.stop, shutdown_timeout)
+
+    app = FastAPI(title="dflash-jax", lifespan=lifespan)
+    app.add_middleware(RequestBodyLimitMiddleware, max_body_size=max_body_bytes)
+    app.add_middleware(_ContentLength, max_body_bytes=max_body_bytes)
+    install_handlers(app)
+    auth = [Depends(_auth(api_key))]
+
+    @app.get("/health")
+    async def health():
+        if engine.error is not None:
+            return JSONResponse({"status": "dead", "error": f"{type(engine.error).__name__}: {engine.error}"}, status_code=503)
+        running, waiting = engine.counts()
+        return {"status": "ok", "running": running, "waiting": waiting}
+
+    @app.get("/metrics")
+    async def prometheus():
+        return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.get("/v1/models", dependencies=auth)
+    async def models() -> ModelList:
+        return ModelList(data=[ModelCard(id=model.name, created=created, max_model_len=engine.max_len)])
+
+    @app.post("/v1/chat/completions", dependencies=auth)
+    async def chat(body: ChatCompletionRequest, request: Request):
+        spec, options = chat_job(model, body, engine.max_len)
+        job = Job(spec, asyncio.get_running_loop())
+        _submit(engine, job, metrics)
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        if body.stream:
+            return EventSourceResponse(responses.chat_stream(job, options, model.name, include_usage, engine))
+        reasoning, content, calls, done = await responses.collect(job, options, request.is_disconnected)
+        return responses.chat_completion(model.name, reasoning, content, calls, done, bool(calls))
+
+    @app.post("/v1/completions", dependencies=auth)
+    async def completions(body: CompletionRequest, request: Request):
+        spec = completion_job(model, body, engine.max_len)
+        job = Job(spec, asyncio.get_running_loop())
+        _submit(engine, job, metrics)
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        if body.stream:
+            return EventSourceResponse(responses.completion_stream(job, model.name, include_usage, engine))
+        _, content, _, done = await responses.collect(job, None, request.is_disconnected)
+        return responses.text_completion(model.name, content, done)
+
+    return app

@@ -1,0 +1,142 @@
+"""The device side of the serving engine: ``B`` rows decoded together under one
+:class:`~dflash_jax.decoding.Decoding`, new prompts prefilled in chunks and swapped into free rows.
+
+Everything here is a call of the public decode functions: :func:`dflash_jax.decode.init_state`,
+:func:`~dflash_jax.decode.prefill_chunk` / :func:`~dflash_jax.decode.finish_prefill` (one chunk per
+engine round, so a long prompt does not stall the running rows), :func:`~dflash_jax.decode.replace_rows`
+and :func:`~dflash_jax.decode.generate_until` with a step bound (a few steps on device per host
+round trip). A free row is a done row (its finish code is not ``RUNNING``): done rows never
+change, so they cost compute but never alter the others.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from dflash_jax import decode
+from dflash_jax.arguments import effective_chunk_size
+from dflash_jax.axes import flat_axes
+from dflash_jax.decoding import Decoding, Params
+from dflash_jax.results import spec_stats
+from dflash_jax.state import STOP, DecodeState
+
+
+@functools.partial(jax.jit, donate_argnames=("state",))
+def freeze_rows(state: DecodeState, rows_mask) -> DecodeState:
+    """Ends the rows of ``rows_mask`` (``[B]`` bool) that are still running (finish code ``STOP``)."""
+    return state.replace(finish=jnp.where(rows_mask & ~state.done, STOP, state.finish))
+
+
+@jax.jit
+def take_rows(state: DecodeState, rows) -> DecodeState:
+    """A state of the rows ``rows`` (``[R]`` int32) of ``state``: every array with a ``"batch"``
+    axis gathered along it, the rest (stop ids, key, step counter) kept."""
+    leaves, tdef = jax.tree_util.tree_flatten(state)
+    out = [x if "batch" not in ax else jnp.take(x, rows, axis=ax.index("batch")) for x, ax in zip(leaves, flat_axes(state))]
+    return jax.tree_util.tree_unflatten(tdef, out)
+
+
+def bucket(n: int) -> int:
+    """The smallest power of two >= ``n`` (batch sizes come in few shapes: few compiles)."""
+    return 1 << max(0, (n - 1).bit_length())
+
+
+@dataclasses.dataclass
+class Prefill:
+    """A group of prompts being prefilled (one chunk per engine round) before joining the batch.
+
+    Attributes:
+      rows: the batch rows they will take.
+      state: their own fresh state (``R`` rows); ``acc`` the last-prompt-row logits so far.
+      start: the next chunk's first position; ``end``: the longest prompt; ``chunk``: chunk size.
+    """
+
+    rows: list[int]
+    state: DecodeState
+    acc: jax.Array
+    start: int
+    end: int
+    chunk: int
+
+    @property
+    def complete(self) -> bool:
+        return self.start >= self.end
+
+
+class Batch:
+    """``rows`` decode rows of capacity ``max_len`` under ``static``, all free at first.
+
+    Args:
+      params: the weights (:class:`~dflash_jax.decoding.Params`).
+      static: the decoding set-up every row shares.
+      rows: the batch size (``--max-batch``).
+      max_len: tokens per row, prompt included (``--max-len``).
+      stop_ids: ids that end a row on device (EOS; none for an ``ignore_eos`` lane).
+      chunk_size: prompt tokens per prefill pass (capped per group by the longest prompt).
+    """
+
+    def __init__(self, params: Params, static: Decoding, rows: int, max_len: int, stop_ids, chunk_size: int):
+        self.params, self.static, self.rows, self.max_len, self.chunk_size = params, static, rows, max_len, chunk_size
+        self.stop_ids = tuple(stop_ids) or (-1,)
+        self.state = self._empty(rows)
+
+    def _empty(self, rows: int) -> DecodeState:
+        state = decode.init_state(self.static, [[0]] * rows, self.max_len, 1, self.stop_ids)
+        return freeze_rows(state, jnp.ones((rows,), bool))
+
+    def resize(self, rows: int, keep: list[int]) -> None:
+        """Makes the batch ``rows`` rows, keeping the rows ``keep`` (as rows ``0..len(keep)-1``
+        when shrinking; at their own index when growing). Idle rows cost a full share of every
+        step's compute, so the batch holds only as many rows as its requests need (rounded up to
+        a power of two)."""
+        if rows == self.rows:
+            return
+        if rows > self.rows:  # grow: the old rows keep their indices
+            state = decode.replace_rows(self._empty(rows), self.state, jnp.arange(self.rows, dtype=jnp.int32))
+        else:  # shrink: the kept rows first, then copies of a free (done) row
+            free = next(i for i in range(self.rows) if i not in keep)
+            state = take_rows(self.state, jnp.asarray(list(keep) + [free] * (rows - len(keep)), jnp.int32))
+        self.state, self.rows = state.replace(rng=self.state.rng), rows
+
+    def start_prefill(self, rows: list[int], prompts: list[list[int]], max_new: list[int], seed: int) -> Prefill:
+        """A :class:`Prefill` of ``prompts`` for ``rows`` (raises DFlashError for a bad prompt)."""
+        fresh = decode.init_state(self.static, prompts, self.max_len, max_new, self.stop_ids, seed)
+        end = max(len(p) for p in prompts)
+        acc = jnp.zeros((len(prompts), self.static.target.vocab_size), jnp.float32)
+        return Prefill(rows=list(rows), state=fresh, acc=acc, start=0, end=end, chunk=effective_chunk_size(self.chunk_size, end))
+
+    def prefill_step(self, p: Prefill) -> None:
+        """Runs the next chunk of ``p``; when it was the last, samples the first tokens and swaps
+        the group into its rows (``p.complete`` then)."""
+        p.state, p.acc = decode.prefill_chunk(self.params, p.state, self.static, p.acc, jnp.int32(p.start), p.chunk)
+        p.start += p.chunk
+        if not p.complete:
+            return
+        fresh = decode.finish_prefill(p.state, self.static, p.acc)
+        running = bool(np.any(np.asarray(jax.device_get(~self.state.done))))
+        self.state = decode.replace_rows(self.state, fresh, jnp.asarray(p.rows, jnp.int32))
+        if not running:  # an idle batch takes the group's key: a lone request's sampling is seeded
+            self.state = self.state.replace(rng=fresh.rng)
+
+    def run(self, min_done: int, max_steps: int) -> None:
+        """Decodes on device until ``min_done`` rows are done, all are, or ``max_steps`` steps ran."""
+        self.state = decode.generate_until(self.params, self.state, self.static, jnp.int32(min_done), jnp.int32(max_steps))
+
+    def read(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """``(tokens [B, S], length [B], finish [B])`` on the host."""
+        return jax.device_get((self.state.tokens, self.state.length, self.state.finish))
+
+    def freeze(self, rows: list[int]) -> None:
+        """Ends ``rows`` (cancelled or stopped on the host) so that they count as done."""
+        mask = np.zeros((self.rows,), bool)
+        mask[rows] = True
+        self.state = freeze_rows(self.state, jnp.asarray(mask))
+
+    def row_stats(self, row: int) -> dict | None:
+        """The speculative statistics of one row (``None`` under plain decoding)."""
+        return spec_stats(self.state, [row]) if self.static.speculative else None

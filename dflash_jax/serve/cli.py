@@ -1,0 +1,106 @@
+"""``dflash-jax serve``: the model options of ``generate`` and the server's own, then uvicorn.
+
+SIGTERM and SIGINT stop the server gracefully: no new connections or requests, running requests
+get ``--shutdown-timeout`` seconds to finish (then they are cancelled), exit code 0. If the engine
+dies, ``/health`` answers 503, the server stops and the command exits with 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+
+from dflash_jax.cli_common import integer, number
+from dflash_jax.cli_model import add_model_options, check_model_options, load_model
+from dflash_jax.errors import DFlashError
+
+PARSER_TEXT = dict(
+    description="Serve a model over an OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions, /v1/models, "
+    "/health, /metrics) with continuous batching and DFlash speculative decoding.",
+)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The ``serve`` options: the model options of ``generate`` and the server's."""
+    add_model_options(p)
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    p.add_argument("--port", type=integer, default=8000, help="port to listen on (default 8000)")
+    p.add_argument("--max-batch", type=integer, default=16, metavar="N", help="rows decoded together (default 16)")
+    p.add_argument("--max-len", type=integer, default=1024, metavar="N",
+                   help="tokens per request, prompt included (default 1024, at most the target's max_position_embeddings)")
+    p.add_argument("--max-queue", type=integer, default=256, metavar="N",
+                   help="requests waiting for a row beyond which new ones get 429 (default 256)")
+    p.add_argument("--api-key", metavar="KEY", default=None, help="require 'Authorization: Bearer KEY' on /v1 (default: none)")
+    p.add_argument("--served-model-name", metavar="NAME", default=None,
+                   help="the model name clients send (default: the target's file or folder name)")
+    p.add_argument("--chunk-size", type=integer, default=256, metavar="N", help="prompt tokens per prefill pass (default 256)")
+    p.add_argument("--steps-per-round", type=integer, default=4, metavar="N",
+                   help="decode steps on device per host round trip (default 4)")
+    p.add_argument("--shutdown-timeout", type=number, default=30.0, metavar="S",
+                   help="seconds running requests get to finish on SIGTERM/SIGINT (default 30)")
+    p.add_argument("--max-body-bytes", type=integer, default=4 << 20, metavar="N", help="largest request body (default 4 MiB)")
+    p.add_argument("--debug", action="store_true", help="show tracebacks on errors")
+
+
+def _check(args) -> None:
+    check_model_options(args)
+    for name in ("max_batch", "max_len", "max_queue", "chunk_size", "steps_per_round", "max_body_bytes"):
+        if getattr(args, name) < 1:
+            raise DFlashError("--" + name.replace("_", "-"), f"got {getattr(args, name)}", "an integer >= 1")
+    if not 0 < args.port < 65536:
+        raise DFlashError("--port", f"got {args.port}", "an integer in [1, 65535]")
+    if not args.shutdown_timeout >= 0:
+        raise DFlashError("--shutdown-timeout", f"got {args.shutdown_timeout}", "a number of seconds >= 0")
+
+
+def build_engine(args):
+    """Loads the model of the options and builds the engine (raises DFlashError for bad input)."""
+    from pathlib import Path
+
+    from dflash_jax.sampling import SamplingConfig
+    from dflash_jax.serve.engine import Engine
+    from dflash_jax.serve.jobs import ServedModel
+    from dflash_jax.serve.metrics import Metrics
+
+    target, drafter, n_max, why = load_model(args)
+    limit = int(target.cfg.max_position_embeddings)
+    if args.max_len > limit:
+        raise DFlashError("--max-len", f"{args.max_len} exceeds the target's {limit} positions (max_position_embeddings)", f"an integer in [2, {limit}]")
+    if target.tokenizer is None:
+        raise DFlashError(f"{target.source}: tokenizer", "missing (a server decodes text)", "a target with a tokenizer")
+    if drafter is not None:  # the depth is checked now, not at the first request
+        ServedModel(target, drafter, n_max=n_max).decoding(SamplingConfig(), None)
+    model = ServedModel(target, drafter, name=args.served_model_name or Path(target.source).name, n_max=n_max,
+                        chat_template_kwargs=args.chat_template_kwargs)
+    engine = Engine(model, max_batch=args.max_batch, max_len=args.max_len, max_queue=args.max_queue, chunk_size=args.chunk_size,
+                    steps_per_round=args.steps_per_round, metrics=Metrics())
+    return engine, why
+
+
+def run(args) -> int:
+    """Serves until SIGTERM/SIGINT (exit 0) or until the engine dies (exit 1)."""
+    import uvicorn
+
+    from dflash_jax.serve.app import build_app
+
+    _check(args)
+    engine, why = build_engine(args)
+    app = build_app(engine, api_key=args.api_key, max_body_bytes=args.max_body_bytes, shutdown_timeout=args.shutdown_timeout)
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level="info", timeout_graceful_shutdown=args.shutdown_timeout)
+    server = uvicorn.Server(config)
+    engine.on_death = lambda _e: setattr(server, "should_exit", True)
+    print(f"dflash-jax serve: {engine.model.name} ({why}) on http://{args.host}:{args.port}/v1, "
+          f"{args.max_batch} rows x {args.max_len} tokens", file=sys.stderr, flush=True)
+    # uvicorn re-raises the signal it stopped on once it is done; these handlers make that a no-op,
+    # so a signal ends the command with 0 rather than the signal's default action
+    previous = {s: signal.signal(s, lambda *_: None) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        server.run()
+    finally:
+        for s, h in previous.items():
+            signal.signal(s, h)
+    if engine.error is not None:
+        print(f"error: the engine died: {type(engine.error).__name__}: {engine.error}", file=sys.stderr, flush=True)
+        return 1
+    return 0

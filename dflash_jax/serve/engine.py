@@ -1,0 +1,321 @@
+"""The serving engine: one thread owns the device batch and runs continuous batching.
+
+Each round the thread (1) drops cancelled requests, freeing their rows; (2) advances admission:
+queued requests that fit the running batch's decoding set-up (its "lane": sampling, draft depth,
+``ignore_eos``) are prefilled one chunk per round and swapped into free rows
+(:class:`~dflash_jax.serve.batch.Batch`); (3) runs up to ``steps_per_round`` decode steps on
+device (fewer when a row finishes) and hands every request its new text. A request whose lane
+differs from the running batch waits until the batch drains, then the batch switches to it (one
+compile per new lane, cached after). A failure while handling one request fails only that request;
+an exception outside that (a device error) ends the engine: every request gets an error,
+:attr:`Engine.error` is set and ``on_death`` is called (the command line then exits non-zero).
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+import time
+import traceback
+
+import numpy as np
+
+from dflash_jax.errors import DFlashError
+from dflash_jax.serve.batch import Batch, Prefill, bucket
+from dflash_jax.serve.jobs import Done, Failed, Job, ServedModel, Text
+from dflash_jax.state import FINISH_REASONS, RUNNING
+from dflash_jax.text import TextStream, cut_at_stop_text
+
+
+class QueueFull(Exception):
+    """The queue holds ``max_queue`` requests already."""
+
+
+class NotAccepting(Exception):
+    """The engine is stopping or dead."""
+
+
+class _Row:
+    """Engine-side bookkeeping of a running request: its row, ids read so far and text stream."""
+
+    def __init__(self, job: Job, row: int, tokenizer):
+        self.job, self.row = job, row
+        self.seen = len(job.spec.prompt)
+        self.ids: list[int] = []
+        self.stream = TextStream(tokenizer, job.spec.stop_texts)
+
+
+class Engine:
+    """Continuous batching over ``max_batch`` rows (module docstring).
+
+    Args:
+      model: the :class:`~dflash_jax.serve.jobs.ServedModel`.
+      max_batch: rows decoded together; max_len: tokens per row; max_queue: waiting requests
+        beyond which :meth:`submit` refuses; chunk_size: prompt tokens per prefill pass;
+        steps_per_round: decode steps on device per host round trip.
+      metrics: a :class:`~dflash_jax.serve.metrics.Metrics` or ``None``.
+      on_death: called (from the engine thread) with the exception that ended the engine.
+    """
+
+    def __init__(self, model: ServedModel, max_batch: int = 16, max_len: int = 1024, max_queue: int = 256,
+                 chunk_size: int = 256, steps_per_round: int = 4, metrics=None, on_death=None):
+        self.model, self.max_batch, self.max_len, self.max_queue = model, max_batch, max_len, max_queue
+        self.chunk_size, self.steps_per_round, self.metrics, self.on_death = chunk_size, steps_per_round, metrics, on_death
+        self.tokenizer = model.target.tokenizer
+        self._queue: collections.deque[Job] = collections.deque()
+        self._cv = threading.Condition()
+        self._rows: list[_Row | None] = []  # one per batch row; the batch grows up to max_batch
+        self._reserved: set[int] = set()
+        self._batch: Batch | None = None
+        self._lane = None
+        self._prefill: tuple[Prefill, list[Job]] | None = None
+        self._stopping = False
+        self._deadline: float | None = None
+        self.error: BaseException | None = None
+        self._thread = threading.Thread(target=self._main, name="dflash-engine", daemon=True)
+
+    # ------------------------------------------------------------------ control (any thread)
+
+    def start(self) -> None:
+        """Starts the engine thread."""
+        self._thread.start()
+
+    @property
+    def started(self) -> bool:
+        """Whether :meth:`start` was called (the thread may have ended since)."""
+        return self._thread.ident is not None
+
+    def submit(self, job: Job) -> None:
+        """Queues ``job``. Raises :class:`QueueFull` or :class:`NotAccepting`."""
+        with self._cv:
+            if self.error is not None or self._stopping:
+                raise NotAccepting("the engine is stopping" if self.error is None else f"the engine died: {self.error}")
+            if len(self._queue) >= self.max_queue:
+                raise QueueFull(f"{len(self._queue)} requests are waiting (--max-queue {self.max_queue})")
+            self._queue.append(job)
+            self._cv.notify()
+        self._gauges()
+
+    def wake(self) -> None:
+        """Wakes the engine (a request was cancelled)."""
+        with self._cv:
+            self._cv.notify()
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """Stops admitting, lets running requests finish for up to ``timeout`` seconds, cancels the
+        rest (they get a 503 error) and joins the thread."""
+        with self._cv:
+            self._stopping = True
+            self._deadline = time.monotonic() + timeout
+            self._cv.notify()
+        if self._thread.is_alive():
+            self._thread.join(timeout + 60)
+
+    def counts(self) -> tuple[int, int]:
+        """``(running requests, waiting requests)``."""
+        return sum(r is not None for r in self._rows) + len(self._reserved), len(self._queue)
+
+    # ------------------------------------------------------------------ the thread
+
+    def _main(self) -> None:
+        try:
+            while self._round():
+                pass
+        except BaseException as e:  # the engine itself failed: nobody is served any more
+            self.error = e
+            traceback.print_exception(type(e), e, e.__traceback__)
+            self._fail_everyone(Failed(f"the engine died: {type(e).__name__}: {e}", 500))
+            if self.metrics is not None:
+                self.metrics.engine_alive.set(0)
+            if self.on_death is not None:
+                self.on_death(e)
+
+    def _round(self) -> bool:
+        """One engine round; returns ``False`` when the engine has stopped."""
+        self._sweep()
+        if self._stopping:
+            self._drain_queue(Failed("the server is shutting down", 503))
+            active = any(r is not None for r in self._rows) or self._prefill is not None
+            if not active:
+                return False
+            if time.monotonic() > self._deadline:
+                self._fail_everyone(Failed("the server is shutting down (cancelled after --shutdown-timeout)", 503))
+                return False
+        self._admit()
+        if any(r is not None for r in self._rows):
+            self._decode()
+        elif self._prefill is None:
+            with self._cv:
+                if not self._queue and not self._stopping:
+                    self._cv.wait(0.5)
+        return True
+
+    def _sweep(self) -> None:
+        """Cancelled requests leave the queue; cancelled rows are ended and freed."""
+        with self._cv:
+            if any(j.cancelled for j in self._queue):
+                self._queue = collections.deque(j for j in self._queue if not j.cancelled)
+        gone = [r for r in self._rows if r is not None and r.job.cancelled]
+        if gone:
+            self._batch.freeze([r.row for r in gone])
+            for r in gone:
+                self._finish(r, "cancelled", stats=False)
+
+    def _admit(self) -> None:
+        """Starts a prefill group, or runs the next chunk of the one in progress."""
+        if self._prefill is None and not self._stopping:
+            self._start_group()
+        if self._prefill is not None:
+            group, jobs = self._prefill
+            self._batch.prefill_step(group)
+            if group.complete:
+                self._prefill = None
+                self._reserved.difference_update(group.rows)
+                for job, row in zip(jobs, group.rows):
+                    self._rows[row] = _Row(job, row, self.tokenizer)
+                self._deliver(self._batch.read())
+
+    def _start_group(self) -> None:
+        """Takes the next requests of the running lane (a power-of-two group, at most the rows
+        left) off the queue and starts their prefill, growing the batch to hold them; switches
+        lanes when the batch is idle."""
+        active = sum(r is not None for r in self._rows)
+        with self._cv:
+            if not self._queue or active >= self.max_batch:
+                return
+            head = self._queue[0].spec.lane
+            if head != self._lane:
+                if active:
+                    return  # the running lane drains first
+                self._switch_lane(head)
+            n = 0
+            while n < min(self.max_batch - active, len(self._queue)) and self._queue[n].spec.lane == head:
+                n += 1
+            n = 1 << (n.bit_length() - 1)  # few group sizes: few compiles
+            jobs = [self._queue.popleft() for _ in range(n)]
+        self._resize(min(self.max_batch, bucket(active + n)))
+        rows = [i for i, r in enumerate(self._rows) if r is None][:n]
+        try:
+            group = self._batch.start_prefill(rows, [list(j.spec.prompt) for j in jobs], [j.spec.max_new for j in jobs],
+                                              jobs[0].spec.seed)
+        except DFlashError as e:  # a prompt the checks let through: only these requests fail
+            for j in jobs:
+                j.post(Failed(str(e), 400))
+            return
+        self._reserved.update(rows)
+        self._prefill = (group, jobs)
+        self._gauges()
+
+    def _resize(self, rows: int) -> None:
+        """Grows or shrinks the batch to ``rows`` rows (never while a prefill holds rows)."""
+        if rows == self._batch.rows or self._prefill is not None:
+            return
+        running = [r for r in self._rows if r is not None]
+        self._batch.resize(rows, [r.row for r in running])
+        if rows > len(self._rows):
+            self._rows = self._rows + [None] * (rows - len(self._rows))
+        else:
+            self._rows = running + [None] * (rows - len(running))
+            for i, r in enumerate(running):
+                r.row = i
+
+    def _switch_lane(self, lane) -> None:
+        static, ignore_eos = lane
+        eos = tuple(self.model.target.eos_ids)
+        stop_ids = (-1,) * len(eos) if ignore_eos else eos  # same shape: the same compiled steps
+        self._batch = None  # free the old batch's buffers first
+        self._batch = Batch(self.model.params, static, 1, self.max_len, stop_ids, self.chunk_size)
+        self._rows = [None]
+        self._lane = lane
+
+    def _decode(self) -> None:
+        """Up to ``steps_per_round`` steps on device (back early when one more row finishes)."""
+        done = sum(r is None for r in self._rows)
+        self._batch.run(done + 1, self.steps_per_round)
+        self._deliver(self._batch.read())
+        active = sum(r is not None for r in self._rows)
+        if active <= self._batch.rows // 2:
+            self._resize(bucket(max(active, 1)))
+
+    def _deliver(self, readback) -> None:
+        """Hands every running request its new tokens; finishes and frees ended rows."""
+        tokens, length, finish = readback
+        stopped = []
+        for r in [r for r in self._rows if r is not None]:
+            try:
+                if self._feed(r, tokens[r.row, r.seen : length[r.row]]):
+                    stopped.append(r)
+                    self._finish(r, "stop")
+                elif finish[r.row] != RUNNING:
+                    reason = FINISH_REASONS[int(finish[r.row])]
+                    self._finish(r, "stop" if reason == "stop" else "length")
+                r.seen = int(length[r.row])
+            except Exception as e:  # this request's failure is its own
+                traceback.print_exception(type(e), e, e.__traceback__)
+                r.job.post(Failed(f"{type(e).__name__}: {e}", 500))
+                stopped.append(r)
+                self._free(r)
+        if stopped:
+            self._batch.freeze([r.row for r in stopped])
+
+    def _feed(self, r: _Row, new: np.ndarray) -> bool:
+        """Feeds ``new`` ids to the request's text stream; ``True`` when a stop text or stop id
+        ended it (ids after a stop id are dropped, as ``generate`` drops them)."""
+        ids = [int(t) for t in new]
+        hit = False
+        for i, t in enumerate(ids):
+            if t in r.job.spec.stop_ids:
+                ids, hit = ids[: i + 1], True
+                break
+        if not ids:
+            return False
+        if r.job.first_token_at is None:
+            r.job.first_token_at = time.perf_counter()
+            if self.metrics is not None:
+                self.metrics.ttft.observe(r.job.first_token_at - r.job.created)
+        r.ids.extend(ids)
+        text = r.stream.feed(ids)
+        r.job.post(Text(text, len(ids)))
+        return hit or r.stream.stopped
+
+    def _finish(self, r: _Row, reason: str, stats: bool = True) -> None:
+        """Posts the last text and :class:`~dflash_jax.serve.jobs.Done`; frees the row."""
+        tail = r.stream.finish()
+        if tail:
+            r.job.post(Text(tail, 0))
+        n = len(r.ids)
+        if r.job.spec.stop_texts:
+            cut = cut_at_stop_text(self.tokenizer, r.ids, r.job.spec.stop_texts)
+            n = n if cut is None else cut
+        spec = self._batch.row_stats(r.row) if stats else None
+        done = Done(reason, len(r.job.spec.prompt), n, spec)
+        if self.metrics is not None:
+            self.metrics.finished(r.job, done)
+        r.job.post(done)
+        self._free(r)
+
+    def _free(self, r: _Row) -> None:
+        self._rows[r.row] = None
+        self._gauges()
+
+    def _drain_queue(self, event) -> None:
+        with self._cv:
+            jobs, self._queue = list(self._queue), collections.deque()
+        for j in jobs:
+            j.post(event)
+
+    def _fail_everyone(self, event) -> None:
+        self._drain_queue(event)
+        if self._prefill is not None:
+            for j in self._prefill[1]:
+                j.post(event)
+            self._prefill = None
+        for r in [r for r in self._rows if r is not None]:
+            r.job.post(event)
+            self._rows[r.row] = None
+
+    def _gauges(self) -> None:
+        if self.metrics is not None:
+            running, waiting = self.counts()
+            self.metrics.running.set(running)
+            self.metrics.waiting.set(waiting)

@@ -1,0 +1,131 @@
+"""What a request asks of the engine (:class:`JobSpec`), its handle (:class:`Job`) and the events
+the engine sends back on it (:class:`Text`, :class:`Done`, :class:`Failed`).
+
+The engine thread posts events onto the request's asyncio queue through the request's event loop
+(``call_soon_threadsafe``); the request's handler sets :attr:`Job.cancelled` when its client goes
+away, and the engine frees the row at its next round trip.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import itertools
+import time
+from typing import Any
+
+from dflash_jax.decoding import Decoding, Params
+from dflash_jax.loading import Drafter, Target
+from dflash_jax.sampling import SamplingConfig
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class ServedModel:
+    """The model a server serves.
+
+    Attributes:
+      target: the loaded target (with a tokenizer).
+      drafter: the DFlash drafter, or ``None`` for plain decoding.
+      name: the model name clients must send (``--served-model-name``).
+      n_max: the default draft depth (``--n-max``; ``None``: the drafter's recorded one).
+      chat_template_kwargs: template variables every chat request gets (a request's own
+        ``chat_template_kwargs`` override them).
+    """
+
+    target: Target
+    drafter: Drafter | None = None
+    name: str = "dflash-jax"
+    n_max: int | None = None
+    chat_template_kwargs: dict | None = None
+
+    @property
+    def params(self) -> Params:
+        return Params(self.target.params, None if self.drafter is None else self.drafter.params)
+
+    def decoding(self, sampling: SamplingConfig, n_max: int | None) -> Decoding:
+        """The static decoding set-up of a request (raises DFlashError for a bad ``n_max``)."""
+        if self.drafter is None:
+            return Decoding(self.target.cfg, None, sampling)
+        depth = n_max if n_max is not None else self.n_max if self.n_max is not None else self.drafter.n_max
+        return Decoding(self.target.cfg, self.drafter.cfg, sampling, "argmax", depth)
+
+
+@dataclasses.dataclass(frozen=True)
+class JobSpec:
+    """One generation, checked (:mod:`dflash_jax.serve.requests`).
+
+    Attributes:
+      prompt: prompt token ids.
+      max_new: new-token budget (prompt + budget fit the capacity).
+      static: the :class:`~dflash_jax.decoding.Decoding` (sampling, draft depth) it runs under.
+      ignore_eos: EOS does not end it.
+      stop_texts: stop texts (cut before; checked on the decoded text).
+      stop_ids: single-token stop texts' ids (the row ends at them, as ``generate``'s stop ids).
+      seed: sampling seed.
+    """
+
+    prompt: tuple[int, ...]
+    max_new: int
+    static: Decoding
+    ignore_eos: bool = False
+    stop_texts: tuple[str, ...] = ()
+    stop_ids: tuple[int, ...] = ()
+    seed: int = 0
+
+    @property
+    def lane(self) -> tuple:
+        """Requests with equal lanes can share a batch (same step program and stop ids)."""
+        return (self.static, self.ignore_eos)
+
+
+@dataclasses.dataclass
+class Text:
+    """New answer text (``text`` may be empty while a stop text or a partial character is held)."""
+
+    text: str
+    tokens: int
+
+
+@dataclasses.dataclass
+class Done:
+    """The request finished: ``finish_reason`` is ``stop`` or ``length`` (``cancelled`` after a
+    cancel); ``speculative`` holds the row's statistics under DFlash."""
+
+    finish_reason: str
+    prompt_tokens: int
+    completion_tokens: int
+    speculative: dict | None = None
+
+
+@dataclasses.dataclass
+class Failed:
+    """The request failed inside the engine (HTTP ``status``)."""
+
+    message: str
+    status: int = 500
+
+
+_ids = itertools.count()
+
+
+class Job:
+    """A queued or running request: its spec, the queue its events go to, and its cancel flag."""
+
+    def __init__(self, spec: JobSpec, loop: asyncio.AbstractEventLoop | None = None):
+        self.spec = spec
+        self.id = next(_ids)
+        self.loop = loop
+        self.events: asyncio.Queue = asyncio.Queue()
+        self.cancelled = False
+        self.created = time.perf_counter()
+        self.first_token_at: float | None = None
+
+    def post(self, event: Any) -> None:
+        """Hands ``event`` to the request's handler (from any thread); a closed loop cancels."""
+        if self.loop is None:
+            self.events.put_nowait(event)
+            return
+        try:
+            self.loop.call_soon_threadsafe(self.events.put_nowait, event)
+        except RuntimeError:  # the handler's loop is gone
+            self.cancelled = True

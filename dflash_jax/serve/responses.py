@@ -1,0 +1,196 @@
+"""Engine events to OpenAI responses: whole (``chat.completion``, ``text_completion``) or streamed
+as server-sent events (role chunk, deltas, final chunk with ``finish_reason``, a usage chunk when
+asked, ``[DONE]``). The same parsers (:class:`Answer`) run in both, so a streamed answer equals
+the whole one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from typing import AsyncIterator, Awaitable, Callable
+
+from fastapi.sse import format_sse_event
+
+from dflash_jax.serve.errors import APIError
+from dflash_jax.serve.jobs import Done, Failed, Job, Text
+from dflash_jax.serve.reasoning import ReasoningSplitter
+from dflash_jax.serve.requests import ChatOptions
+from dflash_jax.serve.tool_calls import ToolCallParser
+from dflash_jax.serve.schemas import (ChatChoice, ChatCompletion, ChatCompletionChunk, ChunkChoice, Completion, Delta,
+                                      DeltaToolCall, PredictionDetails, ResponseMessage, ResponseToolCall, SpeculativeStats,
+                                      TextChoice, Usage)
+
+
+class Answer:
+    """Reasoning split, then tool-call extraction, over the answer text as it arrives.
+
+    Args:
+      options: a chat request's :class:`~dflash_jax.serve.requests.ChatOptions`, or ``None`` for a
+        completion (raw text: nothing parsed).
+    """
+
+    def __init__(self, options: ChatOptions | None):
+        self.reasoning = ReasoningSplitter(options.in_reasoning) if options is not None else None
+        self.tools = ToolCallParser(options.tools) if options is not None and options.tools is not None else None
+
+    def _content(self, text: str) -> tuple[str, list[dict]]:
+        return (text, []) if self.tools is None else self.tools.feed(text)
+
+    def feed(self, text: str) -> tuple[str, str, list[dict]]:
+        """``(new reasoning, new content, new tool calls)``."""
+        if self.reasoning is None:
+            return "", text, []
+        reasoning, content = self.reasoning.feed(text)
+        return (reasoning, *self._content(content))
+
+    def finish(self) -> tuple[str, str, list[dict]]:
+        """Flushes what the parsers held back."""
+        if self.reasoning is None:
+            return "", "", []
+        reasoning, content = self.reasoning.finish()
+        content, calls = self._content(content)
+        if self.tools is not None:
+            content += self.tools.finish()
+        return reasoning, content, calls
+
+    @property
+    def called(self) -> bool:
+        return self.tools is not None and bool(self.tools.calls)
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def usage(done: Done) -> Usage:
+    """OpenAI usage; the accepted / rejected prediction tokens are the drafts the target kept or refused."""
+    sp = done.speculative or {}
+    acc, drafted = sp.get("accepted_tokens", 0), sp.get("drafted_tokens", 0)
+    return Usage(prompt_tokens=done.prompt_tokens, completion_tokens=done.completion_tokens,
+                 total_tokens=done.prompt_tokens + done.completion_tokens,
+                 completion_tokens_details=PredictionDetails(accepted_prediction_tokens=acc, rejected_prediction_tokens=drafted - acc))
+
+
+def speculative(done: Done) -> SpeculativeStats | None:
+    return None if done.speculative is None else SpeculativeStats(**done.speculative)
+
+
+async def events(job: Job, disconnected: Callable[[], Awaitable[bool]] | None = None) -> AsyncIterator:
+    """The job's events up to and including :class:`Done` / :class:`Failed`; checks
+    ``disconnected`` while waiting (a client gone cancels the job)."""
+    while True:
+        try:
+            ev = await asyncio.wait_for(job.events.get(), timeout=0.5)
+        except asyncio.TimeoutError:
+            if disconnected is not None and await disconnected():
+                job.cancelled = True
+                return
+            continue
+        yield ev
+        if isinstance(ev, (Done, Failed)):
+            return
+
+
+def _failed(ev: Failed) -> APIError:
+    return APIError(ev.status, ev.message, None, "engine_error" if ev.status == 500 else "server_shutting_down")
+
+
+async def collect(job: Job, options: ChatOptions | None, disconnected) -> tuple[str, str, list[dict], Done]:
+    """Waits for the whole answer: ``(reasoning, content, tool calls, Done)``; raises
+    :class:`APIError` when the engine failed the request."""
+    answer, parts = Answer(options), ([], [], [])
+    done = None
+    async for ev in events(job, disconnected):
+        if isinstance(ev, Failed):
+            raise _failed(ev)
+        if isinstance(ev, Text):
+            r, c, calls = answer.feed(ev.text)
+        else:
+            r, c, calls = answer.finish()
+            done = ev
+        parts[0].append(r)
+        parts[1].append(c)
+        parts[2].extend(calls)
+    if done is None:
+        raise APIError(499, "client disconnected", None, "cancelled")
+    return "".join(parts[0]), "".join(parts[1]), parts[2], done
+
+
+def finish_reason(done: Done, answer: Answer) -> str:
+    return "tool_calls" if answer.called else done.finish_reason
+
+
+def chat_completion(model_name: str, reasoning: str, content: str, calls: list[dict], done: Done, called: bool) -> ChatCompletion:
+    msg = ResponseMessage(content=content if (content or not calls) else None, reasoning_content=reasoning or None,
+                          tool_calls=[ResponseToolCall(id=c["id"], function=c["function"]) for c in calls] or None)
+    return ChatCompletion(id=new_id("chatcmpl"), created=int(time.time()), model=model_name,
+                          choices=[ChatChoice(message=msg, finish_reason="tool_calls" if called else done.finish_reason)],
+                          usage=usage(done), speculative=speculative(done))
+
+
+def text_completion(model_name: str, text: str, done: Done) -> Completion:
+    return Completion(id=new_id("cmpl"), created=int(time.time()), model=model_name,
+                      choices=[TextChoice(text=text, finish_reason=done.finish_reason)], usage=usage(done), speculative=speculative(done))
+
+
+def sse(obj) -> bytes:
+    """One server-sent event carrying a response model (or a dict) as JSON."""
+    data = obj.model_dump_json(exclude_none=False) if hasattr(obj, "model_dump_json") else json.dumps(obj)
+    return format_sse_event(data_str=data)
+
+
+DONE = format_sse_event(data_str="[DONE]")
+
+
+async def chat_stream(job: Job, options: ChatOptions, model_name: str, include_usage: bool, engine) -> AsyncIterator[bytes]:
+    """The streamed chat answer (module docstring); cancels the job if the client goes away."""
+    answer, cid, created = Answer(options), new_id("chatcmpl"), int(time.time())
+
+    def chunk(delta: Delta, finish=None, **extra) -> bytes:
+        return sse(ChatCompletionChunk(id=cid, created=created, model=model_name, choices=[ChunkChoice(delta=delta, finish_reason=finish)],
+                                       **extra))
+    try:
+        yield chunk(Delta(role="assistant", content=""))
+        async for ev in events(job):
+            if isinstance(ev, Failed):
+                yield sse(_failed(ev).body())
+                break
+            r, c, calls = answer.feed(ev.text) if isinstance(ev, Text) else answer.finish()
+            if r or c or calls:
+                tc = [DeltaToolCall(index=x["index"], id=x["id"], type="function", function=x["function"]) for x in calls] or None
+                yield chunk(Delta(reasoning_content=r or None, content=c or None, tool_calls=tc))
+            if isinstance(ev, Done):
+                yield chunk(Delta(), finish_reason(ev, answer), speculative=speculative(ev))
+                if include_usage:
+                    yield sse(ChatCompletionChunk(id=cid, created=created, model=model_name, choices=[], usage=usage(ev)))
+        yield DONE
+    finally:
+        job.cancelled = True  # no-op after Done; frees the row when the client left mid-stream
+        engine.wake()
+
+
+async def completion_stream(job: Job, model_name: str, include_usage: bool, engine) -> AsyncIterator[bytes]:
+    """The streamed completion: text deltas, the final chunk, usage when asked, ``[DONE]``."""
+    cid, created = new_id("cmpl"), int(time.time())
+
+    def chunk(text: str, finish=None, **extra) -> bytes:
+        return sse(Completion(id=cid, created=created, model=model_name, choices=[TextChoice(text=text, finish_reason=finish)], **extra))
+    try:
+        async for ev in events(job):
+            if isinstance(ev, Failed):
+                yield sse(_failed(ev).body())
+                break
+            if isinstance(ev, Text):
+                if ev.text:
+                    yield chunk(ev.text)
+                continue
+            yield chunk("", ev.finish_reason, speculative=speculative(ev))
+            if include_usage:
+                yield sse(Completion(id=cid, created=created, model=model_name, choices=[], usage=usage(ev)))
+        yield DONE
+    finally:
+        job.cancelled = True
+        engine.wake()

@@ -1,0 +1,220 @@
+"""Pydantic models of the OpenAI requests and responses the server speaks.
+
+Requests: :class:`ChatCompletionRequest` (``POST /v1/chat/completions``) and
+:class:`CompletionRequest` (``POST /v1/completions``), with the extensions ``top_k``,
+``ignore_eos``, ``chat_template_kwargs`` and ``n_max``. Numbers and flags are strict (``"5"`` is
+not an integer); fields the server does not use are ignored, as OpenAI-compatible servers do.
+Responses follow OpenAI's schema; ``usage.completion_tokens_details`` counts the drafted tokens the
+target accepted and rejected, and ``speculative`` (an extension) holds the request's speculative
+statistics.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal, Union
+
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr
+
+
+class _Request(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+
+class TextPart(_Request):
+    type: Literal["text"]
+    text: StrictStr
+
+
+class ToolCallFunction(_Request):
+    name: StrictStr
+    arguments: StrictStr = "{}"
+
+
+class MessageToolCall(_Request):
+    id: StrictStr | None = None
+    type: Literal["function"] = "function"
+    function: ToolCallFunction
+
+
+class ChatMessage(_Request):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: StrictStr | list[TextPart] | None = None
+    name: StrictStr | None = None
+    tool_calls: list[MessageToolCall] | None = None
+    tool_call_id: StrictStr | None = None
+    reasoning_content: StrictStr | None = None
+
+
+class FunctionSpec(_Request):
+    name: StrictStr
+    description: StrictStr | None = None
+    parameters: dict[str, Any] | None = None
+
+
+class Tool(_Request):
+    type: Literal["function"]
+    function: FunctionSpec
+
+
+class NamedToolChoice(_Request):
+    type: Literal["function"]
+    function: dict[str, Any]
+
+
+class StreamOptions(_Request):
+    include_usage: StrictBool = False
+
+
+Number = Union[StrictInt, StrictFloat]
+
+
+class _Sampling(_Request):
+    """Fields both endpoints share (OpenAI's names and defaults; ``top_k``, ``ignore_eos`` and
+    ``n_max`` are extensions)."""
+
+    model: StrictStr
+    max_tokens: StrictInt | None = Field(default=None, ge=1)
+    temperature: Number | None = Field(default=None, ge=0, le=2)
+    top_p: Number | None = Field(default=None, gt=0, le=1)
+    top_k: StrictInt | None = Field(default=None, ge=0)
+    seed: StrictInt | None = Field(default=None, ge=0, lt=2**63)
+    stop: StrictStr | list[StrictStr] | None = None
+    stream: StrictBool = False
+    stream_options: StreamOptions | None = None
+    n: StrictInt = 1
+    ignore_eos: StrictBool = False
+    n_max: StrictInt | None = Field(default=None, ge=1)
+
+
+class ChatCompletionRequest(_Sampling):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: StrictInt | None = Field(default=None, ge=1)
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+
+
+class CompletionRequest(_Sampling):
+    prompt: StrictStr | list[StrictInt] | list[StrictStr] | list[list[StrictInt]]
+
+
+# ---------------------------------------------------------------- responses
+
+
+class PredictionDetails(BaseModel):
+    accepted_prediction_tokens: int = 0
+    rejected_prediction_tokens: int = 0
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    completion_tokens_details: PredictionDetails = PredictionDetails()
+
+
+class SpeculativeStats(BaseModel):
+    """The request's own DFlash statistics (extension field ``speculative``)."""
+
+    tau: float
+    verify_steps: int
+    accepted_per_position: list[float]
+    drafted_tokens: int
+    accepted_tokens: int
+    n_max: int
+
+
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str
+
+
+class ResponseToolCall(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class ResponseMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[ResponseToolCall] | None = None
+
+
+class ChatChoice(BaseModel):
+    index: int = 0
+    message: ResponseMessage
+    finish_reason: str | None
+    logprobs: None = None
+
+
+class ChatCompletion(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+    speculative: SpeculativeStats | None = None
+
+
+class DeltaToolCall(BaseModel):
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: FunctionCall | None = None
+
+
+class Delta(BaseModel):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
+
+
+class ChunkChoice(BaseModel):
+    index: int = 0
+    delta: Delta
+    finish_reason: str | None = None
+    logprobs: None = None
+
+
+class ChatCompletionChunk(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChunkChoice]
+    usage: Usage | None = None
+    speculative: SpeculativeStats | None = None
+
+
+class TextChoice(BaseModel):
+    index: int = 0
+    text: str
+    finish_reason: str | None
+    logprobs: None = None
+
+
+class Completion(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[TextChoice]
+    usage: Usage | None = None
+    speculative: SpeculativeStats | None = None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "dflash_jax"
+    max_model_len: int
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]

@@ -1,0 +1,121 @@
+"""Helpers of the server tests: a server on a free loopback port in a thread, and a scripted model.
+
+The scripted model is a one-layer Llama whose attention and MLP write nothing (zero output
+projections), whose embedding is one-hot and whose LM head maps each token to a chosen successor:
+its greedy answer is a fixed script picked by the prompt's last token. Its tokenizer has one vocab
+entry per script piece (bytes otherwise), so the answers hold exactly the tool calls and reasoning
+the parser tests need, cut into pieces at awkward places (inside tags) to exercise streaming.
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+
+import jax.numpy as jnp
+import numpy as np
+
+IM_START, IM_END = 256, 257
+TEMPLATE = (
+    "{% if tools %}<|im_start|>system\nTools: {{ tools | tojson }}<|im_end|>\n{% endif %}"
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{{ layout | default('') }}{% endif %}"
+)
+# the answer after a prompt ending in "\n" (no layout) and after one ending in "P" (layout "P")
+HERMES_SCRIPT = ["<think>", "Let me check", " the weather.", "</thi", "nk>\n\n", "Sure.", " <tool_",
+                 'call>{"name": "get_weather", ', '"arguments": {"city": "Paris", "days": 3}}', "</tool_call>"]
+POOLSIDE_SCRIPT = ["Checking.", "\n<tool_call>get_weather\n<arg_key>city</arg_key>", "<arg_value>  New York </arg_value>\n<arg_",
+                   "key>days</arg_key><arg_value>3</arg_value>\n</tool", "_call>"]
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "weather forecast", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}}, "required": ["city"]}}}]
+
+
+def serve_in_thread(app):
+    """Runs ``app`` with uvicorn on a free loopback port; returns ``(base url, stop())``."""
+    import uvicorn
+
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5))
+    thread = threading.Thread(target=server.run, kwargs=dict(sockets=[sock]), daemon=True)
+    thread.start()
+    deadline = time.time() + 60
+    while not server.started:
+        assert thread.is_alive() and time.time() < deadline, "the server did not start"
+        time.sleep(0.02)
+
+    def stop():
+        server.should_exit = True
+        thread.join(30)
+
+    return f"http://127.0.0.1:{port}", stop
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _tokenizer(pieces: list[str]):
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+
+    from dflash_jax.io.tokenizer import Tokenizer as DJTokenizer
+    from test_tokenizer import byte_alphabet
+
+    alphabet = byte_alphabet()
+    vocab = {alphabet[b]: b for b in range(256)}
+    vocab.update({"<|im_start|>": IM_START, "<|im_end|>": IM_END})
+    for i, p in enumerate(pieces):
+        vocab["".join(alphabet[b] for b in p.encode())] = IM_END + 1 + i
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], fuse_unk=False))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens([AddedToken("<|im_start|>", special=True, normalized=False),
+                            AddedToken("<|im_end|>", special=True, normalized=False)])
+    assert tok.token_to_id("<|im_end|>") == IM_END
+    return DJTokenizer(tok, bos_token_id=None, eos_token_ids=[IM_END], chat_template=TEMPLATE, source="scripted")
+
+
+def scripted_target():
+    """The scripted :class:`~dflash_jax.loading.Target` (module docstring)."""
+    import jax
+
+    from dflash_jax.loading import Target
+    from dflash_jax.models import dense
+    from dflash_jax.testing import tiny_target_config
+
+    pieces = HERMES_SCRIPT + POOLSIDE_SCRIPT
+    vocab = IM_END + 1 + len(pieces)
+    hidden = 16 * ((vocab + 15) // 16)
+    cfg = tiny_target_config("llama", vocab_size=vocab, hidden_size=hidden, num_hidden_layers=1, num_attention_heads=2,
+                             num_key_value_heads=1, head_dim=16, intermediate_size=32, tie_word_embeddings=False,
+                             max_position_embeddings=512)
+    params = dense.init_params(cfg, jax.random.key(0), scale=0.1)
+    succ = np.full(vocab, IM_END)
+    for script, trigger in ((HERMES_SCRIPT, ord("\n")), (POOLSIDE_SCRIPT, ord("P"))):
+        ids = [IM_END + 1 + pieces.index(p) for p in script]
+        for a, b in zip([trigger] + ids, ids + [IM_END]):
+            succ[a] = b
+    head = np.zeros((hidden, vocab), np.float32)
+    head[np.arange(vocab), succ] = 10.0
+    layers = dict(params["layers"], wo=jnp.zeros_like(params["layers"]["wo"]), w_down=jnp.zeros_like(params["layers"]["w_down"]))
+    params = dict(params, embed=jnp.eye(vocab, hidden, dtype=jnp.float32), layers=layers,
+                  norm=jnp.ones((hidden,), jnp.float32), lm_head=jnp.asarray(head))
+    return Target(cfg=cfg, params=params, tokenizer=_tokenizer(pieces), source="scripted", eos_ids=(IM_END,))
+
+
+def raw(url: str, method: str = "GET", body: bytes | None = None, headers: dict | None = None, timeout: float = 60):
+    """``(status, headers, body bytes)`` of one plain HTTP request (standard library; for what the
+    ``openai`` client cannot send: malformed JSON, oversized bodies, raw metrics)."""
+    import urllib.error
+    import urllib.request
+
+    req = urllib.request.Request(url, data=body, method=method, headers=dict({"Content-Type": "application/json"}, **(headers or {})))
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return r.status, {k.lower(): v for k, v in r.headers.items()}, r.read()
+    except urllib.error.HTTPError as e:
+        return e.code, {k.lower(): v for k, v in e.headers.items()}, e.read()

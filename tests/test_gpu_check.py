@@ -1,0 +1,124 @@
+"""tools/gpu_check.py, the prepared check for a lent GPU: its dry run (the same code on tiny shapes)
+runs end to end on the CPU, so the script cannot rot before a GPU is lent; and the bytes it counts
+per decode step are the ones a step must read.
+"""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import pytest
+
+from dflash_jax.models import dense, laguna
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def tools():
+    """The modules ``gpu_check`` and ``gpu_shapes`` of tools/ (importing them changes no setting)."""
+    sys.path.insert(0, str(REPO / "tools"))
+    try:
+        import gpu_check
+        import gpu_shapes
+
+        yield gpu_check, gpu_shapes
+    finally:
+        sys.path.remove(str(REPO / "tools"))
+
+
+@pytest.fixture(scope="module")
+def dry_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("gpu_check")
+    r = subprocess.run([sys.executable, "tools/gpu_check.py", "--dry-run", "--out", str(out)], cwd=REPO, env=dict(os.environ),
+                       capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-6000:]
+    return out, json.loads((out / "gpu_check.json").read_text(encoding="utf-8")), r.stdout
+
+
+def test_dry_run_measures_every_section(dry_run):
+    out, res, stdout = dry_run
+    runs = {(e["shape"], e["dtype"]): e for e in res["runs"]}
+    assert set(runs) == {("qwen3-8b", "bfloat16"), ("laguna-xs-2.1", "bfloat16"), ("smollm2-135m", "float32")}
+    assert all(not e.get("skipped") for e in runs.values()), [e.get("skipped") for e in runs.values()]
+    qwen = runs[("qwen3-8b", "bfloat16")]
+    assert [d["live"] for d in qwen["decode"]] == [64, 200]
+    assert sorted(v["width"] for v in qwen["verify"]) == [1, 4]  # the fill-in run joined the entry
+    for e in runs.values():
+        assert e["decode"] and e["verify"] and e["dflash"] and e["compile_s"]["plain loop"] > 0
+        for d in e["decode"]:
+            assert d["steps"] == 8 and d["step_ms"] > 0 and d["weight_bytes"] > 0 and d["kv_bytes"] > 0 and d["hbm_fraction"] > 0
+        for d in e["dflash"]:  # the scripted acceptance is exact: accepted drafts plus the bonus token per step
+            assert d["steps"] == 8 and d["tau"] == d["accept"] + 1 and d["tokens_per_s"] > 0
+    o = res["oracle_tests"]
+    assert o["passed"] >= 1 and o["failed"] == 0 and not o["timed_out"], o
+    assert (out / "oracle_tests.log").read_text().count(" PASSED") == o["passed"]
+    md = (out / "gpu_check.md").read_text(encoding="utf-8")
+    for heading in ("Oracle tests on the device", "Decode step and HBM bandwidth", "Decode step against live length", "Verify cost",
+                    "DFlash tokens/s against acceptance", "Compile times"):
+        assert f"### {heading}" in md and f"### {heading}" in stdout
+    assert "Skipped" not in md
+
+
+def test_merge_puts_the_section_into_benchmarks_once(dry_run, tmp_path):
+    out, _, _ = dry_run
+    bench = tmp_path / "BENCHMARKS.md"
+    bench.write_text("# Benchmarks\n\n<!-- gpu_check device -->\nno device lent yet\n<!-- /gpu_check device -->\n", encoding="utf-8")
+    for _ in range(2):
+        r = subprocess.run([sys.executable, "tools/gpu_check.py", "--merge", str(out / "gpu_check.md"), "--benchmarks", str(bench)],
+                           cwd=REPO, capture_output=True, text=True, timeout=120)
+        assert r.returncode == 0, r.stderr
+    text = bench.read_text(encoding="utf-8")
+    assert "no device lent yet" not in text and text.count("<!-- gpu_check device -->") == 1
+    assert (out / "gpu_check.md").read_text(encoding="utf-8").strip() in text
+
+
+def test_bytes_per_decode_step(tools):
+    """Every weight once, but one embedding row when the LM head is separate and only the top-k
+    experts of a MoE; the live K/V rows, a sliding layer's at most its window."""
+    gpu_shapes = tools[1]
+    for name, tied in (("smollm2-135m", True), ("qwen3-8b", False)):
+        cfg, dcfg = gpu_shapes.configs(name, "bfloat16", tiny=True)
+        params, _ = jax.eval_shape(lambda: gpu_shapes.random_models(cfg, dcfg))
+        total = gpu_shapes.tree_bytes(params)
+        embed = params["embed"].size * 2
+        assert gpu_shapes.weight_bytes_per_token(params, cfg) == (total if tied else total - embed + cfg.hidden_size * 2)
+        cache = jax.eval_shape(lambda: dense.init_cache(cfg, 1, 64))
+        per_row = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * 2  # k and v, bf16
+        assert gpu_shapes.kv_bytes_live(cache, 64, 10) == 10 * per_row
+    cfg, dcfg = gpu_shapes.configs("laguna-xs-2.1", "bfloat16", tiny=True)
+    params, _ = jax.eval_shape(lambda: gpu_shapes.random_models(cfg, dcfg))
+    experts = sum(x.size * 2 for k, x in jax.tree_util.tree_leaves_with_path(params) if jax.tree_util.keystr(k[-1:]) in ("['e_gate']", "['e_up']", "['e_down']"))
+    rest = gpu_shapes.tree_bytes(params) - experts - params["embed"].size * 2 + cfg.hidden_size * 2
+    assert gpu_shapes.weight_bytes_per_token(params, cfg) == rest + experts * cfg.num_experts_per_tok // cfg.num_experts
+    cache = jax.eval_shape(lambda: laguna.init_cache(cfg, 1, 256))
+    full = sum(cfg.layer_types[i] == "full_attention" for i in range(cfg.num_hidden_layers))
+    per_row = 2 * cfg.num_key_value_heads * cfg.head_dim * 2
+    live = cfg.sliding_window + 40
+    want = per_row * (full * live + (cfg.num_hidden_layers - full) * cfg.sliding_window)
+    assert gpu_shapes.kv_bytes_live(cache, 256, live, cfg.sliding_window) == want
+
+
+def test_the_gpu_plans_fit_their_capacity_and_the_h200(tools):
+    """The full and quick plans never run here: their lengths, blocks and widths fit the capacity
+    (and a Laguna target's rings),
+    DFlash runs at a context the same model decodes at, and the weights fit an H200 (139 GiB; the
+    check lets JAX take 90%) with room for temporaries."""
+    gpu_check, gpu_shapes = tools
+    for name, plan in gpu_check.PLANS.items():
+        decoded = set()
+        for run in plan.runs:
+            cfg, dcfg = gpu_shapes.configs(run.shape, run.dtype, plan.tiny)
+            decoded |= {(run.shape, run.dtype, n) for n in run.lengths}
+            assert all(n + plan.steps + 1 <= plan.capacity for n in run.lengths), (name, run)
+            assert run.context + max(run.widths) <= plan.capacity, (name, run)
+            assert max(run.widths) <= getattr(cfg, "max_block", 16), (name, run)  # Laguna: what its rings hold past the length
+            if run.accepts:
+                assert (run.shape, run.dtype, run.context) in decoded, (name, run)
+                assert max(run.accepts) < dcfg.block_size and run.context + 1 + plan.steps * (max(run.accepts) + 1) <= plan.capacity
+            if not plan.tiny:
+                target, drafter = jax.eval_shape(lambda: gpu_shapes.random_models(cfg, dcfg))
+                assert gpu_shapes.tree_bytes(target) + gpu_shapes.tree_bytes(drafter) < 0.6 * 139 * 2**30, (name, run)

@@ -1,0 +1,173 @@
+"""``dflash-jax serve`` answers, through the real ``openai`` client against a server on loopback.
+
+Oracle: :func:`dflash_jax.generate` (float32, greedy, the same capacity) on the same prompt. The
+shared server (tests/conftest.py) decodes the tiny model with a tiny DFlash drafter in a batch of
+8 rows; the scripted server's model answers with fixed reasoning and tool calls.
+"""
+
+import asyncio
+import json
+
+import openai
+import pytest
+from conftest import SERVE_MAX_LEN
+from serve_util import TOOLS, raw
+
+import dflash_jax as dj
+
+MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a colour."}]
+
+
+def client(url, **kw):
+    return openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=120, **kw)
+
+
+def oracle(model, ids, max_tokens, **kw):
+    """``generate``'s answer alone: ``(text, ids, finish_reason)``."""
+    _, target, drafter = model
+    res = dj.generate(target, [ids], max_new_tokens=max_tokens, drafter=drafter, max_len=SERVE_MAX_LEN, **kw)
+    return res.texts[0], res.output_ids[0], res.finish_reason[0]
+
+
+def chat_ids(model, messages):
+    return model[1].tokenizer.encode_chat(messages)
+
+
+def stream_chat(c, **kw):
+    """``(content, finish_reason, usage, speculative, chunks)`` of a streamed chat answer."""
+    chunks = list(c.chat.completions.create(stream=True, stream_options={"include_usage": True}, **kw))
+    content = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
+    finish = [ch.choices[0].finish_reason for ch in chunks if ch.choices and ch.choices[0].finish_reason]
+    spec = [ch.speculative for ch in chunks if getattr(ch, "speculative", None)]
+    return content, finish, chunks[-1].usage, spec, chunks
+
+
+def test_chat_streamed_and_whole_equal_generate(serve_tiny, serve_tiny_model):
+    url, _ = serve_tiny
+    c = client(url)
+    text, ids, reason = oracle(serve_tiny_model, chat_ids(serve_tiny_model, MESSAGES), 24)
+    r = c.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=24, temperature=0)
+    assert r.object == "chat.completion" and r.model == "tiny" and r.id.startswith("chatcmpl-")
+    assert r.choices[0].message.content == text and r.choices[0].message.role == "assistant"
+    assert r.choices[0].finish_reason == reason
+    u = r.usage
+    assert u.prompt_tokens == len(chat_ids(serve_tiny_model, MESSAGES)) and u.completion_tokens == len(ids)
+    assert u.total_tokens == u.prompt_tokens + u.completion_tokens
+    spec = r.speculative
+    assert spec["verify_steps"] >= 1 and len(spec["accepted_per_position"]) == 3 and spec["n_max"] == 3
+    assert u.completion_tokens_details.accepted_prediction_tokens == spec["accepted_tokens"]
+    assert u.completion_tokens_details.rejected_prediction_tokens == spec["drafted_tokens"] - spec["accepted_tokens"]
+    assert 0 < spec["drafted_tokens"] <= 3 * spec["verify_steps"]  # a block near the budget drafts fewer
+    content, finish, usage, specs, chunks = stream_chat(c, model="tiny", messages=MESSAGES, max_tokens=24, temperature=0)
+    assert chunks[0].choices[0].delta.role == "assistant" and content == text and finish == [reason]
+    assert usage.completion_tokens == len(ids) and chunks[-1].choices == [] and specs[0]["tau"] == spec["tau"]
+
+
+def test_completions_streamed_and_whole_equal_generate(serve_tiny, serve_tiny_model):
+    url, _ = serve_tiny
+    c = client(url)
+    prompt = "The sky is"
+    text, ids, reason = oracle(serve_tiny_model, serve_tiny_model[1].tokenizer.encode(prompt), 12, ignore_eos=True)
+    r = c.completions.create(model="tiny", prompt=prompt, max_tokens=12, temperature=0, extra_body={"ignore_eos": True})
+    assert r.object == "text_completion" and r.choices[0].text == text and r.choices[0].finish_reason == "length" == reason
+    assert r.usage.completion_tokens == 12 == len(ids)
+    chunks = list(c.completions.create(model="tiny", prompt=[5, 6, 7], max_tokens=12, temperature=0, stream=True,
+                                       stream_options={"include_usage": True}, extra_body={"ignore_eos": True}))
+    text_ids, _, _ = oracle(serve_tiny_model, [5, 6, 7], 12, ignore_eos=True)
+    assert "".join(ch.choices[0].text for ch in chunks if ch.choices) == text_ids
+    assert chunks[-1].usage.completion_tokens == 12 and chunks[-2].choices[0].finish_reason == "length"
+
+
+def test_stop_texts_cut_like_generate(serve_tiny, serve_tiny_model):
+    url, _ = serve_tiny
+    c = client(url)
+    prompt = [9, 10, 11, 12]
+    full, _, _ = oracle(serve_tiny_model, prompt, 30, ignore_eos=True)
+    stop = full[6:9]  # a text the answer holds, after its start
+    assert len(stop) == 3
+    text, ids, reason = oracle(serve_tiny_model, prompt, 30, ignore_eos=True, stop=[stop, "never-there"])
+    assert reason == "stop" and len(text) < len(full)
+    for stream in (False, True):
+        kw = dict(model="tiny", prompt=prompt, max_tokens=30, temperature=0, stop=[stop, "never-there"],
+                  extra_body={"ignore_eos": True})
+        if stream:
+            chunks = list(c.completions.create(stream=True, stream_options={"include_usage": True}, **kw))
+            got, finish, n = "".join(ch.choices[0].text for ch in chunks if ch.choices), chunks[-2].choices[0].finish_reason, chunks[-1].usage
+        else:
+            r = c.completions.create(**kw)
+            got, finish, n = r.choices[0].text, r.choices[0].finish_reason, r.usage
+        assert (got, finish, n.completion_tokens) == (text, "stop", len(ids))
+
+
+def test_sixteen_concurrent_requests_each_equal_their_answer_alone(serve_tiny, serve_tiny_model):
+    """16 requests at once on 8 rows (half wait, rows are reused): each answer equals generate's alone."""
+    url, engine = serve_tiny
+    prompts = [[3 + i, 40 + 2 * i, 7, 100 + i][: 2 + i % 3] for i in range(16)]
+    budgets = [6 + (5 * i) % 17 for i in range(16)]
+    expected = [oracle(serve_tiny_model, p, n)[0] for p, n in zip(prompts, budgets)]
+
+    async def main():
+        c = openai.AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+        async def one(p, n, stream):
+            if not stream:
+                r = await c.completions.create(model="tiny", prompt=p, max_tokens=n, temperature=0)
+                return r.choices[0].text
+            s = await c.completions.create(model="tiny", prompt=p, max_tokens=n, temperature=0, stream=True)
+            return "".join([ch.choices[0].text async for ch in s if ch.choices])
+
+        return await asyncio.gather(*(one(p, n, i % 2 == 1) for i, (p, n) in enumerate(zip(prompts, budgets))))
+
+    got = asyncio.run(main())
+    assert got == expected
+    assert engine.counts() == (0, 0)
+
+
+def test_models_health_and_metrics(serve_tiny):
+    url, _ = serve_tiny
+    c = client(url)
+    models = c.models.list()
+    assert [m.id for m in models.data] == ["tiny"] and models.data[0].max_model_len == SERVE_MAX_LEN
+    status, _, body = raw(url + "/health")
+    assert status == 200 and json.loads(body)["status"] == "ok"
+    c.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=3, temperature=0)
+    m = raw(url + "/metrics")[2].decode()
+    for name in ("dflash_requests_total", "dflash_generation_tokens_total", "dflash_time_to_first_token_seconds_bucket",
+                 "dflash_accepted_tokens_total", "dflash_running_requests", "dflash_engine_alive 1.0"):
+        assert name in m, name
+
+
+def _assemble(chunks):
+    """Reasoning, content and tool calls of a streamed chat answer, as the client would rebuild them."""
+    reasoning = "".join(getattr(ch.choices[0].delta, "reasoning_content", None) or "" for ch in chunks if ch.choices)
+    content = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
+    calls = [(tc.function.name, json.loads(tc.function.arguments)) for ch in chunks if ch.choices for tc in ch.choices[0].delta.tool_calls or []]
+    finish = [ch.choices[0].finish_reason for ch in chunks if ch.choices and ch.choices[0].finish_reason]
+    return reasoning, content, calls, finish
+
+
+@pytest.mark.parametrize("layout,reasoning,content,args", [
+    (None, "Let me check the weather.", "Sure.", {"city": "Paris", "days": 3}),  # Hermes / Qwen JSON layout
+    ("P", None, "Checking.", {"city": "  New York ", "days": 3}),  # Laguna poolside_v1 layout
+])
+def test_tool_calls_and_reasoning(serve_scripted, layout, reasoning, content, args):
+    url, _ = serve_scripted
+    c = client(url)
+    kw = dict(model="scripted", messages=[{"role": "user", "content": "Weather in Paris?"}], tools=TOOLS, temperature=0,
+              max_tokens=40, extra_body={"chat_template_kwargs": {"layout": layout}} if layout else {})
+    r = c.chat.completions.create(**kw)
+    msg = r.choices[0].message
+    assert r.choices[0].finish_reason == "tool_calls"
+    assert getattr(msg, "reasoning_content", None) == reasoning and msg.content == content
+    assert [(t.function.name, json.loads(t.function.arguments)) for t in msg.tool_calls] == [("get_weather", args)]
+    assert msg.tool_calls[0].id.startswith("call_") and msg.tool_calls[0].type == "function"
+    chunks = list(c.chat.completions.create(stream=True, **kw))
+    assert _assemble(chunks) == (reasoning or "", content, [("get_weather", args)], ["tool_calls"])
+    # without tools the same text is plain content (reasoning is still split)
+    plain = c.chat.completions.create(**dict(kw, tools=openai.omit))
+    assert plain.choices[0].finish_reason == "stop" and "<tool_call>" in plain.choices[0].message.content
+    # a conversation that carries the call and its result renders and answers
+    history = kw["messages"] + [{"role": "assistant", "content": None, "tool_calls": [t.model_dump() for t in msg.tool_calls]},
+                                {"role": "tool", "tool_call_id": msg.tool_calls[0].id, "content": "sunny"}]
+    again = c.chat.completions.create(**dict(kw, messages=history))
+    assert again.choices[0].finish_reason == "tool_calls"

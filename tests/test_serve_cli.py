@@ -1,0 +1,112 @@
+"""``dflash-jax serve`` as a command: graceful SIGTERM/SIGINT (exit 0, running requests finish),
+exit 1 when the engine dies, one-line option errors, and the default pair end to end."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import openai
+import pytest
+from serve_util import free_port, raw, serve_in_thread
+
+import dflash_jax as dj
+from dflash_jax import cli
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _wait_healthy(url, proc, timeout=240):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        assert proc.poll() is None, proc.stderr.read()
+        try:
+            if raw(url + "/health", timeout=2)[0] == 200:
+                return
+        except OSError:
+            pass
+        time.sleep(0.2)
+    raise AssertionError("the server did not come up")
+
+
+def test_sigterm_finishes_running_requests_and_exits_0_sigint_too(serve_tiny_model):
+    folder = serve_tiny_model[0]
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        port = free_port()
+        proc = subprocess.Popen([sys.executable, "-m", "dflash_jax", "serve", "--target", str(folder), "--no-spec", "--port", str(port),
+                                 "--max-batch", "2", "--max-len", "128", "--served-model-name", "t"],
+                                cwd=REPO, env=dict(os.environ, JAX_PLATFORMS="cpu"), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        try:
+            url = f"http://127.0.0.1:{port}"
+            _wait_healthy(url, proc)
+            if sig == signal.SIGTERM:  # a request in flight when the signal comes finishes
+                c = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=120)
+                stream = c.completions.create(model="t", prompt=[1, 2, 3], max_tokens=40, temperature=0, stream=True,
+                                              extra_body={"ignore_eos": True})
+                it = iter(stream)
+                first = next(it)
+                proc.send_signal(sig)
+                rest = list(it)
+                assert first.choices and rest[-1].choices[0].finish_reason == "length"
+            else:
+                proc.send_signal(sig)
+            assert proc.wait(120) == 0, proc.stderr.read()
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+
+
+def test_engine_death_ends_the_command_with_1(serve_tiny_model, monkeypatch, capsys):
+    from dflash_jax.serve.engine import Engine
+
+    def broken_round(self):
+        raise RuntimeError("device lost")
+
+    monkeypatch.setattr(Engine, "_round", broken_round)
+    code = cli.main(["serve", "--target", str(serve_tiny_model[0]), "--no-spec", "--port", str(free_port()), "--max-len", "64"])
+    assert code == 1
+    assert "error: the engine died: RuntimeError: device lost" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("args,line", [
+    (["--max-batch", "0"], "error: --max-batch: got 0 (expected an integer >= 1)"),
+    (["--port", "70000"], "error: --port: got 70000 (expected an integer in [1, 65535])"),
+    (["--no-spec", "--n-max", "2"], "error: --n-max: conflicts with --no-spec"),
+    (["--max-len", "100000"], "error: --max-len: 100000 exceeds the target's 512 positions"),
+    (["--max-batch", "x"], "error: --max-batch: got 'x' (expected an integer)"),
+])
+def test_bad_options_are_one_line_errors(serve_tiny_model, capsys, args, line):
+    code = cli.main(["serve", "--target", str(serve_tiny_model[0]), *args])
+    err = capsys.readouterr().err
+    assert code == 2 and err.startswith(line) and err.count("\n") == 1, err
+
+
+@pytest.mark.slow
+def test_default_pair_end_to_end():
+    """The embedded SmolLM2-135M with its shipped drafter: DFlash answers, streamed and whole, equal
+    generate's, with acceptance reported."""
+    from dflash_jax.serve.app import build_app
+    from dflash_jax.serve.engine import Engine
+    from dflash_jax.serve.jobs import ServedModel
+
+    target = dj.load_target()
+    drafter = dj.shipped_drafter(target)
+    engine = Engine(ServedModel(target, drafter, name="smollm2"), max_batch=2, max_len=256)
+    url, stop = serve_in_thread(build_app(engine))
+    try:
+        messages = [{"role": "user", "content": "Write a Python function that adds two numbers."}]
+        ids = dj.encode_prompt(target, messages[0]["content"])
+        want = dj.generate(target, [ids], max_new_tokens=24, drafter=drafter, max_len=256)
+        c = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=600)
+        r = c.chat.completions.create(model="smollm2", messages=messages, max_tokens=24, temperature=0)
+        assert r.choices[0].message.content == want.texts[0] and r.usage.completion_tokens == len(want.output_ids[0])
+        assert r.speculative["tau"] > 1 and r.usage.completion_tokens_details.accepted_prediction_tokens > 0
+        chunks = list(c.chat.completions.create(model="smollm2", messages=messages, max_tokens=24, temperature=0, stream=True))
+        assert "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices) == want.texts[0]
+        assert json.loads(raw(url + "/health")[2])["status"] == "ok"
+    finally:
+        stop()

@@ -1,0 +1,149 @@
+"""Refusals and failures of ``dflash-jax serve``: OpenAI error objects with the exact codes, and a
+server that stays healthy (bad input, unknown model, capacity, queue full, API key, body size, a
+client that disconnects, a request that fails inside the engine, an engine that dies)."""
+
+import json
+import threading
+import time
+
+import openai
+import pytest
+from serve_util import raw, serve_in_thread
+
+from dflash_jax.serve.app import build_app
+from dflash_jax.serve.engine import Engine
+from dflash_jax.serve.jobs import ServedModel
+
+CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "temperature": 0}
+
+
+def post(url, body, path="/v1/chat/completions", headers=None):
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    status, hdrs, out = raw(url + path, "POST", data, headers)
+    return status, hdrs, json.loads(out)
+
+
+def healthy(url):
+    status, _, body = raw(url + "/health")
+    return status == 200 and json.loads(body)["status"] == "ok"
+
+
+@pytest.mark.parametrize("body,param,code", [
+    (b'{"model": "tiny", "messages": [', None, "invalid_json"),
+    (dict(CHAT, max_tokens="5"), "max_tokens", "invalid_type"),
+    (dict(CHAT, temperature=3), "temperature", "invalid_value"),
+    (dict(CHAT, messages=[{"role": "robot", "content": "x"}]), "messages.0.role", "invalid_value"),
+    ({"model": "tiny"}, "messages", "missing_required_parameter"),
+    (dict(CHAT, n=2), "n", "invalid_value"),
+    (dict(CHAT, stop=[""]), "stop", "invalid_value"),
+    (dict(CHAT, n_max=9), "n_max", "invalid_value"),
+    (dict(CHAT, tool_choice="required", tools=[{"type": "function", "function": {"name": "f"}}]), "tool_choice", "invalid_value"),
+    (dict(CHAT, tools=[{"type": "function", "function": {"name": "f"}}]), "tools", "invalid_value"),  # the template takes none
+    (dict(CHAT, max_tokens=1000), "max_tokens", "context_length_exceeded"),
+    (dict(CHAT, messages=[{"role": "user", "content": "x" * 400}]), "messages", "context_length_exceeded"),
+])
+def test_bad_requests_are_400_naming_the_field(serve_tiny, body, param, code):
+    url, _ = serve_tiny
+    status, _, out = post(url, body)
+    assert status == 400, out
+    err = out["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["type"] == "invalid_request_error"
+    assert (err["param"], err["code"]) == (param, code), err
+    assert param is None or param.split(".")[0] in err["message"]
+    assert healthy(url)
+
+
+def test_completion_errors_and_unknown_model_and_size(serve_tiny):
+    url, _ = serve_tiny
+    status, _, out = post(url, {"model": "tiny", "prompt": [5, 99999]}, "/v1/completions")
+    assert status == 400 and out["error"]["param"] == "prompt" and "99999" in out["error"]["message"]
+    status, _, out = post(url, {"model": "tiny", "prompt": ["a", "b"]}, "/v1/completions")
+    assert status == 400 and out["error"]["param"] == "prompt"
+    status, _, out = post(url, dict(CHAT, model="../../etc/passwd"))
+    assert status == 404 and out["error"]["code"] == "model_not_found" and out["error"]["param"] == "model"
+    status, _, out = post(url, dict(CHAT, messages=[{"role": "user", "content": "x" * (70 << 10)}]))
+    assert status == 413 and out["error"]["code"] == "request_too_large"
+    status, _, out = post(url, {}, "/v1/nowhere")
+    assert status == 404 and "error" in out
+    with pytest.raises(openai.NotFoundError) as e:
+        openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0).chat.completions.create(model="gpt-4", messages=CHAT["messages"])
+    assert e.value.code == "model_not_found"
+    assert healthy(url)
+
+
+def test_api_key_queue_full_and_engine_death(serve_tiny_model):
+    """An engine that never runs holds requests in its queue: with --max-queue 1 the second is
+    refused with 429 and Retry-After; the key is checked first. Then the engine dies: /health
+    says so, the waiting request gets a 500 error object and on_death is called."""
+    _, target, drafter = serve_tiny_model
+    died = threading.Event()
+    engine = Engine(ServedModel(target, drafter, name="tiny"), max_batch=2, max_len=64, max_queue=1, on_death=lambda e: died.set())
+    url, stop = serve_in_thread(build_app(engine, api_key="sekrit", start_engine=False))
+    try:
+        key = {"Authorization": "Bearer sekrit"}
+        assert post(url, CHAT)[0] == 401 and post(url, CHAT, headers={"Authorization": "Bearer wrong"})[0] == 401
+        status, _, out = post(url, CHAT, headers={"Authorization": "Bearer wrong"})
+        assert out["error"]["code"] == "invalid_api_key"
+        assert raw(url + "/v1/models", headers=key)[0] == 200 and raw(url + "/v1/models")[0] == 401
+        first = {}
+        waiting = threading.Thread(target=lambda: first.update(r=post(url, CHAT, headers=key)))
+        waiting.start()
+        while engine.counts()[1] < 1:
+            time.sleep(0.01)
+        status, headers, out = post(url, CHAT, headers=key)
+        assert status == 429 and out["error"]["code"] == "queue_full" and headers["retry-after"] == "1"
+
+        def broken_round():
+            raise RuntimeError("device lost")
+
+        engine._round = broken_round
+        engine.start()
+        waiting.join(30)
+        assert died.wait(10)
+        status, _, out = first["r"]
+        assert status == 500 and "device lost" in out["error"]["message"]
+        status, _, body = raw(url + "/health")
+        assert status == 503 and "device lost" in json.loads(body)["error"]
+        assert post(url, CHAT, headers=key)[0] == 503
+    finally:
+        stop()
+
+
+def test_disconnect_mid_stream_frees_the_row(serve_tiny):
+    url, engine = serve_tiny
+    c = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
+    stream = c.completions.create(model="tiny", prompt=[1, 2, 3], max_tokens=140, temperature=0, stream=True,
+                                  extra_body={"ignore_eos": True})
+    got = [next(iter(stream)) for _ in range(2)]
+    assert got and engine.counts()[0] == 1
+    stream.close()
+    deadline = time.time() + 30
+    while engine.counts()[0] and time.time() < deadline:
+        time.sleep(0.01)
+    assert engine.counts() == (0, 0)
+    assert 'dflash_requests_total{finish_reason="cancelled"}' in raw(url + "/metrics")[2].decode()
+    assert healthy(url)
+
+
+def test_a_failing_request_fails_alone(serve_tiny, monkeypatch):
+    """A request whose text handling raises inside the engine gets a 500; the one beside it is answered."""
+    url, engine = serve_tiny
+    real = engine._feed
+
+    def feed(r, new):
+        if r.job.spec.prompt[0] == 77:
+            raise ValueError("bad row")
+        return real(r, new)
+
+    monkeypatch.setattr(engine, "_feed", feed)
+    out = {}
+
+    def ask(key, prompt):
+        out[key] = post(url, {"model": "tiny", "prompt": prompt, "max_tokens": 8, "temperature": 0}, "/v1/completions")
+
+    threads = [threading.Thread(target=ask, args=(k, p)) for k, p in (("bad", [77, 1]), ("good", [5, 1]))]
+    [t.start() for t in threads]
+    [t.join(60) for t in threads]
+    assert out["bad"][0] == 500 and "bad row" in out["bad"][2]["error"]["message"]
+    assert out["good"][0] == 200 and out["good"][2]["usage"]["completion_tokens"] >= 1
+    assert healthy(url) and engine.counts() == (0, 0)
