@@ -15,8 +15,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dflash_jax import decode
+from dflash_jax import decode, progress
 from dflash_jax.arguments import Request, check_request
+from dflash_jax.compile_count import count_cache_hits, count_compilations
 from dflash_jax.loading import Drafter, Target
 from dflash_jax.prefill import compile_prefill
 from dflash_jax.results import GenerationResult, build_result, spec_stats
@@ -143,7 +144,10 @@ def generate(
                         on_tokens, drafter, n_max, draft_mode)
     state = decode.init_state(req.static, req.prompts, req.max_len, req.max_new_tokens, req.stop_ids, req.seed)
     t0 = time.perf_counter()
-    prefill_c, run = _compile(req, state, streaming=on_tokens is not None)  # traces shapes only; nothing runs
+    with progress.step("compiling", "compiled prefill and decode", routine=True) as details, \
+            count_compilations() as programs, count_cache_hits() as hits:
+        prefill_c, run = _compile(req, state, streaming=on_tokens is not None)  # traces shapes only; nothing runs
+        details.append(f"capacity {req.max_len}, chunk {req.chunk_size}: {programs()} XLA programs, {hits()} read from the compile cache")
     compile_s = time.perf_counter() - t0
 
     jax.block_until_ready((req.params, state))
