@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import gc
 import shlex
 import sys
 import time
@@ -136,6 +137,8 @@ def batches(prompts, batch, args):
 
 def run_set(target, drafter, name, prompts, batch, args) -> dict:
     """Every configuration on every batch of one set; per configuration the sums over batches."""
+    import jax
+
     names = configs(drafter)
     sums = {c: dict(seconds=0.0, cpu=0.0, tokens=0, per_batch=[], passes=0, committed=0, widths=None, steps=0, verdicts=[], compiled=0)
             for c in names}
@@ -168,6 +171,8 @@ def run_set(target, drafter, name, prompts, batch, args) -> dict:
             print(f"{name} batch {batch} cap {capacity} {k}: " + " ".join(f"{c}={recs[c]['decode_tokens'] / recs[c]['seconds']:.1f}" for c in names),
                   file=sys.stderr, flush=True)
         del prepared
+        jax.clear_caches()  # every XLA:CPU executable keeps memory mappings: free this capacity's
+        gc.collect()
     return dict(name=name, batch=batch, batches=k, sums=sums, cost_models=cost_models)
 
 
