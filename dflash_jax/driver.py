@@ -63,6 +63,15 @@ def _compile_now(req: Request, state, streaming: bool):
     return prefill_c, lambda params, s: loop(params, s, rows)
 
 
+def _compile_reported(req: Request, state, streaming: bool):
+    """:func:`_compile`, reported as a progress step (programs compiled, compile-cache hits)."""
+    with progress.step("compiling", "compiled prefill and decode", routine=True) as details, \
+            count_compilations() as programs, count_cache_hits() as hits:
+        out = _compile(req, state, streaming)
+        details.append(f"capacity {req.max_len}, chunk {req.chunk_size}: {programs()} XLA programs, {hits()} read from the compile cache")
+    return out
+
+
 def _with_policy(req: Request, target: Target, drafter: Drafter, state, run, streaming: bool) -> tuple[Request, dict]:
     """``req`` with ``params.depth`` set for ``n_max="auto"`` (:func:`dflash_jax.costs.adaptive_params`:
     the costs given, kept on disk, or measured with ``run`` on copies of the prefilled ``state``),
@@ -169,10 +178,7 @@ def generate(
                         on_tokens, drafter, n_max, draft_mode, cost_model)
     state = decode.init_state(req.static, req.prompts, req.max_len, req.max_new_tokens, req.stop_ids, req.seed)
     t0 = time.perf_counter()
-    with progress.step("compiling", "compiled prefill and decode", routine=True) as details, \
-            count_compilations() as programs, count_cache_hits() as hits:
-        prefill_c, run = _compile(req, state, streaming=on_tokens is not None)  # traces shapes only; nothing runs
-        details.append(f"capacity {req.max_len}, chunk {req.chunk_size}: {programs()} XLA programs, {hits()} read from the compile cache")
+    prefill_c, run = _compile_reported(req, state, streaming=on_tokens is not None)  # traces shapes only; nothing runs
     compile_s = time.perf_counter() - t0
 
     jax.block_until_ready((req.params, state))
