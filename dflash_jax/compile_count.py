@@ -1,4 +1,5 @@
-"""Counting XLA compilations, to prove a warmed-up generation compiles nothing."""
+"""Counting XLA compilations, to prove a warmed-up generation compiles nothing, and to say how
+many programs a run compiled and how many of them the persistent compile cache held."""
 
 from __future__ import annotations
 
@@ -6,14 +7,27 @@ import contextlib
 
 from jax import monitoring
 
-_EVENT = "/jax/core/compile/backend_compile_duration"
-_count = [0]
+_COMPILE = "/jax/core/compile/backend_compile_duration"
+_CACHE_HIT = "/jax/compilation_cache/cache_hits"
+_counts = {_COMPILE: 0, _CACHE_HIT: 0}
 _registered = [False]
 
 
-def _listener(name, duration, **kwargs):
-    if name == _EVENT:
-        _count[0] += 1
+def _on_duration(name, duration, **kwargs):
+    if name == _COMPILE:
+        _counts[_COMPILE] += 1
+
+
+def _on_event(name, **kwargs):
+    if name == _CACHE_HIT:
+        _counts[_CACHE_HIT] += 1
+
+
+def _register() -> None:
+    if not _registered[0]:
+        monitoring.register_event_duration_secs_listener(_on_duration)
+        monitoring.register_event_listener(_on_event)
+        _registered[0] = True
 
 
 @contextlib.contextmanager
@@ -23,8 +37,15 @@ def count_compilations():
     Counts every backend compile in the process while the block runs (persistent-cache hits
     included, since they still go through the backend compile step's timer).
     """
-    if not _registered[0]:
-        monitoring.register_event_duration_secs_listener(_listener)
-        _registered[0] = True
-    start = _count[0]
-    yield lambda: _count[0] - start
+    _register()
+    start = _counts[_COMPILE]
+    yield lambda: _counts[_COMPILE] - start
+
+
+@contextlib.contextmanager
+def count_cache_hits():
+    """Context manager yielding a callable that returns how many compilations since the block
+    began were read from JAX's persistent compilation cache."""
+    _register()
+    start = _counts[_CACHE_HIT]
+    yield lambda: _counts[_CACHE_HIT] - start

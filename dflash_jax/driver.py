@@ -15,8 +15,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dflash_jax import decode
+from dflash_jax import decode, progress
 from dflash_jax.arguments import Request, check_request
+from dflash_jax.compile_count import count_cache_hits, count_compilations
 from dflash_jax.loading import Drafter, Target
 from dflash_jax.prefill import compile_prefill
 from dflash_jax.results import GenerationResult, build_result, spec_stats
@@ -25,9 +26,34 @@ from dflash_jax.state import RUNNING, STOP
 from dflash_jax.text import TextStream
 
 
+_COMPILED: dict = {}
+_COMPILED_KEEP = 8
+
+
+def _signature(tree) -> tuple:
+    """The tree structure with every leaf's shape, dtype and sharding: what a compiled program is
+    specialised to."""
+    leaves, treedef = jax.tree_util.tree_flatten(tree)
+    return treedef, tuple((jnp.shape(x), jnp.result_type(x), getattr(x, "sharding", None)) for x in leaves)
+
+
 def _compile(req: Request, state, streaming: bool):
     """``(prefill, run)`` compiled for these shapes: :func:`dflash_jax.prefill.compile_prefill`'s
-    pair and ``run(params, state)``, the whole on-device loop or (``streaming``) one step."""
+    pair and ``run(params, state)``, the whole on-device loop or (``streaming``) one step.
+
+    Kept in memory for the last few shapes: with the default capacity and chunk buckets
+    (:func:`~dflash_jax.arguments.default_max_len`), a second ``generate`` with another prompt
+    and budget in the same process compiles nothing (across processes the persistent compilation
+    cache does the same)."""
+    key = (req.static, req.chunk_size, streaming, _signature(req.params), _signature(state))
+    if key not in _COMPILED:
+        while len(_COMPILED) >= _COMPILED_KEEP:
+            _COMPILED.pop(next(iter(_COMPILED)))
+        _COMPILED[key] = _compile_now(req, state, streaming)
+    return _COMPILED[key]
+
+
+def _compile_now(req: Request, state, streaming: bool):
     prefill_c = compile_prefill(req.params, state, req.static, req.chunk_size)
     if streaming:
         return prefill_c, decode.decode_step.lower(req.params, state, req.static).compile()
@@ -88,8 +114,8 @@ def generate(
         or JAX arrays, or the whole batch one ``[B, P]`` integer array.
       max_new_tokens: new-token budget per row (>= 1).
       sampling: :class:`~dflash_jax.sampling.SamplingConfig` (default greedy).
-      max_len: capacity per row, prompt included; default: longest prompt + ``max_new_tokens``
-        rounded up to a multiple of 64 (capped at the target's ``max_position_embeddings``, which
+      max_len: capacity per row, prompt included; default: the smallest of ``1024 * 2**k``
+        holding the longest prompt + ``max_new_tokens`` (capped at the target's ``max_position_embeddings``, which
         neither may exceed). A row that fills it finishes with ``"capacity"``.
       chunk_size: prompt tokens per prefill pass (capped, see :func:`~dflash_jax.arguments.effective_chunk_size`).
       stop_ids: extra token ids that end a row (kept in the output).
@@ -118,7 +144,10 @@ def generate(
                         on_tokens, drafter, n_max, draft_mode)
     state = decode.init_state(req.static, req.prompts, req.max_len, req.max_new_tokens, req.stop_ids, req.seed)
     t0 = time.perf_counter()
-    prefill_c, run = _compile(req, state, streaming=on_tokens is not None)  # traces shapes only; nothing runs
+    with progress.step("compiling", "compiled prefill and decode", routine=True) as details, \
+            count_compilations() as programs, count_cache_hits() as hits:
+        prefill_c, run = _compile(req, state, streaming=on_tokens is not None)  # traces shapes only; nothing runs
+        details.append(f"capacity {req.max_len}, chunk {req.chunk_size}: {programs()} XLA programs, {hits()} read from the compile cache")
     compile_s = time.perf_counter() - t0
 
     jax.block_until_ready((req.params, state))

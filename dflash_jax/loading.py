@@ -17,9 +17,11 @@ import jax
 import jax.numpy as jnp
 
 from dflash_jax import draft_vocab as dv
-from dflash_jax import registry
+from dflash_jax import progress, registry
 from dflash_jax.config import TargetConfig, read_json
 from dflash_jax.errors import DFlashError
+from dflash_jax.fingerprint import weights_fingerprint
+from dflash_jax.io import gguf_cache, gguf_file
 from dflash_jax.io.tokenizer import Tokenizer
 from dflash_jax.models import dense
 
@@ -39,6 +41,9 @@ class Target:
       source: the file or folder it was loaded from.
       eos_ids: end-of-generation token ids (from the tokenizer, else from ``config.json`` /
         ``generation_config.json``).
+      fingerprint: the fingerprint of the weights (:mod:`dflash_jax.fingerprint`) when it came
+        for free (a GGUF's float32 cache records it); ``None``: computed when needed
+        (:func:`fingerprint_of`).
     """
 
     cfg: TargetConfig
@@ -46,6 +51,7 @@ class Target:
     tokenizer: Any = None
     source: str = ""
     eos_ids: tuple[int, ...] = ()
+    fingerprint: str | None = None
 
 
 LAYER_LAYOUTS = ("auto", "stacked", "per_layer")
@@ -92,19 +98,24 @@ def load_target(path: str | os.PathLike | None = None, dtype: str = "float32", l
             hint = f"delete {p} so that it is fetched again"
             raise DFlashError(e.where, e.what, f"{e.expected}; the cached default model looks damaged: {hint}" if e.expected else hint) from e
     p = Path(path).expanduser()
-    cfg, params, tok, eos = _read_target(p, dtype)
-    if tok is not None and tok.vocab_size > cfg.vocab_size:
-        raise DFlashError(f"{p}: tokenizer", f"{tok.vocab_size} ids but the embedding has {cfg.vocab_size} rows",
-                          "a tokenizer no larger than the embedding")
-    params = with_output_head(params)
-    if per_layer and registry.family_of(cfg).per_layer:
-        params = dense.unstack_layers(params)
-    return Target(cfg=cfg, params=params, tokenizer=tok, source=str(p), eos_ids=eos)
+    with progress.step(f"loading {p}", f"loaded the target {p.name} ({dtype})", routine=True):
+        with gguf_file.shared_readers():  # the registry, the weights and the tokenizer parse a GGUF once
+            cfg, params, tok, eos = _read_target(p, dtype)
+        if tok is not None and tok.vocab_size > cfg.vocab_size:
+            raise DFlashError(f"{p}: tokenizer", f"{tok.vocab_size} ids but the embedding has {cfg.vocab_size} rows",
+                              "a tokenizer no larger than the embedding")
+        if per_layer and registry.family_of(cfg).per_layer:
+            params = dense.unstack_layers(params)  # numpy views of a GGUF's cache: no copy
+        params = with_output_head(jax.device_put(params))
+    info = gguf_cache.cache_info(str(p)) if p.is_file() else None
+    return Target(cfg=cfg, params=params, tokenizer=tok, source=str(p), eos_ids=eos,
+                  fingerprint=None if info is None else info.get("fingerprint"))
 
 
 def _read_target(p: Path, dtype: str):
     """``(cfg, params, tokenizer or None, eos ids)`` of an HF folder or a ``.gguf`` file, by the
-    family :mod:`dflash_jax.registry` finds for it."""
+    family :mod:`dflash_jax.registry` finds for it (a GGUF's params are numpy arrays: float32
+    ones memory-mapped from its cache, which ``jax.device_put`` on the CPU uses without a copy)."""
     if p.is_dir():
         if not (p / "config.json").is_file():
             raise DFlashError(str(p), "folder has no config.json", "a Hugging Face checkpoint folder or a .gguf file")
@@ -112,7 +123,7 @@ def _read_target(p: Path, dtype: str):
         tok = Tokenizer.from_hf_folder(p) if (p / "tokenizer.json").is_file() else None
         return cfg, params, tok, tuple(tok.eos_token_ids) if tok is not None else _hf_eos_ids(p)
     if p.is_file() and p.suffix.lower() == ".gguf":
-        cfg, params = registry.load_gguf_target(p, dtype=dtype)
+        cfg, params = registry.load_gguf_target(p, dtype=dtype, as_numpy=True)
         tok = Tokenizer.from_gguf(p)
         return cfg, params, tok, tuple(tok.eos_token_ids)
     if not p.exists():
@@ -199,12 +210,39 @@ def _recorded_n_max(config_path: Path, block_size: int) -> int | None:
     return value
 
 
-def shipped_drafter(target: Target, dtype: str | None = None) -> Drafter | None:
-    """The drafter shipped inside the package for ``target``, or ``None`` if there is none."""
-    from dflash_jax.assets import shipped_drafter_path
+def fingerprint_of(target: Target) -> str:
+    """The fingerprint of ``target``'s weights (:func:`dflash_jax.fingerprint.weights_fingerprint`):
+    ``target.fingerprint`` when its loader recorded one, else computed from ``target.params``
+    (which equals the float32 weights' fingerprint when the target was loaded in float32, or its
+    checkpoint stores the weights in the loaded dtype)."""
+    return target.fingerprint or weights_fingerprint(target.cfg, target.params)
 
-    folder = shipped_drafter_path(target.source)
-    return None if folder is None else load_drafter(folder, target, dtype)
+
+def shipped_drafter_path(target: Target) -> Path | None:
+    """The folder of the drafter shipped for ``target`` (:func:`dflash_jax.assets.shipped_drafters`),
+    matched by the fingerprint of the target's weights, not by its file name: a renamed or
+    re-saved copy of the same weights finds it, another model under the same name does not.
+    ``None`` when none ships. The fingerprint is computed only for a target of a shipped
+    drafter's shape (layers, hidden size, vocabulary)."""
+    from dflash_jax.assets import shipped_drafters
+
+    cfg = target.cfg
+    shape = (cfg.num_hidden_layers, cfg.hidden_size, cfg.vocab_size)
+    candidates = [d for d in shipped_drafters() if d.target_shape == shape]
+    if not candidates:
+        return None
+    fp = fingerprint_of(target)
+    return next((d.folder for d in candidates if d.target_fingerprint == fp), None)
+
+
+def shipped_drafter(target: Target, dtype: str | None = None) -> Drafter | None:
+    """The drafter shipped inside the package for ``target`` (:func:`shipped_drafter_path`), loaded,
+    or ``None`` if there is none."""
+    folder = shipped_drafter_path(target)
+    if folder is None:
+        return None
+    with progress.step(f"loading the shipped drafter {folder.name}", f"loaded the shipped drafter {folder.name}", routine=True):
+        return load_drafter(folder, target, dtype)
 
 
 def _hf_eos_ids(folder: Path) -> tuple[int, ...]:

@@ -22,7 +22,7 @@ from typing import Any, Callable, Mapping
 from dflash_jax import config, config_laguna
 from dflash_jax.errors import DFlashError
 from dflash_jax.io import drafter as io_drafter
-from dflash_jax.io import gguf, gguf_file, hf, laguna, laguna_drafter, laguna_gguf
+from dflash_jax.io import gguf, gguf_cache, gguf_file, hf, laguna, laguna_drafter, laguna_gguf
 from dflash_jax.models import dense, dflash_drafter
 from dflash_jax.models import laguna as laguna_model
 from dflash_jax.models import laguna_drafter as laguna_drafter_model
@@ -159,12 +159,14 @@ def family_for_hf(cfg: Mapping[str, Any], source: str = "config.json") -> Target
 
 
 def family_for_gguf(path: str | os.PathLike) -> TargetFamily:
-    """The family of a GGUF target by its ``general.architecture``.
+    """The family of a GGUF target by its ``general.architecture`` (read from the float32 cache's
+    ``meta.json`` when the file has a current one: no need to parse the GGUF then).
 
     Raises:
       DFlashError: a missing, truncated or non-GGUF file, or an unsupported architecture.
     """
-    arch = gguf_file.architecture(path)
+    info = gguf_cache.cache_info(str(path))
+    arch = info["architecture"] if info is not None else gguf_file.architecture(path)
     for fam in TARGET_FAMILIES:
         if arch in fam.gguf_architectures:
             return fam

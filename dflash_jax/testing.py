@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -32,19 +34,29 @@ def reference_greedy(params, cfg, prompt, n_new: int, stop_ids=()) -> list[int]:
     """Greedy decoding by recomputing the full forward for every token (no cache reuse).
 
     An independent oracle for the cached paths: ``n_new`` tokens (or up to the first stop id).
+    Every step runs one forward over a fixed ``len(prompt) + n_new`` slots, the tokens so far
+    followed by padding (causal attention keeps the padding out of the logits read), so the
+    forward compiles once per length rather than once per step.
     """
-    toks = list(prompt)
+    total = len(prompt) + n_new
+    toks = np.zeros((1, total), np.int32)
+    toks[0, : len(prompt)] = prompt
     out = []
-    for _ in range(n_new):
-        t = len(toks)
-        cache = dense.init_cache(cfg, 1, t)
-        logits, _, _ = dense.forward(params, cfg, jnp.asarray([toks], jnp.int32), jnp.arange(t, dtype=jnp.int32)[None], cache)
-        nxt = int(np.argmax(np.asarray(logits[0, -1])))
-        toks.append(nxt)
+    for t in range(len(prompt), total):
+        nxt = int(np.argmax(np.asarray(_full_logits(params, cfg, jnp.asarray(toks))[0, t - 1])))
+        toks[0, t] = nxt
         out.append(nxt)
         if nxt in stop_ids:
             break
     return out
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def _full_logits(params, cfg, tokens):
+    """``[1, T, V]`` logits of one forward over ``tokens [1, T]`` from an empty cache of ``T`` slots."""
+    t = tokens.shape[1]
+    logits, _, _ = dense.forward(params, cfg, tokens, jnp.arange(t, dtype=jnp.int32)[None], dense.init_cache(cfg, 1, t))
+    return logits
 
 
 def tiny_drafter_config(target_cfg: TargetConfig, layer_ids=(0, 2), block_size: int = 4, **overrides):

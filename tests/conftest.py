@@ -25,6 +25,14 @@ import jax  # noqa: E402
 
 jax.config.update("jax_default_matmul_precision", "highest")
 
+from dflash_jax.nn import live_attention  # noqa: E402
+
+# Attention reads the live cache in blocks of KEY_BLOCK slots (256 in use). The tiny models here
+# have capacities of 32-128 slots, so every oracle test (transformers, z-lab, llama.cpp,
+# losslessness) runs with blocks of 16 and crosses block boundaries in prefill, decode, verify,
+# rollback and the drafter context. tests/test_live_attention.py covers the production size.
+live_attention.KEY_BLOCK = 16
+
 
 @pytest.fixture(autouse=True, scope="module")
 def _release_compiled_programs():
@@ -35,6 +43,9 @@ def _release_compiled_programs():
     default) and LLVM aborts with "Cannot allocate memory" late in the run.
     """
     yield
+    from dflash_jax import driver
+
+    driver._COMPILED.clear()
     jax.clear_caches()
     gc.collect()
 

@@ -47,7 +47,7 @@ def test_generate_batch_matches_oracle(tiny):
     assert [len(g) for g in res.top2_logit_gaps] == [6, 6, 6]
     st = res.stats
     assert st["new_tokens"] == 18 and st["batch"] == 3 and st["prompt_tokens"] == sum(map(len, PROMPTS))
-    assert st["max_len"] == 64 and st["chunk_size"] == 4 and st["steps"] == 5
+    assert st["max_len"] == 1024 and st["chunk_size"] == 4 and st["steps"] == 5  # the smallest capacity bucket
     assert st["decode_tokens_per_s"] == pytest.approx((18 - 3) / st["decode_time_s"], rel=1e-2)
 
 
@@ -56,7 +56,7 @@ def test_chunk_size_does_not_change_the_result(tiny):
     b = dj.generate(tiny, PROMPTS, 5, chunk_size=256)
     assert a.output_ids == b.output_ids
     np.testing.assert_allclose(np.array(a.top2_logit_gaps), np.array(b.top2_logit_gaps), rtol=1e-5, atol=1e-5)
-    assert b.stats["chunk_size"] == 64  # capped at the longest prompt rounded up to 64
+    assert b.stats["chunk_size"] == 64  # the smallest chunk bucket that holds the longest prompt
 
 
 def test_streaming_reports_every_token_once(tiny):
@@ -103,9 +103,13 @@ def test_bad_input(tiny, kwargs, needle):
         dj.generate(tiny, **kwargs)
 
 
-def test_default_max_len():
-    assert api.default_max_len([[1] * 10], 54) == 64
-    assert api.default_max_len([[1] * 10, [1] * 11], 54) == 128
+def test_default_capacity_and_chunk_come_from_fixed_buckets():
+    assert api.default_max_len([[1] * 10], 54) == 1024
+    assert api.default_max_len([[1] * 10, [1] * 11], 1013) == 1024  # 1024 exactly
+    assert api.default_max_len([[1] * 10, [1] * 11], 1014) == 2048
+    assert api.default_max_len([[1] * 3000], 2000) == 8192
+    assert [api.effective_chunk_size(256, n) for n in (1, 64, 65, 128, 129, 5000)] == [64, 64, 128, 128, 256, 256]
+    assert api.effective_chunk_size(100, 5000) == 100 and api.effective_chunk_size(16, 3) == 16
 
 
 def test_load_target_errors(tmp_path):
@@ -245,7 +249,7 @@ def test_capacity_is_bounded_by_max_position_embeddings(tiny):
 
     small = dj.Target(cfg=dataclasses.replace(tiny.cfg, max_position_embeddings=40), params=tiny.params, source="tiny")
     prompt = [[5, 9, 17, 3, 22, 8, 1]]  # 7 tokens
-    # 7 + 33 = 40 fits exactly: the default capacity (rounded up to 64) is capped at the limit
+    # 7 + 33 = 40 fits exactly: the default capacity (1024) is capped at the limit
     res = dj.generate(small, prompt, 33)
     assert res.stats["max_len"] == 40 and len(res.output_ids[0]) == 33
     with pytest.raises(DFlashError) as e:

@@ -150,6 +150,27 @@ def test_eos_and_capacity(capsys, hf_dir, model):
     assert obj["output_ids"] == free[:5] and obj["finish_reason"] == "capacity"
 
 
+def test_a_budget_cut_is_named_and_the_default_budget_fits_the_context(capsys, hf_dir, model):
+    """An answer that the budget cut ends with a note naming --max-new-tokens (not when
+    --ignore-eos asked for the whole budget); the default budget (512) shrinks to the room left
+    after the prompt in --max-len, else in the target's max_position_embeddings."""
+    from types import SimpleNamespace
+
+    cfg, params = model
+    free = reference_greedy(params, cfg, [1, 2, 3], 3)
+    common = ("generate", "--target", hf_dir, "--prompt-ids", "1,2,3", "--max-new-tokens", 3)
+    note = "note: the answer was cut by the new-token budget (3 tokens); --max-new-tokens 6 lets it run longer"
+    code, out, err = run(capsys, *common)
+    assert code == 0 and (note in err) == (tiny_hf.IM_END not in free)
+    code, out, err = run(capsys, *common, "--ignore-eos")
+    assert code == 0 and "note:" not in err
+    obj, _ = run_json(capsys, "--target", hf_dir, "--prompt-ids", "1,2,3", "--ignore-eos", "--max-len", 16)
+    assert obj["stats"]["new_tokens"] == 13
+    args = SimpleNamespace(max_new_tokens=None, max_len=None)
+    assert cli._budget(args, SimpleNamespace(cfg=SimpleNamespace(max_position_embeddings=512)), [1, 2, 3]) == 509
+    assert cli._budget(args, SimpleNamespace(cfg=SimpleNamespace(max_position_embeddings=8192)), [1, 2, 3]) == cli.DEFAULT_MAX_NEW_TOKENS
+
+
 def test_prompt_ids_without_tokenizer(capsys, bare_dir, model):
     cfg, params = model
     obj, _ = run_json(capsys, "--target", bare_dir, "--prompt-ids", "5,6,7", "--max-new-tokens", 4, "--ignore-eos")

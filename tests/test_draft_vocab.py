@@ -102,6 +102,7 @@ def small():
     return (cfg, api.with_output_head(params)), tiny_drafter(cfg, seed=1, block_size=4, layer_ids=(0, 2), scale=0.5)
 
 
+@pytest.mark.slow
 def test_whole_vocab_list_changes_nothing(small):
     target, d = small
     prompts = [[1, 5, 2], [3, 3, 0, 6], [2]]

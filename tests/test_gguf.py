@@ -4,54 +4,20 @@ from __future__ import annotations
 
 import os
 
+import shutil
+
 import gguf
 import jax
 import numpy as np
 import pytest
+from tiny_gguf import Q, model_kv, model_tensors, tiny_cfg, tokens_for, write_gguf, write_model
 
-from dflash_jax.config import TargetConfig
 from dflash_jax.errors import DFlashError
 from dflash_jax.io import gguf as G
 from dflash_jax.models import dense
 
-Q = gguf.GGMLQuantizationType
-
 
 # ------------------------------------------------------------------------------------ helpers
-
-
-def write_gguf(path, arch: str, kv: dict, tensors: list, tokens: list[str] | None = None):
-    """Writes a GGUF; ``tensors`` holds (name, float32 array, qtype or None) in numpy order."""
-    w = gguf.GGUFWriter(str(path), arch)
-    for key, value in kv.items():
-        if isinstance(value, bool):
-            w.add_bool(key, value)
-        elif isinstance(value, int):
-            w.add_uint32(key, value)
-        elif isinstance(value, float):
-            w.add_float32(key, value)
-        elif isinstance(value, str):
-            w.add_string(key, value)
-        else:
-            w.add_array(key, value)
-    if tokens is not None:
-        w.add_tokenizer_model("gpt2")
-        w.add_tokenizer_pre("gpt2")
-        w.add_token_list(tokens)
-        w.add_token_types([1] * len(tokens))
-        w.add_token_merges([])
-    for name, arr, qtype in tensors:
-        if qtype is None or qtype == Q.F32:
-            w.add_tensor(name, np.ascontiguousarray(arr, np.float32))
-        elif qtype == Q.F16:
-            w.add_tensor(name, np.ascontiguousarray(arr, np.float16))
-        else:
-            w.add_tensor(name, gguf.quants.quantize(np.ascontiguousarray(arr, np.float32), qtype), raw_dtype=qtype)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return str(path)
 
 
 def write_raw(path, tensors: list):
@@ -214,54 +180,6 @@ def test_dequantize_k_quants(tmp_path, qtype):
 # ------------------------------------------------------------------------------------ tiny models
 
 
-def tiny_cfg(family="llama", tie=False) -> TargetConfig:
-    return TargetConfig(
-        family=family, vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=16 if family == "qwen3" else 8, rms_norm_eps=1e-5,
-        tie_word_embeddings=tie, qkv_bias=family == "qwen2", qk_norm=family == "qwen3", max_position_embeddings=512,
-    )
-
-
-def model_tensors(cfg: TargetConfig, params: dict, qtype=None) -> list:
-    """HF-layout params -> GGUF tensors as convert_hf_to_gguf writes them (numpy order [out, in])."""
-    p = jax.tree_util.tree_map(np.asarray, params)
-    out = [("token_embd.weight", p["embed"], qtype), ("output_norm.weight", p["norm"], None)]
-    if "lm_head" in p:
-        out.append(("output.weight", p["lm_head"].T, qtype))
-    for i in range(cfg.num_hidden_layers):
-        lp = {k: v[i] for k, v in p["layers"].items()}
-        for key, gname in G._PARAM_TO_GGUF.items():
-            if key not in lp:
-                continue
-            w = lp[key].T if key in G._MATRICES else lp[key]
-            if cfg.family == "llama" and key in ("wq", "bq"):
-                w = G.permute_qk(w, cfg.num_attention_heads)
-            if cfg.family == "llama" and key in ("wk", "bk"):
-                w = G.permute_qk(w, cfg.num_key_value_heads)
-            out.append((f"blk.{i}.{gname}", w, qtype if key in G._MATRICES else None))
-    return out
-
-
-def model_kv(cfg: TargetConfig) -> dict:
-    a = cfg.family
-    return {
-        f"{a}.embedding_length": cfg.hidden_size, f"{a}.block_count": cfg.num_hidden_layers,
-        f"{a}.feed_forward_length": cfg.intermediate_size, f"{a}.attention.head_count": cfg.num_attention_heads,
-        f"{a}.attention.head_count_kv": cfg.num_key_value_heads, f"{a}.attention.key_length": cfg.head_dim,
-        f"{a}.attention.layer_norm_rms_epsilon": cfg.rms_norm_eps, f"{a}.rope.freq_base": cfg.rope.theta,
-        f"{a}.context_length": cfg.max_position_embeddings,
-    }
-
-
-def tokens_for(cfg):
-    return [f"t{i}" for i in range(cfg.vocab_size)]
-
-
-def write_model(path, cfg, params, *, tensors=None, tokens=None, qtype=None):
-    return write_gguf(path, cfg.family, model_kv(cfg), tensors if tensors is not None else model_tensors(cfg, params, qtype),
-                      tokens if tokens is not None else tokens_for(cfg))
-
-
 @pytest.mark.parametrize("family,tie", [("llama", False), ("llama", True), ("qwen2", False), ("qwen3", True)])
 def test_tiny_model_round_trip(tmp_path, family, tie):
     cfg = tiny_cfg(family, tie)
@@ -271,8 +189,10 @@ def test_tiny_model_round_trip(tmp_path, family, tie):
     assert got_cfg == cfg
     assert jax.tree_util.tree_structure(got) == jax.tree_util.tree_structure(params)
     jax.tree_util.tree_map(np.testing.assert_array_equal, got, params)
-    assert G.cache_path(path).is_file()
-    # second load comes from the float32 cache
+    assert G.cache_path(path).is_dir()
+    # second load comes from the float32 cache: memory-mapped, nothing read until used
+    _, mapped = G.load_gguf_target(path, as_numpy=True)
+    assert all(not a.flags.writeable and not a.flags.owndata for a in jax.tree_util.tree_leaves(mapped))  # views of read-only maps
     cfg2, got2 = G.load_gguf_target(path, dtype="bfloat16")
     assert cfg2 == cfg.with_dtype("bfloat16")
     assert got2["embed"].dtype == jax.numpy.bfloat16
@@ -310,10 +230,35 @@ def test_cache_is_used_and_invalidated(tmp_path, monkeypatch):
     _, p2 = G.load_gguf_target(path, as_numpy=True)
     assert calls == [1]
     np.testing.assert_array_equal(p2["embed"], params2["embed"])
-    # a damaged cache is ignored and rebuilt
-    G.cache_path(path).write_bytes(b"garbage")
+    # a damaged cache is ignored and rebuilt: a garbled file, then a file where the folder belongs
+    (G.cache_path(path) / "embed.npy").write_bytes(b"garbage")
     _, p3 = G.load_gguf_target(path, as_numpy=True)
     np.testing.assert_array_equal(p3["embed"], params2["embed"])
+    assert calls == [1, 1]
+    shutil.rmtree(G.cache_path(path))
+    G.cache_path(path).write_bytes(b"garbage")
+    _, p4 = G.load_gguf_target(path, as_numpy=True)
+    np.testing.assert_array_equal(p4["embed"], params2["embed"])
+    assert calls == [1, 1, 1] and G.cache_path(path).is_dir()
+
+
+def test_a_cached_load_does_not_parse_the_gguf(tmp_path, monkeypatch):
+    """With a current float32 cache and tokenizer cache, ``load_target`` reads neither the GGUF's
+    metadata nor its tensors (the registry takes the architecture from the cache); a first load
+    parses the GGUF once, shared by the registry, the weights and the tokenizer."""
+    import dflash_jax as dj
+
+    cfg = tiny_cfg("qwen2")
+    params = jax.tree_util.tree_map(np.asarray, dense.init_params(cfg, jax.random.PRNGKey(5)))
+    path = write_model(tmp_path / "p.gguf", cfg, params)
+    opened = []
+    real = gguf.GGUFReader
+    monkeypatch.setattr(gguf, "GGUFReader", lambda *a, **k: opened.append(a[0]) or real(*a, **k))
+    first = dj.load_target(path)
+    assert opened == [path]
+    second = dj.load_target(path)
+    assert opened == [path] and second.cfg == first.cfg
+    np.testing.assert_array_equal(np.asarray(second.params["embed"]), params["embed"])
 
 
 # ------------------------------------------------------------------------------------ strict errors

@@ -99,6 +99,7 @@ def test_state_axes_cover_cache_and_context():
     assert placed.tokens.sharding.spec == P(None, None)
 
 
+@pytest.mark.slow
 def test_every_state_array_declares_axes_and_replace_rows_swaps_every_batch_leaf():
     """Axes live with the fields: every array of a state with a drafter (dense and Laguna targets)
     has declared axes of its rank, an undeclared array field raises, and replace_rows swaps
@@ -207,6 +208,7 @@ _MULTI_DEVICE = textwrap.dedent(
 )
 
 
+@pytest.mark.slow
 def test_sharded_spec_generate_matches_unsharded():
     env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=4")
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -4,13 +4,15 @@ its recorded settings hold, and speculative decoding with it is lossless and acc
 from __future__ import annotations
 
 import json
+import shutil
 
 import numpy as np
 import pytest
 
 import dflash_jax as dj
-from dflash_jax import draft_vocab
-from dflash_jax.assets import shipped_drafter_path
+from dflash_jax import draft_vocab, loading
+from dflash_jax.fingerprint import weights_fingerprint
+from dflash_jax.io.gguf_cache import cache_path
 
 pytestmark = pytest.mark.slow
 
@@ -23,7 +25,7 @@ PROMPTS = [
 @pytest.fixture(scope="module")
 def pair():
     target = dj.load_target()
-    folder = shipped_drafter_path(target.source)
+    folder = loading.shipped_drafter_path(target)
     assert folder is not None, "no drafter ships for the default target"
     return target, folder, dj.shipped_drafter(target)
 
@@ -39,6 +41,22 @@ def test_recorded_settings(pair):
     np.testing.assert_array_equal(np.asarray(drafter.params["draft_head"]), np.asarray(target.params["lm_head"])[:, ids])
     assert target.tokenizer.decode([drafter.cfg.mask_token_id]) == recorded["mask_token"]
     assert drafter.cfg.mask_token_id not in ids.tolist()  # never a draft
+    assert target.fingerprint == recorded["target_fingerprint"]  # recorded by the float32 cache
+    assert weights_fingerprint(target.cfg, target.params) == recorded["target_fingerprint"]  # per-layer, on the device
+
+
+def test_a_renamed_copy_finds_the_drafter(pair, tmp_path):
+    """A copy of the default GGUF under another name (converted afresh: no cache beside it) gets
+    the shipped drafter by the fingerprint of its weights."""
+    target, folder, _ = pair
+    copy = tmp_path / "my-model.gguf"
+    shutil.copyfile(target.source, copy)
+    try:
+        renamed = dj.load_target(copy)
+        assert renamed.fingerprint == target.fingerprint
+        assert loading.shipped_drafter_path(renamed) == folder
+    finally:
+        shutil.rmtree(cache_path(copy), ignore_errors=True)  # 513 MiB
 
 
 def test_loads_in_the_zlab_reference(pair):

@@ -299,6 +299,7 @@ def test_dataset_roundtrip_features_and_batches(tmp_path, models):
     assert sorted(ids[:6]) == sorted(ids[6:]) == list(range(6)) and b1.cursor(2) == {"sample": 8, "epoch": 1, "offset": 2}
 
 
+@pytest.mark.slow
 def test_grown_dataset_reuses_cached_rows(tmp_path, models, monkeypatch):
     """Rebuilding the cache for a dataset that keeps some sequences (in another order) and adds
     others copies the kept rows and computes only the new ones; every row equals a fresh cache's."""
@@ -333,6 +334,7 @@ def test_grown_dataset_reuses_cached_rows(tmp_path, models, monkeypatch):
     assert other.meta["reused_tokens"] == 0  # other layer ids: nothing to reuse
 
 
+@pytest.mark.slow
 def test_target_labels_are_the_targets_greedy_next_tokens(tmp_path, models):
     """``cache_features(next_tokens=True)`` stores the argmax of the target's own logits after
     every position (oracle: the target's full forward); ``Batcher(labels="target")`` labels
@@ -460,6 +462,7 @@ def full_run(tmp_path_factory, tiny_run):
     return out, state, summary, losses
 
 
+@pytest.mark.slow
 def test_resume_is_bit_identical(tmp_path, tiny_run, full_run):
     t_cfg, t_params, d_cfg, ds = tiny_run
     _, full, s_full, _ = full_run
@@ -478,6 +481,7 @@ def test_resume_is_bit_identical(tmp_path, tiny_run, full_run):
         train(tmp_path / "b", t_params, t_cfg, d_cfg, batcher, dataclasses.replace(TC, lr=1e-3), progress=False)
 
 
+@pytest.mark.slow
 def test_training_reduces_the_loss_and_raises_tau(full_run):
     out, _, _, losses = full_run
     assert np.mean(losses[-5:]) < 0.6 * np.mean(losses[:5])
@@ -485,6 +489,7 @@ def test_training_reduces_the_loss_and_raises_tau(full_run):
     assert [r["step"] for r in curve] == [0, TC.steps] and curve[-1]["tau"] > curve[0]["tau"]
 
 
+@pytest.mark.slow
 def test_continue_from_trained_weights(tmp_path, tiny_run, full_run):
     """``init_params`` starts a run from a trained drafter: its step-0 tau is the trained
     drafter's final tau, the weights are part of the run's signature, wrong shapes are refused."""
@@ -556,6 +561,7 @@ def test_export_loads_in_our_loader_and_the_zlab_reference(tmp_path, models):
     assert np.abs(got - want).max() / np.abs(want).max() < 1e-4
 
 
+@pytest.mark.slow
 def test_cli_trains_resumes_and_exports(tmp_path, capsys):
     pytest.importorskip("transformers")
     sys.path.insert(0, str(Path(__file__).parent))

@@ -8,6 +8,11 @@ same target and dtype)::
     python tools/bench_decode.py                     # float32, 128 new tokens, 128-token prompt
     python tools/bench_decode.py --dtype bfloat16 --repeats 5 --no-write
     python tools/bench_decode.py --layers per_layer,stacked   # both layer layouts, alternating
+    python tools/bench_decode.py --ttft              # time to first token of `dflash-jax generate`
+
+``--ttft`` times what a user waits for (:mod:`ttft`): a run of README command 1 in an empty cache
+folder (download, dequantization, compilation), then three ``dflash-jax generate`` runs with
+other prompts and budgets, each twice (cold: first run of that command; warm: the same again).
 """
 
 from __future__ import annotations
@@ -52,7 +57,15 @@ def main(argv=None) -> int:
                    help="comma-separated layer layouts of load_target (auto, stacked, per_layer), run alternately in one process")
     p.add_argument("--output", default=str(REPO / "BENCHMARKS.md"))
     p.add_argument("--no-write", action="store_true", help="print the figures only")
+    p.add_argument("--ttft", action="store_true", help="time to first token of the command line, cold and warm (see above)")
+    p.add_argument("--against", default=None, metavar="CHECKOUT",
+                   help="with --ttft: also run every command with the package of another checkout (e.g. a worktree of an "
+                   "older commit), alternating, each in its own empty cache folder")
     args = p.parse_args(argv)
+    if args.ttft:
+        import ttft
+
+        return ttft.main(args, argv if argv is not None else sys.argv[1:])
 
     import dflash_jax as dj
 

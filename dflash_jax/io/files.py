@@ -32,13 +32,19 @@ def atomic_path(path: str | os.PathLike, suffix: str = ".tmp") -> Iterator[Path]
         yield Path(tmp)
         with open(tmp, "rb+") as f:
             os.fsync(f.fileno())
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)
+        os.chmod(tmp, umasked(0o666))
         os.replace(tmp, path)
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
+
+
+def umasked(mode: int) -> int:
+    """``mode`` less the process umask: the permissions a newly created file or folder gets
+    (``tempfile`` creates private ones)."""
+    umask = os.umask(0)
+    os.umask(umask)
+    return mode & ~umask
 
 
 def write_text(path: str | os.PathLike, text: str) -> Path:

@@ -19,24 +19,27 @@ Layout facts (``gguf`` / ``convert_hf_to_gguf.py``):
 * Llama-3.1-style rope scaling is stored as a ``rope_freqs.weight`` tensor (per-frequency divisors)
   instead of metadata; it is matched against the known Llama-3 scaling parameters.
 
-A float32 copy of the converted parameters is cached next to the GGUF as
-``<file>.f32.safetensors`` (:mod:`dflash_jax.io.gguf_cache`), so a second load skips the
-dequantization.
+A float32 copy of the converted parameters is cached next to the GGUF in the folder
+``<file>.f32`` (:mod:`dflash_jax.io.gguf_cache`), so a second load skips parsing and dequantizing
+the GGUF and memory-maps the weights instead. Dequantizing and writing the cache report their
+progress on stderr (:mod:`dflash_jax.progress`).
 """
 
 from __future__ import annotations
 
 import math
 import os
-from typing import Any, Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from dflash_jax import progress
 from dflash_jax.config import RopeConfig, TargetConfig
 from dflash_jax.errors import DFlashError
-from dflash_jax.io.gguf_cache import cache_path, read_cache, write_cache  # noqa: F401 (cache_path re-exported)
+from dflash_jax.fingerprint import weights_fingerprint
+from dflash_jax.io.gguf_cache import cache_nbytes, cache_path, read_cache, write_cache
 from dflash_jax.io.gguf_file import as_f32, dequantize_tensor, embedding_vocab, metadata, open_gguf, tensor_table
 from dflash_jax.models.dense import param_shapes
 
@@ -223,7 +226,7 @@ def gguf_config(reader, path: str, dtype: str) -> tuple[TargetConfig, dict]:
     return cfg, tensors
 
 
-def _convert(reader, cfg: TargetConfig, tensors: dict, path: str, progress: Callable[[str], None] | None) -> dict:
+def _convert(reader, cfg: TargetConfig, tensors: dict, path: str) -> dict:
     """Dequantizes every tensor into preallocated float32 arrays (the dense.py pytree, numpy)."""
     shapes = param_shapes(cfg)
     expected = {"token_embd.weight", "output_norm.weight"} | ({"output.weight"} if "lm_head" in shapes else set())
@@ -249,8 +252,6 @@ def _convert(reader, cfg: TargetConfig, tensors: dict, path: str, progress: Call
         out["lm_head"] = np.ascontiguousarray(load("output.weight", (V, H)).T)
     layers = {k: np.empty(s, np.float32) for k, s in shapes["layers"].items()}
     for i in range(cfg.num_hidden_layers):
-        if progress is not None:
-            progress(f"layer {i + 1}/{cfg.num_hidden_layers}")
         for key, full in shapes["layers"].items():
             want = full[1:]
             if key in _MATRICES:
@@ -282,9 +283,10 @@ def load_gguf_target(
       path: the ``.gguf`` file.
       dtype: parameter and compute dtype name (``"float32"``, ``"bfloat16"``, ``"float16"``);
         weights are dequantized to float32 first, then cast.
-      use_cache: read / write ``<path>.f32.safetensors`` (float32 converted weights, keyed by the
-        GGUF's size and mtime); a stale or damaged cache is rebuilt.
-      as_numpy: return ``np.ndarray`` leaves instead of ``jax.Array`` (for tests and tools).
+      use_cache: read / write the folder ``<path>.f32`` (float32 converted weights, keyed by the
+        GGUF's size and mtime, with their fingerprint); a stale or damaged cache is rebuilt.
+      as_numpy: return ``np.ndarray`` leaves instead of ``jax.Array`` (float32 ones from the
+        cache are read-only memory maps).
     Returns:
       ``(cfg, params)``: ``cfg.dtype == dtype``; ``params`` is the pytree of
       :mod:`dflash_jax.models.dense` (``embed [V, H]``, stacked ``layers`` with ``[in, out]``
@@ -298,21 +300,33 @@ def load_gguf_target(
     path = str(path)
     cached = read_cache(path) if use_cache else None
     if cached is not None:
-        cfg, params = cached
-        cfg = cfg.with_dtype(dtype)
+        cfg, params, _ = cached
     else:
+        cfg, params, arch = _dequantize(path)
+        if use_cache:
+            where = cache_path(path)
+            with progress.step(f"writing the float32 cache {where} ({cache_nbytes(params) / 2**20:.0f} MiB; later loads map it)",
+                               "wrote the float32 cache"):
+                write_cache(path, cfg, params, arch, weights_fingerprint(cfg, params))
+    return cfg.with_dtype(dtype), _cast(params, dtype, as_numpy)
+
+
+def _dequantize(path: str) -> tuple[TargetConfig, dict, str]:
+    """``(float32 cfg, numpy float32 params, general.architecture)`` of a GGUF, dequantized with
+    progress lines on stderr (seconds to minutes: a first load)."""
+    name = os.path.basename(path)
+    with progress.step(f"dequantizing {name} to float32 (first load of this file)", f"dequantized {name}"):
         reader = open_gguf(path)
         cfg, tensors = gguf_config(reader, path, "float32")
-        params = _convert(reader, cfg, tensors, path, None)
-        del reader, tensors
-        if use_cache:
-            write_cache(path, cfg, params)
-        cfg = cfg.with_dtype(dtype)
-    return cfg, _cast(params, dtype, as_numpy)
+        return cfg, _convert(reader, cfg, tensors, path), metadata(reader, "general.architecture")
 
 
 def _cast(params: dict, dtype: str, as_numpy: bool) -> dict:
+    """``params`` in ``dtype``: numpy arrays (float32 ones, memory-mapped from the cache, stay
+    as they are) or JAX arrays (``jax.device_put``: on the CPU a 64-byte-aligned array is used
+    without a copy; cast on the device)."""
     if as_numpy:
         np_dtype = np.dtype(jnp.dtype(dtype))
         return jax.tree_util.tree_map(lambda a: np.asarray(a, np_dtype), params)
-    return jax.tree_util.tree_map(lambda a: jnp.asarray(a, dtype=dtype), params)
+    want = jnp.dtype(dtype)
+    return jax.tree_util.tree_map(lambda a: a if a.dtype == want else a.astype(want), jax.device_put(params))

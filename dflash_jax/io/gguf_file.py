@@ -9,12 +9,14 @@ types ``gguf`` can dequantize). GGUF stores dims in ggml order (``ne[0]`` innerm
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
-from typing import Any
+from typing import Any, Iterator
 
 import numpy as np
 
+from dflash_jax import progress
 from dflash_jax.errors import DFlashError
 
 
@@ -30,8 +32,10 @@ def architecture(path: str | os.PathLike) -> str | None:
 def open_gguf(path: str | os.PathLike):
     """Opens (memory-maps) a GGUF file with ``gguf.GGUFReader``.
 
+    Inside :func:`shared_readers`, opening the same file again returns the reader made first.
+
     Returns:
-      the ``gguf.GGUFReader``.
+      the ``gguf.GGUFReader`` (read-only mode).
     Raises:
       DFlashError: the file is missing, truncated or not a GGUF file (the message names it).
     """
@@ -40,10 +44,39 @@ def open_gguf(path: str | os.PathLike):
     path = str(path)
     if not os.path.isfile(path):
         raise DFlashError(path, "file not found", "an existing .gguf file")
+    shared = _SHARED[0]
+    if shared is not None and path in shared:
+        return shared[path]
+    name = os.path.basename(path)
+    slow = os.path.getsize(path) >= _REPORT_BYTES  # seconds for a real model's metadata: say so on stderr
     try:
-        return gguf.GGUFReader(path, "r")
+        with progress.step(f"reading the metadata of {name}", f"read the metadata of {name}", routine=not slow):
+            reader = gguf.GGUFReader(path, "r")
     except Exception as e:  # the reader raises ValueError, struct/IndexError, OSError on bad files
         raise DFlashError(path, f"truncated or corrupt GGUF file ({type(e).__name__}: {e})", "a complete GGUF v2/v3 file") from None
+    if shared is not None:
+        shared[path] = reader
+    return reader
+
+
+_SHARED: list[dict | None] = [None]
+_REPORT_BYTES = 16 << 20  # files from this size on announce their metadata read (small test files do not)
+
+
+@contextlib.contextmanager
+def shared_readers() -> Iterator[None]:
+    """Within the block, :func:`open_gguf` parses each file once: the registry (architecture),
+    the weight loader and the tokenizer of one load share the reader (parsing the metadata of a
+    50k-token vocabulary takes seconds). Nests; the readers are dropped when the outer block ends.
+    """
+    outer = _SHARED[0]
+    if outer is None:
+        _SHARED[0] = {}
+    try:
+        yield
+    finally:
+        if outer is None:
+            _SHARED[0] = None
 
 
 def reader_name(reader) -> str:

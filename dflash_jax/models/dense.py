@@ -37,8 +37,9 @@ from dflash_jax.config import TargetConfig
 from dflash_jax.models import capture as captures
 from dflash_jax.models import params as P
 from dflash_jax.models.params import ParamSpec, decoder_layer, stacked
-from dflash_jax.nn.attention import causal_mask, gqa_attention
+from dflash_jax.nn.attention import causal_visible
 from dflash_jax.nn.embedding import embed, lm_head  # noqa: F401 (the model API: shared by every family)
+from dflash_jax.nn.live_attention import cache_attention, live_keys
 from dflash_jax.nn.layer import attention_output, mlp_residual, project_qkv
 from dflash_jax.nn.norms import rms_norm
 from dflash_jax.nn.rope import inv_frequencies
@@ -122,17 +123,17 @@ def init_cache(cfg: TargetConfig, batch: int, capacity: int) -> KVCache:
     return init_kv_cache(cfg.num_hidden_layers, batch, capacity, cfg.num_key_value_heads, cfg.head_dim, cfg.dtype)
 
 
-def _layer(cfg: TargetConfig, inv_freq, x, lp, k_all, v_all, positions, layer):
+def _layer(cfg: TargetConfig, inv_freq, x, lp, k_all, v_all, positions, n_keys, layer):
     """One decoder layer over ``x [B,T,H]``; writes this layer's K/V rows into the stacked cache
-    ``[L, B, S, Hkv, D]`` in place at index ``layer`` (carried through the scan, never copied)."""
+    ``[L, B, S, Hkv, D]`` in place at index ``layer`` (carried through the scan, never copied) and
+    attends the cache's first ``n_keys`` slots (:func:`~dflash_jax.nn.live_attention.live_keys`)."""
     h = rms_norm(x, lp["attn_norm"], cfg.rms_norm_eps)
     q, k, v = project_qkv(lp, h, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, positions, inv_freq,
                           cfg.rms_norm_eps, bias=cfg.qkv_bias, qk_norm=cfg.qk_norm)
     k_all = write_layer_rows(k_all, layer, k, positions)
     v_all = write_layer_rows(v_all, layer, v, positions)
-    k_cache, v_cache = k_all[layer], v_all[layer]
-    mask = causal_mask(positions, k_cache.shape[1])
-    x = x + attention_output(lp, gqa_attention(q, k_cache, v_cache, mask), h, bias=cfg.o_bias)
+    a = cache_attention(q, k_all, v_all, layer, n_keys, functools.partial(causal_visible, positions))
+    x = x + attention_output(lp, a, h, bias=cfg.o_bias)
     return mlp_residual(lp, x, cfg.rms_norm_eps), k_all, v_all
 
 
@@ -153,13 +154,14 @@ def forward_hidden(
     n_layers = cfg.num_hidden_layers
     inv_freq = inv_frequencies(cfg.rope, cfg.head_dim)
     positions = positions.astype(jnp.int32)
+    n_keys = live_keys(positions, cache.capacity)
     x = embed(params, tokens).astype(cfg.dtype)
     slot_of = jnp.asarray(captures.slots(capture, n_layers))
     cap = captures.stack(capture, x)
 
     def body(carry, lp, slot, i):
         x, cap, k_all, v_all = carry
-        x, k_all, v_all = _layer(cfg, inv_freq, x, lp, k_all, v_all, positions, i)
+        x, k_all, v_all = _layer(cfg, inv_freq, x, lp, k_all, v_all, positions, n_keys, i)
         return x, captures.keep(capture, cap, x, slot), k_all, v_all
 
     x, cap, k_new, v_new = run_layers(body, (x, cap, cache.k, cache.v), params["layers"], slot_of)

@@ -95,6 +95,7 @@ def forward(
     ctx_v: jnp.ndarray,
     ctx_len: jnp.ndarray,
     block_len: jnp.ndarray | None = None,
+    live_context: bool = True,
 ) -> jnp.ndarray:
     """One draft pass over a block.
 
@@ -104,11 +105,14 @@ def forward(
       ctx_k, ctx_v: ``[Ld, B, S, Hkv, D]`` context K/V from :func:`context_kv`, slot = position.
       ctx_len: ``[B]`` int32 valid context slots (``[0, ctx_len)``).
       block_len: ``[B]`` int32 existing block slots (default all ``W``).
+      live_context: read only the context slots below ``max(ctx_len)`` (a loop with a traced
+        trip count: cost follows the live context, not ``S``); ``False`` reads all ``S`` slots
+        in one pass under the same mask (differentiable: training).
     Returns:
       ``[B, W, H]`` final-normed hidden states; slot ``i`` predicts the token at
       ``positions[:, i]`` (slot 0 is discarded by callers). The kind's ``forward``.
     """
-    return _model(cfg).forward(params, cfg, target_params, target_cfg, block_tokens, positions, ctx_k, ctx_v, ctx_len, block_len)
+    return _model(cfg).forward(params, cfg, target_params, target_cfg, block_tokens, positions, ctx_k, ctx_v, ctx_len, block_len, live_context)
 
 
 def logits(params: dict, cfg: DrafterConfig, target_params: dict, target_cfg, hidden: jnp.ndarray) -> jnp.ndarray:

@@ -13,13 +13,15 @@ vLLM ``laguna_dflash.py`` (``docs/specs/laguna.md`` 6.4 (e)).
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
 from dflash_jax.config import DrafterConfig
 from dflash_jax.models.dense import run_layers
 from dflash_jax.nn import embedding
-from dflash_jax.nn.attention import gqa_attention_parts
+from dflash_jax.nn.live_attention import cache_attention
 from dflash_jax.nn.layer import attention_output, mlp_residual, project_qkv, split_heads
 from dflash_jax.nn.norms import rms_norm
 from dflash_jax.nn.rope import apply_rope, inv_frequencies
@@ -43,36 +45,39 @@ def context_heads(cfg: DrafterConfig, k: jnp.ndarray, v: jnp.ndarray, k_norm: jn
     return k, v
 
 
-def block_masks(cfg: DrafterConfig, positions, ctx_len, block_len, num_ctx: int):
-    """Per-layer visibility masks of one block over ``[context slots | block slots]``.
+def block_masks(cfg: DrafterConfig, positions, block_len):
+    """Per-layer visibility masks of one block over its own slots.
 
     Args:
       positions: ``[B, W]`` int32 absolute block positions (slot 0 = anchor).
-      ctx_len: ``[B]`` int32 number of valid context slots (positions ``[0, ctx_len)``).
       block_len: ``[B]`` int32 block slots that exist (shorter final block, as z-lab's loop).
-      num_ctx: static number of context slots.
     Returns:
-      ``(ctx_mask [Ld, B, W, S], blk_mask [Ld, B, W, W])`` bool. Causal layers see block slots
-      at or before their own; windowed layers see keys with ``|q - k| < window`` (context keys
-      are always earlier).
+      ``[Ld, B, W, W]`` bool. Causal layers see block slots at or before their own; windowed
+      layers see keys with ``|q - k| < window``.
     """
     causal = jnp.asarray(cfg.layer_causal, bool)[:, None, None, None]
     window = jnp.asarray(cfg.layer_window, jnp.int32)[:, None, None, None]
-    s = jnp.arange(num_ctx, dtype=jnp.int32)[None, None, :]
     qpos = positions[:, :, None]
-    ctx = (s < ctx_len[:, None, None])[None]
-    ctx = ctx & ((window == 0) | ((qpos - s)[None] < window))
     w = positions.shape[1]
     off = jnp.arange(w, dtype=jnp.int32)
     kpos = positions[:, None, :]
     blk = (off[None, None, :] < block_len[:, None, None])[None]
     blk = blk & (~causal | (off[None, None, None, :] <= off[None, None, :, None]))
-    blk = blk & ((window == 0) | ((jnp.abs(qpos - kpos))[None] < window))
-    return ctx, blk
+    return blk & ((window == 0) | ((jnp.abs(qpos - kpos))[None] < window))
+
+
+def context_visible(positions, ctx_len, window, slots):
+    """``[B, W, K]`` mask of context ``slots [K]`` for block queries at ``positions [B, W]``:
+    slots ``< ctx_len [B]`` (the committed context), and within ``window`` of the query when the
+    layer's ``window`` (int32 scalar) is not 0 (context keys are always earlier)."""
+    s = slots[None, None, :]
+    qpos = positions[:, :, None]
+    return (s < ctx_len[:, None, None]) & ((window == 0) | (qpos - s < window))
 
 
 def forward(params_d: dict, cfg_d: DrafterConfig, params_t: dict, cfg_t, block_tokens: jnp.ndarray, positions: jnp.ndarray,
-            ctx_k: jnp.ndarray, ctx_v: jnp.ndarray, ctx_len: jnp.ndarray, block_len: jnp.ndarray | None = None) -> jnp.ndarray:
+            ctx_k: jnp.ndarray, ctx_v: jnp.ndarray, ctx_len: jnp.ndarray, block_len: jnp.ndarray | None = None,
+            live_context: bool = True) -> jnp.ndarray:
     """One draft pass over a block (contract of :func:`dflash_jax.models.drafter.forward`).
 
     The block is embedded with the target's embedding times ``cfg_d.input_embedding_scale``;
@@ -85,15 +90,17 @@ def forward(params_d: dict, cfg_d: DrafterConfig, params_t: dict, cfg_t, block_t
     D, hq, hkv, eps = cfg_d.head_dim, cfg_d.num_attention_heads, cfg_d.num_key_value_heads, cfg_d.rms_norm_eps
     inv_freq = inv_frequencies(cfg_d.rope, D)
     x = (embedding.embed(params_t, block_tokens) * cfg_d.input_embedding_scale).astype(cfg_d.dtype)
-    ctx_mask, blk_mask = block_masks(cfg_d, positions, ctx_len, block_len, ctx_k.shape[2])
+    n_keys = jnp.clip(jnp.max(ctx_len), 1, ctx_k.shape[2]).astype(jnp.int32) if live_context else ctx_k.shape[2]
 
     def body(x, lp, layer_xs, i):
-        ck, cv, cm, bm = layer_xs
+        bm, window = layer_xs
         h = rms_norm(x, lp["attn_norm"], eps)
         q, k, v = project_qkv(lp, h, hq, hkv, D, positions, inv_freq, eps, bias=cfg_d.attention_bias, qk_norm=True)
-        a = gqa_attention_parts(q, ((ck, cv, cm), (k, v, bm)))
+        visible = functools.partial(context_visible, positions, ctx_len, window)
+        a = cache_attention(q, ctx_k, ctx_v, i, n_keys, visible, extra=((k, v, bm),))
         x = x + attention_output(lp, a, h, gate=cfg_d.gate, bias=cfg_d.attention_bias)
         return mlp_residual(lp, x, eps)
 
-    x = run_layers(body, x, params_d["layers"], (ctx_k, ctx_v, ctx_mask, blk_mask))
+    xs = (block_masks(cfg_d, positions, block_len), jnp.asarray(cfg_d.layer_window, jnp.int32))
+    x = run_layers(body, x, params_d["layers"], xs)
     return rms_norm(x, params_d["norm"], eps)

@@ -58,7 +58,8 @@ from dflash_jax.config_laguna import LagunaConfig
 from dflash_jax.models import capture as captures
 from dflash_jax.models import params as P
 from dflash_jax.models.params import ParamSpec, decoder_layer, stacked
-from dflash_jax.nn.attention import gqa_attention_parts, swiglu
+from dflash_jax.nn.attention import causal_visible, swiglu
+from dflash_jax.nn.live_attention import cache_attention, live_keys
 from dflash_jax.nn.embedding import embed, lm_head  # noqa: F401 (the model API: shared by every family)
 from dflash_jax.nn.layer import attention_output, mlp_residual, project_qkv
 from dflash_jax.nn.norms import rms_norm
@@ -225,10 +226,12 @@ def moe(cfg: LagunaConfig, lp: dict, h: jnp.ndarray) -> jnp.ndarray:
     return out.reshape(shape)
 
 
-def _layer(cfg: LagunaConfig, i: int, lp, x, k_all, v_all, rep, positions, ring_pos, ring_idx, capacity):
+def _layer(cfg: LagunaConfig, i: int, lp, x, k_all, v_all, rep, positions, ring_pos, ring_idx, capacity, n_keys):
     """Decoder layer ``i`` (static) on ``x [B,T,H]``, whose cache is entry ``rep`` (traced int32)
     of its segment's stacked ``k_all``/``v_all`` ``[reps, B, S, Hkv, D]``; the new rows are
-    scattered into the carried stacks in place. Returns ``(x, k_all, v_all)``."""
+    scattered into the carried stacks in place. A full-attention layer reads only the cache's first
+    ``n_keys`` slots (:func:`~dflash_jax.nn.live_attention.live_keys`), a sliding one its ring.
+    Returns ``(x, k_all, v_all)``."""
     D, hkv = cfg.head_dim, cfg.num_key_value_heads
     sliding = cfg.layer_types[i] == "sliding_attention"
     rope = cfg.rope_sliding if sliding else cfg.rope_full
@@ -243,12 +246,12 @@ def _layer(cfg: LagunaConfig, i: int, lp, x, k_all, v_all, rep, positions, ring_
         ring_mask = old[:, None, :] & (qpos - ring_pos[:, None, :] < win)
         kpos = positions[:, None, :]
         self_mask = (kpos <= qpos) & (qpos - kpos < win) & (kpos < capacity)
-        a = gqa_attention_parts(q, ((k_all[rep], v_all[rep], ring_mask), (k, v, self_mask)))
+        a = cache_attention(q, k_all, v_all, rep, k_all.shape[2], lambda slots: jnp.take(ring_mask, slots, axis=2),
+                            extra=((k, v, self_mask),))
         k_all, v_all = write_layer_rows(k_all, rep, k, ring_idx), write_layer_rows(v_all, rep, v, ring_idx)
     else:
         k_all, v_all = write_layer_rows(k_all, rep, k, positions), write_layer_rows(v_all, rep, v, positions)
-        mask = jnp.arange(k_all.shape[2], dtype=jnp.int32)[None, None, :] <= qpos
-        a = gqa_attention_parts(q, ((k_all[rep], v_all[rep], mask),))
+        a = cache_attention(q, k_all, v_all, rep, n_keys, functools.partial(causal_visible, positions))
     x = x + attention_output(lp, a, h, gate="head" if cfg.gate_per_head[i] else "element")
     if cfg.mlp_layer_types[i] == "dense":
         return mlp_residual(lp, x, cfg.rms_norm_eps), k_all, v_all
@@ -285,6 +288,7 @@ def forward_hidden(
     positions = positions.astype(jnp.int32)
     x = embed(params, tokens).astype(cfg.dtype)
     real = positions < capacity
+    n_keys = live_keys(positions, capacity)
     last = jnp.max(jnp.where(real, positions, -1), axis=1)
     ring = cache.ring_pos.shape[1]
     ring_ok = real & (positions > last[:, None] - ring)
@@ -301,7 +305,7 @@ def forward_hidden(
             lps, slot, r = xs
             kvs = list(kvs)
             for k in range(p):
-                x, *kvs[k] = _layer(cfg, start + k, lps[k], x, *kvs[k], r, positions, cache.ring_pos, ring_idx, capacity)
+                x, *kvs[k] = _layer(cfg, start + k, lps[k], x, *kvs[k], r, positions, cache.ring_pos, ring_idx, capacity, n_keys)
                 cap = captures.keep(capture, cap, x, slot[k])
             return (x, cap, [tuple(kv) for kv in kvs]), None
 

@@ -220,7 +220,7 @@ def run(args, argv) -> int:
 
 
 def _run(args, argv) -> int:
-    from dflash_jax.loading import load_target
+    from dflash_jax.loading import fingerprint_of, load_target
     from dflash_jax.train.data import Batcher, count_valid_anchors
     from dflash_jax.train.dataset import TokenDataset
     from dflash_jax.train.features import FeatureCache, cache_features, target_fingerprint
@@ -230,6 +230,7 @@ def _run(args, argv) -> int:
     from dflash_jax.train.trainer import train
 
     out = Path(args.out)
+    ds = TokenDataset.load(args.data)  # before the target: a bad --data fails in a moment
     target = load_target(args.target)
     cfg = drafter_config_for(target.cfg, args.layers, args.target_layer_ids, args.mask_token_id, args.block_size,
                              args.intermediate_size, args.causal)
@@ -237,7 +238,6 @@ def _run(args, argv) -> int:
     if args.init_from and Path(args.init_from).resolve() == export.resolve():
         raise DFlashError("--export", str(export), "a folder other than --init-from's (a rerun would continue other weights)")
     init_params = init_weights(args.init_from, target.cfg, cfg) if args.init_from else None
-    ds = TokenDataset.load(args.data)
     if (ds.tokens == cfg.mask_token_id).any():
         print(f"warning: the mask token id {cfg.mask_token_id} occurs in the data", file=sys.stderr)
     gamma = args.gamma if args.gamma is not None else default_gamma(cfg.block_size)
@@ -275,7 +275,8 @@ def _run(args, argv) -> int:
         mask_text = target.tokenizer.decode([cfg.mask_token_id]) if target.tokenizer is not None else None
         extra = {"dflash_jax": {
             "trained_with": "dflash-jax train " + " ".join(shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:])),
-            "target": Path(str(target.source)).name, "mask_token": mask_text, "dataset": ds.fingerprint(),
+            "target": Path(str(target.source)).name, "target_fingerprint": fingerprint_of(target),
+            "mask_token": mask_text, "dataset": ds.fingerprint(),
             "dataset_sequences": len(batcher), "tokens_seen": summary["tokens_seen"], "steps": summary["step"],
             "train_seconds": summary["seconds"], "tau_eval": tau.get("tau"), "gamma": gamma,
         }}

@@ -17,9 +17,7 @@ The cache stores bfloat16 (float16 overflows: SmolLM2's residual reaches ~2.5e4)
 from __future__ import annotations
 
 import functools
-import hashlib
 import json
-import math
 import os
 import time
 import zipfile
@@ -34,6 +32,7 @@ import numpy as np
 from dflash_jax.cache import init_capture
 from dflash_jax.config import TargetConfig
 from dflash_jax.errors import DFlashError
+from dflash_jax.fingerprint import tree_fingerprint
 from dflash_jax.io.files import atomic_path, save_npy, write_text
 from dflash_jax.registry import module_for
 from dflash_jax.train.dataset import TokenDataset
@@ -141,36 +140,6 @@ class FeatureCache:
         if len(off) != len(hashes) + 1 or int(off[-1]) != cache.features.shape[0]:
             return None
         return cache, {int(h): (int(off[i]), int(off[i + 1] - off[i])) for i, h in enumerate(hashes)}
-
-
-class _StackedLeaf:
-    """The per-layer buffers of one weight, read as the ``[L, ...]`` leaf they stack to."""
-
-    def __init__(self, parts):
-        self.parts = parts
-
-
-def tree_fingerprint(tree, prefix: bytes = b"", samples: int | None = None) -> str:
-    """sha256 (hex, 16 chars) of ``prefix`` then, leaf by leaf, each leaf's name and shape and its
-    float32 values: all of them, or about ``samples`` evenly strided ones (row-major order).
-
-    Per-layer parameters (``"layers"`` a tuple of dicts, :func:`dflash_jax.models.dense.unstack_layers`)
-    hash as the stacked leaves they stand for, read in place (no stacked copy), so both layouts
-    of one model have one fingerprint."""
-    layers = tree.get("layers") if isinstance(tree, dict) else None
-    if isinstance(layers, (tuple, list)):
-        tree = dict(tree, layers=jax.tree_util.tree_map(lambda *a: _StackedLeaf(a), *layers))
-    h = hashlib.sha256(prefix)
-    for k, v in jax.tree_util.tree_leaves_with_path(tree):
-        parts = v.parts if isinstance(v, _StackedLeaf) else (v,)
-        shape = ((len(parts),) if isinstance(v, _StackedLeaf) else ()) + tuple(np.shape(parts[0]))
-        size = math.prod(shape)
-        step = 1 if samples is None else max(1, size // samples)
-        h.update(f"{jax.tree_util.keystr(k)}{shape}".encode())
-        for i, part in enumerate(parts):  # the stacked leaf's strided samples that fall in layer i
-            start = (-i * (size // len(parts))) % step
-            h.update(np.asarray(jax.device_get(jnp.ravel(part)[start::step]), np.float32).tobytes())
-    return h.hexdigest()[:16]
 
 
 def target_fingerprint(target_cfg: TargetConfig, target_params, samples: int = 4096) -> str:

@@ -133,7 +133,7 @@ def block_hidden(params, cfg: DrafterConfig, target_params, target_cfg: TargetCo
     ck, cv = drafter.context_kv(params, cfg, features, ctx_pos)
 
     def one(blk, pos, ctx_len):
-        return drafter.forward(params, cfg, target_params, target_cfg, blk, pos, ck, cv, ctx_len)
+        return drafter.forward(params, cfg, target_params, target_cfg, blk, pos, ck, cv, ctx_len, live_context=False)
 
     return jax.vmap(one, in_axes=(1, 1, 1), out_axes=1)(block_tokens, positions, anchors)
 

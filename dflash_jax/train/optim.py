@@ -1,17 +1,18 @@
 """Training settings and the optimizer (``docs/specs/dflash.md`` 3.7): AdamW with linear warmup
-then cosine, linear or constant decay, and global-norm gradient clipping."""
+then cosine, linear or constant decay, and global-norm gradient clipping.
+
+``optax`` is imported by the functions that build the optimizer, so that the command line's
+parser (which reads :data:`DECAYS` and :data:`COMPUTE_DTYPES`) does not import it for
+``dflash-jax generate``."""
 
 from __future__ import annotations
 
 import dataclasses
 import math
 
-import optax
-
 from dflash_jax.errors import DFlashError
 
 DECAYS = ("cosine", "linear", "constant")
-_global_norm = getattr(getattr(optax, "tree", None), "norm", None) or optax.global_norm
 COMPUTE_DTYPES = ("float32", "bfloat16")
 
 
@@ -80,6 +81,8 @@ class TrainConfig:
 def lr_schedule(tc: TrainConfig) -> optax.Schedule:
     """Learning rate per step: linear warmup over ``round(warmup_ratio * steps)`` steps from 0,
     then ``tc.decay`` to ``lr * final_lr_ratio`` at ``steps``."""
+    import optax
+
     warm = int(round(tc.warmup_ratio * tc.steps))
     rest = max(tc.steps - warm, 1)
     end = tc.lr * tc.final_lr_ratio
@@ -96,5 +99,7 @@ def lr_schedule(tc: TrainConfig) -> optax.Schedule:
 
 def make_optimizer(tc: TrainConfig) -> optax.GradientTransformation:
     """``clip_by_global_norm(grad_clip)`` then AdamW with :func:`lr_schedule`."""
+    import optax
+
     adam = optax.adamw(lr_schedule(tc), b1=tc.b1, b2=tc.b2, eps=tc.eps, weight_decay=tc.weight_decay)
     return optax.chain(optax.clip_by_global_norm(tc.grad_clip), adam) if tc.grad_clip > 0 else adam

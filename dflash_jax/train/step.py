@@ -58,7 +58,7 @@ def init_train_state(cfg: DrafterConfig, tc: TrainConfig, init_params=None) -> T
 
 def params_fingerprint(params) -> str:
     """sha256 (hex, 16 chars) of a parameter pytree's names, shapes and all its float32 values
-    (:func:`dflash_jax.train.data.tree_fingerprint`)."""
+    (:func:`dflash_jax.fingerprint.tree_fingerprint`)."""
     return tree_fingerprint(params)
 
 
