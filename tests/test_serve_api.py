@@ -11,7 +11,7 @@ import json
 import openai
 import pytest
 from conftest import SERVE_MAX_LEN
-from serve_util import TOOLS, raw
+from serve_util import TOOLS, free_rows_at_length_1, raw
 
 import dflash_jax as dj
 
@@ -120,7 +120,7 @@ def test_sixteen_concurrent_requests_each_equal_their_answer_alone(serve_tiny, s
 
     got = asyncio.run(main())
     assert got == expected
-    assert engine.counts() == (0, 0)
+    assert engine.counts() == (0, 0) and free_rows_at_length_1(engine)
 
 
 def test_models_health_and_metrics(serve_tiny):

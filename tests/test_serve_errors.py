@@ -9,7 +9,7 @@ import time
 
 import openai
 import pytest
-from serve_util import raw, serve_in_thread
+from serve_util import free_rows_at_length_1, raw, serve_in_thread
 
 from dflash_jax.serve.app import build_app
 from dflash_jax.serve.engine import Engine
@@ -129,7 +129,7 @@ def test_disconnect_mid_stream_frees_the_row(serve_tiny):
     deadline = time.time() + 30
     while engine.counts()[0] and time.time() < deadline:
         time.sleep(0.01)
-    assert engine.counts() == (0, 0)
+    assert engine.counts() == (0, 0) and free_rows_at_length_1(engine)
     assert 'dflash_requests_total{finish_reason="cancelled"}' in raw(url + "/metrics")[2].decode()
     assert healthy(url)
 
