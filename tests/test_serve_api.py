@@ -135,6 +135,10 @@ def test_models_health_and_metrics(serve_tiny):
     for name in ("dflash_requests_total", "dflash_generation_tokens_total", "dflash_time_to_first_token_seconds_bucket",
                  "dflash_accepted_tokens_total", "dflash_running_requests", "dflash_engine_alive 1.0"):
         assert name in m, name
+    compiled = [float(line.split()[1]) for line in m.splitlines() if line.startswith("dflash_xla_compilations ")]
+    assert compiled and compiled[0] > 0  # this request's programs at least
+    c.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=3, temperature=0)
+    assert f"dflash_xla_compilations {compiled[0]}" in raw(url + "/metrics")[2].decode()  # the same shapes compile nothing
 
 
 def _assemble(chunks):
