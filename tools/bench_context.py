@@ -93,7 +93,8 @@ def table(runs: dict, cases, w_bytes: int, kv_tok: int) -> tuple[str, list]:
         predicted = base[0] * (w_bytes + longest * kv_tok) / (w_bytes + base[1] * kv_tok) if base else float("nan")
         rows.append(f"| {name} | {tight} | {cells['plain'][0]:.2f} | {cells['plain'][1]:.2f} | {cells['plain'][1] / cells['plain'][0]:.2f}x "
                     f"| {cells['dflash'][0]:.2f} | {cells['dflash'][1]:.2f} | {cells['dflash'][1] / cells['dflash'][0]:.2f}x "
-                    f"| {tau:.2f} | {cells['dflash'][1] / cells['plain'][1]:.2f}x | {prefill:.0f} | {step_ms:.1f} | {step_ms / predicted:.2f}x |")
+                    f"| {tau:.2f} | {cells['dflash'][1] / cells['plain'][1]:.2f}x | {prefill:.0f} | {step_ms:.1f} | "
+                    + (f"{step_ms / predicted:.2f}x |" if len(prompts) == 1 else f"n/a ({len(prompts)} rows) |"))
         plot.append((name, longest, cells, prefill))
     head = ("| live context | tight capacity | plain tok/s (tight) | plain tok/s (8192) | 8192/tight | DFlash tok/s (tight) "
             "| DFlash tok/s (8192) | 8192/tight | tau | DFlash/plain (8192) | prefill tok/s | plain step ms (8192) | step / memory-traffic prediction |\n"
