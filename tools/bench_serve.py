@@ -4,7 +4,9 @@ llama.cpp's own server, side by side in one run.
 Starts three servers on loopback with their defaults: ``dflash-jax serve`` (the embedded default
 pair, DFlash), ``dflash-jax serve --no-spec`` and, when ``llama-cpp-python`` is installed,
 ``python -m llama_cpp.server`` on the same GGUF file (all cores, ``--interrupt_requests False``:
-its default ends a running stream as soon as another request waits). Every request is the same
+its default ends a running stream as soon as another request waits; ``OMP_WAIT_POLICY=PASSIVE``:
+on a CPU shared with other jobs, its OpenMP threads spinning at every barrier while the other
+thread is descheduled made it decode at seconds per token). Every request is the same
 streamed chat request (greedy, ``--max-tokens`` new tokens at most, ``stream_options.include_usage``).
 
 * Concurrency 1: the prompts one at a time; for each prompt, in an order that alternates from
@@ -63,7 +65,8 @@ def free_port() -> int:
 
 def start(name: str, argv: list[str], port: int, log: Path) -> subprocess.Popen:
     """Starts a server and waits (15 minutes at most) until it answers ``/health`` or ``/v1/models``."""
-    proc = subprocess.Popen(argv, cwd=ROOT, stdout=log.open("w"), stderr=subprocess.STDOUT, env=dict(os.environ, JAX_PLATFORMS="cpu"))
+    env = dict(os.environ, JAX_PLATFORMS="cpu", OMP_WAIT_POLICY="PASSIVE")
+    proc = subprocess.Popen(argv, cwd=ROOT, stdout=log.open("w"), stderr=subprocess.STDOUT, env=env)
     deadline = time.time() + 900
     while time.time() < deadline:
         if proc.poll() is not None:
@@ -144,9 +147,19 @@ async def _load(url: str, model: str, prompts: list[str], concurrency: int, max_
     return dict(records=records, wall=wall, load=os.getloadavg()[0])
 
 
+def cpu_seconds(pid: int) -> float:
+    """CPU seconds (user + system, all threads) process ``pid`` has used (``/proc/PID/stat``)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def load(s: dict, prompts: list[str], concurrency: int, max_tokens: int) -> dict:
-    """Sends ``prompts`` to the server ``s``, ``concurrency`` in flight: ``{records, wall, load}``."""
-    return asyncio.run(_load(s["url"], s["model"], prompts, concurrency, max_tokens))
+    """Sends ``prompts`` to the server ``s``, ``concurrency`` in flight: ``{records, wall, load,
+    cpu}`` (``cpu``: the server's CPU seconds meanwhile, which other jobs on the machine do not
+    inflate the way they stretch wall times)."""
+    c0 = cpu_seconds(s["proc"].pid)
+    out = asyncio.run(_load(s["url"], s["model"], prompts, concurrency, max_tokens))
+    return dict(out, cpu=cpu_seconds(s["proc"].pid) - c0)
 
 
 def compilations(s: dict) -> float | None:
@@ -186,7 +199,7 @@ def summary(runs: list[dict]) -> dict:
     tokens = sum(r["tokens"] for r in recs)
     wall = sum(run["wall"] for run in runs)
     loads = [run["load"] for run in runs]
-    return dict(tokens=tokens, wall=wall, tok_s=tokens / wall, requests=len(recs), ttft_p50=pct("ttft", 50), ttft_p99=pct("ttft", 99),
+    return dict(tokens=tokens, wall=wall, tok_s=tokens / wall, cpu_ms_per_token=1000 * sum(run["cpu"] for run in runs) / tokens, requests=len(recs), ttft_p50=pct("ttft", 50), ttft_p99=pct("ttft", 99),
                 itl_p50=pct("itl", 50), itl_p99=pct("itl", 99), pause_p99=pct("pause", 99), load=[min(loads), max(loads)])
 
 
@@ -201,11 +214,15 @@ class Generate:
         self.drafter = dj.shipped_drafter(self.target)
 
     def __call__(self, prompt: str, spec: bool, max_tokens: int) -> dict:
-        """``{decode_tok_s, tokens, prefill_s}`` of one greedy chat prompt (compile not counted)."""
+        """``{decode_tok_s, tokens, prefill_s, cpu}`` of one greedy chat prompt (compile not counted;
+        ``cpu``: this process's CPU seconds for the call, prefill and decode, nothing compiled
+        after the first call of a shape)."""
         dj = self.dj
+        c0 = sum(os.times()[:2])
         res = dj.generate(self.target, [dj.encode_prompt(self.target, prompt)], max_new_tokens=max_tokens,
                           drafter=self.drafter if spec else None)
-        return dict(decode_tok_s=res.stats["decode_tokens_per_s"], tokens=res.stats["new_tokens"], prefill_s=res.stats["prefill_time_s"])
+        return dict(decode_tok_s=res.stats["decode_tokens_per_s"], tokens=res.stats["new_tokens"], prefill_s=res.stats["prefill_time_s"],
+                    cpu=sum(os.times()[:2]) - c0)
 
 
 def round_trips(gen: Generate, prompt: str, max_tokens: int, reps: int) -> dict:
@@ -267,7 +284,7 @@ def concurrency_one(srv: dict, gen: Generate, prompts: list[str], max_tokens: in
             r, g = got[mode]["records"][0], got["generate " + mode]
             pairs[mode].append(dict(server=r["decode_tok_s"], generate=g["decode_tok_s"], ratio=r["decode_tok_s"] / g["decode_tok_s"],
                                     server_tokens=r["tokens"], generate_tokens=g["tokens"], ttft=r["ttft"], prefill_s=g["prefill_s"],
-                                    load=got[mode]["load"]))
+                                    load=got[mode]["load"], cpu_ratio=(got[mode]["cpu"] / r["tokens"]) / (g["cpu"] / g["tokens"])))
         if not warm:
             print(f"c= 1 prompt {i}: " + "  ".join(f"{m} server/generate {p[-1]['server']:.1f}/{p[-1]['generate']:.1f} tok/s"
                                                   for m, p in pairs.items()) + f"  load {os.getloadavg()[0]:.1f}", flush=True)
@@ -327,13 +344,14 @@ def plot(results: dict, path: Path) -> None:
 
 
 def _table(results: dict, concurrency: list[int]) -> list[str]:
-    lines = ["| concurrency | server | output tok/s | x its c=1 | TTFT p50 / p99 (s) | inter-token p50 / p99 (ms) | longest pause p99 (ms) "
-             "| requests | compiles | load avg |", "|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| concurrency | server | output tok/s | x its c=1 | CPU ms per token | TTFT p50 / p99 (s) | inter-token p50 / p99 (ms) "
+             "| longest pause p99 (ms) | requests | compiles | load avg |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for c in concurrency:
         for name, by_c in results["servers"].items():
             if c in by_c:
                 r, base = by_c[c], by_c.get(1, by_c[c])
-                lines.append(f"| {c} | {name} | {r['tok_s']:.1f} | {r['tok_s'] / base['tok_s']:.2f} | {r['ttft_p50']:.3f} / {r['ttft_p99']:.3f} | "
+                lines.append(f"| {c} | {name} | {r['tok_s']:.1f} | {r['tok_s'] / base['tok_s']:.2f} | {r['cpu_ms_per_token']:.0f} | "
+                             f"{r['ttft_p50']:.3f} / {r['ttft_p99']:.3f} | "
                              f"{1000 * r['itl_p50']:.1f} / {1000 * r['itl_p99']:.1f} | {1000 * r['pause_p99']:.0f} | {r['requests']} | "
                              f"{'-' if r['compiles'] is None else int(r['compiles'])} | "
                              f"{r['load'][0]:.1f}-{r['load'][1]:.1f} |")
@@ -342,12 +360,14 @@ def _table(results: dict, concurrency: list[int]) -> list[str]:
 
 def _pairs_table(pairs: dict) -> list[str]:
     lines = ["| mode | server decode tok/s (median) | `generate` decode tok/s (median) | server / `generate` (median of pairs, min-max) "
-             "| server TTFT p50 (s) | `generate` prefill p50 (s) | same token counts | load avg |", "|---|---|---|---|---|---|---|---|"]
+             "| CPU per token, server / `generate` (median) | server TTFT p50 (s) | `generate` prefill p50 (s) | same token counts | load avg |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for mode, ps in pairs.items():
         ratios = [p["ratio"] for p in ps]
         same = sum(p["server_tokens"] == p["generate_tokens"] for p in ps)
         lines.append(f"| {mode} | {np.median([p['server'] for p in ps]):.1f} | {np.median([p['generate'] for p in ps]):.1f} | "
-                     f"{np.median(ratios):.3f} ({min(ratios):.2f}-{max(ratios):.2f}) | {np.median([p['ttft'] for p in ps]):.3f} | "
+                     f"{np.median(ratios):.3f} ({min(ratios):.2f}-{max(ratios):.2f}) | {np.median([p['cpu_ratio'] for p in ps]):.3f} | "
+                     f"{np.median([p['ttft'] for p in ps]):.3f} | "
                      f"{np.median([p['prefill_s'] for p in ps]):.3f} | {same}/{len(ps)} | "
                      f"{min(p['load'] for p in ps):.1f}-{max(p['load'] for p in ps):.1f} |")
     return lines
@@ -359,7 +379,7 @@ def report(results: dict, args, command: str) -> str:
     lines = [f"### Serving: `dflash-jax serve` (DFlash and plain), `generate` and llama.cpp's server, {datetime.date.today().isoformat()}", "",
              f"Machine: {m['cpu']}, {m['cores']} cores, {m['memory']}; jax {m['jax']}. Command: `{command}` "
              f"({results['minutes']:.1f} minutes). Servers with their defaults, the same GGUF file (llama.cpp with all cores and "
-             "`--interrupt_requests False`); streamed chat requests, greedy, "
+             "`--interrupt_requests False` and `OMP_WAIT_POLICY=PASSIVE`, see the tool's docstring); streamed chat requests, greedy, "
              f"{args.max_tokens} new tokens at most, the same prompts for every server. The machine is shared with other jobs: "
              f"1-minute load average {min(loads):.1f}-{max(loads):.1f} during the run on {m['cores']} cores; compare within a "
              "concurrency (measured side by side, alternating order), not across days.", "", *_table(results, args.concurrency)]
