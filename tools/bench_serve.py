@@ -6,7 +6,10 @@ pair, DFlash), ``dflash-jax serve --no-spec`` and, when ``llama-cpp-python`` is 
 ``python -m llama_cpp.server`` on the same GGUF file (all cores, ``--interrupt_requests False``:
 its default ends a running stream as soon as another request waits; ``OMP_WAIT_POLICY=PASSIVE``:
 on a CPU shared with other jobs, its OpenMP threads spinning at every barrier while the other
-thread is descheduled made it decode at seconds per token). Every request is the same
+thread is descheduled made it decode at seconds per token). ``pip install 'llama-cpp-python[server]'``
+builds llama.cpp for the host CPU; where the CPU reports AMX that the machine does not let
+processes use (a general protection fault at ``ldtilecfg`` on the first request), build it with
+``CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_AVX512=ON"``. Every request is the same
 streamed chat request (greedy, ``--max-tokens`` new tokens at most, ``stream_options.include_usage``).
 
 * Concurrency 1: the prompts one at a time; for each prompt, in an order that alternates from
@@ -373,11 +376,54 @@ def _pairs_table(pairs: dict) -> list[str]:
     return lines
 
 
+def _llamacpp_version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return f", llama-cpp-python {version('llama-cpp-python')}"
+    except PackageNotFoundError:
+        return ""
+
+
+def _reading(results: dict) -> list[str]:
+    """What the tables say about the issue's goals, with this run's figures."""
+    srv, out = results["servers"], []
+    if "pairs" in results:
+        p = {m: (np.median([x["ratio"] for x in ps]), np.median([x["cpu_ratio"] for x in ps])) for m, ps in results["pairs"].items()}
+        out.append("- Concurrency 1 against `generate`: " + "; ".join(f"{m} server {r:.3f}x its decode speed ({c:.3f}x its CPU per token)"
+                                                                     for m, (r, c) in p.items()) +
+                   ". The server's round trips (one per `--steps-per-round` steps), text and SSE cost what the CPU ratio says; "
+                   "the wall ratio adds the other jobs' noise.")
+    for name in ("dflash", "plain"):
+        cs = sorted(srv.get(name, {}))
+        if len(cs) > 1:
+            out.append(f"- Throughput with concurrency, {name}: " + " -> ".join(f"{srv[name][c]['tok_s']:.1f}" for c in cs) +
+                       f" tok/s at {', '.join(map(str, cs))} (rows decoded together share each pass over the weights: CPU per token "
+                       f"{srv[name][cs[0]]['cpu_ms_per_token']:.0f} -> {srv[name][cs[-1]]['cpu_ms_per_token']:.0f} ms).")
+    if "llama.cpp" in srv and 1 in srv["llama.cpp"] and "plain" in srv:
+        ll, pl, top = srv["llama.cpp"], srv["plain"], max(srv["llama.cpp"])
+        out.append(f"- llama.cpp's server: {ll[1]['tok_s']:.1f} tok/s at concurrency 1 ({ll[1]['tok_s'] / pl[1]['tok_s']:.2f}x plain, "
+                   f"{ll[1]['cpu_ms_per_token']:.0f} against {pl[1]['cpu_ms_per_token']:.0f} ms CPU per token): it computes on the "
+                   "Q4_1 weights with quantized kernels (about 5 bits a weight, against the float32 copy of the dequantized file that "
+                   "dflash-jax runs: about a sixth of the bytes read per token on a memory-bound CPU). But llama-cpp-python's server "
+                   "answers one request at a time (one llama context behind a lock, no batching): its throughput stays flat "
+                   f"({ll[top]['tok_s']:.1f} tok/s at {top}) and the queue shows in its time to first token "
+                   f"({ll[top]['ttft_p50']:.1f} s p50 at {top}); there the plain server gives {pl[top]['tok_s'] / ll[top]['tok_s']:.2f}x "
+                   "its throughput.")
+    if "dflash" in srv and "plain" in srv and "round_trips" in results:
+        rt = results["round_trips"]
+        out.append(f"- DFlash against plain: a DFlash step (draft, then verify a block) costs {rt['dflash']['loop_ms']:.0f} ms CPU against "
+                   f"{rt['plain']['loop_ms']:.0f} for a plain step, so DFlash gains only where it commits more than "
+                   f"{rt['dflash']['loop_ms'] / rt['plain']['loop_ms']:.1f} tokens a step; on these chat prompts the shipped drafter "
+                   "does not (chat tau in `tools/bench_spec.py`'s section), at any concurrency.")
+    return out
+
+
 def report(results: dict, args, command: str) -> str:
     m = machine()
     loads = [x for by_c in results["servers"].values() for r in by_c.values() for x in r["load"]]
     lines = [f"### Serving: `dflash-jax serve` (DFlash and plain), `generate` and llama.cpp's server, {datetime.date.today().isoformat()}", "",
-             f"Machine: {m['cpu']}, {m['cores']} cores, {m['memory']}; jax {m['jax']}. Command: `{command}` "
+             f"Machine: {m['cpu']}, {m['cores']} cores, {m['memory']}; jax {m['jax']}{_llamacpp_version()}. Command: `{command}` "
              f"({results['minutes']:.1f} minutes). Servers with their defaults, the same GGUF file (llama.cpp with all cores and "
              "`--interrupt_requests False` and `OMP_WAIT_POLICY=PASSIVE`, see the tool's docstring); streamed chat requests, greedy, "
              f"{args.max_tokens} new tokens at most, the same prompts for every server. The machine is shared with other jobs: "
@@ -393,7 +439,7 @@ def report(results: dict, args, command: str) -> str:
                   "relative to one on-device loop (median of alternating pairs):", "",
                   "| mode | on-device loop (ms CPU per step) | rounds of 1 step | rounds of 4 steps |", "|---|---|---|---|"]
         lines += [f"| {mode} | {r['loop_ms']:.1f} | {r['rounds_of_1']:.3f} | {r['rounds_of_4']:.3f} |" for mode, r in results["round_trips"].items()]
-    lines += ["", "![serving throughput and latency](tools/results/serve_bench.png)"]
+    lines += ["", "Reading:", "", *_reading(results), "", "![serving throughput and latency](tools/results/serve_bench.png)"]
     return "\n".join(lines)
 
 
