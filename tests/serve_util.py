@@ -107,6 +107,13 @@ def scripted_target():
     return Target(cfg=cfg, params=params, tokenizer=_tokenizer(pieces), source="scripted", eos_ids=(IM_END,))
 
 
+def free_rows_at_length_1(engine) -> bool:
+    """Whether every free row of the engine's batch has length 1 (a finished answer's length would
+    widen every later step's attention span); call it while the engine is idle."""
+    length = np.asarray(engine._batch.state.length)
+    return all(int(length[i]) == 1 for i, r in enumerate(engine._rows) if r is None)
+
+
 def raw(url: str, method: str = "GET", body: bytes | None = None, headers: dict | None = None, timeout: float = 60):
     """``(status, headers, body bytes)`` of one plain HTTP request (standard library; for what the
     ``openai`` client cannot send: malformed JSON, oversized bodies, raw metrics)."""
