@@ -60,22 +60,12 @@ def free_port() -> int:
 
 
 def _tokenizer(pieces: list[str]):
-    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
-
     from dflash_jax.io.tokenizer import Tokenizer as DJTokenizer
     from test_tokenizer import byte_alphabet
+    from tiny_hf import byte_tokenizer
 
     alphabet = byte_alphabet()
-    vocab = {alphabet[b]: b for b in range(256)}
-    vocab.update({"<|im_start|>": IM_START, "<|im_end|>": IM_END})
-    for i, p in enumerate(pieces):
-        vocab["".join(alphabet[b] for b in p.encode())] = IM_END + 1 + i
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], fuse_unk=False))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-    tok.decoder = decoders.ByteLevel()
-    tok.add_special_tokens([AddedToken("<|im_start|>", special=True, normalized=False),
-                            AddedToken("<|im_end|>", special=True, normalized=False)])
-    assert tok.token_to_id("<|im_end|>") == IM_END
+    tok = byte_tokenizer({"".join(alphabet[b] for b in p.encode()): IM_END + 1 + i for i, p in enumerate(pieces)})
     return DJTokenizer(tok, bos_token_id=None, eos_token_ids=[IM_END], chat_template=TEMPLATE, source="scripted")
 
 

@@ -59,7 +59,7 @@ def test_bad_requests_are_400_naming_the_field(serve_tiny, body, param, code):
     assert set(err) == {"message", "type", "param", "code"} and err["type"] == "invalid_request_error"
     assert (err["param"], err["code"]) == (param, code), err
     assert param is None or param.split(".")[0] in err["message"]
-    assert healthy(url)
+    assert healthy(url), raw(url + "/health")
 
 
 def test_completion_errors_and_unknown_model_and_size(serve_tiny):
@@ -77,7 +77,7 @@ def test_completion_errors_and_unknown_model_and_size(serve_tiny):
     with pytest.raises(openai.NotFoundError) as e:
         openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0).chat.completions.create(model="gpt-4", messages=CHAT["messages"])
     assert e.value.code == "model_not_found"
-    assert healthy(url)
+    assert healthy(url), raw(url + "/health")
 
 
 def test_api_key_queue_full_and_engine_death(serve_tiny_model):
@@ -131,7 +131,7 @@ def test_disconnect_mid_stream_frees_the_row(serve_tiny):
         time.sleep(0.01)
     assert engine.counts() == (0, 0) and free_rows_at_length_1(engine)
     assert 'dflash_requests_total{finish_reason="cancelled"}' in raw(url + "/metrics")[2].decode()
-    assert healthy(url)
+    assert healthy(url), raw(url + "/health")
 
 
 def test_disconnect_while_waiting_for_a_whole_answer_frees_the_row(serve_tiny, monkeypatch):
