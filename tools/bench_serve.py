@@ -39,6 +39,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import datetime
+import importlib.util
 import json
 import os
 import signal
@@ -92,7 +93,7 @@ def servers(args, logs: Path) -> dict:
     gguf = str(default_target_path())
     spec = [("dflash", [sys.executable, "-m", "dflash_jax", "serve"]),
             ("plain", [sys.executable, "-m", "dflash_jax", "serve", "--no-spec"])]
-    if not args.no_llamacpp:
+    if not args.no_llamacpp and importlib.util.find_spec("llama_cpp") is not None:
         cores = str(len(os.sched_getaffinity(0)))
         spec.append(("llama.cpp", [sys.executable, "-m", "llama_cpp.server", "--model", gguf, "--n_ctx", "2048", "--n_threads", cores,
                                    "--n_threads_batch", cores, "--interrupt_requests", "False"]))
