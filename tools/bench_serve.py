@@ -4,7 +4,12 @@ llama.cpp's own server, side by side in one run.
 Starts three servers on loopback with their defaults: ``dflash-jax serve`` (the embedded default
 pair, DFlash), ``dflash-jax serve --no-spec`` and, when ``llama-cpp-python`` is installed,
 ``python -m llama_cpp.server`` on the same GGUF file (all cores, ``--interrupt_requests False``:
-its default ends a running stream as soon as another request waits). Every request is the same
+its default ends a running stream as soon as another request waits; ``OMP_WAIT_POLICY=PASSIVE``:
+on a CPU shared with other jobs, its OpenMP threads spinning at every barrier while the other
+thread is descheduled made it decode at seconds per token). ``pip install 'llama-cpp-python[server]'``
+builds llama.cpp for the host CPU; where the CPU reports AMX that the machine does not let
+processes use (a general protection fault at ``ldtilecfg`` on the first request), build it with
+``CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_AVX512=ON"``. Every request is the same
 streamed chat request (greedy, ``--max-tokens`` new tokens at most, ``stream_options.include_usage``).
 
 * Concurrency 1: the prompts one at a time; for each prompt, in an order that alternates from
@@ -34,6 +39,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import datetime
+import importlib.util
 import json
 import os
 import signal
@@ -63,7 +69,8 @@ def free_port() -> int:
 
 def start(name: str, argv: list[str], port: int, log: Path) -> subprocess.Popen:
     """Starts a server and waits (15 minutes at most) until it answers ``/health`` or ``/v1/models``."""
-    proc = subprocess.Popen(argv, cwd=ROOT, stdout=log.open("w"), stderr=subprocess.STDOUT, env=dict(os.environ, JAX_PLATFORMS="cpu"))
+    env = dict(os.environ, JAX_PLATFORMS="cpu", OMP_WAIT_POLICY="PASSIVE")
+    proc = subprocess.Popen(argv, cwd=ROOT, stdout=log.open("w"), stderr=subprocess.STDOUT, env=env)
     deadline = time.time() + 900
     while time.time() < deadline:
         if proc.poll() is not None:
@@ -86,7 +93,7 @@ def servers(args, logs: Path) -> dict:
     gguf = str(default_target_path())
     spec = [("dflash", [sys.executable, "-m", "dflash_jax", "serve"]),
             ("plain", [sys.executable, "-m", "dflash_jax", "serve", "--no-spec"])]
-    if not args.no_llamacpp:
+    if not args.no_llamacpp and importlib.util.find_spec("llama_cpp") is not None:
         cores = str(len(os.sched_getaffinity(0)))
         spec.append(("llama.cpp", [sys.executable, "-m", "llama_cpp.server", "--model", gguf, "--n_ctx", "2048", "--n_threads", cores,
                                    "--n_threads_batch", cores, "--interrupt_requests", "False"]))
@@ -144,9 +151,19 @@ async def _load(url: str, model: str, prompts: list[str], concurrency: int, max_
     return dict(records=records, wall=wall, load=os.getloadavg()[0])
 
 
+def cpu_seconds(pid: int) -> float:
+    """CPU seconds (user + system, all threads) process ``pid`` has used (``/proc/PID/stat``)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def load(s: dict, prompts: list[str], concurrency: int, max_tokens: int) -> dict:
-    """Sends ``prompts`` to the server ``s``, ``concurrency`` in flight: ``{records, wall, load}``."""
-    return asyncio.run(_load(s["url"], s["model"], prompts, concurrency, max_tokens))
+    """Sends ``prompts`` to the server ``s``, ``concurrency`` in flight: ``{records, wall, load,
+    cpu}`` (``cpu``: the server's CPU seconds meanwhile, which other jobs on the machine do not
+    inflate the way they stretch wall times)."""
+    c0 = cpu_seconds(s["proc"].pid)
+    out = asyncio.run(_load(s["url"], s["model"], prompts, concurrency, max_tokens))
+    return dict(out, cpu=cpu_seconds(s["proc"].pid) - c0)
 
 
 def compilations(s: dict) -> float | None:
@@ -186,7 +203,7 @@ def summary(runs: list[dict]) -> dict:
     tokens = sum(r["tokens"] for r in recs)
     wall = sum(run["wall"] for run in runs)
     loads = [run["load"] for run in runs]
-    return dict(tokens=tokens, wall=wall, tok_s=tokens / wall, requests=len(recs), ttft_p50=pct("ttft", 50), ttft_p99=pct("ttft", 99),
+    return dict(tokens=tokens, wall=wall, tok_s=tokens / wall, cpu_ms_per_token=1000 * sum(run["cpu"] for run in runs) / tokens, requests=len(recs), ttft_p50=pct("ttft", 50), ttft_p99=pct("ttft", 99),
                 itl_p50=pct("itl", 50), itl_p99=pct("itl", 99), pause_p99=pct("pause", 99), load=[min(loads), max(loads)])
 
 
@@ -201,11 +218,15 @@ class Generate:
         self.drafter = dj.shipped_drafter(self.target)
 
     def __call__(self, prompt: str, spec: bool, max_tokens: int) -> dict:
-        """``{decode_tok_s, tokens, prefill_s}`` of one greedy chat prompt (compile not counted)."""
+        """``{decode_tok_s, tokens, prefill_s, cpu}`` of one greedy chat prompt (compile not counted;
+        ``cpu``: this process's CPU seconds for the call, prefill and decode, nothing compiled
+        after the first call of a shape)."""
         dj = self.dj
+        c0 = sum(os.times()[:2])
         res = dj.generate(self.target, [dj.encode_prompt(self.target, prompt)], max_new_tokens=max_tokens,
                           drafter=self.drafter if spec else None)
-        return dict(decode_tok_s=res.stats["decode_tokens_per_s"], tokens=res.stats["new_tokens"], prefill_s=res.stats["prefill_time_s"])
+        return dict(decode_tok_s=res.stats["decode_tokens_per_s"], tokens=res.stats["new_tokens"], prefill_s=res.stats["prefill_time_s"],
+                    cpu=sum(os.times()[:2]) - c0)
 
 
 def round_trips(gen: Generate, prompt: str, max_tokens: int, reps: int) -> dict:
@@ -267,7 +288,7 @@ def concurrency_one(srv: dict, gen: Generate, prompts: list[str], max_tokens: in
             r, g = got[mode]["records"][0], got["generate " + mode]
             pairs[mode].append(dict(server=r["decode_tok_s"], generate=g["decode_tok_s"], ratio=r["decode_tok_s"] / g["decode_tok_s"],
                                     server_tokens=r["tokens"], generate_tokens=g["tokens"], ttft=r["ttft"], prefill_s=g["prefill_s"],
-                                    load=got[mode]["load"]))
+                                    load=got[mode]["load"], cpu_ratio=(got[mode]["cpu"] / r["tokens"]) / (g["cpu"] / g["tokens"])))
         if not warm:
             print(f"c= 1 prompt {i}: " + "  ".join(f"{m} server/generate {p[-1]['server']:.1f}/{p[-1]['generate']:.1f} tok/s"
                                                   for m, p in pairs.items()) + f"  load {os.getloadavg()[0]:.1f}", flush=True)
@@ -327,13 +348,14 @@ def plot(results: dict, path: Path) -> None:
 
 
 def _table(results: dict, concurrency: list[int]) -> list[str]:
-    lines = ["| concurrency | server | output tok/s | x its c=1 | TTFT p50 / p99 (s) | inter-token p50 / p99 (ms) | longest pause p99 (ms) "
-             "| requests | compiles | load avg |", "|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| concurrency | server | output tok/s | x its c=1 | CPU ms per token | TTFT p50 / p99 (s) | inter-token p50 / p99 (ms) "
+             "| longest pause p99 (ms) | requests | compiles | load avg |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for c in concurrency:
         for name, by_c in results["servers"].items():
             if c in by_c:
                 r, base = by_c[c], by_c.get(1, by_c[c])
-                lines.append(f"| {c} | {name} | {r['tok_s']:.1f} | {r['tok_s'] / base['tok_s']:.2f} | {r['ttft_p50']:.3f} / {r['ttft_p99']:.3f} | "
+                lines.append(f"| {c} | {name} | {r['tok_s']:.1f} | {r['tok_s'] / base['tok_s']:.2f} | {r['cpu_ms_per_token']:.0f} | "
+                             f"{r['ttft_p50']:.3f} / {r['ttft_p99']:.3f} | "
                              f"{1000 * r['itl_p50']:.1f} / {1000 * r['itl_p99']:.1f} | {1000 * r['pause_p99']:.0f} | {r['requests']} | "
                              f"{'-' if r['compiles'] is None else int(r['compiles'])} | "
                              f"{r['load'][0]:.1f}-{r['load'][1]:.1f} |")
@@ -342,24 +364,69 @@ def _table(results: dict, concurrency: list[int]) -> list[str]:
 
 def _pairs_table(pairs: dict) -> list[str]:
     lines = ["| mode | server decode tok/s (median) | `generate` decode tok/s (median) | server / `generate` (median of pairs, min-max) "
-             "| server TTFT p50 (s) | `generate` prefill p50 (s) | same token counts | load avg |", "|---|---|---|---|---|---|---|---|"]
+             "| CPU per token, server / `generate` (median) | server TTFT p50 (s) | `generate` prefill p50 (s) | same token counts | load avg |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for mode, ps in pairs.items():
         ratios = [p["ratio"] for p in ps]
         same = sum(p["server_tokens"] == p["generate_tokens"] for p in ps)
         lines.append(f"| {mode} | {np.median([p['server'] for p in ps]):.1f} | {np.median([p['generate'] for p in ps]):.1f} | "
-                     f"{np.median(ratios):.3f} ({min(ratios):.2f}-{max(ratios):.2f}) | {np.median([p['ttft'] for p in ps]):.3f} | "
+                     f"{np.median(ratios):.3f} ({min(ratios):.2f}-{max(ratios):.2f}) | {np.median([p['cpu_ratio'] for p in ps]):.3f} | "
+                     f"{np.median([p['ttft'] for p in ps]):.3f} | "
                      f"{np.median([p['prefill_s'] for p in ps]):.3f} | {same}/{len(ps)} | "
                      f"{min(p['load'] for p in ps):.1f}-{max(p['load'] for p in ps):.1f} |")
     return lines
+
+
+def _llamacpp_version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return f", llama-cpp-python {version('llama-cpp-python')}"
+    except PackageNotFoundError:
+        return ""
+
+
+def _reading(results: dict) -> list[str]:
+    """What the tables say about the issue's goals, with this run's figures."""
+    srv, out = results["servers"], []
+    if "pairs" in results:
+        p = {m: (np.median([x["ratio"] for x in ps]), np.median([x["cpu_ratio"] for x in ps])) for m, ps in results["pairs"].items()}
+        out.append("- Concurrency 1 against `generate`: " + "; ".join(f"{m} server {r:.3f}x its decode speed ({c:.3f}x its CPU per token)"
+                                                                     for m, (r, c) in p.items()) +
+                   ". The server's round trips (one per `--steps-per-round` steps), text and SSE cost what the CPU ratio says; "
+                   "the wall ratio adds the other jobs' noise.")
+    for name in ("dflash", "plain"):
+        cs = sorted(srv.get(name, {}))
+        if len(cs) > 1:
+            out.append(f"- Throughput with concurrency, {name}: " + " -> ".join(f"{srv[name][c]['tok_s']:.1f}" for c in cs) +
+                       f" tok/s at {', '.join(map(str, cs))} (rows decoded together share each pass over the weights: CPU per token "
+                       f"{srv[name][cs[0]]['cpu_ms_per_token']:.0f} -> {srv[name][cs[-1]]['cpu_ms_per_token']:.0f} ms).")
+    if "llama.cpp" in srv and 1 in srv["llama.cpp"] and "plain" in srv:
+        ll, pl, top = srv["llama.cpp"], srv["plain"], max(srv["llama.cpp"])
+        out.append(f"- llama.cpp's server: {ll[1]['tok_s']:.1f} tok/s at concurrency 1 ({ll[1]['tok_s'] / pl[1]['tok_s']:.2f}x plain, "
+                   f"{ll[1]['cpu_ms_per_token']:.0f} against {pl[1]['cpu_ms_per_token']:.0f} ms CPU per token): it computes on the "
+                   "Q4_1 weights with quantized kernels (about 5 bits a weight, against the float32 copy of the dequantized file that "
+                   "dflash-jax runs: about a sixth of the bytes read per token on a memory-bound CPU). But llama-cpp-python's server "
+                   "answers one request at a time (one llama context behind a lock, no batching): its throughput stays flat "
+                   f"({ll[top]['tok_s']:.1f} tok/s at {top}) and the queue shows in its time to first token "
+                   f"({ll[top]['ttft_p50']:.1f} s p50 at {top}); there the plain server gives {pl[top]['tok_s'] / ll[top]['tok_s']:.2f}x "
+                   "its throughput.")
+    if "dflash" in srv and "plain" in srv and "round_trips" in results:
+        rt = results["round_trips"]
+        out.append(f"- DFlash against plain: a DFlash step (draft, then verify a block) costs {rt['dflash']['loop_ms']:.0f} ms CPU against "
+                   f"{rt['plain']['loop_ms']:.0f} for a plain step, so DFlash gains only where it commits more than "
+                   f"{rt['dflash']['loop_ms'] / rt['plain']['loop_ms']:.1f} tokens a step; on these chat prompts the shipped drafter "
+                   "does not (chat tau in `tools/bench_spec.py`'s section), at any concurrency.")
+    return out
 
 
 def report(results: dict, args, command: str) -> str:
     m = machine()
     loads = [x for by_c in results["servers"].values() for r in by_c.values() for x in r["load"]]
     lines = [f"### Serving: `dflash-jax serve` (DFlash and plain), `generate` and llama.cpp's server, {datetime.date.today().isoformat()}", "",
-             f"Machine: {m['cpu']}, {m['cores']} cores, {m['memory']}; jax {m['jax']}. Command: `{command}` "
+             f"Machine: {m['cpu']}, {m['cores']} cores, {m['memory']}; jax {m['jax']}{_llamacpp_version()}. Command: `{command}` "
              f"({results['minutes']:.1f} minutes). Servers with their defaults, the same GGUF file (llama.cpp with all cores and "
-             "`--interrupt_requests False`); streamed chat requests, greedy, "
+             "`--interrupt_requests False` and `OMP_WAIT_POLICY=PASSIVE`, see the tool's docstring); streamed chat requests, greedy, "
              f"{args.max_tokens} new tokens at most, the same prompts for every server. The machine is shared with other jobs: "
              f"1-minute load average {min(loads):.1f}-{max(loads):.1f} during the run on {m['cores']} cores; compare within a "
              "concurrency (measured side by side, alternating order), not across days.", "", *_table(results, args.concurrency)]
@@ -373,7 +440,7 @@ def report(results: dict, args, command: str) -> str:
                   "relative to one on-device loop (median of alternating pairs):", "",
                   "| mode | on-device loop (ms CPU per step) | rounds of 1 step | rounds of 4 steps |", "|---|---|---|---|"]
         lines += [f"| {mode} | {r['loop_ms']:.1f} | {r['rounds_of_1']:.3f} | {r['rounds_of_4']:.3f} |" for mode, r in results["round_trips"].items()]
-    lines += ["", "![serving throughput and latency](tools/results/serve_bench.png)"]
+    lines += ["", "Reading:", "", *_reading(results), "", "![serving throughput and latency](tools/results/serve_bench.png)"]
     return "\n".join(lines)
 
 

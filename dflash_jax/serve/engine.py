@@ -12,8 +12,8 @@ A request whose client disconnects is flagged at once (a stream's disconnect, or
 for it under a whole answer) and its row is freed at the end of the round in progress: at most
 ``steps_per_round`` decode steps later (rounds also end as soon as a row finishes). One step
 exactly would need a host round trip per step (``--steps-per-round 1``: on the default pair on a
-2-core CPU, +3.6 % CPU per token under DFlash and +6 % plain, against +0.7 % and +1.5 % at 4, each
-relative to one on-device loop) or a host callback between steps (about 0.1 ms a step, but JAX
+2-core CPU, 1-9 % more CPU per token than one on-device loop, against 0-5 % in rounds of 4;
+BENCHMARKS.md, serving) or a host callback between steps (about 0.1 ms a step, but JAX
 keeps no program with a host callback in its persistent compilation cache, so every restart would
 recompile the decode programs); the bound is one round instead.
 
