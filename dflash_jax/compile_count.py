@@ -49,3 +49,11 @@ def count_cache_hits():
     _register()
     start = _counts[_CACHE_HIT]
     yield lambda: _counts[_CACHE_HIT] - start
+
+
+def compilations() -> int:
+    """XLA backend compilations in this process since counting began (the first call of a
+    function of this module), persistent-cache hits included: a long-running process (the
+    server) exposes it, since every new program stalls whatever waits for it."""
+    _register()
+    return _counts[_COMPILE]

@@ -60,22 +60,12 @@ def free_port() -> int:
 
 
 def _tokenizer(pieces: list[str]):
-    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
-
     from dflash_jax.io.tokenizer import Tokenizer as DJTokenizer
     from test_tokenizer import byte_alphabet
+    from tiny_hf import byte_tokenizer
 
     alphabet = byte_alphabet()
-    vocab = {alphabet[b]: b for b in range(256)}
-    vocab.update({"<|im_start|>": IM_START, "<|im_end|>": IM_END})
-    for i, p in enumerate(pieces):
-        vocab["".join(alphabet[b] for b in p.encode())] = IM_END + 1 + i
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], fuse_unk=False))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-    tok.decoder = decoders.ByteLevel()
-    tok.add_special_tokens([AddedToken("<|im_start|>", special=True, normalized=False),
-                            AddedToken("<|im_end|>", special=True, normalized=False)])
-    assert tok.token_to_id("<|im_end|>") == IM_END
+    tok = byte_tokenizer({"".join(alphabet[b] for b in p.encode()): IM_END + 1 + i for i, p in enumerate(pieces)})
     return DJTokenizer(tok, bos_token_id=None, eos_token_ids=[IM_END], chat_template=TEMPLATE, source="scripted")
 
 
@@ -105,6 +95,13 @@ def scripted_target():
     params = dict(params, embed=jnp.eye(vocab, hidden, dtype=jnp.float32), layers=layers,
                   norm=jnp.ones((hidden,), jnp.float32), lm_head=jnp.asarray(head))
     return Target(cfg=cfg, params=params, tokenizer=_tokenizer(pieces), source="scripted", eos_ids=(IM_END,))
+
+
+def free_rows_at_length_1(engine) -> bool:
+    """Whether every free row of the engine's batch has length 1 (a finished answer's length would
+    widen every later step's attention span); call it while the engine is idle."""
+    length = np.asarray(engine._batch.state.length)
+    return all(int(length[i]) == 1 for i, r in enumerate(engine._rows) if r is None)
 
 
 def raw(url: str, method: str = "GET", body: bytes | None = None, headers: dict | None = None, timeout: float = 60):

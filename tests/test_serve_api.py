@@ -11,7 +11,7 @@ import json
 import openai
 import pytest
 from conftest import SERVE_MAX_LEN
-from serve_util import TOOLS, raw
+from serve_util import TOOLS, free_rows_at_length_1, raw
 
 import dflash_jax as dj
 
@@ -120,7 +120,7 @@ def test_sixteen_concurrent_requests_each_equal_their_answer_alone(serve_tiny, s
 
     got = asyncio.run(main())
     assert got == expected
-    assert engine.counts() == (0, 0)
+    assert engine.counts() == (0, 0) and free_rows_at_length_1(engine)
 
 
 def test_models_health_and_metrics(serve_tiny):
@@ -135,6 +135,10 @@ def test_models_health_and_metrics(serve_tiny):
     for name in ("dflash_requests_total", "dflash_generation_tokens_total", "dflash_time_to_first_token_seconds_bucket",
                  "dflash_accepted_tokens_total", "dflash_running_requests", "dflash_engine_alive 1.0"):
         assert name in m, name
+    compiled = [float(line.split()[1]) for line in m.splitlines() if line.startswith("dflash_xla_compilations ")]
+    assert compiled and compiled[0] > 0  # this request's programs at least
+    c.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=3, temperature=0)
+    assert f"dflash_xla_compilations {compiled[0]}" in raw(url + "/metrics")[2].decode()  # the same shapes compile nothing
 
 
 def _assemble(chunks):

@@ -3,12 +3,13 @@ server that stays healthy (bad input, unknown model, capacity, queue full, API k
 client that disconnects, a request that fails inside the engine, an engine that dies)."""
 
 import json
+import socket
 import threading
 import time
 
 import openai
 import pytest
-from serve_util import raw, serve_in_thread
+from serve_util import free_rows_at_length_1, raw, serve_in_thread
 
 from dflash_jax.serve.app import build_app
 from dflash_jax.serve.engine import Engine
@@ -26,6 +27,14 @@ def post(url, body, path="/v1/chat/completions", headers=None):
 def healthy(url):
     status, _, body = raw(url + "/health")
     return status == 200 and json.loads(body)["status"] == "ok"
+
+
+def finished(url, reason):
+    """The server's count of requests finished with ``reason`` (``/metrics``)."""
+    for line in raw(url + "/metrics")[2].decode().splitlines():
+        if line.startswith(f'dflash_requests_total{{finish_reason="{reason}"}}'):
+            return float(line.split()[-1])
+    return 0.0
 
 
 @pytest.mark.parametrize("body,param,code", [
@@ -50,7 +59,7 @@ def test_bad_requests_are_400_naming_the_field(serve_tiny, body, param, code):
     assert set(err) == {"message", "type", "param", "code"} and err["type"] == "invalid_request_error"
     assert (err["param"], err["code"]) == (param, code), err
     assert param is None or param.split(".")[0] in err["message"]
-    assert healthy(url)
+    assert healthy(url), raw(url + "/health")
 
 
 def test_completion_errors_and_unknown_model_and_size(serve_tiny):
@@ -68,7 +77,7 @@ def test_completion_errors_and_unknown_model_and_size(serve_tiny):
     with pytest.raises(openai.NotFoundError) as e:
         openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0).chat.completions.create(model="gpt-4", messages=CHAT["messages"])
     assert e.value.code == "model_not_found"
-    assert healthy(url)
+    assert healthy(url), raw(url + "/health")
 
 
 def test_api_key_queue_full_and_engine_death(serve_tiny_model):
@@ -120,8 +129,40 @@ def test_disconnect_mid_stream_frees_the_row(serve_tiny):
     deadline = time.time() + 30
     while engine.counts()[0] and time.time() < deadline:
         time.sleep(0.01)
-    assert engine.counts() == (0, 0)
+    assert engine.counts() == (0, 0) and free_rows_at_length_1(engine)
     assert 'dflash_requests_total{finish_reason="cancelled"}' in raw(url + "/metrics")[2].decode()
+    assert healthy(url), raw(url + "/health")
+
+
+def test_disconnect_while_waiting_for_a_whole_answer_frees_the_row(serve_tiny, monkeypatch):
+    """A non-streamed request whose client leaves is cancelled at once, while its text keeps
+    arriving (each round's delivery slowed so that the answer would take seconds; compiled first,
+    so that no pause between rounds gives a polling check its chance)."""
+    url, engine = serve_tiny
+    request = {"model": "tiny", "prompt": [1, 2, 3], "max_tokens": 140, "temperature": 0, "ignore_eos": True}
+    assert post(url, dict(request, max_tokens=8), "/v1/completions")[0] == 200
+    real = engine._feed
+
+    def slow_feed(r, new):
+        time.sleep(0.05)
+        return real(r, new)
+
+    monkeypatch.setattr(engine, "_feed", slow_feed)
+    cancelled, lengths = finished(url, "cancelled"), finished(url, "length")
+    host, port = url.removeprefix("http://").split(":")
+    body = json.dumps(request).encode()
+    with socket.create_connection((host, int(port))) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+        deadline = time.time() + 30
+        while engine.counts() != (1, 0) and time.time() < deadline:
+            time.sleep(0.01)
+        assert engine.counts() == (1, 0)
+    deadline = time.time() + 30
+    while engine.counts()[0] and time.time() < deadline:
+        time.sleep(0.01)
+    assert engine.counts() == (0, 0)
+    assert finished(url, "cancelled") == cancelled + 1 and finished(url, "length") == lengths  # not run to its end
     assert healthy(url)
 
 

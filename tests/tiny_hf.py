@@ -19,19 +19,28 @@ TEMPLATE = (
 )
 
 
-def write_tokenizer(folder: Path) -> None:
+def byte_tokenizer(extra: dict | None = None):
+    """The byte-level BPE of this module (``tokenizers.Tokenizer``): one token per byte, the two
+    special tokens, and ``extra`` (``{piece in the byte alphabet: id}``) as whole tokens."""
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
     from test_tokenizer import byte_alphabet
 
     alphabet = dict(enumerate(byte_alphabet()))
     vocab = {alphabet[b]: b for b in range(256)}
+    vocab.update({"<|im_start|>": IM_START, "<|im_end|>": IM_END})
+    vocab.update(extra or {})
     tok = Tokenizer(models.BPE(vocab=vocab, merges=[], fuse_unk=False))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     tok.decoder = decoders.ByteLevel()
     tok.add_special_tokens([AddedToken("<|im_start|>", special=True, normalized=False),
                             AddedToken("<|im_end|>", special=True, normalized=False)])
     assert tok.token_to_id("<|im_end|>") == IM_END
+    return tok
+
+
+def write_tokenizer(folder: Path) -> None:
+    tok = byte_tokenizer()
     tok.save(str(folder / "tokenizer.json"))
     (folder / "tokenizer_config.json").write_text(json.dumps(
         {"eos_token": "<|im_end|>", "bos_token": None, "add_bos_token": False, "chat_template": TEMPLATE}))

@@ -58,6 +58,12 @@ def _auth(api_key: str | None):
     return check
 
 
+async def _disconnect(request: Request) -> None:
+    """Returns when the client has gone (the ASGI server's ``http.disconnect``; the body is read already)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
 def _submit(engine: Engine, job: Job, metrics: Metrics) -> None:
     try:
         engine.submit(job)
@@ -113,7 +119,7 @@ def build_app(engine: Engine, metrics: Metrics | None = None, api_key: str | Non
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         if body.stream:
             return EventSourceResponse(responses.chat_stream(job, options, model.name, include_usage, engine))
-        reasoning, content, calls, done = await responses.collect(job, options, request.is_disconnected)
+        reasoning, content, calls, done = await responses.collect(job, options, _disconnect(request), engine)
         return responses.chat_completion(model.name, reasoning, content, calls, done, bool(calls))
 
     @app.post("/v1/completions", dependencies=auth)
@@ -124,7 +130,7 @@ def build_app(engine: Engine, metrics: Metrics | None = None, api_key: str | Non
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         if body.stream:
             return EventSourceResponse(responses.completion_stream(job, model.name, include_usage, engine))
-        _, content, _, done = await responses.collect(job, None, request.is_disconnected)
+        _, content, _, done = await responses.collect(job, None, _disconnect(request), engine)
         return responses.text_completion(model.name, content, done)
 
     return app

@@ -5,8 +5,9 @@ Everything here is a call of the public decode functions: :func:`dflash_jax.deco
 :func:`~dflash_jax.decode.prefill_chunk` / :func:`~dflash_jax.decode.finish_prefill` (one chunk per
 engine round, so a long prompt does not stall the running rows), :func:`~dflash_jax.decode.replace_rows`
 and :func:`~dflash_jax.decode.generate_until` with a step bound (a few steps on device per host
-round trip). A free row is a done row (its finish code is not ``RUNNING``): done rows never
-change, so they cost compute but never alter the others.
+round trip). A free row is a done row (its finish code is not ``RUNNING``) of length 1: done rows
+never change, so they cost compute but never alter the others, and at length 1 they add nothing
+to the attention span.
 """
 
 from __future__ import annotations
@@ -27,9 +28,12 @@ from dflash_jax.state import STOP, DecodeState
 
 
 @functools.partial(jax.jit, donate_argnames=("state",))
-def freeze_rows(state: DecodeState, rows_mask) -> DecodeState:
-    """Ends the rows of ``rows_mask`` (``[B]`` bool) that are still running (finish code ``STOP``)."""
-    return state.replace(finish=jnp.where(rows_mask & ~state.done, STOP, state.finish))
+def release_rows(state: DecodeState, rows_mask) -> DecodeState:
+    """Frees the rows of ``rows_mask`` (``[B]`` bool): ends those still running (finish code
+    ``STOP``) and sets their length to 1. Attention reads the cache up to the longest row of the
+    batch, done or not (:func:`~dflash_jax.nn.live_attention.live_keys`), so a free row that kept
+    a long answer's length would make every step of the others read that far."""
+    return state.replace(finish=jnp.where(rows_mask & ~state.done, STOP, state.finish), length=jnp.where(rows_mask, 1, state.length))
 
 
 @jax.jit
@@ -90,7 +94,7 @@ class Batch:
 
     def _empty(self, rows: int) -> DecodeState:
         state = decode.init_state(self.static, [[0]] * rows, self.max_len, 1, self.stop_ids)
-        return freeze_rows(state, jnp.ones((rows,), bool))
+        return release_rows(state, jnp.ones((rows,), bool))
 
     def resize(self, rows: int, keep: list[int]) -> None:
         """Makes the batch ``rows`` rows, keeping the rows ``keep`` (as rows ``0..len(keep)-1``
@@ -148,11 +152,11 @@ class Batch:
         """``(tokens [B, S], length [B], finish [B])`` on the host."""
         return jax.device_get((self.state.tokens, self.state.length, self.state.finish))
 
-    def freeze(self, rows: list[int]) -> None:
-        """Ends ``rows`` (cancelled or stopped on the host) so that they count as done."""
+    def release(self, rows: list[int]) -> None:
+        """Frees ``rows`` (finished, stopped on the host or cancelled): see :func:`release_rows`."""
         mask = np.zeros((self.rows,), bool)
         mask[rows] = True
-        self.state = freeze_rows(self.state, jnp.asarray(mask))
+        self.state = release_rows(self.state, jnp.asarray(mask))
 
     def row_stats(self, row: int) -> dict | None:
         """The speculative statistics of one row (``None`` under plain decoding)."""

@@ -6,7 +6,18 @@ queued requests that fit the running batch's decoding set-up (its "lane": sampli
 (:class:`~dflash_jax.serve.batch.Batch`); (3) runs up to ``steps_per_round`` decode steps on
 device (fewer when a row finishes) and hands every request its new text. A request whose lane
 differs from the running batch waits until the batch drains, then the batch switches to it (one
-compile per new lane, cached after). A failure while handling one request fails only that request;
+compile per new lane, cached after).
+
+A request whose client disconnects is flagged at once (a stream's disconnect, or a task that waits
+for it under a whole answer) and its row is freed at the end of the round in progress: at most
+``steps_per_round`` decode steps later (rounds also end as soon as a row finishes). One step
+exactly would need a host round trip per step (``--steps-per-round 1``: on the default pair on a
+2-core CPU, 1-9 % more CPU per token than one on-device loop, against 0-5 % in rounds of 4;
+BENCHMARKS.md, serving) or a host callback between steps (about 0.1 ms a step, but JAX
+keeps no program with a host callback in its persistent compilation cache, so every restart would
+recompile the decode programs); the bound is one round instead.
+
+A failure while handling one request fails only that request;
 an exception outside that (a device error) ends the engine: every request gets an error,
 :attr:`Engine.error` is set and ``on_death`` is called (the command line then exits non-zero).
 """
@@ -156,10 +167,7 @@ class Engine:
             if any(j.cancelled for j in self._queue):
                 self._queue = collections.deque(j for j in self._queue if not j.cancelled)
         gone = [r for r in self._rows if r is not None and r.job.cancelled]
-        if gone:
-            self._batch.freeze([r.row for r in gone])
-            for r in gone:
-                self._finish(r, "cancelled", stats=False)
+        self._end([(r, self._done(r, "cancelled", stats=False)) for r in gone])
 
     def _admit(self) -> None:
         """Starts a prefill group, or runs the next chunk of the one in progress."""
@@ -240,23 +248,19 @@ class Engine:
     def _deliver(self, readback) -> None:
         """Hands every running request its new tokens; finishes and frees ended rows."""
         tokens, length, finish = readback
-        stopped = []
+        ended = []
         for r in [r for r in self._rows if r is not None]:
             try:
                 if self._feed(r, tokens[r.row, r.seen : length[r.row]]):
-                    stopped.append(r)
-                    self._finish(r, "stop")
+                    ended.append((r, self._done(r, "stop")))
                 elif finish[r.row] != RUNNING:
                     reason = FINISH_REASONS[int(finish[r.row])]
-                    self._finish(r, "stop" if reason == "stop" else "length")
+                    ended.append((r, self._done(r, "stop" if reason == "stop" else "length")))
                 r.seen = int(length[r.row])
             except Exception as e:  # this request's failure is its own
                 traceback.print_exception(type(e), e, e.__traceback__)
-                r.job.post(Failed(f"{type(e).__name__}: {e}", 500))
-                stopped.append(r)
-                self._free(r)
-        if stopped:
-            self._batch.freeze([r.row for r in stopped])
+                ended.append((r, Failed(f"{type(e).__name__}: {e}", 500)))
+        self._end(ended)
 
     def _feed(self, r: _Row, new: np.ndarray) -> bool:
         """Feeds ``new`` ids to the request's text stream; ``True`` when a stop text or stop id
@@ -278,8 +282,9 @@ class Engine:
         r.job.post(Text(text, len(ids)))
         return hit or r.stream.stopped
 
-    def _finish(self, r: _Row, reason: str, stats: bool = True) -> None:
-        """Posts the last text and :class:`~dflash_jax.serve.jobs.Done`; frees the row."""
+    def _done(self, r: _Row, reason: str, stats: bool = True) -> Done:
+        """Posts the request's last text; returns its :class:`~dflash_jax.serve.jobs.Done`
+        (counted in the metrics; posted by :meth:`_end`)."""
         tail = r.stream.finish()
         if tail:
             r.job.post(Text(tail, 0))
@@ -291,12 +296,19 @@ class Engine:
         done = Done(reason, len(r.job.spec.prompt), n, spec)
         if self.metrics is not None:
             self.metrics.finished(r.job, done)
-        r.job.post(done)
-        self._free(r)
+        return done
 
-    def _free(self, r: _Row) -> None:
-        self._rows[r.row] = None
+    def _end(self, ended: list[tuple[_Row, object]]) -> None:
+        """Frees the rows of ended requests (:meth:`Batch.release`), then posts each its last
+        event: a client that has its answer finds its row free."""
+        if not ended:
+            return
+        self._batch.release([r.row for r, _ in ended])
+        for r, _ in ended:
+            self._rows[r.row] = None
         self._gauges()
+        for r, event in ended:
+            r.job.post(event)
 
     def _drain_queue(self, event) -> None:
         with self._cv:

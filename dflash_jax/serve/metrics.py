@@ -6,6 +6,8 @@ import time
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from dflash_jax.compile_count import compilations
+
 _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 
 
@@ -29,6 +31,10 @@ class Metrics:
         self.latency = Histogram("dflash_request_latency_seconds", "from arrival to the last token", buckets=_LATENCY_BUCKETS,
                                  registry=r)
         self.engine_alive.set(1)
+        self.compilations = Gauge("dflash_xla_compilations", "XLA programs compiled (or read from the persistent compilation cache) "
+                                  "by this process; each new batch shape compiles once, stalling the rows meanwhile", registry=r)
+        compilations()  # counting starts now
+        self.compilations.set_function(compilations)
 
     def finished(self, job, done) -> None:
         """Counts one finished request (``job``: :class:`~dflash_jax.serve.jobs.Job`, ``done``:

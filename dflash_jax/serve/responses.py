@@ -10,7 +10,7 @@ import asyncio
 import json
 import time
 import uuid
-from typing import AsyncIterator, Awaitable, Callable
+from typing import AsyncIterator, Awaitable
 
 from fastapi.sse import format_sse_event
 
@@ -78,45 +78,47 @@ def speculative(done: Done) -> SpeculativeStats | None:
     return None if done.speculative is None else SpeculativeStats(**done.speculative)
 
 
-async def events(job: Job, disconnected: Callable[[], Awaitable[bool]] | None = None) -> AsyncIterator:
-    """The job's events up to and including :class:`Done` / :class:`Failed`; checks
-    ``disconnected`` while waiting (a client gone cancels the job)."""
+async def events(job: Job) -> AsyncIterator:
+    """The job's events up to and including :class:`Done` / :class:`Failed`."""
     while True:
-        try:
-            ev = await asyncio.wait_for(job.events.get(), timeout=0.5)
-        except asyncio.TimeoutError:
-            if disconnected is not None and await disconnected():
-                job.cancelled = True
-                return
-            continue
+        ev = await job.events.get()
         yield ev
         if isinstance(ev, (Done, Failed)):
             return
 
 
+async def cancel_when(gone: Awaitable, job: Job, engine) -> None:
+    """Waits for ``gone`` (the client's disconnect), then cancels ``job`` (the engine frees its row
+    or drops it from the queue at its next round) and ends its event stream with a 499."""
+    await gone
+    job.cancelled = True
+    engine.wake()
+    job.events.put_nowait(Failed("client disconnected", 499))
+
+
 def _failed(ev: Failed) -> APIError:
-    return APIError(ev.status, ev.message, None, "engine_error" if ev.status == 500 else "server_shutting_down")
+    code = {500: "engine_error", 499: "cancelled"}.get(ev.status, "server_shutting_down")
+    return APIError(ev.status, ev.message, None, code)
 
 
-async def collect(job: Job, options: ChatOptions | None, disconnected) -> tuple[str, str, list[dict], Done]:
-    """Waits for the whole answer: ``(reasoning, content, tool calls, Done)``; raises
-    :class:`APIError` when the engine failed the request."""
+async def collect(job: Job, options: ChatOptions | None, gone: Awaitable, engine) -> tuple[str, str, list[dict], Done]:
+    """Waits for the whole answer: ``(reasoning, content, tool calls, Done)``; cancels the job as
+    soon as ``gone`` (the client's disconnect) returns. Raises :class:`APIError` when the engine
+    failed the request or the client left."""
     answer, parts = Answer(options), ([], [], [])
-    done = None
-    async for ev in events(job, disconnected):
-        if isinstance(ev, Failed):
-            raise _failed(ev)
-        if isinstance(ev, Text):
-            r, c, calls = answer.feed(ev.text)
-        else:
-            r, c, calls = answer.finish()
-            done = ev
-        parts[0].append(r)
-        parts[1].append(c)
-        parts[2].extend(calls)
-    if done is None:
-        raise APIError(499, "client disconnected", None, "cancelled")
-    return "".join(parts[0]), "".join(parts[1]), parts[2], done
+    watch = asyncio.ensure_future(cancel_when(gone, job, engine))
+    try:
+        async for ev in events(job):
+            if isinstance(ev, Failed):
+                raise _failed(ev)
+            r, c, calls = answer.feed(ev.text) if isinstance(ev, Text) else answer.finish()
+            parts[0].append(r)
+            parts[1].append(c)
+            parts[2].extend(calls)
+            if isinstance(ev, Done):
+                return "".join(parts[0]), "".join(parts[1]), parts[2], ev
+    finally:
+        watch.cancel()
 
 
 def finish_reason(done: Done, answer: Answer) -> str:

@@ -149,14 +149,20 @@ class ChatChoice(BaseModel):
     logprobs: None = None
 
 
-class ChatCompletion(BaseModel):
+class _Answer(BaseModel):
+    """What every completion object shares (OpenAI's schema, plus the ``speculative`` extension)."""
+
     id: str
-    object: Literal["chat.completion"] = "chat.completion"
     created: int
     model: str
+    usage: Usage | None = None
+    speculative: SpeculativeStats | None = None
+
+
+class ChatCompletion(_Answer):
+    object: Literal["chat.completion"] = "chat.completion"
     choices: list[ChatChoice]
     usage: Usage
-    speculative: SpeculativeStats | None = None
 
 
 class DeltaToolCall(BaseModel):
@@ -180,14 +186,9 @@ class ChunkChoice(BaseModel):
     logprobs: None = None
 
 
-class ChatCompletionChunk(BaseModel):
-    id: str
+class ChatCompletionChunk(_Answer):
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
-    created: int
-    model: str
     choices: list[ChunkChoice]
-    usage: Usage | None = None
-    speculative: SpeculativeStats | None = None
 
 
 class TextChoice(BaseModel):
@@ -197,14 +198,9 @@ class TextChoice(BaseModel):
     logprobs: None = None
 
 
-class Completion(BaseModel):
-    id: str
+class Completion(_Answer):
     object: Literal["text_completion"] = "text_completion"
-    created: int
-    model: str
     choices: list[TextChoice]
-    usage: Usage | None = None
-    speculative: SpeculativeStats | None = None
 
 
 class ModelCard(BaseModel):
