@@ -153,8 +153,9 @@ def measure(run: Callable, params: Params, state, static: Decoding, tokens: int 
       tokens: new tokens per row per timed run (its ``max_new`` is cut to that).
       rounds: runs per kind, alternating kinds; the fastest counts (:func:`_time_kinds`).
       lengths: live-length buckets to price, ascending (each measured with the running rows
-        that long); ``None``: one bucket, at the state's own lengths (today's attention costs
-        what the capacity costs, whatever the live length).
+        that long); ``None``: one bucket, at the state's own lengths (the prompts': the steps'
+        attention reads each key block once for all of a step's queries, so a longer context adds
+        about the same seconds to every width; one bucket keeps the first run's measurement short).
     Returns:
       A :class:`CostModel` (seconds per step); equal costs (``info["source"]`` ``"none"``) when
       every row is done already (no step will run).

@@ -1,20 +1,18 @@
-"""Plain decoding, every fixed DFlash depth and the adaptive depth (``n_max="auto"``), side by side.
+"""Adaptive verify depth against every fixed depth and plain decoding, side by side in one run.
 
 For each prompt set (HumanEval asked as chat, and general chat prompts) and batch size, greedy,
-the default target and its shipped drafter at the API's default capacity (longest prompt of the
-batch + new tokens, rounded up to 64, as ``dflash_jax.generate`` and ``dflash-jax generate``
-choose it): decode tokens/s of plain decoding, of every fixed depth ``n_max = 1..7`` and of
-``auto`` (its cost model read from the cache folder or measured as the API does), tau, the
-widths ``auto`` chose and its plain steps, and whether every output equals plain greedy
-decoding (differences only at near-ties of the target's logits are reported separately). The
-configurations alternate within each batch of prompts, starting at a different one each time;
-batches are grouped by capacity (all configurations compiled ahead of time for a capacity, then
-its batches run), so decode time excludes compilation and prefill. XLA compilations inside the
-timed loops are counted (must be 0). Results go to a section of ``BENCHMARKS.md``, the plot to
-``tools/results/depth_sweep.png``::
+the default target and its shipped drafter at the API's default capacity: decode tokens/s of
+plain decoding, of DFlash at every fixed ``n_max`` 1..block_size-1 and of ``n_max="auto"``,
+each batch run under every configuration in turn (a different one first each time); the best
+fixed depth chosen per set after the fact; ratios with a bootstrap interval over batches and by
+CPU time; tau per configuration, auto's width histogram, plain steps and cost model; whether
+every output equals plain greedy decoding (differences at near-ties of the target's logits
+reported apart); XLA compilations inside the timed loops (must be 0). A batch is prefilled once
+for plain decoding and once with capture, and every configuration starts from a copy.
+Results go to a section of ``BENCHMARKS.md`` and the plot to ``tools/results/depth_sweep.png``::
 
-    python tools/bench_spec.py --humaneval 48 --max-new-tokens 48        # a bounded run
-    python tools/bench_spec.py --humaneval 164 --batches 1,8              # all of HumanEval
+    python tools/bench_spec.py --humaneval 164 --chat 16 --batches 1,8 --max-new-tokens 32
+    python tools/bench_spec.py --humaneval 8 --chat 4 --batches 1 --no-write   # a quick look
 """
 
 from __future__ import annotations
@@ -86,25 +84,45 @@ def compile_all(target, drafter, prompts, args, capacity):
     return out
 
 
-def run_config(target, prepared, config, prompts, args, capacity):
+def prefilled(target, prepared, prompts, args, capacity) -> dict:
+    """The batch prefilled once for plain decoding and once with the drafter's capture (every
+    DFlash configuration starts from a copy of the latter: prefill does not depend on n_max)."""
+    return {kind: fresh_state(target, *prepared[config][:2], prompts, args, capacity) for kind, config in (("plain", "plain"), ("dflash", "auto"))}
+
+
+def state_for(states: dict, static):
+    """A copy of the prefilled state for ``static`` (its statistics shaped for its ``n_max``);
+    a shape that does not fit the compiled loop would make the loop raise."""
+    import jax
+    import jax.numpy as jnp
+
+    if not static.speculative:
+        return jax.tree.map(lambda x: jnp.array(x, copy=True), states["plain"])
+    st = jax.tree.map(lambda x: jnp.array(x, copy=True), states["dflash"])
+    sp, n = st.speculative, static.depth
+    return st.replace(speculative=sp.replace(accepted_per_position=jnp.zeros((sp.accepted.shape[0], n), jnp.int32),
+                                             widths=jnp.zeros((n + 1,), jnp.int32)))
+
+
+def run_config(prepared, config, states):
     """One timed generation of a batch: ids, gaps, seconds, decode tokens and statistics."""
     import jax
 
     from dflash_jax.compile_count import count_compilations
 
     static, params, run = prepared[config]
-    st = fresh_state(target, static, params, prompts, args, capacity)
+    st = state_for(states, static)
     jax.block_until_ready(st)
     with count_compilations() as compiled:
         t0, c0 = time.perf_counter(), time.process_time()
         st = jax.block_until_ready(run(params, st))
         dt, cpu = time.perf_counter() - t0, time.process_time() - c0
         n_compiled = compiled()
-    tokens, gaps, length, steps = jax.device_get((st.tokens, st.gaps, st.length, st.steps))
+    tokens, gaps, length, steps, prompt_len = jax.device_get((st.tokens, st.gaps, st.length, st.steps, st.prompt_len))
     rows = []
-    for b, p in enumerate(prompts):
-        rows.append(dict(ids=tokens[b, len(p) : length[b]].tolist(), gaps=gaps[b, len(p) : length[b]].tolist()))
-    rec = dict(rows=rows, seconds=dt, cpu=cpu, decode_tokens=int(sum(len(r["ids"]) for r in rows)) - len(prompts), steps=int(steps),
+    for b, p in enumerate(prompt_len):
+        rows.append(dict(ids=tokens[b, p : length[b]].tolist(), gaps=gaps[b, p : length[b]].tolist()))
+    rec = dict(rows=rows, seconds=dt, cpu=cpu, decode_tokens=int(sum(len(r["ids"]) for r in rows)) - len(rows), steps=int(steps),
                compiled=n_compiled)
     if static.speculative:
         sp, committed = jax.device_get((st.speculative, st.committed))
@@ -149,10 +167,10 @@ def run_set(target, drafter, name, prompts, batch, args) -> dict:
         for g in groups:
             order = names[k % len(names) :] + names[: k % len(names)]  # a different configuration first each time
             k += 1
-            recs = {}
+            recs, states = {}, prefilled(target, prepared, g, args, capacity)
             for _ in range(args.repeats):  # the least disturbed run of each configuration counts
                 for c in order:
-                    r = run_config(target, prepared, c, g, args, capacity)
+                    r = run_config(prepared, c, states)
                     if c not in recs or r["seconds"] < recs[c]["seconds"]:
                         recs[c] = r
             for c, r in recs.items():
