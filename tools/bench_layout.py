@@ -137,6 +137,11 @@ def section(res, widths, argv, when) -> str:
     chain = res["chain"]
     one = chain[widths[0]][0]
     growth = ", ".join(f"T={t}: {min(chain[t]) / one:.2f}x" for t in widths)
+    kinds = [k for k in res if k != "chain"]
+    mixed = ", ".join(f"T={t}: {sum(res[k][t][0] for k in kinds) * 1e3:.1f} -> {sum(min(res[k][t]) for k in kinds) * 1e3:.1f} ms"
+                      f" ({1 - sum(min(res[k][t]) for k in kinds) / sum(res[k][t][0] for k in kinds):.0%} less)" for t in widths)
+    wide = [t for t in widths if t > 1]
+    favour = "; ".join(f"{k} {statistics.median(res[k][t][0] / res[k][t][1] for t in wide):.2f}" for k in kinds)
     return f"""## Weight layout against pass width (`tools/bench_layout.py`)
 
 `{shlex.join(['python', 'tools/bench_layout.py', *argv])}` ({when}); the default target's shapes
@@ -147,6 +152,8 @@ milliseconds (medians of alternating runs) and, bold, their ratio (above 1: the 
 {chr(10).join(lines)}
 
 A pass over `T` tokens against one token, the better layout each (chain): {growth}.
+Every kind in its faster layout against all `[in, out]` (sums of the kind rows): {mixed}.
+Median ratio over `T` = {", ".join(map(str, wide))} per kind (above 1: `[out, in]` faster): {favour}.
 
 Machine: {m['cpu']}, {m['cores']} cores, {m['memory']} RAM; {m['device']}; Python {m['python']}, jax {m['jax']}.
 """
