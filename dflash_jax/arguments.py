@@ -9,10 +9,12 @@ from typing import Sequence
 
 import numpy as np
 
+from dflash_jax.costs import CostModel, depth_policy
 from dflash_jax.decoding import Decoding, Params
 from dflash_jax.errors import DFlashError
 from dflash_jax.loading import Drafter, Target
 from dflash_jax.prefill import check_chunk_size
+from dflash_jax.speculative.depth import Calibration
 from dflash_jax.text import str_list, split_stop
 
 
@@ -20,7 +22,9 @@ from dflash_jax.text import str_list, split_stop
 class Request:
     """Checked arguments of one generation: what :func:`dflash_jax.decode.init_state` and the
     driver need. ``chunk_size`` is the effective one (:func:`effective_chunk_size`), ``stop_ids``
-    holds EOS (unless ignored), the given ids and the single-token stop texts."""
+    holds EOS (unless ignored), the given ids and the single-token stop texts. Under
+    ``n_max="auto"``: the drafter's ``calibration`` (identity when it ships none) and the
+    ``cost_model`` asked for (a :class:`~dflash_jax.costs.CostModel`, ``"refresh"`` or ``None``)."""
 
     prompts: list[list[int]]
     max_new_tokens: int
@@ -31,6 +35,8 @@ class Request:
     seed: int
     static: Decoding
     params: Params
+    calibration: Calibration | None = None
+    cost_model: CostModel | str | None = None
 
 
 MIN_CAPACITY = 1024
@@ -137,8 +143,22 @@ def _stops(target: Target, stop_ids, stop, ignore_eos: bool) -> tuple[list[int],
     return stops, stop
 
 
+def _check_cost_model(cost_model, static: Decoding) -> None:
+    """``cost_model`` is ``None``, ``"refresh"`` or a :class:`~dflash_jax.costs.CostModel` of the
+    drafted depth, and only given under ``n_max="auto"``."""
+    if cost_model is None:
+        return
+    if not static.adaptive:
+        raise DFlashError("cost_model (--measure-costs)", f"given with n_max {static.n_max!r}", "n_max='auto' (the fixed depths weigh no costs)")
+    if isinstance(cost_model, CostModel):
+        if cost_model.n != static.depth:
+            raise DFlashError("cost_model", f"prices {cost_model.n} drafted tokens", f"{static.depth} (the drafter's block_size - 1)")
+    elif cost_model != "refresh":
+        raise DFlashError("cost_model", f"got {cost_model!r}", "None (kept or measured), 'refresh' (measure again) or a CostModel")
+
+
 def check_request(target, prompts, max_new_tokens, sampling, max_len, chunk_size, stop_ids, stop, ignore_eos, seed, on_tokens,
-                  drafter, n_max, draft_mode) -> Request:
+                  drafter, n_max, draft_mode, cost_model=None) -> Request:
     """Checks :func:`dflash_jax.generate`'s arguments (same names) and resolves the defaults.
 
     Raises:
@@ -162,7 +182,13 @@ def check_request(target, prompts, max_new_tokens, sampling, max_len, chunk_size
     else:
         depth = drafter.n_max if n_max is None else n_max
         static, params = Decoding(target.cfg, drafter.cfg, sampling, draft_mode, depth), Params(target.params, drafter.params)
+    _check_cost_model(cost_model, static)
+    calibration = None
+    if static.adaptive:  # a policy of the right shapes for compiling; the driver sets its costs after prefill
+        calibration = drafter.calibration or Calibration.identity(static.depth)
+        params = params._replace(depth=depth_policy(calibration, CostModel.forcing(static.depth, static.depth)))
     # a budget beyond the capacity never applies; capping it keeps it within int32
     return Request(prompts=prompts, max_new_tokens=min(int(max_new_tokens), max_len), max_len=max_len,
                    chunk_size=effective_chunk_size(chunk_size, max(len(p) for p in prompts)), stop_ids=tuple(stops),
-                   stop_texts=tuple(stop_texts), seed=int(seed), static=static, params=params)
+                   stop_texts=tuple(stop_texts), seed=int(seed), static=static, params=params, calibration=calibration,
+                   cost_model=cost_model)

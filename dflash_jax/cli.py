@@ -51,6 +51,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("prompt", nargs="?", default=None, metavar="PROMPT",
                    help=f"the user message (default: {DEFAULT_PROMPT!r})")
     add_model_options(g)
+    g.add_argument("--measure-costs", action="store_true",
+                   help="with --n-max auto: measure the step costs again instead of reading them from the cache folder")
     g.add_argument("--max-new-tokens", type=integer, default=None, metavar="N",
                    help=f"new-token budget (default {DEFAULT_MAX_NEW_TOKENS}, or what fits after the prompt in a shorter "
                    "context; an answer it cuts says so on stderr)")
@@ -78,6 +80,8 @@ def build_parser() -> argparse.ArgumentParser:
 def _stats_line(stats: dict, finish: str) -> str:
     mode = "plain decoding" if stats.get("mode", "plain") == "plain" else f"{stats['mode']} decoding"
     spec = f"tau {stats['tau']:.2f} over {stats['verify_steps']} verify steps | " if "tau" in stats else ""
+    if stats.get("n_max") == "auto":
+        spec += f"widths {' '.join(f'{w}:{c}' for w, c in enumerate(stats['widths']) if c)} plain {stats['plain_steps']} | "
     return (
         f"[{mode}] {stats['new_tokens']} new tokens ({finish}) | {spec}"
         f"decode {stats['decode_tokens_per_s']:.2f} tok/s in {stats['decode_time_s']:.3f} s | "
@@ -101,6 +105,8 @@ def _check_options(args) -> None:
         if getattr(args, name) is not None and getattr(args, name) < 1:
             raise DFlashError("--" + name.replace("_", "-"), f"got {getattr(args, name)}", "an integer >= 1")
     check_model_options(args)
+    if args.no_spec and args.measure_costs:
+        raise DFlashError("--measure-costs", "conflicts with --no-spec (plain decoding drafts nothing)", "either --measure-costs or --no-spec, not both")
     if not 0 <= args.seed < 2**63:
         raise DFlashError("--seed", f"got {args.seed}", "an integer in [0, 2**63)")
     if args.max_len is not None and args.max_len < 2:
@@ -183,7 +189,7 @@ def _generate(args) -> int:
     budget = _budget(args, target, prompt_ids)
     res = _run_generate(args, target, prompt_ids, max_new_tokens=budget, sampling=sampling, max_len=args.max_len,
                         chunk_size=args.chunk_size, stop=args.stop, ignore_eos=args.ignore_eos, seed=args.seed,
-                        on_tokens=on_tokens, drafter=drafter, n_max=n_max)
+                        on_tokens=on_tokens, drafter=drafter, n_max=n_max, cost_model="refresh" if args.measure_costs else None)
     if args.json:
         obj = dict(prompt_ids=res.prompt_ids[0], output_ids=res.output_ids[0], text=None if res.texts is None else res.texts[0],
                    finish_reason=res.finish_reason[0], top2_logit_gaps=res.top2_logit_gaps[0], stats=res.stats)

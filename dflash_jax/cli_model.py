@@ -27,6 +27,16 @@ def json_object(text: str) -> dict:
     return value
 
 
+def depth(text: str) -> int | str:
+    """``type=`` of ``--n-max``: an integer or ``auto``."""
+    if text == "auto":
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"got {text!r} (expected an integer or auto)") from None
+
+
 def add_model_options(p: argparse.ArgumentParser) -> None:
     """Adds the model options (module docstring) to a subcommand's parser."""
     p.add_argument("--target", metavar="PATH", default=None,
@@ -34,7 +44,9 @@ def add_model_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft", metavar="PATH", default=None, help="DFlash drafter checkpoint (speculative decoding)")
     p.add_argument("--no-spec", action="store_true", help="force plain (non-speculative) decoding")
     p.add_argument("--block-size", type=integer, default=None, metavar="N", help="speculative block size (drafter default)")
-    p.add_argument("--n-max", type=integer, default=None, metavar="N", help="most draft tokens verified per step")
+    p.add_argument("--n-max", type=depth, default=None, metavar="N|auto",
+                   help="draft tokens verified per step, or 'auto': each step chooses from the drafter's confidences and "
+                   "measured costs (default: the drafter's recorded depth, 'auto' for the shipped drafter)")
     p.add_argument("--dtype", type=one_of(*DTYPES), metavar=choices_metavar(*DTYPES), default="float32",
                    help="compute dtype (default float32)")
     p.add_argument("--chat-template-kwargs", type=json_object, default=None, metavar="JSON",
@@ -43,10 +55,12 @@ def add_model_options(p: argparse.ArgumentParser) -> None:
 
 def check_model_options(args) -> None:
     """Refuses model option values and combinations (DFlashError naming the option)."""
-    if args.n_max is not None and args.n_max < 1:
-        raise DFlashError("--n-max", f"got {args.n_max}", "an integer >= 1")
+    if args.n_max is not None and args.n_max != "auto" and args.n_max < 1:
+        raise DFlashError("--n-max", f"got {args.n_max}", "an integer >= 1 or auto")
     if args.block_size is not None and args.block_size < 2:
         raise DFlashError("--block-size", f"got {args.block_size}", "an integer >= 2")
+    if args.n_max == "auto" and args.block_size is not None:
+        raise DFlashError("--block-size", "given with --n-max auto (which verifies up to the drafter's whole block)", "one of them")
     for opt, given in (("--n-max", args.n_max is not None), ("--block-size", args.block_size is not None), ("--draft", args.draft is not None)):
         if args.no_spec and given:
             raise DFlashError(opt, "conflicts with --no-spec (plain decoding drafts nothing)", f"either {opt} or --no-spec, not both")
@@ -70,7 +84,7 @@ def load_drafter_for(args, target):
     return d, f"shipped drafter {d.source}"
 
 
-def n_max_for(args, drafter) -> int | None:
+def n_max_for(args, drafter) -> int | str | None:
     """Draft depth from ``--n-max`` / ``--block-size`` (verify width ``n_max + 1``).
 
     Errors name the option the user gave: ``--block-size`` is checked against the drafter's

@@ -81,7 +81,7 @@ def init_state(
     if (max_new < 1).any():
         raise DFlashError("max_new_tokens (--max-new-tokens)", f"got {int(max_new.min())}", "an integer >= 1")
     stops = np.asarray(list(stop_ids) or [-1], np.int32)
-    speculative = None if static.drafter is None else init_speculative_state(static.drafter, b, max_len, static.n_max)
+    speculative = None if static.drafter is None else init_speculative_state(static.drafter, b, max_len, static.depth)
     return DecodeState(
         tokens=jnp.asarray(tokens),
         length=jnp.asarray(lens),

@@ -18,14 +18,18 @@ from dflash_jax.registry import family_of
 from dflash_jax.sampling import SamplingConfig
 
 DRAFT_MODES = ("argmax", "sample")
+AUTO = "auto"
 
 
 class Params(NamedTuple):
-    """The weights a step reads: the target's parameter pytree and the drafter's (``None`` for
-    plain decoding). A pytree, so it is one argument of every jitted step."""
+    """The weights a step reads: the target's parameter pytree, the drafter's (``None`` for
+    plain decoding) and, under ``n_max="auto"``, the depth policy's numbers (a
+    :class:`~dflash_jax.speculative.depth.DepthPolicy`: calibration and measured costs). A
+    pytree, so it is one argument of every jitted step."""
 
     target: Any
     drafter: Any = None
+    depth: Any = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,8 +43,11 @@ class Decoding:
       sampling: :class:`~dflash_jax.sampling.SamplingConfig` (default greedy).
       draft_mode: ``"argmax"`` (propose the drafter's argmax; default, docs/specs/dflash.md 2.2)
         or ``"sample"`` (draw each draft from the warped drafter distribution).
-      n_max: drafted tokens per block, in ``[1, block_size - 1]``; ``None`` resolves to
-        ``block_size - 1`` with a drafter (and must stay ``None`` without one).
+      n_max: drafted tokens verified per block, in ``[1, block_size - 1]``; ``None`` resolves to
+        ``block_size - 1`` with a drafter (and must stay ``None`` without one). ``"auto"``: the
+        drafter drafts ``block_size - 1`` tokens and every step chooses, on device, how many of
+        them to verify, or whether to skip the propose (:mod:`dflash_jax.speculative.depth`;
+        the step then needs ``Params.depth``).
     Raises:
       DFlashError: a drafter that does not fit the target, a bad ``n_max`` or ``draft_mode``,
         a ``sampling`` that is not a :class:`SamplingConfig`, or ``n_max`` without a drafter.
@@ -50,7 +57,7 @@ class Decoding:
     drafter: Any = None
     sampling: SamplingConfig = SamplingConfig()
     draft_mode: str = "argmax"
-    n_max: int | None = None
+    n_max: int | str | None = None
 
     def __post_init__(self):
         if not isinstance(self.sampling, SamplingConfig):
@@ -73,9 +80,22 @@ class Decoding:
         return self.drafter is not None
 
     @property
+    def adaptive(self) -> bool:
+        """Whether every step chooses its verify width (``n_max="auto"``)."""
+        return self.n_max == AUTO
+
+    @property
+    def depth(self) -> int:
+        """Tokens drafted per block: ``n_max``, or ``block_size - 1`` under ``"auto"`` (0 plain)."""
+        if self.drafter is None:
+            return 0
+        return self.drafter.block_size - 1 if self.adaptive else self.n_max
+
+    @property
     def width(self) -> int:
-        """Tokens one target pass reads per row: ``n_max + 1`` (anchor and drafts), or 1 (plain)."""
-        return 1 if self.drafter is None else self.n_max + 1
+        """Tokens of a drafted block per row: ``depth + 1`` (anchor and drafts), or 1 (plain);
+        the widest target pass of a step."""
+        return self.depth + 1
 
 
 def check_step_inputs(params, state, static) -> None:
@@ -100,22 +120,41 @@ def check_step_inputs(params, state, static) -> None:
     ctx = getattr(state, "speculative", None)
     if not hasattr(state, "finish"):
         raise DFlashError("state", f"got {type(state).__name__}", "a DecodeState from dflash_jax.decode.init_state")
-    if static.speculative and (ctx is None or ctx.n_max != static.n_max):
+    if static.speculative and (ctx is None or ctx.n_max != static.depth):
         got = "no drafter context" if ctx is None else f"a drafter context for n_max {ctx.n_max}"
         raise DFlashError("decode state", f"{got} under a Decoding with n_max {static.n_max}", "a state from init_state with the same Decoding")
     if not static.speculative and ctx is not None:
         raise DFlashError("decode state", "a drafter context under a Decoding without a drafter", "a state from init_state with the same Decoding")
 
 
-def check_n_max(cfg_d, n_max: int | None) -> int:
-    """Resolves the proposal depth: ``None`` means ``block_size - 1``.
+def check_depth_policy(policy, depth: int) -> None:
+    """Checks ``Params.depth`` under ``n_max="auto"`` (at trace time: shapes only; the steps
+    that choose a width call it, prefill does not need a policy).
 
     Raises:
-      DFlashError: ``n_max`` outside ``[1, block_size - 1]`` (names ``--n-max``).
+      DFlashError: no policy, or one whose arrays do not fit ``depth`` drafted tokens.
+    """
+    how = "a DepthPolicy (dflash_jax.costs.depth_policy(calibration, cost_model)) in Params(..., depth=...)"
+    if policy is None or not all(hasattr(policy, f) for f in ("scale", "bias", "bounds", "step_cost", "plain_cost")):
+        raise DFlashError("params.depth", f"got {type(policy).__name__} under n_max='auto'", how)
+    k = policy.bounds.shape[0]
+    want = dict(scale=(depth,), bias=(depth,), bounds=(k,), step_cost=(k, depth + 1), plain_cost=(k,))
+    for name, shape in want.items():
+        if tuple(getattr(policy, name).shape) != shape:
+            raise DFlashError(f"params.depth.{name}", f"shape {tuple(getattr(policy, name).shape)}", f"{shape} for {depth} drafted tokens")
+
+
+def check_n_max(cfg_d, n_max: int | str | None) -> int | str:
+    """Resolves the proposal depth: ``None`` means ``block_size - 1``; ``"auto"`` stays.
+
+    Raises:
+      DFlashError: ``n_max`` outside ``[1, block_size - 1]`` and not ``"auto"`` (names ``--n-max``).
     """
     top = cfg_d.block_size - 1
     if n_max is None:
         return top
+    if n_max == AUTO:
+        return AUTO
     if isinstance(n_max, bool) or not isinstance(n_max, numbers.Integral) or not 1 <= n_max <= top:
-        raise DFlashError("n_max (--n-max)", f"got {n_max!r}", f"an integer in [1, {top}] (block_size - 1)")
+        raise DFlashError("n_max (--n-max)", f"got {n_max!r}", f"an integer in [1, {top}] (block_size - 1) or 'auto'")
     return int(n_max)

@@ -8,6 +8,7 @@ prefill and its on-device loop (or steps it from Python to stream), and reads th
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from typing import Any, Callable, Sequence
 
@@ -15,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dflash_jax import decode, progress
+from dflash_jax import costs, decode, progress
 from dflash_jax.arguments import Request, check_request
 from dflash_jax.compile_count import count_cache_hits, count_compilations
 from dflash_jax.loading import Drafter, Target
@@ -62,6 +63,35 @@ def _compile_now(req: Request, state, streaming: bool):
     return prefill_c, lambda params, s: loop(params, s, rows)
 
 
+def _compile_reported(req: Request, state, streaming: bool):
+    """:func:`_compile`, reported as a progress step (programs compiled, compile-cache hits)."""
+    with progress.step("compiling", "compiled prefill and decode", routine=True) as details, \
+            count_compilations() as programs, count_cache_hits() as hits:
+        out = _compile(req, state, streaming)
+        details.append(f"capacity {req.max_len}, chunk {req.chunk_size}: {programs()} XLA programs, {hits()} read from the compile cache")
+    return out
+
+
+def _with_policy(req: Request, target: Target, drafter: Drafter, state, run, streaming: bool) -> tuple[Request, dict]:
+    """``req`` with ``params.depth`` set for ``n_max="auto"`` (:func:`dflash_jax.costs.adaptive_params`:
+    the costs given, kept on disk, or measured with ``run`` on copies of the prefilled ``state``),
+    and the statistics that say where the costs came from."""
+    if not req.static.adaptive:
+        return req, {}
+
+    def steps(params, s):  # streaming compiles one step: run it until the rows are done
+        while not bool(jax.device_get(jnp.all(s.done))):
+            s = run(params, s)
+        return s
+
+    key = costs.cost_key(req.static, req.params, len(req.prompts), req.max_len, (target.source, drafter.source), "step" if streaming else "loop")
+    params, model = costs.adaptive_params(req.params, req.static, req.calibration, state, steps if streaming else run, key, req.cost_model)
+    info = model.info or {}
+    return dataclasses.replace(req, params=params), dict(
+        cost_model=info.get("source", "given"), cost_model_s=info.get("seconds", 0.0) if info.get("source") == "measured" else 0.0,
+        step_cost_ms=[round(1000 * c, 3) for c in model.step_cost[0]], plain_cost_ms=round(1000 * model.plain_cost[0], 3))
+
+
 def _stream(req: Request, tokenizer, state, run, on_tokens) -> tuple[Any, float]:
     """Steps ``run`` from Python, calling ``on_tokens`` with each row's new ids; a row whose text
     reaches a stop text is frozen (finish code ``STOP``). Returns ``(state, seconds in callbacks)``."""
@@ -102,8 +132,9 @@ def generate(
     seed: int = 0,
     on_tokens: Callable[[list[list[int]]], Any] | None = None,
     drafter: Drafter | None = None,
-    n_max: int | None = None,
+    n_max: int | str | None = None,
     draft_mode: str = "argmax",
+    cost_model: costs.CostModel | str | None = None,
 ) -> GenerationResult:
     """Generation for a batch of prompts: DFlash speculative decoding with a ``drafter``, plain
     decoding without.
@@ -129,10 +160,13 @@ def generate(
         plain decoding). Stats then add ``tau`` (mean tokens committed per verify step, bonus
         included), ``verify_steps``, ``accepted_per_position`` (fraction of verify steps in which
         draft position ``i`` was accepted), ``drafted_tokens`` and ``accepted_tokens``.
-      n_max: drafted tokens per block (default: the drafter's recorded ``n_max``, else its
-        ``block_size - 1``).
-      draft_mode: ``"argmax"`` (default) or ``"sample"`` proposals, see
-        :class:`dflash_jax.decoding.Decoding`.
+      n_max: drafted tokens verified per step, or ``"auto"``: each step chooses the width, or a
+        plain step, from calibrated confidences and measured costs (:mod:`dflash_jax.speculative.depth`;
+        stats add ``widths``, ``plain_steps`` and the costs used). Default: the drafter's recorded
+        ``n_max`` (``"auto"`` for the shipped drafter), else its ``block_size - 1``.
+      draft_mode: ``"argmax"`` (default) or ``"sample"`` proposals (:class:`dflash_jax.decoding.Decoding`).
+      cost_model: under ``"auto"``: ``None`` (kept on disk for this device, pair, batch and
+        capacity, else measured before the timed decode), ``"refresh"`` or a ``CostModel``.
     Returns:
       :class:`~dflash_jax.results.GenerationResult`.
     Raises:
@@ -141,13 +175,10 @@ def generate(
         texts without a tokenizer, or an argument of the wrong type (the message names it).
     """
     req = check_request(target, prompts, max_new_tokens, sampling, max_len, chunk_size, stop_ids, stop, ignore_eos, seed,
-                        on_tokens, drafter, n_max, draft_mode)
+                        on_tokens, drafter, n_max, draft_mode, cost_model)
     state = decode.init_state(req.static, req.prompts, req.max_len, req.max_new_tokens, req.stop_ids, req.seed)
     t0 = time.perf_counter()
-    with progress.step("compiling", "compiled prefill and decode", routine=True) as details, \
-            count_compilations() as programs, count_cache_hits() as hits:
-        prefill_c, run = _compile(req, state, streaming=on_tokens is not None)  # traces shapes only; nothing runs
-        details.append(f"capacity {req.max_len}, chunk {req.chunk_size}: {programs()} XLA programs, {hits()} read from the compile cache")
+    prefill_c, run = _compile_reported(req, state, streaming=on_tokens is not None)  # traces shapes only; nothing runs
     compile_s = time.perf_counter() - t0
 
     jax.block_until_ready((req.params, state))
@@ -155,6 +186,7 @@ def generate(
     state = decode.prefill(req.params, state, req.static, req.chunk_size, max(len(p) for p in req.prompts), compiled=prefill_c)
     jax.block_until_ready(state)
     prefill_s = time.perf_counter() - t0
+    req, policy_stats = _with_policy(req, target, drafter, state, run, streaming=on_tokens is not None)
 
     t0, callback_s = time.perf_counter(), 0.0
     if on_tokens is None:
@@ -165,5 +197,5 @@ def generate(
     decode_s = time.perf_counter() - t0 - callback_s
 
     timings = dict(compile_time_s=compile_s, prefill_time_s=prefill_s, decode_time_s=decode_s)
-    extra = dict(mode="plain") if drafter is None else dict(mode="dflash", **spec_stats(state))
+    extra = dict(mode="plain") if drafter is None else dict(mode="dflash", **spec_stats(state, n_max=req.static.n_max), **policy_stats)
     return build_result(target, req.prompts, state, req.stop_texts, timings, max_len=req.max_len, chunk_size=req.chunk_size, **extra)

@@ -24,6 +24,7 @@ from dflash_jax.fingerprint import weights_fingerprint
 from dflash_jax.io import gguf_cache, gguf_file
 from dflash_jax.io.tokenizer import Tokenizer
 from dflash_jax.models import dense
+from dflash_jax.speculative.depth import Calibration
 
 DTYPES = ("float32", "bfloat16", "float16")
 
@@ -151,14 +152,18 @@ class Drafter:
       params: parameter pytree of :mod:`dflash_jax.models.drafter`.
       source: the folder or file it was loaded from.
       n_max: the draft depth recorded with the checkpoint (``config.json`` field
-        ``dflash_jax.n_max``, the best depth its benchmark measured), used when :func:`generate`
-        is given none; ``None``: ``block_size - 1``.
+        ``dflash_jax.n_max``: the best fixed depth its benchmark measured, or ``"auto"``), used
+        when :func:`generate` is given none; ``None``: ``block_size - 1``.
+      calibration: the per-position calibration of its confidences for ``n_max="auto"``
+        (``config.json`` field ``dflash_jax.depth_calibration``,
+        :class:`~dflash_jax.speculative.depth.Calibration`), or ``None`` (raw confidences).
     """
 
     cfg: Any
     params: Any
     source: str = ""
-    n_max: int | None = None
+    n_max: int | str | None = None
+    calibration: Any = None
 
 
 def load_drafter(path: str | os.PathLike, target: Target, dtype: str | None = None, draft_vocab: bool = True,
@@ -184,10 +189,10 @@ def load_drafter(path: str | os.PathLike, target: Target, dtype: str | None = No
     dtype = dtype or target.cfg.dtype
     if p.is_file() and p.suffix.lower() == ".gguf":
         cfg, params = registry.load_gguf_drafter(p, target.cfg, dtype=dtype)
-        n_max = None
+        n_max = calibration = None
     elif p.is_dir():
         cfg, params = registry.load_hf_drafter(p, target.cfg, dtype=dtype)
-        n_max = _recorded_n_max(p / "config.json", cfg.block_size)
+        n_max, calibration = _recorded_policy(p / "config.json", cfg.block_size)
         ids = dv.load(p, cfg.vocab_size) if draft_vocab else None
         if ids is not None:
             cfg, params = dv.attach(cfg, params, target.params, ids)
@@ -198,16 +203,21 @@ def load_drafter(path: str | os.PathLike, target: Target, dtype: str | None = No
         raise DFlashError(str(p), "no such folder or .gguf file", "a DFlash drafter checkpoint")
     if per_layer and registry.drafter_kind(cfg.architecture).per_layer:
         params = dense.unstack_layers(params)
-    return Drafter(cfg=cfg, params=params, source=str(p), n_max=n_max)
+    return Drafter(cfg=cfg, params=params, source=str(p), n_max=n_max, calibration=calibration)
 
 
-def _recorded_n_max(config_path: Path, block_size: int) -> int | None:
-    """``dflash_jax.n_max`` of a drafter ``config.json``, an integer in ``[1, block_size - 1]``
+def _recorded_policy(config_path: Path, block_size: int):
+    """``(n_max, calibration)`` recorded in a drafter ``config.json``: ``dflash_jax.n_max`` (an
+    integer in ``[1, block_size - 1]`` or ``"auto"``) and ``dflash_jax.depth_calibration``
     (raises ``DFlashError`` naming the file and field otherwise)."""
-    value = (read_json(config_path).get("dflash_jax") or {}).get("n_max")
-    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or not 1 <= value < block_size):
-        raise DFlashError(f"{config_path}: field dflash_jax.n_max", f"got {value!r}", f"an integer in [1, {block_size - 1}] (block_size - 1)")
-    return value
+    record = read_json(config_path).get("dflash_jax") or {}
+    value = record.get("n_max")
+    if value is not None and value != "auto" and (isinstance(value, bool) or not isinstance(value, int) or not 1 <= value < block_size):
+        raise DFlashError(f"{config_path}: field dflash_jax.n_max", f"got {value!r}", f"an integer in [1, {block_size - 1}] (block_size - 1) or 'auto'")
+    calibration = record.get("depth_calibration")
+    if calibration is not None:
+        calibration = Calibration.from_record(calibration, block_size - 1, f"{config_path}: field dflash_jax.depth_calibration")
+    return value, calibration
 
 
 def fingerprint_of(target: Target) -> str:

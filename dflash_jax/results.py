@@ -42,23 +42,29 @@ class GenerationResult:
     stats: dict
 
 
-def spec_stats(state, rows: Sequence[int] | None = None) -> dict:
+def spec_stats(state, rows: Sequence[int] | None = None, n_max=None) -> dict:
     """Speculative statistics of a finished state, summed over rows (``docs/specs/dflash.md`` 2.3).
 
     ``tau``: tokens committed per verify step, bonus included (the first token comes from
-    prefill and is not counted, as in z-lab's benchmark; :attr:`DecodeState.committed`).
+    prefill and is not counted, as in z-lab's benchmark; :attr:`DecodeState.committed`); under
+    ``n_max="auto"`` its plain steps count as verify steps of the anchor alone.
     ``accepted_per_position[i]``: the fraction of verify steps in which draft position ``i + 1``
-    was accepted. Also ``verify_steps``, ``drafted_tokens``, ``accepted_tokens``, ``n_max``.
+    was accepted. Also ``verify_steps``, ``drafted_tokens``, ``accepted_tokens``, ``n_max``
+    (the given ``n_max``, e.g. ``"auto"``, else the drafted depth), ``widths`` (steps that
+    proposed and verified ``w`` drafts, ``w = 0..depth``; batch steps, not rows) and
+    ``plain_steps`` (batch steps without a propose).
 
     Args:
       state: a :class:`~dflash_jax.state.DecodeState` with a speculative extension.
       rows: sum over these rows only (a server reads one request's row); ``verify_steps`` is
-        then their own verify passes rather than the batch's target passes.
+        then their own verify passes rather than the batch's target passes (``widths`` and
+        ``plain_steps`` stay the batch's).
+      n_max: the depth the generation was asked for, reported as given (default: the drafted one).
     """
     sp = state.speculative  # the statistics only: the drafter context stays on device
-    fields = (sp.verify_steps, sp.accepted_per_position, sp.drafted, sp.accepted, state.committed)
-    verify, per_pos, drafted, accepted, committed = jax.device_get(fields)
-    passes = int(jax.device_get(state.steps))
+    fields = (sp.verify_steps, sp.accepted_per_position, sp.drafted, sp.accepted, state.committed, sp.widths)
+    verify, per_pos, drafted, accepted, committed, widths = jax.device_get(fields)
+    passes = total = int(jax.device_get(state.steps))
     if rows is not None:
         idx = np.asarray(rows, np.int64)
         verify, per_pos, drafted, accepted, committed = (a[idx] for a in (verify, per_pos, drafted, accepted, committed))
@@ -70,7 +76,9 @@ def spec_stats(state, rows: Sequence[int] | None = None) -> dict:
         accepted_per_position=[round(float(x) / steps, 4) if steps else 0.0 for x in np.sum(per_pos, axis=0)],
         drafted_tokens=int(np.sum(drafted)),
         accepted_tokens=int(np.sum(accepted)),
-        n_max=int(per_pos.shape[1]),
+        n_max=int(per_pos.shape[1]) if n_max is None else n_max,
+        widths=[int(x) for x in widths],
+        plain_steps=total - int(np.sum(widths)),
     )
 
 

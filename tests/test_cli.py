@@ -240,6 +240,21 @@ def test_speculative_json_equals_plain_and_reports_acceptance(capsys, hf_dir, dr
     assert len(short["stats"]["accepted_per_position"]) == 2 and short["output_ids"] == plain_obj["output_ids"]
 
 
+def test_adaptive_depth_json_reports_widths_and_measured_costs(capsys, hf_dir, draft_dir, tmp_path, monkeypatch):
+    """`--n-max auto --measure-costs --json`: the output of plain greedy decoding, the histogram of
+    chosen widths and the plain steps, and costs measured now (kept under the cache folder)."""
+    monkeypatch.setenv("DFLASH_JAX_CACHE", str(tmp_path))
+    common = ("--target", hf_dir, "--prompt-ids", "5,6,7,8", "--max-new-tokens", 12, "--ignore-eos")
+    plain_obj, _ = run_json(capsys, *common, "--no-spec")
+    obj, _ = run_json(capsys, *common, "--draft", draft_dir, "--n-max", "auto", "--measure-costs")
+    st = obj["stats"]
+    assert obj["output_ids"] == plain_obj["output_ids"]
+    assert st["n_max"] == "auto" and st["cost_model"] == "measured" and len(list((tmp_path / "depth_costs").iterdir())) == 1
+    assert len(st["widths"]) == 4 and sum(st["widths"]) + st["plain_steps"] == st["steps"] >= 1
+    line = cli._stats_line(st, "length")
+    assert "widths " in line and f"plain {st['plain_steps']}" in line
+
+
 def test_speculative_streaming_says_which_mode(capsys, hf_dir, draft_dir):
     code, out, err = run(capsys, "generate", "--target", hf_dir, "hi", "--draft", draft_dir, "--max-new-tokens", 6)
     assert code == 0 and "dflash decoding" in err and "tau" in err and str(draft_dir) in err
@@ -257,6 +272,9 @@ def test_speculative_streaming_says_which_mode(capsys, hf_dir, draft_dir):
         (["--n-max", "2", "--block-size", "4"], "--n-max"),
         (["--no-spec", "--n-max", "3"], "--n-max: conflicts with --no-spec"),
         (["--no-spec", "--block-size", "3"], "--block-size: conflicts with --no-spec"),
+        (["--n-max", "deep"], "--n-max: got 'deep' (expected an integer or auto)"),
+        (["--n-max", "auto", "--block-size", "3"], "--block-size: given with --n-max auto"),
+        (["--n-max", "2", "--measure-costs"], "--measure-costs: given with n_max 2"),
     ],
 )
 def test_bad_speculative_options(capsys, hf_dir, draft_dir, args, needle):
@@ -272,6 +290,8 @@ def test_bad_draft_paths_and_depth_without_drafter(capsys, hf_dir, tmp_path):
     assert_one_line_error(code, out, err, "--n-max", "without a drafter")
     code, out, err = run(capsys, "generate", "--target", hf_dir, "--prompt-ids", "1,2", "--draft", hf_dir, "--no-spec")
     assert_one_line_error(code, out, err, "--draft: conflicts with --no-spec")
+    code, out, err = run(capsys, "generate", "--target", hf_dir, "--prompt-ids", "1,2", "--measure-costs", "--no-spec")
+    assert_one_line_error(code, out, err, "--measure-costs: conflicts with --no-spec")
 
 
 def test_debug_shows_traceback(capsys, tmp_path):

@@ -99,6 +99,29 @@ def test_decoding_steps_lower_for_cuda_and_tpu(models, name, spec, sampling):
         assert _donates(text) == donates, step
 
 
+@pytest.mark.parametrize("sampling", ["greedy", "sampled-proposals"])
+def test_adaptive_depth_steps_lower_for_cuda_and_tpu(models, sampling):
+    """``n_max="auto"``: the step (a width chosen on device, once-or-never loops per width), the
+    loop and the verify of given drafts lower and donate the state."""
+    from dflash_jax.costs import CostModel, depth_policy
+    from dflash_jax.speculative.adaptive import verify_auto
+    from dflash_jax.speculative.depth import Calibration
+
+    cfg, p, dcfg, dp = models["dense"]
+    samp, mode = SAMPLINGS[sampling]
+    static = Decoding(cfg, dcfg, samp, mode, n_max="auto")
+    n = static.depth
+    params = Params(p, dp, depth_policy(Calibration.identity(n), CostModel.forcing(n, n)))
+    state = decode.init_state(static, PROMPTS, 24, 8)
+    drafts, conf = jnp.zeros((len(PROMPTS), n), jnp.int32), jnp.zeros((len(PROMPTS), n), jnp.float32)
+    q = None if mode == "argmax" else jnp.full(drafts.shape + (cfg.vocab_size,), 1.0 / cfg.vocab_size)
+    verify_args = (drafts, conf, q, False, jax.random.key(1), jax.random.key(2))
+    for jitted, *args in ((decode.decode_step, params, state, static), (decode.generate_until, params, state, static, jnp.int32(2)),
+                          (verify_auto, params, state, static, *verify_args)):
+        _, text = lower(jitted, *args)
+        assert _donates(text), jitted
+
+
 def test_drafter_training_step_lowers_for_cuda_and_tpu(models):
     from dflash_jax.train.optim import TrainConfig
     from dflash_jax.train.step import init_train_state, train_step

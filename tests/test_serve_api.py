@@ -175,3 +175,25 @@ def test_tool_calls_and_reasoning(serve_scripted, layout, reasoning, content, ar
                                 {"role": "tool", "tool_call_id": msg.tool_calls[0].id, "content": "sunny"}]
     again = c.chat.completions.create(**dict(kw, messages=history))
     assert again.choices[0].finish_reason == "tool_calls"
+
+
+def test_adaptive_depth_server_answers_as_generate(serve_tiny_model, tmp_path, monkeypatch):
+    """A server under ``n_max="auto"`` measures its batch's step costs on first use (kept under the
+    cache folder) and answers as ``generate`` does."""
+    from serve_util import serve_in_thread
+
+    from dflash_jax.serve.app import build_app
+    from dflash_jax.serve.engine import Engine
+    from dflash_jax.serve.jobs import ServedModel
+
+    monkeypatch.setenv("DFLASH_JAX_CACHE", str(tmp_path))
+    _, target, drafter = serve_tiny_model
+    engine = Engine(ServedModel(target, drafter, name="tiny", n_max="auto"), max_batch=2, max_len=SERVE_MAX_LEN, max_queue=8)
+    url, stop = serve_in_thread(build_app(engine))
+    try:
+        text, _, _ = oracle(serve_tiny_model, chat_ids(serve_tiny_model, MESSAGES), 16)
+        r = client(url).chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=16, temperature=0)
+        assert r.choices[0].message.content == text
+        assert len(list((tmp_path / "depth_costs").glob("*.json"))) == 1
+    finally:
+        stop()

@@ -35,7 +35,9 @@ def test_recorded_settings(pair):
     config = json.loads((folder / "config.json").read_text())
     recorded = config["dflash_jax"]
     assert drafter.cfg.block_size == config["dflash_config"]["block_size"]
-    assert 1 <= drafter.n_max == recorded["n_max"] <= drafter.cfg.block_size - 1
+    assert drafter.n_max == recorded["n_max"] == "auto"  # adaptive depth, with its calibration
+    assert drafter.calibration.scale == tuple(recorded["depth_calibration"]["scale"])
+    assert len(drafter.calibration.bias) == drafter.cfg.block_size - 1
     ids = draft_vocab.load(folder, target.cfg.vocab_size)
     assert ids is not None and drafter.cfg.draft_vocab_size == len(ids) == recorded["draft_vocab"]["size"]
     np.testing.assert_array_equal(np.asarray(drafter.params["draft_head"]), np.asarray(target.params["lm_head"])[:, ids])
@@ -69,14 +71,17 @@ def test_loads_in_the_zlab_reference(pair):
     np.testing.assert_array_equal(w.T, np.asarray(drafter.params["fc"]))
 
 
-def test_lossless_and_accepts_drafts(pair):
+def test_lossless_and_accepts_drafts(pair, tmp_path, monkeypatch):
+    """The default (``n_max="auto"``, its costs measured for this machine) and a fixed depth."""
+    monkeypatch.setenv("DFLASH_JAX_CACHE", str(tmp_path))  # the measured costs: not the user's folder
     target, _, drafter = pair
     for text in PROMPTS:
         ids = dj.encode_prompt(target, text)
-        spec = dj.generate(target, [ids], max_new_tokens=48, drafter=drafter)
         plain = dj.generate(target, [ids], max_new_tokens=48)
-        assert spec.output_ids == plain.output_ids
-        assert spec.stats["accepted_tokens"] > 0, f"no draft accepted for {text!r}"
+        for n_max in (None, 3):
+            spec = dj.generate(target, [ids], max_new_tokens=48, drafter=drafter, n_max=n_max)
+            assert spec.output_ids == plain.output_ids and spec.stats["n_max"] == (n_max or "auto")
+            assert spec.stats["accepted_tokens"] > 0, f"no draft accepted for {text!r} at n_max {n_max}"
 
 
 def test_layer_layouts_agree(pair):
@@ -87,7 +92,7 @@ def test_layer_layouts_agree(pair):
     stacked = dj.load_drafter(folder, target, layers="stacked")
     assert not isinstance(stacked.params["layers"], tuple)
     ids = dj.encode_prompt(target, PROMPTS[0])
-    a, b = (dj.generate(target, [ids], max_new_tokens=32, drafter=d) for d in (drafter, stacked))
+    a, b = (dj.generate(target, [ids], max_new_tokens=32, drafter=d, n_max=3) for d in (drafter, stacked))
     assert a.output_ids == b.output_ids
     keys = ("tau", "verify_steps", "accepted_per_position", "drafted_tokens", "accepted_tokens")
     assert [a.stats[k] for k in keys] == [b.stats[k] for k in keys]

@@ -1,291 +1,323 @@
-"""DFlash speculative decoding against plain decoding, measured side by side in one run.
+"""Adaptive verify depth against every fixed depth and plain decoding, side by side in one run.
 
-For each prompt (HumanEval asked as chat, and general chat prompts), greedy, the same target and
-capacity: plain decode tokens/s, DFlash decode tokens/s, tau (tokens committed per verify step,
-bonus included), per-position acceptance and the tau distribution; whether every speculative
-output equals the plain greedy output (differences only at near-ties of the target's logits are
-reported separately); an ``--n-max`` sweep; the cost of one verify pass of B tokens relative to
-one decode step for B = 1..16; and the number of XLA compilations after warm-up (must be 0).
-Results go to a section of ``BENCHMARKS.md`` and plots to ``tools/results/``::
+For each prompt set (HumanEval asked as chat, and general chat prompts) and batch size, greedy,
+the default target and its shipped drafter at the API's default capacity: decode tokens/s of
+plain decoding, of DFlash at every fixed ``n_max`` 1..block_size-1 and of ``n_max="auto"``,
+each batch run under every configuration in turn (a different one first each time); the best
+fixed depth chosen per set after the fact; ratios with a bootstrap interval over batches and by
+CPU time; tau per configuration, auto's width histogram, plain steps and cost model; whether
+every output equals plain greedy decoding (differences at near-ties of the target's logits
+reported apart); XLA compilations inside the timed loops (must be 0). A batch is prefilled once
+for plain decoding and once with capture, and every configuration starts from a copy.
+Results go to a section of ``BENCHMARKS.md`` and the plot to ``tools/results/depth_sweep.png``::
 
-    python tools/bench_spec.py                       # shipped drafter, all 164 HumanEval + 16 chat prompts
-    python tools/bench_spec.py --limit 20 --sweep 1,3,7,15 --no-write
+    python tools/bench_spec.py --humaneval 164 --chat 16 --batches 1,8 --max-new-tokens 32
+    python tools/bench_spec.py --humaneval 8 --chat 4 --batches 1 --no-write   # a quick look
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
+import gc
 import shlex
-import statistics
 import sys
 import time
 from pathlib import Path
 
+import numpy as np
+
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from benchlib import machine, write_section  # noqa: E402
+from benchlib import busy_seconds, machine, write_section  # noqa: E402
 from prompts import CHAT_PROMPTS, humaneval_chat_prompts  # noqa: E402
 
 TIE_GAP = 1e-3  # a first difference at a step whose top-2 logit gap is below this is a near-tie
-compiles = [0]  # XLA compilations inside prefill + generate of the measured runs
 
 
-def run_one(target, drafter, ids, args, n_max, greedy):
-    """Plain and DFlash decoding of one prompt: returns dicts with ids, gaps, decode seconds, stats."""
-    import jax
+def configs(drafter) -> list:
+    return ["plain", *range(1, drafter.cfg.block_size), "auto"]
 
-    from dflash_jax import decode
-    from dflash_jax.compile_count import count_compilations
+
+def setup(target, drafter, config):
+    """``(static, params)`` of one configuration (``params.depth`` is filled in later for auto)."""
     from dflash_jax.decoding import Decoding, Params
+    from dflash_jax.sampling import SamplingConfig
 
-    cfg, params = target.cfg, target.params
+    if config == "plain":
+        return Decoding(target.cfg, sampling=SamplingConfig()), Params(target.params)
+    return Decoding(target.cfg, drafter.cfg, SamplingConfig(), n_max=config), Params(target.params, drafter.params)
+
+
+def fresh_state(target, static, params, prompts, args, capacity):
+    from dflash_jax import decode
+
+    st = decode.init_state(static, prompts, capacity, args.max_new_tokens, target.eos_ids)
+    return decode.prefill(params, st, static, 256, max(len(p) for p in prompts))
+
+
+def compile_all(target, drafter, prompts, args, capacity):
+    """For one (batch, capacity): every configuration's loop compiled ahead of time, and auto's
+    cost model (kept on disk or measured with its own loop, as the API does)."""
+    import jax.numpy as jnp
+
+    from dflash_jax import costs, decode
+    from dflash_jax.speculative.depth import Calibration
+
     out = {}
-    for mode in ("plain", "dflash"):
-        with count_compilations() as compiled:  # prefill + generate only
-            if mode == "plain":
-                static, weights = Decoding(cfg, sampling=greedy), Params(params)
-            else:
-                static, weights = Decoding(cfg, drafter.cfg, greedy, n_max=n_max), Params(params, drafter.params)
-            st = decode.init_state(static, [ids], args.max_len, args.max_new_tokens, target.eos_ids)
-            st = decode.prefill(weights, st, static, args.chunk_size, max_prompt_len=len(ids))
-            jax.block_until_ready(st)
-            t0 = time.perf_counter()
-            st = decode.generate(weights, st, static)
-            jax.block_until_ready(st)
-            dt = time.perf_counter() - t0
-            compiles[0] += compiled()
-        tokens, gaps, length = jax.device_get((st.tokens, st.gaps, st.length))  # slice on the host
-        n = int(length[0]) - len(ids)
-        rec = dict(ids=[int(t) for t in tokens[0, len(ids) : len(ids) + n]],
-                   gaps=[float(g) for g in gaps[0, len(ids) : len(ids) + n]], seconds=dt, decode_tokens=n - 1)
-        if mode == "dflash":
-            sp = jax.device_get(st.speculative)
-            rec.update(steps=int(sp.verify_steps[0]), committed=int(jax.device_get(st.committed)[0]),
-                       per_pos=[int(x) for x in sp.accepted_per_position[0]])
-        out[mode] = rec
+    for config in configs(drafter):
+        static, params = setup(target, drafter, config)
+        if config == "auto":
+            n = static.depth
+            calibration = drafter.calibration or Calibration.identity(n)
+            params = params._replace(depth=costs.depth_policy(calibration, costs.CostModel.forcing(n, n)))
+        st = fresh_state(target, static, params, prompts, args, capacity)
+        rows = jnp.int32(len(prompts))
+        loop = decode.generate_until.lower(params, st, static, rows).compile()
+        run = lambda p, s, loop=loop, rows=rows: loop(p, s, rows)  # noqa: E731
+        if config == "auto":
+            key = costs.cost_key(static, params, len(prompts), capacity, (target.source, drafter.source), "loop")
+            model = costs.cost_model_for(key, lambda: costs.measure(run, params, st, static), refresh=args.measure_costs)
+            params = params._replace(depth=costs.depth_policy(calibration, model))
+            out["cost_model"] = model
+        out[config] = (static, params, run)
     return out
 
 
-def compare(plain, dflash) -> str:
-    """``"equal"``, ``"tie"`` (first difference at a near-tie) or ``"MISMATCH"``."""
-    a, b = plain["ids"], dflash["ids"]
-    if a == b:
-        return "equal"
-    i = next((k for k in range(min(len(a), len(b))) if a[k] != b[k]), min(len(a), len(b)))
-    gap = plain["gaps"][i] if i < len(plain["gaps"]) else 0.0
-    return "tie" if gap < TIE_GAP else "MISMATCH"
+def prefilled(target, prepared, prompts, args, capacity) -> dict:
+    """The batch prefilled once for plain decoding and once with the drafter's capture (every
+    DFlash configuration starts from a copy of the latter: prefill does not depend on n_max)."""
+    return {kind: fresh_state(target, *prepared[config][:2], prompts, args, capacity) for kind, config in (("plain", "plain"), ("dflash", "auto"))}
 
 
-def verify_cost(target, context: int, repeats: int = 7) -> list[float]:
-    """Median seconds of one target pass over B = 1..16 tokens on a cache of ``context`` tokens."""
+def state_for(states: dict, static):
+    """A copy of the prefilled state for ``static`` (its statistics shaped for its ``n_max``);
+    a shape that does not fit the compiled loop would make the loop raise."""
     import jax
     import jax.numpy as jnp
 
-    from dflash_jax.registry import module_for
-
-    cfg, params = target.cfg, target.params
-    mod = module_for(cfg)
-
-    @jax.jit
-    def step(params, cache, toks, pos):
-        h, cache, _ = mod.forward_hidden(params, cfg, toks, pos, cache)
-        return mod.lm_head(params, cfg, h), cache
-
-    times = []
-    for b in range(1, 17):
-        cache = mod.init_cache(cfg, 1, context + 32)
-        toks = jnp.ones((1, b), jnp.int32)
-        pos = context + jnp.arange(b, dtype=jnp.int32)[None]
-        jax.block_until_ready(step(params, cache, toks, pos))
-        ts = []
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            jax.block_until_ready(step(params, cache, toks, pos))
-            ts.append(time.perf_counter() - t0)
-        times.append(statistics.median(ts))
-    return times
+    if not static.speculative:
+        return jax.tree.map(lambda x: jnp.array(x, copy=True), states["plain"])
+    st = jax.tree.map(lambda x: jnp.array(x, copy=True), states["dflash"])
+    sp, n = st.speculative, static.depth
+    return st.replace(speculative=sp.replace(accepted_per_position=jnp.zeros((sp.accepted.shape[0], n), jnp.int32),
+                                             widths=jnp.zeros((n + 1,), jnp.int32)))
 
 
-def propose_cost(target, drafter, ids, args, n_max, repeats: int = 7) -> float:
-    """Median seconds of one jitted propose (drafter forward + LM head over the block)."""
+def run_config(prepared, config, states):
+    """One timed generation of a batch: ids, gaps, seconds, decode tokens and statistics."""
     import jax
 
-    from dflash_jax import decode, speculative
-    from dflash_jax.decoding import Decoding, Params
+    from dflash_jax.compile_count import count_compilations
 
-    static, weights = Decoding(target.cfg, drafter.cfg, n_max=n_max), Params(target.params, drafter.params)
-    st = decode.init_state(static, [ids], args.max_len, args.max_new_tokens)
-    st = decode.prefill(weights, st, static, args.chunk_size)
-    jax.block_until_ready(speculative.propose_block(weights, st, static))
-    ts = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        jax.block_until_ready(speculative.propose_block(weights, st, static))
-        ts.append(time.perf_counter() - t0)
-    return statistics.median(ts)
-
-
-def summarize(name, results, n_max):
-    steps = sum(r["dflash"]["steps"] for r in results)
-    committed = sum(r["dflash"]["committed"] for r in results)
-    per_pos = [sum(r["dflash"]["per_pos"][i] for r in results) / max(steps, 1) for i in range(n_max)]
-    taus = [r["dflash"]["committed"] / r["dflash"]["steps"] for r in results if r["dflash"]["steps"]]
-    plain_tps = sum(r["plain"]["decode_tokens"] for r in results) / sum(r["plain"]["seconds"] for r in results)
-    spec_tps = sum(r["dflash"]["decode_tokens"] for r in results) / sum(r["dflash"]["seconds"] for r in results)
-    verdicts = [compare(r["plain"], r["dflash"]) for r in results]
-    return dict(name=name, prompts=len(results), tau=committed / max(steps, 1), tau_per_prompt=statistics.mean(taus) if taus else 0,
-                per_pos=per_pos, plain_tps=plain_tps, spec_tps=spec_tps, speedup=spec_tps / plain_tps,
-                equal=verdicts.count("equal"), ties=verdicts.count("tie"), mismatches=verdicts.count("MISMATCH"),
-                steps_hist=[r["dflash"]["committed"] / max(r["dflash"]["steps"], 1) for r in results])
+    static, params, run = prepared[config]
+    st = state_for(states, static)
+    jax.block_until_ready(st)
+    with count_compilations() as compiled:
+        t0, c0 = time.perf_counter(), time.process_time()
+        st = jax.block_until_ready(run(params, st))
+        dt, cpu = time.perf_counter() - t0, time.process_time() - c0
+        n_compiled = compiled()
+    tokens, gaps, length, steps, prompt_len = jax.device_get((st.tokens, st.gaps, st.length, st.steps, st.prompt_len))
+    rows = []
+    for b, p in enumerate(prompt_len):
+        rows.append(dict(ids=tokens[b, p : length[b]].tolist(), gaps=gaps[b, p : length[b]].tolist()))
+    rec = dict(rows=rows, seconds=dt, cpu=cpu, decode_tokens=int(sum(len(r["ids"]) for r in rows)) - len(rows), steps=int(steps),
+               compiled=n_compiled)
+    if static.speculative:
+        sp, committed = jax.device_get((st.speculative, st.committed))
+        rec.update(passes=int(np.sum(sp.verify_steps)), committed=int(np.sum(committed)), widths=sp.widths.tolist())
+    return rec
 
 
-def plots(sets, sweep, out_dir: Path):
+def compare(plain, other) -> str:
+    """``"equal"``, ``"tie"`` (first difference at a near-tie) or ``"MISMATCH"``."""
+    a, b = plain["ids"], other["ids"]
+    if a == b:
+        return "equal"
+    i = next((k for k in range(min(len(a), len(b))) if a[k] != b[k]), min(len(a), len(b)))
+    return "tie" if (plain["gaps"][i] if i < len(plain["gaps"]) else 0.0) < TIE_GAP else "MISMATCH"
+
+
+def batches(prompts, batch, args):
+    """Batches of ``batch`` prompts (sorted by length, so a batch shares a capacity), each with
+    the API's default capacity, grouped by capacity."""
+    from dflash_jax.api import default_max_len
+
+    order = sorted(prompts, key=len) if batch > 1 else prompts
+    groups = [order[i : i + batch] for i in range(0, len(order), batch)]
+    groups = [g for g in groups if len(g) == batch]
+    by_cap = {}
+    for g in groups:
+        by_cap.setdefault(default_max_len(g, args.max_new_tokens), []).append(g)
+    return sorted(by_cap.items())
+
+
+def run_set(target, drafter, name, prompts, batch, args) -> dict:
+    """Every configuration on every batch of one set; per configuration the sums over batches."""
+    import jax
+
+    names = configs(drafter)
+    sums = {c: dict(seconds=0.0, cpu=0.0, tokens=0, per_batch=[], passes=0, committed=0, widths=None, steps=0, verdicts=[], compiled=0)
+            for c in names}
+    cost_models, k = {}, 0
+    for capacity, groups in batches(prompts, batch, args):
+        prepared = compile_all(target, drafter, groups[0], args, capacity)
+        cost_models[capacity] = prepared["cost_model"]
+        for g in groups:
+            order = names[k % len(names) :] + names[: k % len(names)]  # a different configuration first each time
+            k += 1
+            recs, states = {}, prefilled(target, prepared, g, args, capacity)
+            for _ in range(args.repeats):  # the least disturbed run of each configuration counts
+                for c in order:
+                    r = run_config(prepared, c, states)
+                    if c not in recs or r["seconds"] < recs[c]["seconds"]:
+                        recs[c] = r
+            for c, r in recs.items():
+                s = sums[c]
+                s["seconds"] += r["seconds"]
+                s["cpu"] += r["cpu"]
+                s["tokens"] += r["decode_tokens"]
+                s["steps"] += r["steps"]
+                s["compiled"] += r["compiled"]
+                s["per_batch"].append(r["decode_tokens"] / r["seconds"])
+                s["verdicts"] += [compare(p, o) for p, o in zip(recs["plain"]["rows"], r["rows"])]
+                if "passes" in r:
+                    s["passes"] += r["passes"]
+                    s["committed"] += r["committed"]
+                    s["widths"] = r["widths"] if s["widths"] is None else [a + b for a, b in zip(s["widths"], r["widths"])]
+            print(f"{name} batch {batch} cap {capacity} {k}: " + " ".join(f"{c}={recs[c]['decode_tokens'] / recs[c]['seconds']:.1f}" for c in names),
+                  file=sys.stderr, flush=True)
+        del prepared
+        jax.clear_caches()  # every XLA:CPU executable keeps memory mappings: free this capacity's
+        gc.collect()
+    return dict(name=name, batch=batch, batches=k, sums=sums, cost_models=cost_models)
+
+
+def ratio_interval(a: dict, b: dict, seed: int = 0, draws: int = 2000):
+    """Bootstrap 95 % interval over batches of (tokens/s of ``a``) / (tokens/s of ``b``)."""
+    ta, tb = np.array(a["per_batch"]), np.array(b["per_batch"])
+    rng = np.random.default_rng(seed)
+    idx = rng.integers(0, len(ta), (draws, len(ta)))
+    r = np.sort(ta[idx].mean(1) / tb[idx].mean(1))
+    return float(r[int(0.025 * draws)]), float(r[int(0.975 * draws)])
+
+
+def summary_rows(res, names) -> tuple[str, dict]:
+    s = res["sums"]
+    tps = {c: s[c]["tokens"] / s[c]["seconds"] for c in names}
+    fixed = [c for c in names if isinstance(c, int)]
+    best = max(fixed, key=lambda c: tps[c])
+    lo, hi = ratio_interval(s["auto"], s["plain"])
+    blo, bhi = ratio_interval(s["auto"], s[best])
+    eq = [s[c]["verdicts"].count("equal") for c in names[1:]]
+    mism = sum(s[c]["verdicts"].count("MISMATCH") for c in names[1:])
+    ties = sum(s[c]["verdicts"].count("tie") for c in names[1:])
+    tau = {c: s[c]["committed"] / max(s[c]["passes"], 1) for c in names[1:]}
+    w = s["auto"]["widths"] or []
+    plain_steps = s["auto"]["steps"] - sum(w)
+    cpu = {c: s[c]["tokens"] / s[c]["cpu"] for c in names}
+    line = (f"| {res['name']} | {res['batch']} | {res['batches']} | {tps['plain']:.1f} | " + " | ".join(f"{tps[c]:.1f}" for c in fixed)
+            + f" | **{tps['auto']:.1f}** | n_max {best} | **{tps['auto'] / tps[best]:.2f}x** ({blo:.2f}-{bhi:.2f}) | "
+            f"**{tps['auto'] / tps['plain']:.2f}x** ({lo:.2f}-{hi:.2f}) |")
+    best_cpu = max(fixed, key=lambda c: cpu[c])
+    detail = dict(tps=tps, cpu_ratios=(cpu["auto"] / cpu[best_cpu], best_cpu, cpu["auto"] / cpu["plain"]), best=best, tau=tau, widths=w, plain_steps=plain_steps, equal=min(eq), ties=ties, mismatches=mism,
+                  compiled=sum(s[c]["compiled"] for c in names), outputs=len(s["auto"]["verdicts"]))
+    return line, detail
+
+
+def plot(results, names, path: Path):
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    out_dir.mkdir(parents=True, exist_ok=True)
-    fig, ax = plt.subplots(1, 2, figsize=(10, 3.5))
-    for s in sets:
-        ax[0].plot(range(1, len(s["per_pos"]) + 1), s["per_pos"], marker="o", label=s["name"])
-        ax[1].hist(s["steps_hist"], bins=20, alpha=0.6, label=s["name"])
-    ax[0].set(xlabel="draft position", ylabel="acceptance rate", title="per-position acceptance")
-    ax[1].set(xlabel="tau per prompt", ylabel="prompts", title="tau distribution")
-    ax[0].legend(), ax[1].legend()
+    fig, axes = plt.subplots(1, len(results), figsize=(4.2 * len(results), 3.6), squeeze=False)
+    for ax, res in zip(axes[0], results):
+        s = res["sums"]
+        fixed = [c for c in names if isinstance(c, int)]
+        ax.plot(fixed, [s[c]["tokens"] / s[c]["seconds"] for c in fixed], marker="o", label="fixed n_max")
+        ax.axhline(s["auto"]["tokens"] / s["auto"]["seconds"], color="C3", label="auto")
+        ax.axhline(s["plain"]["tokens"] / s["plain"]["seconds"], color="grey", ls="--", label="plain")
+        ax.set(xlabel="n_max (drafts verified per step)", ylabel="decode tokens/s", title=f"{res['name']}, batch {res['batch']}")
+        ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(out_dir / "acceptance.png", dpi=110)
-    if sweep:
-        fig, ax = plt.subplots(1, 2, figsize=(10, 3.5))
-        ns = [n for n, _ in sweep]
-        ax[0].plot(ns, [s["tau"] for _, s in sweep], marker="o")
-        ax[1].plot(ns, [s["speedup"] for _, s in sweep], marker="o")
-        ax[0].set(xlabel="n_max", ylabel="tau", title="tau vs n_max")
-        ax[1].set(xlabel="n_max", ylabel="DFlash / plain decode tok/s", title="speedup vs n_max")
-        fig.tight_layout()
-        fig.savefig(out_dir / "n_max_sweep.png", dpi=110)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--target", default=None, help="HF folder or .gguf (default: the embedded SmolLM2-135M-Instruct)")
-    p.add_argument("--draft", default=None, help="drafter folder (default: the one shipped for the target)")
-    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
-    p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--max-len", type=int, default=1024, help="capacity, fixed for all prompts (one compilation)")
-    p.add_argument("--chunk-size", type=int, default=256)
-    p.add_argument("--n-max", type=int, default=None, help="draft depth for the main run (default block_size - 1)")
-    p.add_argument("--limit", type=int, default=None, help="first N prompts of each set")
-    p.add_argument("--sets", default="humaneval,chat")
-    p.add_argument("--sweep", default="1,2,3,5,7,11,15", help="n_max values, run on --sweep-prompts HumanEval prompts")
-    p.add_argument("--sweep-prompts", type=int, default=24)
+    p.add_argument("--humaneval", type=int, default=48, help="the first N HumanEval prompts (164: all)")
+    p.add_argument("--chat", type=int, default=len(CHAT_PROMPTS), help="the first N chat prompts")
+    p.add_argument("--batches", default="1,8", help="batch sizes")
+    p.add_argument("--max-new-tokens", type=int, default=48)
+    p.add_argument("--repeats", type=int, default=1, help="runs of each configuration per batch, alternating; the fastest counts")
+    p.add_argument("--measure-costs", action="store_true", help="measure auto's cost models again instead of reading them")
     p.add_argument("--output", default=str(REPO / "BENCHMARKS.md"))
-    p.add_argument("--no-write", action="store_true", help="print the section; leave BENCHMARKS.md and the plots alone")
+    p.add_argument("--no-write", action="store_true", help="print the section; leave BENCHMARKS.md and the plot alone")
     args = p.parse_args(argv)
 
     import dflash_jax as dj
-    from dflash_jax.sampling import SamplingConfig
 
-    target = dj.load_target(args.target, dtype=args.dtype)
-    drafter = dj.load_drafter(args.draft, target) if args.draft else dj.shipped_drafter(target)
-    if drafter is None:
-        print("error: no drafter ships for this target (expected --draft PATH)", file=sys.stderr)
-        return 2
-    n_max = args.n_max or drafter.n_max or drafter.cfg.block_size - 1
-    greedy = SamplingConfig()
-    texts = {}
-    if "humaneval" in args.sets:
-        texts["HumanEval"] = humaneval_chat_prompts()
-    if "chat" in args.sets:
-        texts["chat"] = list(CHAT_PROMPTS)
-    enc = {k: [dj.encode_prompt(target, t) for t in v[: args.limit]] for k, v in texts.items()}
-
-    first = next(iter(enc.values()))[0]
-    run_one(target, drafter, first, args, n_max, greedy)  # warm-up: compiles everything
-    sets = []
-    compiles[0] = 0
-    for name, prompts in enc.items():
-        results = []
-        for i, ids in enumerate(prompts):
-            results.append(run_one(target, drafter, ids, args, n_max, greedy))
-            r = results[-1]
-            print(f"{name} {i + 1}/{len(prompts)}: tau {r['dflash']['committed'] / max(r['dflash']['steps'], 1):.2f} "
-                  f"plain {r['plain']['decode_tokens'] / r['plain']['seconds']:.1f} tok/s "
-                  f"dflash {r['dflash']['decode_tokens'] / r['dflash']['seconds']:.1f} tok/s {compare(r['plain'], r['dflash'])}",
-                  file=sys.stderr)
-        sets.append(summarize(name, results, n_max))
-    main_compiles = compiles[0]
-    sweep = []
-    for n in [int(x) for x in args.sweep.split(",") if x] if args.sweep else []:
-        if not 1 <= n <= drafter.cfg.block_size - 1:
-            continue
-        prompts = enc.get("HumanEval", next(iter(enc.values())))[: args.sweep_prompts]
-        run_one(target, drafter, prompts[0], args, n, greedy)
-        sweep.append((n, summarize(f"n_max={n}", [run_one(target, drafter, ids, args, n, greedy) for ids in prompts], n)))
-        print(f"sweep n_max={n}: tau {sweep[-1][1]['tau']:.2f} speedup {sweep[-1][1]['speedup']:.2f}", file=sys.stderr)
-    costs = verify_cost(target, context=256)
-    layouts = {"per-layer" if isinstance(drafter.params["layers"], tuple) else "stacked": drafter}
-    if "per-layer" in layouts:  # the layout load_drafter picks on CPU, against the stacked one, alternating
-        layouts["stacked"] = dj.load_drafter(drafter.source, target, layers="stacked")
-    runs = {name: [] for name in layouts}
-    for _ in range(3):
-        for name, d in layouts.items():
-            runs[name].append(propose_cost(target, d, first, args, n_max))
-    propose_s = {name: min(ts) for name, ts in runs.items()}
-    draft_s = next(iter(propose_s.values()))
+    target = dj.load_target()
+    drafter = dj.shipped_drafter(target)
+    sets = {}
+    if args.humaneval:
+        sets["HumanEval"] = humaneval_chat_prompts()[: args.humaneval]
+    if args.chat:
+        sets["chat"] = CHAT_PROMPTS[: args.chat]
+    enc = {k: [dj.encode_prompt(target, t) for t in v] for k, v in sets.items()}
+    names = configs(drafter)
+    busy0, t0 = busy_seconds(), time.perf_counter()
+    results = [run_set(target, drafter, name, prompts, int(b), args) for b in args.batches.split(",") for name, prompts in enc.items()]
+    wall = time.perf_counter() - t0
+    busy = None if busy0 is None else (busy_seconds() - busy0) / wall
+    body = section(results, names, args, argv, wall, busy, drafter)
+    print(body)
     if not args.no_write:
-        plots(sets, sweep, REPO / "tools" / "results")
+        plot(results, names, REPO / "tools" / "results" / "depth_sweep.png")
+        write_section(Path(args.output), "depth", body, tool="bench_spec")
+        print(f"wrote {args.output}", file=sys.stderr)
+    return 0
 
+
+def section(results, names, args, argv, wall, busy, drafter) -> str:
     m = machine()
     cmd = "python tools/bench_spec.py " + " ".join(shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:]))
     date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-    rows = "\n".join(
-        f"| {s['name']} | {s['prompts']} | **{s['tau']:.2f}** | {s['plain_tps']:.1f} | {s['spec_tps']:.1f} | **{s['speedup']:.2f}x** | "
-        f"{s['equal']} / {s['ties']} / {s['mismatches']} |" for s in sets)
-    pos = "\n".join(f"| {s['name']} | " + " | ".join(f"{x:.2f}" for x in s["per_pos"]) + " |" for s in sets)
-    sweep_rows = "\n".join(f"| {n} | {s['tau']:.2f} | {s['plain_tps']:.1f} | {s['spec_tps']:.1f} | {s['speedup']:.2f}x |" for n, s in sweep)
-    cost_row = " | ".join(f"{c / costs[0]:.2f}" for c in costs)
-    dc = drafter.cfg
-    layout_note = ", ".join(f"draft layers {k}: {1000 * v:.1f} ms" for k, v in propose_s.items())
-    vocab = f"draft vocabulary {dc.draft_vocab_size}" if dc.draft_vocab_size else "full draft vocabulary"
-    body = f"""## DFlash vs plain decoding: {Path(target.source).name}, {args.dtype}, drafter `{Path(drafter.source).name}`
+    fixed = [c for c in names if isinstance(c, int)]
+    lines, details = zip(*[summary_rows(r, names) for r in results])
+    extra = []
+    for r, d in zip(results, details):
+        w = " ".join(f"{i}:{c}" for i, c in enumerate(d["widths"]))
+        taus = ", ".join(f"{c} {d['tau'][c]:.2f}" for c in names[1:])
+        costs = "; ".join(f"capacity {cap}: " + " ".join(f"{1000 * c:.0f}" for c in cm.step_cost[0]) + f" / plain {1000 * cm.plain_cost[0]:.0f}"
+                          for cap, cm in sorted(r["cost_models"].items()))
+        extra.append(f"- {r['name']}, batch {r['batch']}: auto's widths (drafts verified: steps) {w}, plain steps {d['plain_steps']}; "
+                     f"tau {taus}; outputs equal to plain greedy: {d['equal']} / {d['outputs']} at worst per configuration, "
+                     f"{d['ties']} near-ties, {d['mismatches']} mismatches; compilations in the timed loops: {d['compiled']}. "
+                     f"By this process's CPU time instead of wall time: auto / best fixed (n_max {d['cpu_ratios'][1]}) "
+                     f"{d['cpu_ratios'][0]:.2f}x, auto / plain {d['cpu_ratios'][2]:.2f}x. "
+                     f"auto's cost model (ms per step, widths 0..{len(fixed)}, then the plain step): {costs}.")
+    load = "" if busy is None else f" Other processes and this one kept {busy:.1f} of the {m['cores']} cores busy on average."
+    return f"""## Adaptive depth: plain, fixed n_max 1..{len(fixed)} and auto, side by side
 
-`{cmd.strip()}` ({date}); greedy, {args.max_new_tokens} new tokens, batch 1, n_max {n_max}, capacity {args.max_len};
-drafter: {dc.num_hidden_layers} layers, block size {dc.block_size}, {vocab}.
-Plain and DFlash runs alternate prompt by prompt in one process; decode time excludes prefill and compilation.
+`{cmd.strip()}` ({date}); the default target (SmolLM2-135M-Instruct Q4_1, float32) and its shipped drafter
+`{Path(drafter.source).name}`; greedy, {args.max_new_tokens} new tokens, the API's default capacity per batch, the fastest of
+{args.repeats} run(s) per configuration and batch; {wall / 60:.0f} minutes.{load}
+Decode tokens/s (sums over the batches; decode time excludes compilation and prefill); the best fixed depth is
+chosen per row after the fact; ratios with a bootstrap 95 % interval over batches.
 
-| prompts | n | tau | plain tok/s | DFlash tok/s | speedup | outputs equal / near-tie / mismatch |
-|---|---|---|---|---|---|---|
-{rows}
+| prompts | batch | batches | plain | """ + " | ".join(f"n_max {c}" for c in fixed) + """ | auto | best fixed | auto / best fixed | auto / plain |
+|---|---|---|---|""" + "---|" * len(fixed) + """---|---|---|---|
+""" + "\n".join(lines) + "\n\n" + "\n".join(extra) + f"""
 
-Per-position acceptance (fraction of verify steps in which draft position i was accepted):
-
-| set | """ + " | ".join(str(i + 1) for i in range(n_max)) + """ |
-|---|""" + "---|" * n_max + f"""
-{pos}
-
-n_max sweep (first {args.sweep_prompts} HumanEval prompts):
-
-| n_max | tau | plain tok/s | DFlash tok/s | speedup |
-|---|---|---|---|---|
-{sweep_rows}
-
-Cost of one target pass over B tokens relative to one decode step (B = 1..16, 256 tokens of context):
-{cost_row} (B = 1 takes {1000 * costs[0]:.1f} ms). One propose (drafter + LM head over {n_max} draft slots)
-takes {1000 * draft_s:.1f} ms = {draft_s / costs[0]:.2f} decode steps ({layout_note}). A DFlash step costs about
-verify(n_max + 1) + propose decode steps and commits tau tokens.
-
-XLA compilations inside prefill and generate of the measured runs after warm-up: **{main_compiles}**.
-Plots: `tools/results/acceptance.png`, `tools/results/n_max_sweep.png`.
+Plot: `tools/results/depth_sweep.png` (tokens/s against n_max, auto and plain as lines); calibration of the
+drafter's confidences: `tools/results/calibration.png` (`tools/calibrate_depth.py`).
 
 Machine: {m['cpu']}, {m['cores']} cores, {m['memory']} RAM; {m['device']}; Python {m['python']}, jax {m['jax']}.
 """
-    print(body)
-    if not args.no_write:
-        write_section(Path(args.output), f"{Path(target.source).name} {args.dtype}", body, tool="bench_spec")
-        print(f"wrote {args.output}", file=sys.stderr)
-    return 0
 
 
 if __name__ == "__main__":

@@ -39,6 +39,36 @@ CHAT_PROMPTS = [
 ]
 
 
+# Fitting the adaptive depth policy's calibration (tools/calibrate_depth.py): neither HumanEval
+# nor CHAT_PROMPTS (both evaluate it), and not among the drafter's training prompts.
+CALIBRATION_CHAT = [
+    "How do tides work?",
+    "Suggest a name for a small bakery and explain why it fits.",
+    "What should I pack for a weekend hiking trip?",
+    "Describe the water cycle in a few sentences.",
+    "Write a limerick about a cat who loves boxes.",
+    "What is the difference between a list and a tuple in Python?",
+    "Give me a short motivational message for a Monday morning.",
+    "Explain what an API is to someone who does not program.",
+]
+CALIBRATION_STUBS = [
+    'def count_vowels(text: str) -> int:\n    """Return the number of vowels (a, e, i, o, u, either case) in text.\n    >>> count_vowels("Hello World")\n    3\n    """\n',
+    'def second_largest(numbers: list) -> int:\n    """Return the second largest distinct value of numbers, or None if there is none.\n    >>> second_largest([4, 1, 4, 3])\n    3\n    """\n',
+    'def is_palindrome_number(n: int) -> bool:\n    """Return True if the decimal digits of the non-negative integer n read the same backwards.\n    >>> is_palindrome_number(1221)\n    True\n    """\n',
+    'def chunk(items: list, size: int) -> list:\n    """Split items into consecutive lists of at most size elements.\n    >>> chunk([1, 2, 3, 4, 5], 2)\n    [[1, 2], [3, 4], [5]]\n    """\n',
+    'def word_lengths(sentence: str) -> dict:\n    """Map every word of sentence (split on spaces) to its length.\n    >>> word_lengths("to be or")\n    {\'to\': 2, \'be\': 2, \'or\': 2}\n    """\n',
+    'def running_max(values: list) -> list:\n    """Return the maximum of values[:i + 1] for every i.\n    >>> running_max([1, 3, 2, 5])\n    [1, 3, 3, 5]\n    """\n',
+    'def celsius_table(start: int, stop: int) -> list:\n    """Return (celsius, fahrenheit) pairs for every whole degree from start to stop inclusive.\n    >>> celsius_table(0, 1)\n    [(0, 32.0), (1, 33.8)]\n    """\n',
+    'def rotate_left(s: str, k: int) -> str:\n    """Rotate the string s left by k characters (k may exceed len(s)).\n    >>> rotate_left("abcdef", 2)\n    \'cdefab\'\n    """\n',
+]
+
+
+def calibration_prompts() -> list[str]:
+    """The 16 prompts that fit the depth calibration: :data:`CALIBRATION_CHAT` and the
+    :data:`CALIBRATION_STUBS` asked as HumanEval is (:data:`HUMANEVAL_TEMPLATE`)."""
+    return CALIBRATION_CHAT + [HUMANEVAL_TEMPLATE.format(prompt=s) for s in CALIBRATION_STUBS]
+
+
 def humaneval_prompts(cache: Path | None = None) -> list[str]:
     """The 164 HumanEval prompts (function signatures with docstrings), in task order.
 

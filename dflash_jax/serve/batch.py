@@ -82,12 +82,15 @@ class Batch:
       max_len: tokens per row, prompt included (``--max-len``).
       stop_ids: ids that end a row on device (EOS; none for an ``ignore_eos`` lane).
       chunk_size: prompt tokens per prefill pass (capped per group by the longest prompt).
+      depth_params: under ``n_max="auto"``,
+        :meth:`~dflash_jax.serve.jobs.ServedModel.depth_params` (the step's depth policy).
     """
 
-    def __init__(self, params: Params, static: Decoding, rows: int, max_len: int, stop_ids, chunk_size: int):
+    def __init__(self, params: Params, static: Decoding, rows: int, max_len: int, stop_ids, chunk_size: int, depth_params=None):
         self.params, self.static, self.rows, self.max_len, self.chunk_size = params, static, rows, max_len, chunk_size
         self.stop_ids = tuple(stop_ids) or (-1,)
         self.state = self._empty(rows)
+        self._depth_params, self._step_params = depth_params, {}
 
     def _empty(self, rows: int) -> DecodeState:
         state = decode.init_state(self.static, [[0]] * rows, self.max_len, 1, self.stop_ids)
@@ -129,7 +132,21 @@ class Batch:
 
     def run(self, min_done: int, max_steps: int) -> None:
         """Decodes on device until ``min_done`` rows are done, all are, or ``max_steps`` steps ran."""
-        self.state = decode.generate_until(self.params, self.state, self.static, jnp.int32(min_done), jnp.int32(max_steps))
+        self.state = decode.generate_until(self.params_for_steps(), self.state, self.static, jnp.int32(min_done), jnp.int32(max_steps))
+
+    def params_for_steps(self) -> Params:
+        """The weights of a decode step: under ``n_max="auto"`` with the depth policy of this batch
+        size (``depth_params(params, static, state, run, max_len)``, once per size)."""
+        if not self.static.adaptive:
+            return self.params
+        if self.rows not in self._step_params:
+            rows = jnp.int32(self.rows)
+
+            def run(p, s):
+                return decode.generate_until(p, s, self.static, rows, jnp.int32(self.max_len))
+
+            self._step_params[self.rows] = self._depth_params(self.params, self.static, self.state, run, self.max_len)
+        return self._step_params[self.rows]
 
     def read(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """``(tokens [B, S], length [B], finish [B])`` on the host."""

@@ -232,7 +232,7 @@ class Engine:
         eos = tuple(self.model.target.eos_ids)
         stop_ids = (-1,) * len(eos) if ignore_eos else eos  # same shape: the same compiled steps
         self._batch = None  # free the old batch's buffers first
-        self._batch = Batch(self.model.params, static, 1, self.max_len, stop_ids, self.chunk_size)
+        self._batch = Batch(self.model.params, static, 1, self.max_len, stop_ids, self.chunk_size, self.model.depth_params)
         self._rows = [None]
         self._lane = lane
 

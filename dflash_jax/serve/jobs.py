@@ -14,9 +14,11 @@ import itertools
 import time
 from typing import Any
 
+from dflash_jax import costs
 from dflash_jax.decoding import Decoding, Params
 from dflash_jax.loading import Drafter, Target
 from dflash_jax.sampling import SamplingConfig
+from dflash_jax.speculative.depth import Calibration
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -27,7 +29,8 @@ class ServedModel:
       target: the loaded target (with a tokenizer).
       drafter: the DFlash drafter, or ``None`` for plain decoding.
       name: the model name clients must send (``--served-model-name``).
-      n_max: the default draft depth (``--n-max``; ``None``: the drafter's recorded one).
+      n_max: the default draft depth (``--n-max``; ``None``: the drafter's recorded one, which
+        may be ``"auto"``: :meth:`depth_params`).
       chat_template_kwargs: template variables every chat request gets (a request's own
         ``chat_template_kwargs`` override them).
     """
@@ -35,12 +38,20 @@ class ServedModel:
     target: Target
     drafter: Drafter | None = None
     name: str = "dflash-jax"
-    n_max: int | None = None
+    n_max: int | str | None = None
     chat_template_kwargs: dict | None = None
 
     @property
     def params(self) -> Params:
         return Params(self.target.params, None if self.drafter is None else self.drafter.params)
+
+    def depth_params(self, params: Params, static: Decoding, state, run, max_len: int) -> Params:
+        """``params`` with the depth policy of ``n_max="auto"`` for a batch of ``state``'s rows
+        (costs kept on disk for this batch size and capacity, else measured now with ``run``,
+        the batch's own loop, on copies of ``state``: a few seconds, once per size)."""
+        calibration = self.drafter.calibration or Calibration.identity(static.depth)
+        key = costs.cost_key(static, params, state.tokens.shape[0], max_len, (self.target.source, self.drafter.source), "serve")
+        return costs.adaptive_params(params, static, calibration, state, run, key)[0]
 
     def decoding(self, sampling: SamplingConfig, n_max: int | None) -> Decoding:
         """The static decoding set-up of a request (raises DFlashError for a bad ``n_max``)."""

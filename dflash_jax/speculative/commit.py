@@ -26,7 +26,7 @@ def commit_block(params: Params, state: DecodeState, static: Decoding, verdict: 
     kept = state.length - before
     ctx = absorb_context(params.drafter, static, state.speculative, verdict.capture)
     acc_kept = jnp.minimum(verdict.accepted, kept)
-    pos = jnp.arange(1, verdict.tokens.shape[1], dtype=jnp.int32)[None, :]
+    pos = jnp.arange(1, ctx.n_max + 1, dtype=jnp.int32)[None, :]  # a verify may cover fewer positions
     ctx = ctx.replace(
         verify_steps=ctx.verify_steps + running,
         drafted=ctx.drafted + jnp.where(running, verdict.n_valid, 0),
@@ -34,3 +34,9 @@ def commit_block(params: Params, state: DecodeState, static: Decoding, verdict: 
         accepted_per_position=ctx.accepted_per_position + (pos <= acc_kept[:, None]),
     )
     return state.replace(speculative=ctx, steps=state.steps + 1)
+
+
+def count_width(ctx, w, plain):
+    """Counts a step that proposed and verified ``w`` drafts in ``widths`` (not a plain step:
+    ``plain`` true). ``w``, ``plain``: scalars."""
+    return ctx.replace(widths=ctx.widths.at[w].add(jnp.where(plain, 0, 1).astype(jnp.int32)))

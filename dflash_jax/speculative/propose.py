@@ -27,17 +27,26 @@ def block_positions(state: DecodeState, width: int):
 
 
 def propose_fn(params: Params, state: DecodeState, static: Decoding, key=None):
-    """Drafts ``static.n_max`` tokens per row (pure; the state is read only).
+    """Drafts ``static.depth`` tokens per row (pure; the state is read only).
 
     ``static.draft_mode`` ``"argmax"`` proposes the drafter's argmax (a one-hot proposal
     distribution); ``"sample"`` draws each position from the drafter distribution warped by the
     target's ``static.sampling`` (z-lab PyPI behaviour), with ``key``.
 
     Returns:
-      ``(drafts [B, n_max] int32, q [B, n_max, V] float32 or None)``; ``q`` is the proposal
+      ``(drafts [B, n] int32, q [B, n, V] float32 or None)``; ``q`` is the proposal
       distribution when it is not one-hot (zero outside a draft vocabulary, when the drafter
       has one).
     """
+    drafts, q, _ = draft_fn(params, state, static, key)
+    return drafts, q
+
+
+def draft_fn(params: Params, state: DecodeState, static: Decoding, key=None):
+    """:func:`propose_fn` that also returns the drafter's confidences: ``(drafts, q, conf)``,
+    ``conf [B, n]`` float32 the top probability of the drafter's (unwarped) distribution at each
+    position, a function of the distribution only, never of a sampled draft
+    (:mod:`dflash_jax.speculative.depth` chooses the verify width from it)."""
     cfg_t, cfg_d, sampling, width = static.target, static.drafter, static.sampling, static.width
     params_d = params.drafter
     start, positions, block_len = block_positions(state, width)
@@ -47,18 +56,19 @@ def propose_fn(params: Params, state: DecodeState, static: Decoding, key=None):
     ctx = state.speculative
     hidden = drafter.forward(params_d, cfg_d, params.target, cfg_t, block, positions, ctx.ctx_k, ctx.ctx_v, start, block_len)
     lg = drafter.logits(params_d, cfg_d, params.target, cfg_t, hidden[:, 1:])
+    conf = 1.0 / jnp.sum(jnp.exp(lg - jnp.max(lg, axis=-1, keepdims=True)), axis=-1)
     if sampling.greedy or static.draft_mode == "argmax":
-        return drafter.draft_token_ids(params_d, cfg_d, jnp.argmax(lg, axis=-1)), None
+        return drafter.draft_token_ids(params_d, cfg_d, jnp.argmax(lg, axis=-1)), None, conf
     drafts = drafter.draft_token_ids(params_d, cfg_d, jax.random.categorical(key, warp_logits(lg, sampling), axis=-1))
     q = probabilities(lg, sampling)
     if cfg_d.draft_vocab_size:  # no proposal mass outside the draft vocabulary
         q = jnp.zeros(q.shape[:-1] + (cfg_d.vocab_size,), q.dtype).at[..., params_d["draft_ids"]].set(q)
-    return drafts, q
+    return drafts, q, conf
 
 
 @functools.partial(jax.jit, static_argnames=("static",))
 def propose_block(params: Params, state: DecodeState, static: Decoding, key=None):
-    """Jitted :func:`propose_fn`: ``(drafts [B, n_max] int32, q [B, n_max, V] or None)``.
+    """Jitted :func:`propose_fn`: ``(drafts [B, n] int32, q [B, n, V] or None)``.
     Raises DFlashError for arguments that do not go together
     (:func:`~dflash_jax.decoding.check_step_inputs`)."""
     check_step_inputs(params, state, static)

@@ -21,11 +21,17 @@ class SpeculativeState:
 
     Attributes:
       ctx_k, ctx_v: ``[Ld, B, S, Hkv, D]``.
-      verify_steps: ``[B]`` int32 verify passes while the row was running.
+      verify_steps: ``[B]`` int32 target passes while the row was running (the plain steps of
+        ``n_max="auto"`` included: a verify of the anchor alone).
       drafted: ``[B]`` int32 draft tokens proposed to the target.
       accepted: ``[B]`` int32 draft tokens accepted and kept.
-      accepted_per_position: ``[B, n_max]`` int32 steps in which draft position ``i + 1`` was
-        accepted and kept.
+      accepted_per_position: ``[B, n]`` int32 steps in which draft position ``i + 1`` was
+        accepted and kept (``n``: the drafted depth, ``Decoding.depth``).
+      widths: ``[n + 1]`` int32 batch steps that proposed and verified ``w`` drafts,
+        ``w = 0..n`` (with a fixed ``n_max`` every step counts at ``n_max``; the other steps of
+        ``DecodeState.steps`` are plain steps).
+      plain_left: ``[]`` int32 plain steps to take before the next propose (``auto``).
+      backoff: ``[]`` int32 plain steps that the next propose that does not pay schedules (``auto``).
     """
 
     ctx_k: jnp.ndarray = axes_field(*KV_AXES)
@@ -34,9 +40,13 @@ class SpeculativeState:
     drafted: jnp.ndarray = axes_field("batch")
     accepted: jnp.ndarray = axes_field("batch")
     accepted_per_position: jnp.ndarray = axes_field("batch", None)
+    widths: jnp.ndarray = axes_field(None)
+    plain_left: jnp.ndarray = axes_field()
+    backoff: jnp.ndarray = axes_field()
 
     @property
     def n_max(self) -> int:
+        """Draft positions tracked: the drafted depth."""
         return self.accepted_per_position.shape[1]
 
 
@@ -50,4 +60,6 @@ def init_speculative_state(cfg: DrafterConfig, batch: int, max_len: int, n_max: 
     return SpeculativeState(
         ctx_k=jnp.zeros(shape, cfg.dtype), ctx_v=jnp.zeros(shape, cfg.dtype), verify_steps=zeros(),
         drafted=zeros(), accepted=zeros(), accepted_per_position=jnp.zeros((batch, n_max), jnp.int32),
+        widths=jnp.zeros((n_max + 1,), jnp.int32), plain_left=jnp.zeros((), jnp.int32),
+        backoff=jnp.ones((), jnp.int32),
     )

@@ -96,7 +96,8 @@ def verify_fn(params: Params, state: DecodeState, static: Decoding, drafts, q=No
     """One target pass over ``[anchor, drafts]`` of each row, then the accept rule (module docstring).
 
     Args:
-      drafts: ``[B, n]`` int32 from propose; ``q``: ``[B, n, V]`` proposal probabilities or
+      drafts: ``[B, n]`` int32 from propose (``n = 0``: the anchor alone, a plain step that
+        keeps the drafter context); ``q``: ``[B, n, V]`` proposal probabilities or
         ``None`` (one-hot); ``key_accept``, ``key_bonus``: PRNG keys when sampling.
     Returns:
       :class:`Verdict` (the state is read only).
@@ -116,6 +117,6 @@ def verify_fn(params: Params, state: DecodeState, static: Decoding, drafts, q=No
     else:
         a, bonus = accept_sampled(drafts, logits, q, n_valid, static.sampling, key_accept, key_bonus)
     k = jnp.arange(width, dtype=jnp.int32)[None, :]
-    drafts_pad = jnp.concatenate([drafts, drafts[:, :1]], axis=1)
+    drafts_pad = jnp.pad(drafts, ((0, 0), (0, 1)))
     tokens = jnp.where(k < a[:, None], drafts_pad, bonus[:, None])
     return Verdict(tokens=tokens, accepted=a, n_valid=n_valid, gaps=top2_gap(logits), cache=cache, capture=capture)

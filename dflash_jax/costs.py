@@ -1,0 +1,244 @@
+"""The cost model of the adaptive depth policy (``n_max="auto"``): measured, cached on disk.
+
+A :class:`CostModel` holds the seconds of one decode step of the loaded pair on the running
+device, for the batch and capacity of a generation: a step that proposes and verifies ``w``
+drafts (``w = 0..n``) and a plain step (no propose, the anchor alone). :func:`measure` times the
+generation's own compiled loop (or step), run with policies that force each width in turn
+(:meth:`CostModel.forcing`), so measuring compiles nothing. :func:`cost_model_for` keeps the
+result in ``<cache folder>/depth_costs`` (next to the compilation cache, ``jax_cache``), keyed
+by device, JAX version, models, decoding set-up, batch and capacity, and measures again on
+request (``refresh``: ``--measure-costs``). :func:`depth_policy` joins a cost model and the
+drafter's calibration into the arrays a step reads (``Params.depth``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import hashlib
+import json
+import math
+import time
+from pathlib import Path
+from typing import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from scipy.optimize import isotonic_regression
+
+from dflash_jax.decoding import Decoding, Params
+from dflash_jax.errors import DFlashError
+from dflash_jax.io.files import write_text
+from dflash_jax.speculative.depth import Calibration, DepthPolicy
+
+NEVER = 2**31 - 1  # the bound of the last live-length bucket
+FORMAT = 1  # part of every cache key: raise it when the steps change what they cost
+_FORBIDDEN = 1e9  # seconds: a width no policy chooses
+
+
+@dataclasses.dataclass(frozen=True)
+class CostModel:
+    """Seconds of one decode step, per live-length bucket.
+
+    Attributes:
+      step_cost: ``K`` tuples of ``n + 1`` seconds: a step that proposes and verifies ``w``
+        drafts, ``w = 0..n``.
+      plain_cost: ``K`` seconds of a plain step (no propose, one target token per row).
+      bounds: ``K`` ascending upper bounds (tokens) of the live-length buckets (default one
+        bucket for every length).
+      info: how it was obtained (device, date, batch, capacity, source), not compared.
+    Raises:
+      DFlashError: ragged or non-positive costs, or bounds that do not fit (names ``cost_model``).
+    """
+
+    step_cost: tuple[tuple[float, ...], ...]
+    plain_cost: tuple[float, ...]
+    bounds: tuple[int, ...] = (NEVER,)
+    info: dict | None = dataclasses.field(default=None, compare=False)
+
+    def __post_init__(self):
+        k = len(self.bounds)
+        rows = [tuple(float(c) for c in r) for r in self.step_cost]
+        if k < 1 or len(rows) != k or len(self.plain_cost) != k or len({len(r) for r in rows}) != 1 or len(rows[0]) < 2:
+            raise DFlashError("cost_model", f"{len(rows)} step-cost rows, {len(self.plain_cost)} plain costs, {k} bounds",
+                              "one row of n + 1 step costs and one plain cost per live-length bound")
+        values = [c for r in rows for c in r] + [float(c) for c in self.plain_cost]
+        if not all(math.isfinite(c) and c > 0 for c in values):
+            raise DFlashError("cost_model", "a cost that is not a positive finite number of seconds", "positive seconds")
+        if list(self.bounds) != sorted(set(int(b) for b in self.bounds)):
+            raise DFlashError("cost_model.bounds", f"got {self.bounds}", "ascending distinct token counts")
+        object.__setattr__(self, "step_cost", tuple(rows))
+        object.__setattr__(self, "plain_cost", tuple(float(c) for c in self.plain_cost))
+
+    @property
+    def n(self) -> int:
+        """The deepest width (drafted tokens) the model prices."""
+        return len(self.step_cost[0]) - 1
+
+    @staticmethod
+    def forcing(n: int, width: int) -> "CostModel":
+        """A cost model under which every step proposes and verifies exactly ``width`` drafts
+        (every other width and the plain step cost :data:`_FORBIDDEN` seconds)."""
+        return CostModel(step_cost=(tuple(1.0 if w == width else _FORBIDDEN for w in range(n + 1)),), plain_cost=(_FORBIDDEN,))
+
+    @staticmethod
+    def never_pays(n: int) -> "CostModel":
+        """A cost model under which drafting never pays (a plain step is almost free): proposes
+        alternate with plain runs of 1, 2, 4, ... steps (:func:`~dflash_jax.speculative.depth.schedule`)."""
+        return CostModel(step_cost=((1.0,) * (n + 1),), plain_cost=(1.0 / _FORBIDDEN,))
+
+
+def depth_policy(calibration: Calibration, costs: CostModel) -> DepthPolicy:
+    """The arrays of ``Params.depth`` from a drafter's calibration and a cost model.
+
+    Raises:
+      DFlashError: the two cover different depths.
+    """
+    n = len(calibration.scale)
+    if costs.n != n:
+        raise DFlashError("cost_model", f"prices {costs.n} drafted tokens", f"{n} (the drafter's block_size - 1)")
+    f32 = lambda x: jnp.asarray(np.asarray(x, np.float32))  # noqa: E731
+    return DepthPolicy(scale=f32(calibration.scale), bias=f32(calibration.bias), bounds=jnp.asarray(np.asarray(costs.bounds, np.int32)),
+                       step_cost=f32(costs.step_cost), plain_cost=f32(costs.plain_cost))
+
+
+def _copy(state):
+    return jax.tree.map(lambda x: jnp.array(x, copy=True), state)
+
+
+def _at_length(state, live: int | None, tokens: int):
+    """A copy of ``state`` whose running rows are ``live`` tokens long (``None``: as they are;
+    the rows past their real length hold stale slots, which cost what live ones do) with a
+    budget of ``tokens`` new tokens."""
+    s = _copy(state)
+    if live is not None:
+        length = jnp.where(s.done, s.length, jnp.clip(jnp.maximum(s.length, live), 1, s.capacity - tokens - 1))
+        s = s.replace(length=length, prompt_len=length - 1)
+    return s.replace(max_new=jnp.minimum(s.max_new, s.new_tokens + tokens))
+
+
+def _time_kinds(run, params, base, n: int, rounds: int) -> tuple[list[float], float]:
+    """Seconds per step of every forced width and of the plain step: the fastest of ``rounds``
+    runs each (kinds alternating), made non-decreasing in the width by an isotonic fit (a loaded
+    machine's noise otherwise reorders neighbouring widths), the plain step at most the narrowest."""
+    ident = Calibration.identity(n)
+    kinds = [(depth_policy(ident, CostModel.forcing(n, w)), False) for w in range(n + 1)]
+    kinds.append((depth_policy(ident, CostModel.forcing(n, n)), True))  # plain: the schedule says plain throughout
+    best = [math.inf] * len(kinds)
+    for _ in range(rounds):
+        for i, (policy, plain) in enumerate(kinds):
+            s = _copy(base)
+            if plain:
+                s = s.replace(speculative=s.speculative.replace(plain_left=jnp.int32(NEVER)))
+            jax.block_until_ready(s)
+            t0 = time.perf_counter()
+            s = run(params._replace(depth=policy), s)
+            steps = int(jax.device_get(s.steps - base.steps))  # waits for the run
+            best[i] = min(best[i], (time.perf_counter() - t0) / max(steps, 1))
+    step = [float(c) for c in isotonic_regression(best[:-1]).x]
+    return step, min(best[-1], step[0])
+
+
+def measure(run: Callable, params: Params, state, static: Decoding, tokens: int = 8, rounds: int = 3,
+            lengths: Sequence[int] | None = None) -> CostModel:
+    """Times one step of each kind with the generation's own compiled ``run``.
+
+    Args:
+      run: ``run(params, state) -> state``, the compiled loop or step of the generation (it may
+        donate the state; every run gets a copy).
+      params: with any ``depth`` of the right shapes (replaced here).
+      state: a prefilled state of the generation's shapes (read only).
+      static: the adaptive :class:`~dflash_jax.decoding.Decoding`.
+      tokens: new tokens per row per timed run (its ``max_new`` is cut to that).
+      rounds: runs per kind, alternating kinds; the fastest counts (:func:`_time_kinds`).
+      lengths: live-length buckets to price, ascending (each measured with the running rows
+        that long); ``None``: one bucket, at the state's own lengths (the prompts': the steps'
+        attention reads each key block once for all of a step's queries, so a longer context adds
+        about the same seconds to every width; one bucket keeps the first run's measurement short).
+    Returns:
+      A :class:`CostModel` (seconds per step); equal costs (``info["source"]`` ``"none"``) when
+      every row is done already (no step will run).
+    """
+    n = static.depth
+    if bool(jax.device_get(jnp.all(state.done))):
+        return CostModel(step_cost=((1.0,) * (n + 1),), plain_cost=(1.0,), info=dict(source="none"))
+    step, plain = zip(*[_time_kinds(run, params, _at_length(state, live, tokens), n, rounds) for live in (lengths or [None])])
+    return CostModel(step_cost=step, plain_cost=plain, bounds=tuple(lengths or (NEVER,)), info=dict(source="measured"))
+
+
+def adaptive_params(params: Params, static: Decoding, calibration: Calibration, state, run: Callable, key: dict,
+                    cost_model: CostModel | str | None = None) -> tuple[Params, CostModel]:
+    """``params`` with the depth policy of ``n_max="auto"`` set, and its cost model: ``cost_model``
+    when it is a :class:`CostModel`, else the one kept for ``key`` (:func:`cost_key`) or measured
+    with ``run`` on copies of the prefilled ``state`` (:func:`measure`; ``"refresh"``: measured
+    again). The generation's driver and the serving engine both call it."""
+    if not isinstance(cost_model, CostModel):
+        measure_now = lambda: measure(run, params, state, static)  # noqa: E731
+        cost_model = cost_model_for(key, measure_now, refresh=cost_model == "refresh")
+    return params._replace(depth=depth_policy(calibration, cost_model)), cost_model
+
+
+def costs_dir() -> Path:
+    """Where measured cost models are kept: ``<cache folder>/depth_costs``, next to the
+    compilation cache (``<cache folder>/jax_cache``)."""
+    from dflash_jax.assets import cache_dir
+
+    return cache_dir() / "depth_costs"
+
+
+def cost_key(static: Decoding, params: Params, batch: int, capacity: int, sources: tuple[str, ...], mode: str) -> dict:
+    """What a cost model depends on: device, JAX, the models (sources, configs, layouts), the
+    decoding set-up, batch, capacity and how the steps run (``mode``: ``"loop"`` or ``"step"``)."""
+    dev = jax.devices()[0]
+    layout = ["per-layer" if isinstance(p.get("layers"), tuple) else "stacked" for p in (params.target, params.drafter)
+              if isinstance(p, dict)]
+    digest = hashlib.sha256(repr(static).encode()).hexdigest()[:16]
+    return dict(device=f"{dev.platform}:{dev.device_kind}", devices=jax.device_count(), jax=jax.__version__,
+                format=FORMAT, sources=list(sources), decoding=digest, layout=layout, batch=int(batch),
+                capacity=int(capacity), mode=mode)
+
+
+def _entry_path(key: dict) -> Path:
+    return costs_dir() / (hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:20] + ".json")
+
+
+def load_cached(key: dict) -> CostModel | None:
+    """The cost model kept for ``key``, or ``None`` (none kept, or an unreadable entry)."""
+    path = _entry_path(key)
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+        if data.get("key") != key:
+            return None
+        return CostModel(step_cost=tuple(map(tuple, data["step_cost"])), plain_cost=tuple(data["plain_cost"]),
+                         bounds=tuple(data["bounds"]), info=dict(data.get("info", {}), source="cached", path=str(path)))
+    except (OSError, ValueError, KeyError, TypeError, DFlashError):
+        return None
+
+
+def store(key: dict, costs: CostModel) -> Path:
+    """Keeps ``costs`` for ``key`` (atomically); returns the file."""
+    path = _entry_path(key)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    data = dict(key=key, step_cost=costs.step_cost, plain_cost=costs.plain_cost, bounds=costs.bounds, info=costs.info or {})
+    return write_text(path, json.dumps(data, indent=1))
+
+
+def cost_model_for(key: dict, measure_fn: Callable[[], CostModel], refresh: bool = False) -> CostModel:
+    """The kept cost model of ``key``, else (or with ``refresh``) ``measure_fn()``
+    (:func:`measure`), kept unless nothing could be measured."""
+    if not refresh:
+        kept = load_cached(key)
+        if kept is not None:
+            return kept
+    t0 = time.perf_counter()
+    costs = measure_fn()
+    if (costs.info or {}).get("source") != "measured":
+        return costs
+    when = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    costs = dataclasses.replace(costs, info=dict(source="measured", date=when, seconds=round(time.perf_counter() - t0, 3)))
+    try:
+        store(key, costs)
+    except OSError:  # a read-only cache folder: use the measurement without keeping it
+        pass
+    return costs

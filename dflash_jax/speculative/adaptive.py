@@ -1,0 +1,87 @@
+"""The adaptive-depth step (``n_max="auto"``): propose the whole block (or skip the propose),
+choose the verify width on device, verify and commit.
+
+The width picks one of ``n + 1`` compiled verify branches, each a target pass over exactly
+``w + 1`` tokens, so a narrow verify costs what its width costs and no width ever compiles
+during a generation. The branches are while loops that run once or not at all
+(:func:`run_one_of`) rather than ``lax.switch``: an XLA conditional copies the large buffers it
+updates (the KV cache, the drafter context) on XLA:CPU, a while loop updates its carry in place.
+The policy is :mod:`dflash_jax.speculative.depth`.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from dflash_jax.decoding import Decoding, Params, check_depth_policy, check_step_inputs
+from dflash_jax.speculative import depth
+from dflash_jax.speculative.commit import commit_block, count_width
+from dflash_jax.speculative.propose import block_positions, draft_fn
+from dflash_jax.speculative.verify import verify_fn
+from dflash_jax.state import DecodeState
+
+
+def step_fn(params: Params, state: DecodeState, static: Decoding, k_draft, k_accept, k_bonus) -> DecodeState:
+    """One adaptive step (pure): a plain step when the schedule says so, else propose the whole
+    block and verify the width the policy chooses (keys: drafting, acceptance, resampling)."""
+    plain = state.speculative.plain_left > 0
+
+    def draft(_):
+        return draft_fn(params, state, static, k_draft)
+
+    def skip(_):  # zeros of the propose's shapes: a plain step verifies the anchor alone
+        return jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), jax.eval_shape(draft, None))
+
+    drafts, q, conf = jax.lax.cond(plain, skip, draft, None)
+    return verify_chosen(params, state, static, drafts, q, conf, plain, k_accept, k_bonus)
+
+
+def run_one_of(index, fns, operand):
+    """``fns[index](operand)`` for a traced ``index``, as ``len(fns)`` while loops of which only
+    the chosen one runs (once): ``lax.switch`` without its copies of the operand (module
+    docstring). Every ``fns[k]`` maps the operand to a value of the same structure."""
+    for k, f in enumerate(fns):
+        operand = jax.lax.while_loop(lambda c: c[0], lambda c, f=f: (jnp.bool_(False), f(c[1])), (index == k, operand))[1]
+    return operand
+
+
+def verify_chosen(params: Params, state: DecodeState, static: Decoding, drafts, q, conf, plain, k_accept=None, k_bonus=None) -> DecodeState:
+    """Chooses the width from the confidences, verifies that many drafts and commits (pure).
+
+    Args:
+      drafts: ``[B, n]`` int32; q: ``[B, n, V]`` or ``None`` (one-hot); conf: ``[B, n]`` float32
+        drafter confidences; plain: ``[]`` bool, a plain step (verifies the anchor alone).
+    Returns:
+      The state after the step, its width counted and its plain-step schedule updated.
+    Raises:
+      DFlashError: ``params.depth`` missing or not fitting (at trace time).
+    """
+    n = static.depth
+    check_depth_policy(params.depth, n)
+    running = ~state.done
+    _, _, block_len = block_positions(state, n + 1)
+    live = jnp.max(jnp.where(running, state.length, 0))
+    w, pays = depth.choose_width(params.depth, conf, block_len - 1, running, live)
+    w = jnp.where(plain, 0, w)
+
+    def verify_k(k, s):
+        qk = None if q is None else q[:, :k]
+        return commit_block(params, s, static, verify_fn(params, s, static, drafts[:, :k], qk, k_accept, k_bonus))
+
+    state = run_one_of(w, [functools.partial(verify_k, k) for k in range(n + 1)], state)
+    ctx = depth.schedule(count_width(state.speculative, w, plain), plain, pays)
+    return state.replace(speculative=ctx)
+
+
+@functools.partial(jax.jit, static_argnames=("static",), donate_argnames=("state",))
+def verify_auto(params: Params, state: DecodeState, static: Decoding, drafts, conf, q=None, plain=False, key_accept=None,
+                key_bonus=None) -> DecodeState:
+    """Jitted :func:`verify_chosen` of given ``drafts [B, n]`` and confidences ``conf [B, n]``
+    (``n = static.depth``), state donated: the adaptive step after its propose, for scripted
+    drafters in tests and experiments. Raises DFlashError for arguments that do not go together
+    (:func:`~dflash_jax.decoding.check_step_inputs`)."""
+    check_step_inputs(params, state, static)
+    return verify_chosen(params, state, static, drafts, q, conf, jnp.asarray(plain), key_accept, key_bonus)

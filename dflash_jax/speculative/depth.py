@@ -1,0 +1,141 @@
+"""Adaptive verify depth (``n_max="auto"``): the policy that picks each step's verify width.
+
+Every step the drafter drafts its whole block (``n = block_size - 1`` tokens) and reports a
+confidence per position, its top probability ``c_i`` (a function of the drafter's distribution
+only, never of the sampled draft or of the target). A per-position calibration, fitted on
+observed acceptance (``tools/calibrate_depth.py``), turns it into the probability that draft
+``i`` is accepted when drafts ``1..i-1`` were: ``a_i = sigmoid(scale_i * logit(c_i) + bias_i)``.
+The survival ``S_i = a_1 * ... * a_i`` is the probability that draft ``i`` is committed, so a
+verify of ``w`` drafts commits ``E_b(w) = 1 + S_1 + ... + S_w`` tokens on row ``b`` in
+expectation (the bonus token included; drafts a shortened final block cannot hold count 0).
+With the measured seconds ``C(w)`` of a step that proposes and verifies ``w`` drafts
+(:mod:`dflash_jax.costs`), the batch verifies the width that maximises
+``sum_b E_b(w) / C(w)`` over its running rows (the DSpark / vLLM adaptive-verification rule).
+
+Drafting does not pay when even that best rate is below the rate of a plain step (one token per
+running row per ``plain_cost`` seconds). The step after such a propose is then a plain step (a
+target pass over the anchor alone: no propose, one token), and the plain run doubles each time
+the next propose does not pay either (1, 2, 4, then at most :data:`MAX_BACKOFF` steps); a propose
+that pays resets it. The choice is made on device, from drafter-side values and the history
+only, so greedy output equals plain greedy decoding and sampled output keeps the target's
+distribution exactly (the accept rule of each verified draft is unchanged).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from dflash_jax.axes import axes_field
+from dflash_jax.errors import DFlashError
+
+MAX_BACKOFF = 8  # the longest run of plain steps between two proposes
+_EPS = 1e-6
+
+
+@struct.dataclass
+class DepthPolicy:
+    """The numbers of the depth policy, one pytree (``Params.depth``; traced, so new costs or a
+    new calibration never recompile).
+
+    Attributes:
+      scale, bias: ``[n]`` float32 calibration per draft position (identity: 1 and 0).
+      bounds: ``[K]`` int32 upper bounds of the live-length buckets of the cost table,
+        ascending (a live length beyond the last uses the last bucket).
+      step_cost: ``[K, n + 1]`` float32 seconds of a step that proposes and verifies ``w``
+        drafts, ``w = 0..n``, per bucket.
+      plain_cost: ``[K]`` float32 seconds of a plain step (no propose, one target token).
+    """
+
+    scale: jnp.ndarray = axes_field(None)
+    bias: jnp.ndarray = axes_field(None)
+    bounds: jnp.ndarray = axes_field(None)
+    step_cost: jnp.ndarray = axes_field(None, None)
+    plain_cost: jnp.ndarray = axes_field(None)
+
+
+@dataclasses.dataclass(frozen=True)
+class Calibration:
+    """Per-position calibration of the drafter's confidences, shipped with a drafter.
+
+    Attributes:
+      scale, bias: one float per draft position (``block_size - 1``).
+      record: how it was fitted (method, prompts, samples, errors before and after), as stored.
+    """
+
+    scale: tuple[float, ...]
+    bias: tuple[float, ...]
+    record: dict | None = dataclasses.field(default=None, compare=False)
+
+    @staticmethod
+    def identity(n: int) -> "Calibration":
+        """The raw confidences as acceptance predictions (a drafter without a fitted calibration)."""
+        return Calibration((1.0,) * n, (0.0,) * n)
+
+    @staticmethod
+    def from_record(record, n: int, where: str) -> "Calibration":
+        """Parses a stored calibration ``{"scale": [n floats], "bias": [n floats], ...}``.
+
+        Raises:
+          DFlashError: naming ``where`` and the bad field.
+        """
+        if not isinstance(record, dict):
+            raise DFlashError(where, f"got {type(record).__name__}", 'an object {"scale": [...], "bias": [...]}')
+        out = {}
+        for name in ("scale", "bias"):
+            v = record.get(name)
+            if not isinstance(v, list) or len(v) != n or not all(isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) for x in v):
+                raise DFlashError(f"{where}.{name}", f"got {v!r}", f"a list of {n} finite numbers (one per draft position)")
+            out[name] = tuple(float(x) for x in v)
+        return Calibration(out["scale"], out["bias"], dict(record))
+
+
+def acceptance(policy: DepthPolicy, conf: jnp.ndarray) -> jnp.ndarray:
+    """Calibrated acceptance predictions ``[B, n]`` of the confidences ``conf [B, n]``."""
+    c = jnp.clip(conf.astype(jnp.float32), _EPS, 1.0 - _EPS)
+    return jax.nn.sigmoid(policy.scale * (jnp.log(c) - jnp.log1p(-c)) + policy.bias)
+
+
+def expected_tokens(policy: DepthPolicy, conf: jnp.ndarray, n_valid: jnp.ndarray) -> jnp.ndarray:
+    """``E_b(w)``, ``[B, n + 1]``: tokens row ``b`` commits in expectation when ``w`` drafts are
+    verified (``w = 0..n``); drafts beyond ``n_valid [B]`` (a shortened final block) count 0."""
+    n = conf.shape[1]
+    survival = jnp.cumprod(acceptance(policy, conf), axis=1) * (jnp.arange(n)[None, :] < n_valid[:, None])
+    return 1.0 + jnp.concatenate([jnp.zeros_like(survival[:, :1]), jnp.cumsum(survival, axis=1)], axis=1)
+
+
+def bucket(policy: DepthPolicy, live: jnp.ndarray) -> jnp.ndarray:
+    """The cost bucket ``[]`` int32 of the longest live row ``live`` (tokens)."""
+    k = jnp.sum(policy.bounds < live).astype(jnp.int32)
+    return jnp.minimum(k, policy.bounds.shape[0] - 1)
+
+
+def choose_width(policy: DepthPolicy, conf, n_valid, running, live):
+    """The verify width of the batch and whether drafting pays.
+
+    Args:
+      conf: ``[B, n]`` float32 drafter confidences; n_valid: ``[B]`` int32 drafts that may be
+        accepted; running: ``[B]`` bool rows still decoding; live: ``[]`` int32 longest live row.
+    Returns:
+      ``(w [] int32 in [0, n], pays [] bool)``: ``w`` maximises expected committed tokens of the
+      running rows per second; ``pays``: that rate beats plain decoding's.
+    """
+    k = bucket(policy, live)
+    tokens = jnp.sum(jnp.where(running[:, None], expected_tokens(policy, conf, n_valid), 0.0), axis=0)
+    rate = tokens / policy.step_cost[k]
+    w = jnp.argmax(rate).astype(jnp.int32)
+    pays = rate[w] * policy.plain_cost[k] > jnp.sum(running)
+    return w, pays
+
+
+def schedule(ctx, plain: jnp.ndarray, pays: jnp.ndarray):
+    """The plain-step schedule after a step: a plain step uses one of ``plain_left``; a propose
+    that pays resets the backoff, one that does not schedules ``backoff`` plain steps and doubles
+    it (at most :data:`MAX_BACKOFF`). Returns the updated speculative state."""
+    plain_left = jnp.where(plain, ctx.plain_left - 1, jnp.where(pays, 0, ctx.backoff))
+    backoff = jnp.where(plain, ctx.backoff, jnp.where(pays, 1, jnp.minimum(2 * ctx.backoff, MAX_BACKOFF)))
+    return ctx.replace(plain_left=plain_left.astype(jnp.int32), backoff=backoff.astype(jnp.int32))

@@ -1,0 +1,306 @@
+"""Adaptive verify depth (``n_max="auto"``): losslessness with every width and the plain step,
+scripted acceptance, the width rule against a NumPy statement of it, the measured and kept cost
+model, the API and its errors. Exactness of sampling with ``auto``: test_spec.py's chi-square.
+
+Oracles: plain greedy decoding (itself checked against a no-cache recomputation), drafts taken
+from the target's greedy continuation (acceptance known in advance), the policy's formula
+written out in NumPy.
+"""
+
+import dataclasses
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import dflash_jax as dj
+from dflash_jax import costs, decode
+from dflash_jax.costs import CostModel, depth_policy
+from dflash_jax.decoding import Decoding, Params
+from dflash_jax.errors import DFlashError
+from dflash_jax.speculative import adaptive, depth
+from dflash_jax.speculative.depth import MAX_BACKOFF, Calibration
+from dflash_jax.testing import tiny_drafter, tiny_target
+
+PROMPTS = [[5, 9, 17, 3, 22, 8, 1], [40, 2, 7], [11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 30, 31]]
+N = 3  # drafted tokens of the tiny drafter (block size 4)
+CHOOSE = jax.jit(depth.choose_width)  # one compile for every policy (traced) of batch 4
+
+
+@pytest.fixture(scope="module")
+def pair():
+    cfg, params = tiny_target("qwen3", seed=3, num_hidden_layers=2)  # few layers: little to compile
+    dcfg, dparams = tiny_drafter(cfg, seed=0, block_size=N + 1, layer_ids=(0, 1), num_hidden_layers=1)
+    return cfg, params, dcfg, dparams
+
+
+def outputs(st):
+    toks, plen, length = jax.device_get((st.tokens, st.prompt_len, st.length))
+    return [[int(t) for t in toks[b, plen[b] : length[b]]] for b in range(toks.shape[0])]
+
+
+def plain_greedy(pair, prompts, n_new, max_len=64):
+    cfg, params = pair[:2]
+    static, weights = Decoding(cfg), Params(params)
+    st = decode.prefill(weights, decode.init_state(static, prompts, max_len, n_new), static, 4)
+    return outputs(decode.generate(weights, st, static))
+
+
+def run_auto(pair, prompts, n_new, model: CostModel, calibration=None, sampling=dj.SamplingConfig(), seed=0):
+    cfg, params, dcfg, dparams = pair
+    static = Decoding(cfg, dcfg, sampling, n_max="auto")
+    weights = Params(params, dparams, depth_policy(calibration or Calibration.identity(N), model))
+    st = decode.prefill(weights, decode.init_state(static, prompts, 64, n_new, seed=seed), static, 4)
+    return decode.generate(weights, st, static)
+
+
+# a confident calibration (acceptance about 0.8 at any confidence) and costs that grow with the
+# width: the chosen width then depends on how many drafts a shortened final block may hold
+CONFIDENT = Calibration((0.0,) * N, (1.4,) * N)
+GROWING = CostModel(step_cost=((1.1, 1.3, 1.5, 1.7),), plain_cost=(1.0,))
+
+
+def test_greedy_lossless_with_every_forced_width_and_the_plain_step(pair):
+    """One compiled loop serves every width (the policy is traced) and each is lossless; rows of
+    one batch keep their own acceptance."""
+    from dflash_jax.compile_count import count_compilations
+
+    prompts, ref = PROMPTS, plain_greedy(pair, PROMPTS, 20)
+    run_auto(pair, prompts, 20, CostModel.forcing(N, 0))  # warm-up
+    with count_compilations() as compiled:
+        for w in range(N + 1):
+            st = run_auto(pair, prompts, 20, CostModel.forcing(N, w))
+            assert outputs(st) == ref
+            widths = np.asarray(st.speculative.widths)
+            assert widths[w] == int(st.steps) and widths.sum() == widths[w], (w, widths)
+        st = run_auto(pair, prompts, 20, GROWING, CONFIDENT)
+        assert outputs(st) == ref
+        st = run_auto(pair, prompts, 20, CostModel.never_pays(N))
+        assert outputs(st) == ref
+    assert compiled() == 0
+
+
+def test_continuous_batching_with_auto_answers_as_plain_greedy(pair):
+    """``generate_until`` under ``auto`` stops once a row is done; that row, given a new prompt with
+    ``replace_rows``, and the rows that kept running answer as plain greedy decoding."""
+    cfg, params, dcfg, dparams = pair
+    static = Decoding(cfg, dcfg, n_max="auto")
+    weights = Params(params, dparams, depth_policy(CONFIDENT, GROWING))
+    st = decode.prefill(weights, decode.init_state(static, PROMPTS, 64, [6, 20, 20]), static, 4)
+    st = decode.generate_until(weights, st, static, jnp.int32(1))
+    assert bool(st.done[0]) and outputs(st)[0] == plain_greedy(pair, PROMPTS, 6)[0]
+    fresh = decode.prefill(weights, decode.init_state(static, [PROMPTS[1]], 64, 20), static, 4)
+    st = decode.generate(weights, decode.replace_rows(st, fresh, jnp.asarray([0], jnp.int32)), static)
+    assert outputs(st) == plain_greedy(pair, [PROMPTS[1], PROMPTS[1], PROMPTS[2]], 20)
+
+
+def test_plain_steps_follow_the_backoff_schedule(pair):
+    """Drafting never pays: proposes alternate with plain runs of 1, 2, 4, 8, 8, ... steps, and
+    plain steps commit one token each (the drafter context still follows: output unchanged)."""
+    st = run_auto(pair, [PROMPTS[2]] * 3, 40, CostModel.never_pays(N))
+    assert outputs(st) == plain_greedy(pair, [PROMPTS[2]] * 3, 40)
+    steps, proposes = int(st.steps), int(np.asarray(st.speculative.widths).sum())
+    runs, total, k = [], 0, 1  # the schedule: propose, then k plain steps, k doubling
+    while total < steps:
+        total += 1
+        runs.append(min(k, steps - total))
+        total += runs[-1]
+        k = min(2 * k, MAX_BACKOFF)
+    assert proposes == len(runs) and steps - proposes == sum(runs)
+    assert dj.api.spec_stats(st)["plain_steps"] == steps - proposes > proposes
+
+
+def scripted(pair, prompt, n_new, width, corrupt_at=None, conf=0.9):
+    """Verifies drafts taken from the greedy continuation (wrong at ``corrupt_at``) at a forced
+    width, through :func:`adaptive.verify_auto`, in three equal rows (the shapes of the other
+    tests: nothing more to compile); returns the state and each step's acceptance of row 0."""
+    cfg, params, dcfg, dparams = pair
+    full = list(prompt) + plain_greedy(pair, [prompt] * 3, n_new + N)[0]
+    static = Decoding(cfg, dcfg, n_max="auto")
+    weights = Params(params, dparams, depth_policy(Calibration.identity(N), CostModel.forcing(N, width)))
+    st = decode.prefill(weights, decode.init_state(static, [prompt] * 3, 64, n_new), static, 4)
+    accepts = []
+    while not bool(st.done[0]):
+        length = int(st.length[0])
+        drafts = [full[length + i] if length + i < len(full) else 0 for i in range(N)]
+        if corrupt_at is not None:
+            drafts[corrupt_at] = (drafts[corrupt_at] + 1) % cfg.vocab_size
+        before = int(st.speculative.accepted[0])
+        st = adaptive.verify_auto(weights, st, static, jnp.asarray([drafts] * 3, jnp.int32), jnp.full((3, N), conf, jnp.float32))
+        accepts.append(int(st.speculative.accepted[0]) - before)
+    return st, accepts, full[len(prompt) : len(prompt) + n_new]
+
+
+@pytest.mark.parametrize("width", [0, 1, 2, 3])
+def test_scripted_full_acceptance_commits_width_plus_one(pair, width):
+    st, accepts, ref = scripted(pair, PROMPTS[0], 1 + 4 * (width + 1), width)
+    assert outputs(st)[0] == ref
+    assert accepts == [width] * 4 and int(st.committed[0]) == 4 * (width + 1)  # widths: batch steps
+    assert np.asarray(st.speculative.widths).tolist() == [4 if w == width else 0 for w in range(N + 1)]
+
+
+@pytest.mark.parametrize("width,j", [(3, 0), (3, 1), (2, 1), (1, 2), (3, 2)])
+def test_scripted_rejection_at_j_accepts_min_of_j_and_width(pair, width, j):
+    st, accepts, ref = scripted(pair, PROMPTS[1], 16, width, corrupt_at=j)
+    assert outputs(st)[0] == ref
+    assert all(a == min(j, width) for a in accepts[:-1])  # the last step may be cut by the budget
+    per_pos = np.asarray(st.speculative.accepted_per_position[0])
+    assert (per_pos[min(j, width):] == 0).all()
+
+
+def width_oracle(scale, bias, step_cost, plain_cost, conf, n_valid, running):
+    """The rule of :mod:`dflash_jax.speculative.depth`, in NumPy."""
+    c = np.clip(conf, 1e-6, 1 - 1e-6)
+    a = 1 / (1 + np.exp(-(scale * np.log(c / (1 - c)) + bias)))
+    surv = np.cumprod(a, axis=1) * (np.arange(conf.shape[1])[None] < n_valid[:, None])
+    e = 1 + np.concatenate([np.zeros((len(c), 1)), np.cumsum(surv, axis=1)], axis=1)
+    rate = e[running].sum(0) / step_cost
+    return int(np.argmax(rate)), bool(rate.max() * plain_cost > running.sum())
+
+
+def test_width_rule_matches_its_numpy_statement():
+    rng = np.random.default_rng(0)
+    chosen = set()
+    for _ in range(40):
+        b = 4
+        conf = rng.uniform(0.01, 0.99, (b, N)).astype(np.float32)
+        n_valid, running = rng.integers(0, N + 1, b), rng.random(b) < 0.8
+        running[0] = True
+        scale, bias = rng.uniform(0.5, 1.5, N).astype(np.float32), rng.uniform(-1, 1, N).astype(np.float32)
+        step_cost = np.sort(rng.uniform(1.0, 2.0, N + 1)).astype(np.float32)
+        plain_cost = np.float32(rng.uniform(0.7, 1.2))
+        model = CostModel(step_cost=(tuple(step_cost),), plain_cost=(float(plain_cost),))
+        policy = depth_policy(Calibration(tuple(scale), tuple(bias)), model)
+        w, pays = CHOOSE(policy, jnp.asarray(conf), jnp.asarray(n_valid, jnp.int32), jnp.asarray(running), jnp.int32(20))
+        assert (int(w), bool(pays)) == width_oracle(scale, bias, step_cost, plain_cost, conf, n_valid, running)
+        chosen.add(int(w))
+    assert len(chosen) >= 3, f"the trials should reach several widths, got {chosen}"
+
+
+def test_cost_buckets_follow_the_longest_live_row():
+    model = CostModel(step_cost=((1, 1, 1, 1), (1, 9, 9, 9)), plain_cost=(5, 5), bounds=(16, costs.NEVER))
+    policy = depth_policy(Calibration.identity(N), model)
+    conf, n_valid, running = jnp.full((4, N), 0.9), jnp.full((4,), N, jnp.int32), jnp.ones((4,), bool)
+    assert int(CHOOSE(policy, conf, n_valid, running, jnp.int32(16))[0]) == N
+    assert int(CHOOSE(policy, conf, n_valid, running, jnp.int32(17))[0]) == 0
+
+
+def test_missing_or_misshapen_policy_and_bad_cost_models_are_named(pair):
+    cfg, params, dcfg, dparams = pair
+    static = Decoding(cfg, dcfg, n_max="auto")
+    assert static.adaptive and static.depth == N and static.width == N + 1
+    st = decode.prefill(Params(params, dparams), decode.init_state(static, PROMPTS, 64, 4), static, 4)  # no policy needed
+    with pytest.raises(DFlashError, match="params.depth"):
+        decode.generate(Params(params, dparams), st, static)
+    short = depth_policy(Calibration.identity(2), CostModel.forcing(2, 1))
+    with pytest.raises(DFlashError, match=r"params.depth.scale: shape \(2,\)"):
+        decode.generate(Params(params, dparams, short), st, static)
+    with pytest.raises(DFlashError, match="cost_model"):
+        depth_policy(Calibration.identity(N), CostModel.forcing(2, 1))
+    for bad in (dict(step_cost=((1.0, -1.0),), plain_cost=(1.0,)), dict(step_cost=((1.0, 2.0), (1.0,)), plain_cost=(1.0, 1.0), bounds=(4, 8)),
+                dict(step_cost=((1.0, 2.0),), plain_cost=(1.0,), bounds=(0, 0))):
+        with pytest.raises(DFlashError, match="cost_model"):
+            CostModel(**bad)
+    with pytest.raises(DFlashError, match="--n-max"):
+        Decoding(cfg, dcfg, n_max="deep")
+    with pytest.raises(DFlashError, match="without a drafter"):
+        Decoding(cfg, n_max="auto")
+
+
+@pytest.fixture(scope="module")
+def api_pair(pair):
+    cfg, params, dcfg, dparams = pair
+    target = dj.Target(cfg=cfg, params=params, tokenizer=None, source="tiny-target", eos_ids=())
+    return target, dj.Drafter(cfg=dcfg, params=dparams, source="tiny-drafter", n_max="auto", calibration=CONFIDENT)
+
+
+def test_generate_measures_keeps_and_refreshes_the_cost_model(api_pair, tmp_path, monkeypatch):
+    """The API's default under a drafter recorded with ``auto``: costs measured once per
+    (device, pair, batch, capacity), read back from the cache folder, measured again on
+    ``"refresh"``; stats report widths and plain steps; output equals plain greedy."""
+    monkeypatch.setenv("DFLASH_JAX_CACHE", str(tmp_path))
+    target, drafter = api_pair
+    plain = dj.generate(target, PROMPTS, max_new_tokens=12)
+    first = dj.generate(target, PROMPTS, max_new_tokens=12, drafter=drafter)
+    assert first.output_ids == plain.output_ids
+    st = first.stats
+    assert st["n_max"] == "auto" and st["cost_model"] == "measured" and st["cost_model_s"] > 0
+    assert len(st["widths"]) == N + 1 and sum(st["widths"]) + st["plain_steps"] == st["steps"]
+    assert len(st["step_cost_ms"]) == N + 1 and st["plain_cost_ms"] > 0
+    kept = list((tmp_path / "depth_costs").glob("*.json"))
+    assert len(kept) == 1 and json.loads(kept[0].read_text())["key"]["batch"] == 3
+    again = dj.generate(target, PROMPTS, max_new_tokens=12, drafter=drafter)
+    assert again.stats["cost_model"] == "cached" and again.stats["step_cost_ms"] == st["step_cost_ms"]
+    key = json.loads(kept[0].read_text())["key"]
+    fresh = CostModel.forcing(N, 1)
+    remeasured = costs.cost_model_for(key, lambda: dataclasses.replace(fresh, info=dict(source="measured")), refresh=True)
+    assert remeasured.step_cost == fresh.step_cost and costs.load_cached(key).step_cost == fresh.step_cost  # "refresh"
+    given = dj.generate(target, PROMPTS, max_new_tokens=12, drafter=drafter, cost_model=CostModel.forcing(N, 2))
+    assert given.stats["cost_model"] == "given" and given.stats["widths"][2] == given.stats["steps"]
+    streamed = []
+    res = dj.generate(target, PROMPTS, max_new_tokens=12, drafter=drafter, on_tokens=streamed.append)
+    assert res.output_ids == plain.output_ids and res.stats["cost_model"] == "measured"  # a step, not the loop: own key
+
+
+@pytest.mark.parametrize("kwargs,needle", [
+    (dict(n_max=2, cost_model="refresh"), "cost_model (--measure-costs): given with n_max 2"),
+    (dict(cost_model="again"), "cost_model: got 'again'"),
+    (dict(cost_model=CostModel.forcing(2, 1)), "cost_model: prices 2 drafted tokens"),
+])
+def test_bad_cost_model_arguments(api_pair, kwargs, needle):
+    target, drafter = api_pair
+    with pytest.raises(DFlashError) as e:
+        dj.generate(target, PROMPTS, max_new_tokens=4, drafter=drafter, **kwargs)
+    assert str(e.value).startswith(needle)
+
+
+def test_recorded_calibration_is_loaded_and_checked(api_pair, tmp_path):
+    from dflash_jax.train.export import export_drafter
+
+    target, drafter = api_pair
+    export_drafter(tmp_path, drafter.cfg, drafter.params, dtype="float32")
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    cfg["dflash_jax"] = dict(n_max="auto", depth_calibration=dict(scale=[1.0, 0.5, 2.0], bias=[0.0, 0.1, -0.2], method="test"))
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    d = dj.load_drafter(tmp_path, target)
+    assert d.n_max == "auto" and d.calibration == Calibration((1.0, 0.5, 2.0), (0.0, 0.1, -0.2))
+    assert d.calibration.record["method"] == "test"
+    cfg["dflash_jax"]["depth_calibration"]["bias"] = [0.0, 0.1]
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(DFlashError, match=r"config.json: field dflash_jax.depth_calibration.bias: got \[0.0, 0.1\]"):
+        dj.load_drafter(tmp_path, target)
+
+
+def test_measure_times_every_width_and_the_plain_step(pair):
+    """:func:`costs.measure` runs the given loop once per kind and round: it prices ``N + 1``
+    widths and the plain step, each from the loop's own step count."""
+    cfg, params, dcfg, dparams = pair
+    static = Decoding(cfg, dcfg, n_max="auto")
+    weights = Params(params, dparams, depth_policy(Calibration.identity(N), CostModel.forcing(N, 0)))
+    st = decode.prefill(weights, decode.init_state(static, PROMPTS, 64, 30), static, 4)
+    seen = []
+
+    def run(p, s):
+        out = decode.generate_until(p, s, static, jnp.int32(3))
+        seen.append(np.asarray(out.speculative.widths).tolist())
+        return out
+
+    model = costs.measure(run, weights, st, static, tokens=6, rounds=2)
+    assert len(seen) == 2 * (N + 2) and model.n == N and model.info["source"] == "measured"
+    assert all(c > 0 for c in model.step_cost[0] + model.plain_cost)
+    for i, widths in enumerate(seen[: N + 2]):  # each forced kind ran only its own steps
+        assert sum(widths) == (0 if i == N + 1 else widths[i]) and (i == N + 1 or widths[i] > 0)
+    done = st.replace(finish=jnp.ones_like(st.finish))
+    assert costs.measure(run, weights, done, static).info["source"] == "none"
+    seen.clear()
+    lengths = []
+
+    def run_at(p, s):
+        lengths.append(int(jnp.max(s.length)))
+        return run(p, s)
+
+    model = costs.measure(run_at, weights, st, static, tokens=4, rounds=1, lengths=(16, 40))
+    assert model.bounds == (16, 40) and len(model.step_cost) == 2 and len(model.plain_cost) == 2
+    assert lengths == [16] * (N + 2) + [40] * (N + 2)  # each bucket priced with rows that long
