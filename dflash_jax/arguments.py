@@ -149,7 +149,8 @@ def _check_cost_model(cost_model, static: Decoding) -> None:
     if cost_model is None:
         return
     if not static.adaptive:
-        raise DFlashError("cost_model (--measure-costs)", f"given with n_max {static.n_max!r}", "n_max='auto' (the fixed depths weigh no costs)")
+        got = "given without a drafter" if static.drafter is None else f"given with n_max {static.n_max!r}"
+        raise DFlashError("cost_model (--measure-costs)", got, "n_max='auto' with a drafter (plain decoding and fixed depths weigh no costs)")
     if isinstance(cost_model, CostModel):
         if cost_model.n != static.depth:
             raise DFlashError("cost_model", f"prices {cost_model.n} drafted tokens", f"{static.depth} (the drafter's block_size - 1)")

@@ -18,6 +18,7 @@ import datetime
 import hashlib
 import json
 import math
+import numbers
 import time
 from pathlib import Path
 from typing import Callable, Sequence
@@ -27,6 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 from scipy.optimize import isotonic_regression
 
+from dflash_jax import progress
 from dflash_jax.decoding import Decoding, Params
 from dflash_jax.errors import DFlashError
 from dflash_jax.io.files import write_text
@@ -40,6 +42,11 @@ _FORBIDDEN = 1e9  # seconds: a width no policy chooses
 @dataclasses.dataclass(frozen=True)
 class CostModel:
     """Seconds of one decode step, per live-length bucket.
+
+    ``n`` must be the drafted depth of ``n_max="auto"``, the drafter's ``block_size - 1`` (7 for
+    the shipped drafter: 8 step costs per bucket). :func:`measure` (or :func:`cost_model_for`)
+    gives one measured on the running device; :meth:`forcing` and :meth:`never_pays` make ones
+    that force a width or plain steps.
 
     Attributes:
       step_cost: ``K`` tuples of ``n + 1`` seconds: a step that proposes and verifies ``w``
@@ -58,6 +65,16 @@ class CostModel:
     info: dict | None = dataclasses.field(default=None, compare=False)
 
     def __post_init__(self):
+        for name, depth in (("step_cost", 2), ("plain_cost", 1), ("bounds", 1)):
+            value = getattr(self, name)
+            try:
+                ok = all(isinstance(c, numbers.Real) and not isinstance(c, bool)
+                         for c in ((x for r in value for x in r) if depth == 2 else value))
+            except TypeError:
+                ok = False
+            if not ok or isinstance(value, (str, bytes)):
+                want = "a sequence (one per live-length bucket) of sequences of seconds" if depth == 2 else "a sequence of numbers, one per live-length bucket"
+                raise DFlashError(f"cost_model.{name}", f"got {value!r}", want)
         k = len(self.bounds)
         rows = [tuple(float(c) for c in r) for r in self.step_cost]
         if k < 1 or len(rows) != k or len(self.plain_cost) != k or len({len(r) for r in rows}) != 1 or len(rows[0]) < 2:
@@ -175,7 +192,7 @@ def adaptive_params(params: Params, static: Decoding, calibration: Calibration, 
     again). The generation's driver and the serving engine both call it."""
     if not isinstance(cost_model, CostModel):
         measure_now = lambda: measure(run, params, state, static)  # noqa: E731
-        cost_model = cost_model_for(key, measure_now, refresh=cost_model == "refresh")
+        cost_model = cost_model_for(key, measure_now, refresh=cost_model == "refresh", n=static.depth)
     return params._replace(depth=depth_policy(calibration, cost_model)), cost_model
 
 
@@ -203,17 +220,19 @@ def _entry_path(key: dict) -> Path:
     return costs_dir() / (hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:20] + ".json")
 
 
-def load_cached(key: dict) -> CostModel | None:
-    """The cost model kept for ``key``, or ``None`` (none kept, or an unreadable entry)."""
+def load_cached(key: dict, n: int | None = None) -> CostModel | None:
+    """The cost model kept for ``key``, or ``None`` (none kept, an unreadable entry, or one that
+    does not price ``n`` drafted tokens)."""
     path = _entry_path(key)
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
         if data.get("key") != key:
             return None
-        return CostModel(step_cost=tuple(map(tuple, data["step_cost"])), plain_cost=tuple(data["plain_cost"]),
-                         bounds=tuple(data["bounds"]), info=dict(data.get("info", {}), source="cached", path=str(path)))
+        model = CostModel(step_cost=tuple(map(tuple, data["step_cost"])), plain_cost=tuple(data["plain_cost"]),
+                          bounds=tuple(data["bounds"]), info=dict(data.get("info", {}), source="cached", path=str(path)))
     except (OSError, ValueError, KeyError, TypeError, DFlashError):
         return None
+    return None if n is not None and model.n != n else model
 
 
 def store(key: dict, costs: CostModel) -> Path:
@@ -224,15 +243,17 @@ def store(key: dict, costs: CostModel) -> Path:
     return write_text(path, json.dumps(data, indent=1))
 
 
-def cost_model_for(key: dict, measure_fn: Callable[[], CostModel], refresh: bool = False) -> CostModel:
-    """The kept cost model of ``key``, else (or with ``refresh``) ``measure_fn()``
-    (:func:`measure`), kept unless nothing could be measured."""
+def cost_model_for(key: dict, measure_fn: Callable[[], CostModel], refresh: bool = False, n: int | None = None) -> CostModel:
+    """The kept cost model of ``key`` (one that prices ``n`` drafted tokens, when given), else (or
+    with ``refresh``) ``measure_fn()`` (:func:`measure`), kept unless nothing could be measured;
+    a measurement is reported on stderr (it takes seconds)."""
     if not refresh:
-        kept = load_cached(key)
+        kept = load_cached(key, n)
         if kept is not None:
             return kept
     t0 = time.perf_counter()
-    costs = measure_fn()
+    with progress.step("measuring the step costs of n_max auto", "measured the step costs of n_max auto"):
+        costs = measure_fn()
     if (costs.info or {}).get("source") != "measured":
         return costs
     when = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")

@@ -233,7 +233,11 @@ def test_generate_measures_keeps_and_refreshes_the_cost_model(api_pair, tmp_path
     assert len(kept) == 1 and json.loads(kept[0].read_text())["key"]["batch"] == 3
     again = dj.generate(target, PROMPTS, max_new_tokens=12, drafter=drafter)
     assert again.stats["cost_model"] == "cached" and again.stats["step_cost_ms"] == st["step_cost_ms"]
-    key = json.loads(kept[0].read_text())["key"]
+    entry = json.loads(kept[0].read_text())
+    kept[0].write_text(json.dumps(dict(entry, step_cost=[[0.1, 0.2]])))  # a valid model of another depth
+    healed = dj.generate(target, PROMPTS, max_new_tokens=12, drafter=drafter)
+    assert healed.stats["cost_model"] == "measured" and len(json.loads(kept[0].read_text())["step_cost"][0]) == N + 1
+    key = entry["key"]
     fresh = CostModel.forcing(N, 1)
     remeasured = costs.cost_model_for(key, lambda: dataclasses.replace(fresh, info=dict(source="measured")), refresh=True)
     assert remeasured.step_cost == fresh.step_cost and costs.load_cached(key).step_cost == fresh.step_cost  # "refresh"
@@ -253,6 +257,23 @@ def test_bad_cost_model_arguments(api_pair, kwargs, needle):
     target, drafter = api_pair
     with pytest.raises(DFlashError) as e:
         dj.generate(target, PROMPTS, max_new_tokens=4, drafter=drafter, **kwargs)
+    assert str(e.value).startswith(needle)
+
+
+def test_cost_model_without_a_drafter_is_named(api_pair):
+    with pytest.raises(DFlashError, match=r"^cost_model \(--measure-costs\): given without a drafter"):
+        dj.generate(api_pair[0], PROMPTS, max_new_tokens=4, cost_model="refresh")
+
+
+@pytest.mark.parametrize("kwargs,needle", [
+    (dict(step_cost=[[0.1, 0.2]], plain_cost=0.1), "cost_model.plain_cost: got 0.1"),
+    (dict(step_cost=[0.1, 0.2], plain_cost=[0.1]), "cost_model.step_cost: got [0.1, 0.2]"),
+    (dict(step_cost=[["a", 0.2]], plain_cost=[0.1]), "cost_model.step_cost"),
+    (dict(step_cost=[[0.1, 0.2]], plain_cost=[0.1], bounds="16"), "cost_model.bounds"),
+])
+def test_cost_models_of_the_wrong_types_are_named(kwargs, needle):
+    with pytest.raises(DFlashError) as e:
+        CostModel(**kwargs)
     assert str(e.value).startswith(needle)
 
 

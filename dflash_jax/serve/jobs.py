@@ -48,7 +48,7 @@ class ServedModel:
     def depth_params(self, params: Params, static: Decoding, state, run, max_len: int) -> Params:
         """``params`` with the depth policy of ``n_max="auto"`` for a batch of ``state``'s rows
         (costs kept on disk for this batch size and capacity, else measured now with ``run``,
-        the batch's own loop, on copies of ``state``: a few seconds, once per size)."""
+        the batch's own loop, on copies of ``state``: 10-30 s on this CPU, once per size)."""
         calibration = self.drafter.calibration or Calibration.identity(static.depth)
         key = costs.cost_key(static, params, state.tokens.shape[0], max_len, (self.target.source, self.drafter.source), "serve")
         return costs.adaptive_params(params, static, calibration, state, run, key)[0]
