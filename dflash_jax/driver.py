@@ -162,8 +162,7 @@ def generate(
         draft position ``i`` was accepted), ``drafted_tokens`` and ``accepted_tokens``.
       n_max: drafted tokens verified per step, or ``"auto"``: each step chooses the width, or a
         plain step, from calibrated confidences and measured costs (:mod:`dflash_jax.speculative.depth`;
-        stats add ``widths``, ``plain_steps`` and the costs used; plain steps count in ``verify_steps``,
-        ``tau`` and ``accepted_per_position`` as verifies of the anchor alone). Default: the drafter's recorded
+        stats add ``widths``, ``plain_steps`` (counted as verify steps) and the costs used). Default: the drafter's recorded
         ``n_max`` (``"auto"`` for the shipped drafter), else its ``block_size - 1``.
       draft_mode: ``"argmax"`` (default) or ``"sample"`` proposals (:class:`dflash_jax.decoding.Decoding`).
       cost_model: under ``"auto"``: ``None`` (kept on disk for this device, pair, batch and
