@@ -81,3 +81,25 @@ def tiny_drafter(target_cfg: TargetConfig, seed: int = 0, scale: float = 0.2, **
 
     cfg = tiny_drafter_config(target_cfg, **overrides)
     return cfg, drafter.init_params(cfg, jax.random.key(seed), scale=scale)
+
+
+def verify_scripted(state, continuation, n: int, verify, corrupt_at: int | None = None, vocab_size: int = 0):
+    """Steps ``state = verify(state, drafts)`` until row 0 is done, with scripted drafts: each
+    step's ``n`` drafts (a list of ints) are the next tokens of ``continuation`` after row 0's
+    committed length (``continuation``: the prompt and the target's greedy answer; 0 past its end),
+    draft ``corrupt_at`` (if given) replaced by the next id modulo ``vocab_size``. Acceptance is
+    then known in advance: ``min(corrupt_at, width)`` per full step.
+
+    Returns:
+      ``(state, accepts)``: the last state and the drafts row 0 accepted at each step.
+    """
+    accepts = []
+    while not bool(state.done[0]):
+        length = int(state.length[0])
+        drafts = [continuation[length + i] if length + i < len(continuation) else 0 for i in range(n)]
+        if corrupt_at is not None:
+            drafts[corrupt_at] = (drafts[corrupt_at] + 1) % vocab_size
+        before = int(state.speculative.accepted[0])
+        state = verify(state, drafts)
+        accepts.append(int(state.speculative.accepted[0]) - before)
+    return state, accepts

@@ -22,7 +22,7 @@ from dflash_jax.decoding import Decoding, Params
 from dflash_jax.errors import DFlashError
 from dflash_jax.speculative import adaptive, depth
 from dflash_jax.speculative.depth import MAX_BACKOFF, Calibration
-from dflash_jax.testing import tiny_drafter, tiny_target
+from dflash_jax.testing import tiny_drafter, tiny_target, verify_scripted
 
 PROMPTS = [[5, 9, 17, 3, 22, 8, 1], [40, 2, 7], [11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 30, 31]]
 N = 3  # drafted tokens of the tiny drafter (block size 4)
@@ -121,15 +121,10 @@ def scripted(pair, prompt, n_new, width, corrupt_at=None, conf=0.9):
     static = Decoding(cfg, dcfg, n_max="auto")
     weights = Params(params, dparams, depth_policy(Calibration.identity(N), CostModel.forcing(N, width)))
     st = decode.prefill(weights, decode.init_state(static, [prompt] * 3, 64, n_new), static, 4)
-    accepts = []
-    while not bool(st.done[0]):
-        length = int(st.length[0])
-        drafts = [full[length + i] if length + i < len(full) else 0 for i in range(N)]
-        if corrupt_at is not None:
-            drafts[corrupt_at] = (drafts[corrupt_at] + 1) % cfg.vocab_size
-        before = int(st.speculative.accepted[0])
-        st = adaptive.verify_auto(weights, st, static, jnp.asarray([drafts] * 3, jnp.int32), jnp.full((3, N), conf, jnp.float32))
-        accepts.append(int(st.speculative.accepted[0]) - before)
+    def verify(s, drafts):
+        return adaptive.verify_auto(weights, s, static, jnp.asarray([drafts] * 3, jnp.int32), jnp.full((3, N), conf, jnp.float32))
+
+    st, accepts = verify_scripted(st, full, N, verify, corrupt_at, cfg.vocab_size)
     return st, accepts, full[len(prompt) : len(prompt) + n_new]
 
 
@@ -216,14 +211,18 @@ def api_pair(pair):
     return target, dj.Drafter(cfg=dcfg, params=dparams, source="tiny-drafter", n_max="auto", calibration=CONFIDENT)
 
 
-def test_generate_measures_keeps_and_refreshes_the_cost_model(api_pair, tmp_path, monkeypatch):
+def test_generate_measures_keeps_and_refreshes_the_cost_model(api_pair, tmp_path, monkeypatch, capsys):
     """The API's default under a drafter recorded with ``auto``: costs measured once per
-    (device, pair, batch, capacity), read back from the cache folder, measured again on
-    ``"refresh"``; stats report widths and plain steps; output equals plain greedy."""
+    (device, pair, batch, capacity), saying so on stderr, read back from the cache folder,
+    measured again on ``"refresh"``; stats report widths and plain steps; output equals plain
+    greedy."""
     monkeypatch.setenv("DFLASH_JAX_CACHE", str(tmp_path))
+    monkeypatch.delenv("DFLASH_JAX_PROGRESS", raising=False)
     target, drafter = api_pair
     plain = dj.generate(target, PROMPTS, max_new_tokens=12)
+    capsys.readouterr()
     first = dj.generate(target, PROMPTS, max_new_tokens=12, drafter=drafter)
+    assert "dflash_jax: measured the step costs of n_max auto in " in capsys.readouterr().err
     assert first.output_ids == plain.output_ids
     st = first.stats
     assert st["n_max"] == "auto" and st["cost_model"] == "measured" and st["cost_model_s"] > 0
@@ -233,6 +232,7 @@ def test_generate_measures_keeps_and_refreshes_the_cost_model(api_pair, tmp_path
     assert len(kept) == 1 and json.loads(kept[0].read_text())["key"]["batch"] == 3
     again = dj.generate(target, PROMPTS, max_new_tokens=12, drafter=drafter)
     assert again.stats["cost_model"] == "cached" and again.stats["step_cost_ms"] == st["step_cost_ms"]
+    assert "step costs" not in capsys.readouterr().err
     entry = json.loads(kept[0].read_text())
     kept[0].write_text(json.dumps(dict(entry, step_cost=[[0.1, 0.2]])))  # a valid model of another depth
     healed = dj.generate(target, PROMPTS, max_new_tokens=12, drafter=drafter)

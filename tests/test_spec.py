@@ -19,7 +19,7 @@ from dflash_jax.errors import DFlashError
 from dflash_jax.sampling import SamplingConfig
 from dflash_jax.speculative.depth import Calibration
 from dflash_jax.state import LENGTH, STOP
-from dflash_jax.testing import tiny_drafter, tiny_target
+from dflash_jax.testing import tiny_drafter, tiny_target, verify_scripted
 
 GREEDY = SamplingConfig()
 
@@ -80,16 +80,10 @@ def scripted_run(target, d, prompt, n_new, corrupt_at=None, stop_ids=(), max_len
     full = list(prompt) + ref
     st = decode.init_state(Decoding(cfg, dcfg), [prompt], max_len, n_new, stop_ids)
     st = decode.prefill(Params(params, dparams), st, Decoding(cfg, dcfg, GREEDY), 3)
-    accepts = []
-    n = dcfg.block_size - 1
-    while not bool(st.done[0]):
-        length = int(st.length[0])
-        drafts = [full[length + i] if length + i < len(full) else 0 for i in range(n)]
-        if corrupt_at is not None:
-            drafts[corrupt_at] = (drafts[corrupt_at] + 1) % cfg.vocab_size
-        before = int(st.speculative.accepted[0])
-        st = speculative.verify_block(Params(params, dparams), st, Decoding(cfg, dcfg), jnp.asarray([drafts], jnp.int32))
-        accepts.append(int(st.speculative.accepted[0]) - before)
+    def verify(s, drafts):
+        return speculative.verify_block(Params(params, dparams), s, Decoding(cfg, dcfg), jnp.asarray([drafts], jnp.int32))
+
+    st, accepts = verify_scripted(st, full, dcfg.block_size - 1, verify, corrupt_at, cfg.vocab_size)
     return st, accepts, ref
 
 
