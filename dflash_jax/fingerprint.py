@@ -6,7 +6,7 @@ Two files hold "the same model" when they give the same float32 weights, so the 
 fingerprint hashes every parameter converted to float32, leaf by leaf in name order. It does not
 depend on the file's name or folder, its metadata (a re-saved GGUF with another chat template,
 ``general.name`` or key order; an HF folder holding the same weights), or the layer layout
-(stacked or per layer); a tied embedding's output-head copy
+(stacked or per layer) or its ``[out, in]`` copies (:mod:`dflash_jax.nn.layouts`); a tied embedding's output-head copy
 (:func:`dflash_jax.loading.with_output_head`) is left out. A re-quantized file is another model:
 its weights, and the drafts a drafter should make for it, differ.
 
@@ -24,6 +24,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from dflash_jax.nn import layouts
 
 PREFIX = "f32-sha256:"
 
@@ -50,7 +52,9 @@ def tree_fingerprint(tree, prefix: bytes = b"", samples: int | None = None, digi
 
     Per-layer parameters (``"layers"`` a tuple of dicts, :func:`dflash_jax.models.dense.unstack_layers`)
     hash as the stacked leaves they stand for, read in place (no stacked copy), so both layouts
-    of one model have one fingerprint. Leaves may be numpy or JAX arrays of any float dtype."""
+    of one model have one fingerprint, and so do trees with and without the ``[out, in]`` copies of
+    :mod:`dflash_jax.nn.layouts`. Leaves may be numpy or JAX arrays of any float dtype."""
+    tree = layouts.canonical(tree)
     layers = tree.get("layers") if isinstance(tree, dict) else None
     if isinstance(layers, (tuple, list)):
         tree = dict(tree, layers=jax.tree_util.tree_map(lambda *a: _StackedLeaf(a), *layers))

@@ -24,6 +24,7 @@ from dflash_jax.fingerprint import weights_fingerprint
 from dflash_jax.io import gguf_cache, gguf_file
 from dflash_jax.io.tokenizer import Tokenizer
 from dflash_jax.models import dense
+from dflash_jax.nn import layouts
 from dflash_jax.speculative.depth import Calibration
 
 DTYPES = ("float32", "bfloat16", "float16")
@@ -79,7 +80,8 @@ def load_target(path: str | os.PathLike | None = None, dtype: str = "float32", l
         dicts, run as a Python loop: XLA:CPU copies each stacked layer's weights in every scan
         step; :func:`dflash_jax.models.dense.unstack_layers`) or ``"auto"`` (per layer on the CPU
         backend, stacked elsewhere). Same values and outputs either way; Laguna targets are always
-        stacked.
+        stacked. On the CPU backend a dense target also holds the ``[out, in]`` copies of
+        :data:`dflash_jax.nn.layouts.CPU_KINDS` for passes of several rows.
     Returns:
       :class:`Target`.
     Raises:
@@ -108,6 +110,8 @@ def load_target(path: str | os.PathLike | None = None, dtype: str = "float32", l
         if per_layer and registry.family_of(cfg).per_layer:
             params = dense.unstack_layers(params)  # numpy views of a GGUF's cache: no copy
         params = with_output_head(jax.device_put(params))
+        if registry.family_of(cfg).per_layer and jax.default_backend() == "cpu":  # dense targets on XLA:CPU
+            params = layouts.with_wide_layouts(params, layouts.CPU_KINDS, tied=bool(getattr(cfg, "tie_word_embeddings", False)))
     info = gguf_cache.cache_info(str(p)) if p.is_file() else None
     return Target(cfg=cfg, params=params, tokenizer=tok, source=str(p), eos_ids=eos,
                   fingerprint=None if info is None else info.get("fingerprint"))

@@ -28,6 +28,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from dflash_jax.axes import declared_axes, flat_axes
 from dflash_jax.errors import DFlashError
+from dflash_jax.nn import layouts
 
 MESH_AXES = ("data", "model", "expert")
 
@@ -205,8 +206,10 @@ def _named_shardings(tree, ax_leaves, mesh: Mesh, rules: ShardingRules, strict: 
 
 
 def param_shardings(params, axes, mesh: Mesh, rules: ShardingRules = DEFAULT_RULES, strict: bool = False):
-    """The :class:`NamedSharding` tree of ``params`` (e.g. for ``jax.jit(out_shardings=...)`` when loading)."""
-    return tree_shardings(params, axes, mesh, rules, strict)
+    """The :class:`NamedSharding` tree of ``params`` (e.g. for ``jax.jit(out_shardings=...)`` when loading);
+    ``axes`` need not name the copies a loaded target holds, a tied head's ``lm_head`` and the
+    ``[out, in]`` copies of :mod:`dflash_jax.nn.layouts` (they follow their weights)."""
+    return tree_shardings(params, layouts.with_wide_axes(axes, params), mesh, rules, strict)
 
 
 def shard_params(params, axes, mesh: Mesh, rules: ShardingRules = DEFAULT_RULES, strict: bool = False):

@@ -152,7 +152,7 @@ def width_oracle(scale, bias, step_cost, plain_cost, conf, n_valid, running):
     surv = np.cumprod(a, axis=1) * (np.arange(conf.shape[1])[None] < n_valid[:, None])
     e = 1 + np.concatenate([np.zeros((len(c), 1)), np.cumsum(surv, axis=1)], axis=1)
     rate = e[running].sum(0) / step_cost
-    return int(np.argmax(rate)), bool(rate.max() * plain_cost > running.sum())
+    return int(np.argmax(rate)), bool(rate.max() * plain_cost > (1 + depth.PAY_MARGIN) * running.sum())
 
 
 def test_width_rule_matches_its_numpy_statement():

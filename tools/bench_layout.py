@@ -14,9 +14,17 @@ config, random weights: the time does not depend on the values), per pass width 
 Both layouts of each program are timed alternately in one process, the median of ``--repeats``
 rounds counts; the ratio ``[in,out] / [out,in]`` above 1 means the transposed layout is faster.
 The LM head of a tied embedding is already ``[out, in]`` (``embed [V, H]``).
-Results go to a section of ``BENCHMARKS.md``::
+
+``--passes`` times what a step runs instead: the loaded default target's whole forward
+(:func:`dflash_jax.models.dense.forward`, per-layer weights, a donated KV cache at ``--capacity``)
+over ``B x T`` tokens, without and with the ``[out, in]`` copies of
+:mod:`dflash_jax.nn.layouts` (gate/up, the LM head, both), plus a control that runs the weights
+without copies again (the same program: its ratio shows the run's noise and any order effect). The
+variants rotate their order every round.
+Results go to sections of ``BENCHMARKS.md``::
 
     python tools/bench_layout.py            # about 3 minutes on 2 cores
+    python tools/bench_layout.py --passes   # about 4 minutes
     python tools/bench_layout.py --widths 1,2,4 --repeats 5 --no-write
 """
 
@@ -159,10 +167,83 @@ Machine: {m['cpu']}, {m['cores']} cores, {m['memory']} RAM; {m['device']}; Pytho
 """
 
 
+PASS_SHAPES = ((1, 1), (1, 2), (1, 3), (1, 4), (1, 8), (8, 1), (8, 2), (8, 4))
+
+
+def measure_passes(target, shapes_bt, repeats, capacity, rng) -> dict:
+    """``{(B, T): {variant: seconds}}``: medians of the whole target forward per variant, the
+    variants' order rotating every round; also checks each variant's logits against those
+    without copies (float32 tolerance, equal argmax) and raises ``AssertionError`` otherwise."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from dflash_jax.models import dense
+    from dflash_jax.nn import layouts
+
+    p = layouts.canonical(target.params)
+    variants = {"no copies": p, "control": p, "gate/up": layouts.with_wide_layouts(p, ("gate_up",)),
+                "lm head": layouts.with_wide_layouts(p, ("lm_head",)), "both": layouts.with_wide_layouts(p)}
+
+    def fwd(params, tokens, positions, cache):
+        logits, cache, _ = dense.forward(params, target.cfg, tokens, positions, cache)
+        return logits, cache
+
+    f = jax.jit(fwd, donate_argnums=3)
+    out = {}
+    for b, t in shapes_bt:
+        cache = dense.init_cache(target.cfg, b, capacity)
+        tokens = jnp.asarray(rng.integers(0, 1000, (b, t)), jnp.int32)
+        positions = jnp.broadcast_to(jnp.arange(capacity // 2, capacity // 2 + t, dtype=jnp.int32), (b, t))
+        ref = None
+        for name, params in variants.items():  # compile, and the values
+            logits, cache = f(params, tokens, positions, cache)
+            ref = logits if ref is None else ref
+            np.testing.assert_allclose(np.asarray(logits), np.asarray(ref), rtol=1e-3, atol=5e-2, err_msg=name)
+            assert bool(jnp.all(jnp.argmax(logits, -1) == jnp.argmax(ref, -1))), name
+        times = {name: [] for name in variants}
+        names = list(variants)
+        for r in range(repeats):
+            for name in names[r % len(names):] + names[:r % len(names)]:
+                t0 = time.perf_counter()
+                logits, cache = f(variants[name], tokens, positions, cache)
+                jax.block_until_ready(logits)
+                times[name].append(time.perf_counter() - t0)
+        out[(b, t)] = {name: statistics.median(v) for name, v in times.items()}
+        print(f"B={b} T={t}", " ".join(f"{k} {v * 1e3:.1f}" for k, v in out[(b, t)].items()), flush=True)
+    return out
+
+
+def passes_section(res, argv, when, capacity) -> str:
+    m = machine()
+    names = list(next(iter(res.values())))
+    lines = ["| B x T | " + " | ".join(names) + " |", "|---|" + "---|" * len(names)]
+    for (b, t), row in res.items():
+        base = row["no copies"]
+        lines.append(f"| {b} x {t} | " + " | ".join(f"{v * 1e3:.1f} ms" + ("" if k == "no copies" else f" (**{base / v:.2f}**)")
+                                                    for k, v in row.items()) + " |")
+    return f"""## Weight layout in a whole target pass (`tools/bench_layout.py --passes`)
+
+`{shlex.join(['python', 'tools/bench_layout.py', *argv])}` ({when}); the default target
+(SmolLM2-135M-Instruct Q4_1 in float32), per-layer weights, a donated KV cache of {capacity} slots, the pass at
+position {capacity // 2}. Each cell: the median milliseconds of one forward over `B x T` tokens and, bold, the time
+without copies over the variant's (above 1: the variant is faster). `control` runs the weights without copies again:
+its ratio is the run's noise and order effect. The variants add `[out, in]` copies (`dflash_jax.nn.layouts`) used
+from 2 rows (`B x T`) on for gate/up and from 3 rows on for the LM head; every variant's logits match those without
+copies (float32 tolerance, same argmax).
+
+{chr(10).join(lines)}
+
+Machine: {m['cpu']}, {m['cores']} cores, {m['memory']} RAM; {m['device']}; Python {m['python']}, jax {m['jax']}.
+"""
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--widths", default="1,2,3,4,5,6,8", help="pass widths T (tokens per target pass)")
     p.add_argument("--repeats", type=int, default=15, help="alternating runs per layout and width; the median counts")
+    p.add_argument("--passes", action="store_true", help="time the whole target forward with and without the [out, in] copies instead")
+    p.add_argument("--capacity", type=int, default=512, help="KV cache slots of --passes")
     p.add_argument("--output", default=str(REPO / "BENCHMARKS.md"))
     p.add_argument("--no-write", action="store_true", help="print the section; leave BENCHMARKS.md alone")
     args = p.parse_args(argv)
@@ -171,8 +252,16 @@ def main(argv=None) -> int:
     from dflash_jax.loading import load_target
 
     widths = [int(t) for t in args.widths.split(",")]
-    cfg = load_target().cfg
+    target = load_target()
     when = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    if args.passes:
+        text = passes_section(measure_passes(target, PASS_SHAPES, args.repeats, args.capacity, np.random.default_rng(0)),
+                              sys.argv[1:] if argv is None else argv, when, args.capacity)
+        print(text)
+        if not args.no_write:
+            write_section(Path(args.output), "layout_pass", text, tool="bench_layout")
+        return 0
+    cfg = target.cfg
     res = measure(cfg, widths, args.repeats, np.random.default_rng(0))
     text = section(res, widths, sys.argv[1:] if argv is None else argv, when)
     print(text)

@@ -3,7 +3,9 @@
 For each prompt set (HumanEval asked as chat, and general chat prompts) and batch size, greedy,
 the default target and its shipped drafter at the API's default capacity: decode tokens/s of
 plain decoding, of DFlash at every fixed ``n_max`` 1..block_size-1 and of ``n_max="auto"``,
-each batch run under every configuration in turn (a different one first each time); the best
+each batch run under every configuration in turn (a different one first each time); a batch
+above 1 runs as continuous batching (``spec_continuous.py``: a finished row takes the next
+prompt at once, as the server does; segments of finished rows alternate); the best
 fixed depth chosen per set after the fact; ratios with a bootstrap interval over batches and by
 CPU time; tau per configuration, auto's width histogram, plain steps and cost model; whether
 every output equals plain greedy decoding (differences at near-ties of the target's logits
@@ -80,7 +82,7 @@ def compile_all(target, drafter, prompts, args, capacity):
             model = costs.cost_model_for(key, lambda: costs.measure(run, params, st, static), refresh=args.measure_costs)
             params = params._replace(depth=costs.depth_policy(calibration, model))
             out["cost_model"] = model
-        out[config] = (static, params, run)
+        out[config] = (static, params, run, loop)
     return out
 
 
@@ -110,7 +112,7 @@ def run_config(prepared, config, states):
 
     from dflash_jax.compile_count import count_compilations
 
-    static, params, run = prepared[config]
+    static, params, run, _ = prepared[config]
     st = state_for(states, static)
     jax.block_until_ready(st)
     with count_compilations() as compiled:
@@ -154,8 +156,14 @@ def batches(prompts, batch, args):
 
 
 def run_set(target, drafter, name, prompts, batch, args) -> dict:
-    """Every configuration on every batch of one set; per configuration the sums over batches."""
+    """Every configuration on every batch of one set; per configuration the sums over batches.
+    A batch above 1 runs as continuous batching (:mod:`spec_continuous`), as a server runs it."""
     import jax
+
+    if batch > 1:
+        from spec_continuous import run_set as run_continuous
+
+        return run_continuous(target, drafter, name, prompts, batch, args)
 
     names = configs(drafter)
     sums = {c: dict(seconds=0.0, cpu=0.0, tokens=0, per_batch=[], passes=0, committed=0, widths=None, steps=0, verdicts=[], compiled=0)
@@ -307,7 +315,10 @@ def section(results, names, args, argv, wall, busy, drafter) -> str:
 `{Path(drafter.source).name}`; greedy, {args.max_new_tokens} new tokens, the API's default capacity per batch, the fastest of
 {args.repeats} run(s) per configuration and batch; {wall / 60:.0f} minutes.{load}
 Decode tokens/s (sums over the batches; decode time excludes compilation and prefill); the best fixed depth is
-chosen per row after the fact; ratios with a bootstrap 95 % interval over batches.
+chosen per row after the fact; ratios with a bootstrap 95 % interval over batches. A batch above 1 runs as
+continuous batching, as the server does (`tools/spec_continuous.py`): each configuration keeps its slots busy, a
+finished row taking the next prompt of the set, until it has finished as many rows as the set has prompts; there
+"batches" counts the segments of that many finished rows in which the configurations took turns.
 
 | prompts | batch | batches | plain | """ + " | ".join(f"n_max {c}" for c in fixed) + """ | auto | best fixed | auto / best fixed | auto / plain |
 |---|---|---|---|""" + "---|" * len(fixed) + """---|---|---|---|

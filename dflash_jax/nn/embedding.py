@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
+from dflash_jax.nn import layouts
+
 
 def embed(params: dict, tokens: jnp.ndarray) -> jnp.ndarray:
     """``[B, T]`` int32 -> ``[B, T, H]`` rows of ``params["embed"]`` (no scaling)."""
@@ -17,7 +19,9 @@ def embed(params: dict, tokens: jnp.ndarray) -> jnp.ndarray:
 
 def lm_head(params: dict, cfg, hidden: jnp.ndarray) -> jnp.ndarray:
     """Final-normed hidden ``[..., H]`` -> float32 logits ``[..., V]`` through ``params["lm_head"]
-    [H, V]`` when present, else the tied embedding ``[V, H]`` (``cfg`` unused: the model API)."""
+    [H, V]`` when present (or its ``[V, H]`` copy ``lm_head_t`` in a pass of
+    :data:`~dflash_jax.nn.layouts.HEAD_MIN_ROWS` rows or more), else the tied embedding ``[V, H]``
+    (``cfg`` unused: the model API)."""
     if "lm_head" in params:
-        return jnp.einsum("...h,hv->...v", hidden, params["lm_head"], preferred_element_type=jnp.float32)
+        return layouts.project(hidden, params["lm_head"], params.get("lm_head_t"), layouts.HEAD_MIN_ROWS, jnp.float32)
     return jnp.einsum("...h,vh->...v", hidden, params["embed"], preferred_element_type=jnp.float32)

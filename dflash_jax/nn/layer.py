@@ -61,7 +61,8 @@ def attention_output(lp: dict, a: jnp.ndarray, h: jnp.ndarray, *, gate: str = ""
 
 
 def mlp_residual(lp: dict, x: jnp.ndarray, eps: float) -> jnp.ndarray:
-    """``x + swiglu(rms(x; mlp_norm))`` with the layer's SwiGLU weights (and ``b_*`` biases when
-    ``lp`` has them)."""
+    """``x + swiglu(rms(x; mlp_norm))`` with the layer's SwiGLU weights (and ``b_*`` biases, and
+    the ``[out, in]`` copies of :mod:`dflash_jax.nn.layouts`, when ``lp`` has them)."""
     h = rms_norm(x, lp["mlp_norm"], eps)
-    return x + swiglu(h, lp["w_gate"], lp["w_up"], lp["w_down"], lp.get("b_gate"), lp.get("b_up"), lp.get("b_down"))
+    return x + swiglu(h, lp["w_gate"], lp["w_up"], lp["w_down"], lp.get("b_gate"), lp.get("b_up"), lp.get("b_down"),
+                      w_gate_t=lp.get("w_gate_t"), w_up_t=lp.get("w_up_t"))

@@ -1,0 +1,143 @@
+"""Continuous batching for ``tools/bench_spec.py``: what a server runs at a batch of ``B`` slots.
+
+Each configuration keeps its own state of ``B`` rows. Its compiled loop
+(:func:`dflash_jax.decode.generate_until`) runs until one more row finishes; the finished rows are
+read and replaced by the next prompts of the set (:func:`dflash_jax.decode.replace_rows`), taken
+cyclically, so every slot stays busy to the end (a server under load) and no row waits for the
+longest of its batch. A configuration stops once every prompt of the set has finished; the tokens
+of the rows still running then (prompts taken again) count as far as they got. The
+configurations take turns in segments of ``B`` finished rows (a different one first each round),
+so the machine's load changes fall on all of them. Each loop runs once untimed first; then only
+the loop's calls are timed (prefill and replacing rows are not: the same for every
+configuration). Each prompt is prefilled once for plain decoding and once with capture, shared by
+the configurations that reach it.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+
+def _row_state(target, prepared, prompt, kind, args, capacity):
+    """One prompt prefilled for ``kind`` (``"plain"`` or ``"dflash"``), a state of one row."""
+    from bench_spec import fresh_state
+
+    config = "plain" if kind == "plain" else "auto"
+    return fresh_state(target, *prepared[config][:2], [prompt], args, capacity)
+
+
+class _Prefills:
+    """Prefilled one-row states by prompt index, made on first use and dropped once every
+    configuration that needs them has taken them (configurations advance in step, so few are held)."""
+
+    def __init__(self, target, prepared, prompts, args, capacity, users: dict):
+        self.target, self.prepared, self.prompts, self.args, self.capacity = target, prepared, prompts, args, capacity
+        self.users, self.held = users, {}
+
+    def take(self, i: int, kind: str):
+        key = (i, kind)
+        if key not in self.held:
+            self.held[key] = [_row_state(self.target, self.prepared, self.prompts[i % len(self.prompts)], kind, self.args, self.capacity),
+                              self.users[kind]]
+        entry = self.held[key]
+        entry[1] -= 1
+        if entry[1] == 0:
+            del self.held[key]
+        return entry[0]
+
+
+def _copy_for(state, static):
+    """A copy of a prefilled one-row state shaped for ``static`` (``bench_spec.state_for``)."""
+    from bench_spec import state_for
+
+    return state_for({"plain": state, "dflash": state}, static)
+
+
+def _finish_row(st, b: int) -> dict:
+    """Row ``b``'s generated ids and top-2 logit gaps (``bench_spec.compare``'s input)."""
+    tokens, gaps, length, prompt_len = (np.asarray(x) for x in (st.tokens[b], st.gaps[b], st.length[b], st.prompt_len[b]))
+    return dict(ids=tokens[prompt_len:length].tolist(), gaps=gaps[prompt_len:length].tolist())
+
+
+def _segment(run: dict, s: dict, prep, pool, batch: int, n_prompts: int) -> None:
+    """Advances one configuration by ``batch`` finished rows, or until every prompt of the set has
+    finished: timed loop calls until a row finishes, each finished row read and replaced by the
+    next prompt."""
+    import jax
+    import jax.numpy as jnp
+
+    from dflash_jax import decode
+    from dflash_jax.compile_count import count_compilations
+
+    static, params, _, loop = prep
+    goal = run["finished"] + batch
+    seconds = tokens = 0
+    while run["finished"] < goal and len(run["outputs"]) < n_prompts:
+        st = run["state"]
+        before = jax.device_get((st.length, st.steps, None if st.speculative is None else st.speculative.verify_steps))
+        with count_compilations() as compiled:
+            t0, c0 = time.perf_counter(), time.process_time()
+            st = jax.block_until_ready(loop(params, st, jnp.int32(1)))
+            dt, cpu = time.perf_counter() - t0, time.process_time() - c0
+            s["compiled"] += compiled()
+        after = jax.device_get((st.length, st.steps, None if st.speculative is None else st.speculative.verify_steps))
+        new = int(np.sum(after[0] - before[0]))
+        seconds, tokens = seconds + dt, tokens + new
+        s["seconds"] += dt
+        s["cpu"] += cpu
+        s["tokens"] += new
+        s["steps"] += int(after[1] - before[1])
+        if after[2] is not None:
+            s["passes"] += int(np.sum(after[2] - before[2]))
+            s["committed"] += new
+        for b in np.flatnonzero(np.asarray(jax.device_get(st.done))):
+            i = run["slot"][b]
+            if i < n_prompts:
+                run["outputs"][i] = _finish_row(st, int(b))
+            run["finished"] += 1
+            run["slot"][b] = run["next"]
+            fresh = _copy_for(pool.take(run["next"], run["kind"]), static)
+            run["next"] += 1
+            st = decode.replace_rows(st, fresh, jnp.asarray([b], jnp.int32))
+        run["state"] = st
+    s["per_batch"].append(tokens / seconds)
+
+
+def run_set(target, drafter, name, prompts, batch, args) -> dict:
+    """Every configuration under continuous batching over one set: the dict of
+    ``bench_spec.run_set`` (sums per configuration; its "batches" are segments of ``batch``
+    finished rows)."""
+    import jax
+    import jax.numpy as jnp
+
+    from bench_spec import compare, compile_all, configs, prefilled, state_for
+    from dflash_jax.arguments import default_max_len
+
+    names = configs(drafter)
+    capacity = default_max_len(prompts, args.max_new_tokens)
+    prepared = compile_all(target, drafter, prompts[:batch], args, capacity)
+    pool = _Prefills(target, prepared, prompts, args, capacity, {"plain": 1, "dflash": len(names) - 1})
+    first = prefilled(target, prepared, prompts[:batch], args, capacity)  # the first prompts, one batch
+    runs = {c: dict(state=state_for(first, prepared[c][0]), kind="plain" if c == "plain" else "dflash", slot=list(range(batch)),
+                    next=batch, finished=0, outputs={}) for c in names}
+    for c in names:  # a first run of each compiled loop, untimed (the first call of an executable is slow)
+        jax.block_until_ready(prepared[c][3](prepared[c][1], state_for(first, prepared[c][0]), jnp.int32(1)))
+    del first
+    sums = {c: dict(seconds=0.0, cpu=0.0, tokens=0, per_batch=[], passes=0, committed=0, widths=None, steps=0, verdicts=[], compiled=0)
+            for c in names}
+    segment = 0
+    while any(len(r["outputs"]) < len(prompts) for r in runs.values()):
+        for c in names[segment % len(names):] + names[: segment % len(names)]:
+            if len(runs[c]["outputs"]) < len(prompts):
+                _segment(runs[c], sums[c], prepared[c], pool, batch, len(prompts))
+        segment += 1
+        print(f"{name} continuous batch {batch} segment {segment}: " + " ".join(f"{c}={sums[c]['per_batch'][-1]:.1f}" for c in names),
+              flush=True)
+    for c in names:
+        if c != "plain":
+            sums[c]["widths"] = jax.device_get(runs[c]["state"].speculative.widths).tolist()
+        plain = runs["plain"]["outputs"]
+        sums[c]["verdicts"] = [compare(plain[i], o) for i, o in sorted(runs[c]["outputs"].items()) if i in plain]
+    return dict(name=name, batch=batch, batches=segment, sums=sums, cost_models={capacity: prepared["cost_model"]}, continuous=True)
