@@ -5,9 +5,9 @@ of a target's weights by which a shipped drafter finds its target.
 Two files hold "the same model" when they give the same float32 weights, so the weights'
 fingerprint hashes every parameter converted to float32, leaf by leaf in name order. It does not
 depend on the file's name or folder, its metadata (a re-saved GGUF with another chat template,
-``general.name`` or key order; an HF folder holding the same weights), or the layer layout
-(stacked or per layer) or its ``[out, in]`` copies (:mod:`dflash_jax.nn.layouts`); a tied embedding's output-head copy
-(:func:`dflash_jax.loading.with_output_head`) is left out. A re-quantized file is another model:
+``general.name`` or key order; an HF folder holding the same weights), the layer layout (stacked
+or per layer) or the ``[out, in]`` copies of :mod:`dflash_jax.nn.layouts`; a tied embedding's
+output-head copy (:func:`dflash_jax.loading.with_output_head`) is left out. A re-quantized file is another model:
 its weights, and the drafts a drafter should make for it, differ.
 
 Hashing reads every weight (about 0.4 s for the 135M-parameter default model), so a GGUF target

@@ -111,7 +111,7 @@ def load_target(path: str | os.PathLike | None = None, dtype: str = "float32", l
             params = dense.unstack_layers(params)  # numpy views of a GGUF's cache: no copy
         params = with_output_head(jax.device_put(params))
         if registry.family_of(cfg).per_layer and jax.default_backend() == "cpu":  # dense targets on XLA:CPU
-            params = layouts.with_wide_layouts(params, layouts.CPU_KINDS, tied=bool(getattr(cfg, "tie_word_embeddings", False)))
+            params = layouts.with_wide_layouts(params, layouts.CPU_KINDS, tied=cfg.tie_word_embeddings)
     info = gguf_cache.cache_info(str(p)) if p.is_file() else None
     return Target(cfg=cfg, params=params, tokenizer=tok, source=str(p), eos_ids=eos,
                   fingerprint=None if info is None else info.get("fingerprint"))

@@ -1,6 +1,6 @@
-"""The optional ``[out, in]`` weight copies (:mod:`dflash_jax.nn.layouts`): same logits within
-float32 tolerance and the same greedy tokens as the weights as loaded, used exactly from their
-row thresholds on, and stripped of nothing the models need."""
+"""The ``[out, in]`` weight copies (:mod:`dflash_jax.nn.layouts`): the same logits within float32
+tolerance and the same greedy tokens as without them, read exactly from their row thresholds on,
+invisible to fingerprints and sharding, and held by the loaded default target as measured."""
 
 import jax
 import jax.numpy as jnp

@@ -40,6 +40,11 @@ def _swap(a):
     return jnp.asarray(jnp.swapaxes(a, -1, -2))
 
 
+def _each_layer(layers, f):
+    """``f`` applied to every layer dict: the per-layer tuple, or the one stacked dict."""
+    return tuple(f(lp) for lp in layers) if isinstance(layers, (tuple, list)) else f(layers)
+
+
 def with_wide_layouts(params: dict, kinds=KINDS, tied: bool = False) -> dict:
     """``params`` of a dense target plus ``[out, in]`` copies for wide passes.
 
@@ -61,11 +66,7 @@ def with_wide_layouts(params: dict, kinds=KINDS, tied: bool = False) -> dict:
         raise ValueError(f"kinds: got {sorted(set(kinds) - set(KINDS))}, expected some of {KINDS}")
     out = dict(params)
     if "gate_up" in kinds:
-        def add(lp):
-            return dict(lp, w_gate_t=_swap(lp["w_gate"]), w_up_t=_swap(lp["w_up"]))
-
-        layers = params["layers"]
-        out["layers"] = tuple(add(lp) for lp in layers) if isinstance(layers, (tuple, list)) else add(layers)
+        out["layers"] = _each_layer(params["layers"], lambda lp: dict(lp, w_gate_t=_swap(lp["w_gate"]), w_up_t=_swap(lp["w_up"])))
     if "lm_head" in kinds and "lm_head" in params:  # without it the tied embedding [V, H] is the head already
         out["lm_head_t"] = params["embed"] if tied else _swap(params["lm_head"])
     return out
@@ -74,14 +75,9 @@ def with_wide_layouts(params: dict, kinds=KINDS, tied: bool = False) -> dict:
 def canonical(tree):
     """``tree`` without the copies of :func:`with_wide_layouts` (any other tree as it is): what
     fingerprints hash."""
-    if not isinstance(tree, dict) or "layers" not in tree:
+    if not isinstance(tree, dict) or not isinstance(tree.get("layers"), (dict, tuple, list)):
         return tree
-
-    def strip(lp):
-        return {k: v for k, v in lp.items() if k not in ("w_gate_t", "w_up_t")}
-
-    layers = tree["layers"]
-    layers = tuple(strip(lp) for lp in layers) if isinstance(layers, (tuple, list)) else strip(layers) if isinstance(layers, dict) else layers
+    layers = _each_layer(tree["layers"], lambda lp: {k: v for k, v in lp.items() if k not in ("w_gate_t", "w_up_t")})
     return {k: (layers if k == "layers" else v) for k, v in tree.items() if k != "lm_head_t"}
 
 

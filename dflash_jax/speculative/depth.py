@@ -16,9 +16,10 @@ Drafting does not pay when even that best rate does not beat the rate of a plain
 token per running row per ``plain_cost`` seconds) by :data:`PAY_MARGIN`. The step after such a
 propose is then a plain step (a target pass over the anchor alone: no propose, one token), and
 the plain run doubles each time the next propose does not pay either (1, 2, 4, then at most
-:data:`MAX_BACKOFF` steps); a propose that pays resets it. The choice is made on device, from drafter-side values and the history
-only, so greedy output equals plain greedy decoding and sampled output keeps the target's
-distribution exactly (the accept rule of each verified draft is unchanged).
+:data:`MAX_BACKOFF` steps); a propose that pays resets it. The choice is made on device, from
+drafter-side values and the history only, so greedy output equals plain greedy decoding and
+sampled output keeps the target's distribution exactly (the accept rule of each verified draft is
+unchanged).
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ MAX_BACKOFF = 8  # the longest run of plain steps between two proposes
 # drafting are those whose predictions came out high, so their acceptance tends to fall short of
 # the prediction (selection on an estimate): on the chat prompts at batch 8 (2026-12-01) the steps
 # that drafted committed 1.32 tokens a row, under the 1.36 from which drafting pays there, though
-# their predictions had cleared it (BENCHMARKS.md, "Adaptive depth").
+# their predictions had cleared it (BENCHMARKS.md, reading of the adaptive-depth run).
 PAY_MARGIN = 0.05
 _EPS = 1e-6
 
