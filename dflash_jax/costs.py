@@ -32,7 +32,7 @@ from dflash_jax import progress
 from dflash_jax.decoding import Decoding, Params
 from dflash_jax.errors import DFlashError
 from dflash_jax.io.files import write_text
-from dflash_jax.speculative.depth import Calibration, DepthPolicy
+from dflash_jax.speculative.depth import MAX_BACKOFF, PAY_MARGIN, Calibration, DepthPolicy
 
 NEVER = 2**31 - 1  # the bound of the last live-length bucket
 FORMAT = 1  # part of every cache key: raise it when the steps change what they cost
@@ -106,18 +106,27 @@ class CostModel:
         return CostModel(step_cost=((1.0,) * (n + 1),), plain_cost=(1.0 / _FORBIDDEN,))
 
 
-def depth_policy(calibration: Calibration, costs: CostModel) -> DepthPolicy:
-    """The arrays of ``Params.depth`` from a drafter's calibration and a cost model.
+def depth_policy(calibration: Calibration, costs: CostModel, max_backoff: int = MAX_BACKOFF,
+                 pay_margin: float = PAY_MARGIN) -> DepthPolicy:
+    """The arrays of ``Params.depth`` from a drafter's calibration, a cost model, the longest run
+    of plain steps between two proposes (``max_backoff``) and the fraction by which drafting must
+    beat a plain step (``pay_margin``; :mod:`dflash_jax.speculative.depth`).
 
     Raises:
-      DFlashError: the two cover different depths.
+      DFlashError: the calibration and the cost model cover different depths; ``max_backoff`` not
+        an integer of at least 1; ``pay_margin`` not a finite number of at least 0.
     """
+    if isinstance(max_backoff, bool) or not isinstance(max_backoff, numbers.Integral) or max_backoff < 1:
+        raise DFlashError("max_backoff", f"got {max_backoff!r}", "an integer of at least 1 (plain steps between two proposes)")
+    if isinstance(pay_margin, bool) or not isinstance(pay_margin, numbers.Real) or not math.isfinite(pay_margin) or pay_margin < 0:
+        raise DFlashError("pay_margin", f"got {pay_margin!r}", "a finite number of at least 0 (0.15: drafting must beat a plain step by 15%)")
     n = len(calibration.scale)
     if costs.n != n:
         raise DFlashError("cost_model", f"prices {costs.n} drafted tokens", f"{n} (the drafter's block_size - 1)")
     f32 = lambda x: jnp.asarray(np.asarray(x, np.float32))  # noqa: E731
     return DepthPolicy(scale=f32(calibration.scale), bias=f32(calibration.bias), bounds=jnp.asarray(np.asarray(costs.bounds, np.int32)),
-                       step_cost=f32(costs.step_cost), plain_cost=f32(costs.plain_cost))
+                       step_cost=f32(costs.step_cost), plain_cost=f32(costs.plain_cost), max_backoff=jnp.int32(max_backoff),
+                       pay_margin=jnp.float32(pay_margin))
 
 
 def _copy(state):

@@ -48,10 +48,10 @@ def plain_greedy(pair, prompts, n_new, max_len=64):
     return outputs(decode.generate(weights, st, static))
 
 
-def run_auto(pair, prompts, n_new, model: CostModel, calibration=None, sampling=dj.SamplingConfig(), seed=0):
+def run_auto(pair, prompts, n_new, model: CostModel, calibration=None, sampling=dj.SamplingConfig(), seed=0, max_backoff=MAX_BACKOFF):
     cfg, params, dcfg, dparams = pair
     static = Decoding(cfg, dcfg, sampling, n_max="auto")
-    weights = Params(params, dparams, depth_policy(calibration or Calibration.identity(N), model))
+    weights = Params(params, dparams, depth_policy(calibration or Calibration.identity(N), model, max_backoff=max_backoff))
     st = decode.prefill(weights, decode.init_state(static, prompts, 64, n_new, seed=seed), static, 4)
     return decode.generate(weights, st, static)
 
@@ -96,10 +96,12 @@ def test_continuous_batching_with_auto_answers_as_plain_greedy(pair):
     assert outputs(st) == plain_greedy(pair, [PROMPTS[1], PROMPTS[1], PROMPTS[2]], 20)
 
 
-def test_plain_steps_follow_the_backoff_schedule(pair):
-    """Drafting never pays: proposes alternate with plain runs of 1, 2, 4, 8, 8, ... steps, and
-    plain steps commit one token each (the drafter context still follows: output unchanged)."""
-    st = run_auto(pair, [PROMPTS[2]] * 3, 40, CostModel.never_pays(N))
+@pytest.mark.parametrize("cap", [MAX_BACKOFF, 2])
+def test_plain_steps_follow_the_backoff_schedule(pair, cap):
+    """Drafting never pays: proposes alternate with plain runs of 1, 2, 4, ... steps up to the
+    policy's ``max_backoff``, and plain steps commit one token each (the drafter context still
+    follows: output unchanged)."""
+    st = run_auto(pair, [PROMPTS[2]] * 3, 40, CostModel.never_pays(N), max_backoff=cap)
     assert outputs(st) == plain_greedy(pair, [PROMPTS[2]] * 3, 40)
     steps, proposes = int(st.steps), int(np.asarray(st.speculative.widths).sum())
     runs, total, k = [], 0, 1  # the schedule: propose, then k plain steps, k doubling
@@ -107,7 +109,7 @@ def test_plain_steps_follow_the_backoff_schedule(pair):
         total += 1
         runs.append(min(k, steps - total))
         total += runs[-1]
-        k = min(2 * k, MAX_BACKOFF)
+        k = min(2 * k, cap)
     assert proposes == len(runs) and steps - proposes == sum(runs)
     assert dj.api.spec_stats(st)["plain_steps"] == steps - proposes > proposes
 
@@ -145,14 +147,14 @@ def test_scripted_rejection_at_j_accepts_min_of_j_and_width(pair, width, j):
     assert (per_pos[min(j, width):] == 0).all()
 
 
-def width_oracle(scale, bias, step_cost, plain_cost, conf, n_valid, running):
+def width_oracle(scale, bias, step_cost, plain_cost, margin, conf, n_valid, running):
     """The rule of :mod:`dflash_jax.speculative.depth`, in NumPy."""
     c = np.clip(conf, 1e-6, 1 - 1e-6)
     a = 1 / (1 + np.exp(-(scale * np.log(c / (1 - c)) + bias)))
     surv = np.cumprod(a, axis=1) * (np.arange(conf.shape[1])[None] < n_valid[:, None])
     e = 1 + np.concatenate([np.zeros((len(c), 1)), np.cumsum(surv, axis=1)], axis=1)
     rate = e[running].sum(0) / step_cost
-    return int(np.argmax(rate)), bool(rate.max() * plain_cost > (1 + depth.PAY_MARGIN) * running.sum())
+    return int(np.argmax(rate)), bool(rate.max() * plain_cost > (1 + margin) * running.sum())
 
 
 def test_width_rule_matches_its_numpy_statement():
@@ -165,11 +167,11 @@ def test_width_rule_matches_its_numpy_statement():
         running[0] = True
         scale, bias = rng.uniform(0.5, 1.5, N).astype(np.float32), rng.uniform(-1, 1, N).astype(np.float32)
         step_cost = np.sort(rng.uniform(1.0, 2.0, N + 1)).astype(np.float32)
-        plain_cost = np.float32(rng.uniform(0.7, 1.2))
+        plain_cost, margin = np.float32(rng.uniform(0.7, 1.2)), float(rng.choice([0.0, depth.PAY_MARGIN, 0.3]))
         model = CostModel(step_cost=(tuple(step_cost),), plain_cost=(float(plain_cost),))
-        policy = depth_policy(Calibration(tuple(scale), tuple(bias)), model)
+        policy = depth_policy(Calibration(tuple(scale), tuple(bias)), model, pay_margin=margin)
         w, pays = CHOOSE(policy, jnp.asarray(conf), jnp.asarray(n_valid, jnp.int32), jnp.asarray(running), jnp.int32(20))
-        assert (int(w), bool(pays)) == width_oracle(scale, bias, step_cost, plain_cost, conf, n_valid, running)
+        assert (int(w), bool(pays)) == width_oracle(scale, bias, step_cost, plain_cost, np.float32(margin), conf, n_valid, running)
         chosen.add(int(w))
     assert len(chosen) >= 3, f"the trials should reach several widths, got {chosen}"
 
@@ -194,6 +196,12 @@ def test_missing_or_misshapen_policy_and_bad_cost_models_are_named(pair):
         decode.generate(Params(params, dparams, short), st, static)
     with pytest.raises(DFlashError, match="cost_model"):
         depth_policy(Calibration.identity(N), CostModel.forcing(2, 1))
+    for name, bad in (("max_backoff", 0), ("max_backoff", 2.5), ("max_backoff", True), ("pay_margin", -0.1), ("pay_margin", float("nan"))):
+        with pytest.raises(DFlashError, match=f"^{name}: got"):
+            depth_policy(Calibration.identity(N), CostModel.forcing(N, 1), **{name: bad})
+    short = depth_policy(Calibration.identity(N), CostModel.forcing(N, 1))
+    with pytest.raises(DFlashError, match=r"params.depth.max_backoff: shape \(2,\)"):
+        decode.generate(Params(params, dparams, short.replace(max_backoff=jnp.ones(2, jnp.int32))), st, static)
     for bad in (dict(step_cost=((1.0, -1.0),), plain_cost=(1.0,)), dict(step_cost=((1.0, 2.0), (1.0,)), plain_cost=(1.0, 1.0), bounds=(4, 8)),
                 dict(step_cost=((1.0, 2.0),), plain_cost=(1.0,), bounds=(0, 0))):
         with pytest.raises(DFlashError, match="cost_model"):

@@ -3,9 +3,11 @@
 Auto runs under a cost model in which drafting never pays and every probe (the propose after a
 plain run) verifies one draft, so all it does is what it does on text its drafter cannot predict:
 plain steps (which also capture the target's hidden states and extend the drafter's context) and
-probes after plain runs of 1, 2, 4, then at most ``MAX_BACKOFF`` steps. Through the API
-(``dflash_jax.generate``, its default capacity), greedy, the chat prompts, alternating runs in one
-process; the medians of decode tokens/s count. Results go to a section of ``BENCHMARKS.md``::
+probes after plain runs of 1, 2, 4, then at most ``MAX_BACKOFF`` steps. A third configuration runs
+auto's program with plain steps only (no probe): the price of the plain step alone. The compiled
+on-device loops of ``tools/bench_spec.py`` at the API's default capacity, greedy, the chat prompts
+as one batch, alternating runs in one process; the medians of decode tokens/s count. Results go to
+a section of ``BENCHMARKS.md``::
 
     python tools/bench_plain_steps.py                 # batch 8, 8 prompts, 32 new tokens, 4 runs
     python tools/bench_plain_steps.py --batch 1 --no-write
@@ -18,6 +20,7 @@ import datetime
 import shlex
 import statistics
 import sys
+import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -35,41 +38,68 @@ def main(argv=None) -> int:
     p.add_argument("--no-write", action="store_true", help="print the section; leave BENCHMARKS.md alone")
     args = p.parse_args(argv)
 
+    import jax
+    import jax.numpy as jnp
+
     import dflash_jax as dj
-    from dflash_jax.costs import CostModel
-    from dflash_jax.speculative.depth import MAX_BACKOFF
+    from bench_spec import fresh_state, setup, state_for
+    from dflash_jax import decode
+    from dflash_jax.arguments import default_max_len
+    from dflash_jax.costs import NEVER, CostModel, depth_policy
+    from dflash_jax.speculative.depth import MAX_BACKOFF, Calibration
 
     target = dj.load_target()
     drafter = dj.shipped_drafter(target)
     prompts = [dj.encode_prompt(target, t) for t in CHAT_PROMPTS[: args.batch]]
+    capacity = default_max_len(prompts, args.max_new_tokens)
     n = drafter.cfg.block_size - 1
     probe_one = CostModel(step_cost=(tuple(1.0 if w == 1 else 1e6 for w in range(n + 1)),), plain_cost=(1e-6,))
-    configs = {"plain": {}, "auto": dict(drafter=drafter, n_max="auto", cost_model=probe_one)}
+    rows = jnp.int32(len(prompts))
+    prepared, states = {}, {}
+    for kind in ("plain", "auto"):
+        static, params = setup(target, drafter, kind)
+        if kind == "auto":
+            params = params._replace(depth=depth_policy(drafter.calibration or Calibration.identity(n), probe_one))
+        states["plain" if kind == "plain" else "dflash"] = st = fresh_state(target, static, params, prompts, args, capacity)
+        prepared[kind] = (static, params, decode.generate_until.lower(params, st, static, rows).compile())
+    # "plain steps only": auto's program from a state whose schedule says plain throughout (no probe at all)
+    configs = {"plain": ("plain", None), "auto": ("auto", None), "auto, plain steps only": ("auto", NEVER)}
     rates = {k: [] for k in configs}
-    steps = {}
-    for r in range(args.runs):
+    stats = {}
+    for r in range(args.runs + 1):  # the first round is untimed (an executable's first call is slow)
         for name in (list(configs) if r % 2 == 0 else list(configs)[::-1]):
-            out = dj.generate(target, prompts, max_new_tokens=args.max_new_tokens, **configs[name])
-            rates[name].append(out.stats["decode_tokens_per_s"])
-            steps[name] = out.stats
-        print(" ".join(f"{k} {v[-1]:.1f}" for k, v in rates.items()), file=sys.stderr, flush=True)
+            kind, plain_left = configs[name]
+            static, params, loop = prepared[kind]
+            st = state_for(states, static)
+            if plain_left is not None:
+                st = st.replace(speculative=st.speculative.replace(plain_left=jnp.int32(plain_left)))
+            before = jax.device_get(st.length).sum()
+            t0 = time.perf_counter()
+            st = jax.block_until_ready(loop(params, st, rows))
+            seconds = time.perf_counter() - t0
+            if r:
+                rates[name].append(float(jax.device_get(st.length).sum() - before) / seconds)
+            stats[name] = dj.api.spec_stats(st) if st.speculative is not None else {}
+        if r:
+            print(" ".join(f"{k} {v[-1]:.1f}" for k, v in rates.items()), file=sys.stderr, flush=True)
     med = {k: statistics.median(v) for k, v in rates.items()}
-    auto = steps["auto"]
     when = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     m = machine()
     cmd = shlex.join(["python", "tools/bench_plain_steps.py", *(sys.argv[1:] if argv is None else argv)])
+    table = "\n".join(f"| {k} | {med[k]:.1f} | **{med[k] / med['plain']:.2f}x** | {stats[k].get('widths', [0, 0])[1]} | {stats[k].get('plain_steps', '-')} | "
+                      f"{', '.join(f'{x:.1f}' for x in rates[k])} |" for k in configs)
     text = f"""## What auto costs where drafting never pays (`tools/bench_plain_steps.py`)
 
 `{cmd}` ({when}); the default target and its shipped drafter, the first {args.batch} chat prompts as one batch,
-greedy, {args.max_new_tokens} new tokens, the API's default capacity; {args.runs} runs of each, alternating, medians.
-Auto runs under a cost model in which drafting never pays and each probe verifies one draft (plain runs of 1, 2, 4,
-then at most {MAX_BACKOFF} steps between probes).
+greedy, {args.max_new_tokens} new tokens, the API's default capacity; {args.runs} timed runs of each, alternating (after
+one untimed round), medians. Auto runs under a cost model in which drafting never pays and each probe verifies one
+draft: plain runs of 1, 2, 4, then at most {MAX_BACKOFF} steps between probes. "Plain steps only" runs auto's program
+from a state whose schedule says plain throughout: no probe, so it prices the plain step alone (it captures the
+target's hidden states and extends the drafter's context).
 
-| plain tokens/s | auto tokens/s | auto / plain | auto's probes (one-draft verifies) | auto's plain steps |
-|---|---|---|---|---|
-| {med['plain']:.1f} | {med['auto']:.1f} | **{med['auto'] / med['plain']:.2f}x** | {auto['widths'][1]} | {auto['plain_steps']} |
-
-Runs: plain {", ".join(f"{x:.1f}" for x in rates['plain'])}; auto {", ".join(f"{x:.1f}" for x in rates['auto'])}.
+| decoding | tokens/s | against plain | probes (one-draft verifies) | plain steps | runs (tokens/s) |
+|---|---|---|---|---|---|
+{table}
 
 Machine: {m['cpu']}, {m['cores']} cores, {m['memory']} RAM; {m['device']}; Python {m['python']}, jax {m['jax']}.
 """

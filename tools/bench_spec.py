@@ -58,16 +58,17 @@ def fresh_state(target, static, params, prompts, args, capacity):
     return decode.prefill(params, st, static, 256, max(len(p) for p in prompts))
 
 
-def compile_all(target, drafter, prompts, args, capacity):
-    """For one (batch, capacity): every configuration's loop compiled ahead of time, and auto's
-    cost model (kept on disk or measured with its own loop, as the API does)."""
+def compile_all(target, drafter, prompts, args, capacity, names=None):
+    """For one (batch, capacity): every configuration's loop (or those of ``names``) compiled
+    ahead of time, and auto's cost model (kept on disk or measured with its own loop, as the API
+    does)."""
     import jax.numpy as jnp
 
     from dflash_jax import costs, decode
     from dflash_jax.speculative.depth import Calibration
 
     out = {}
-    for config in configs(drafter):
+    for config in names or configs(drafter):
         static, params = setup(target, drafter, config)
         if config == "auto":
             n = static.depth

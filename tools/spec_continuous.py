@@ -105,19 +105,30 @@ def _segment(run: dict, s: dict, prep, pool, batch: int, n_prompts: int) -> None
     s["per_batch"].append(tokens / seconds)
 
 
-def run_set(target, drafter, name, prompts, batch, args) -> dict:
+def run_set(target, drafter, name, prompts, batch, args, variants: dict | None = None) -> dict:
     """Every configuration under continuous batching over one set: the dict of
     ``bench_spec.run_set`` (sums per configuration; its "batches" are segments of ``batch``
-    finished rows)."""
+    finished rows). ``variants`` (name -> fields of auto's ``DepthPolicy``, such as
+    ``dict(max_backoff=16, pay_margin=0.15)``): plain decoding and these variants of auto, sharing
+    auto's compiled loop and cost model, instead of plain, every fixed depth and auto."""
     import jax
     import jax.numpy as jnp
 
     from bench_spec import compare, compile_all, configs, prefilled, state_for
     from dflash_jax.arguments import default_max_len
 
-    names = configs(drafter)
     capacity = default_max_len(prompts, args.max_new_tokens)
-    prepared = compile_all(target, drafter, prompts[:batch], args, capacity)
+    if variants:
+        names = ["plain", *variants]
+        prepared = compile_all(target, drafter, prompts[:batch], args, capacity, ["plain", "auto"])
+        static, params, run, loop = prepared["auto"]  # kept: the prefills read it
+        kinds = dict(max_backoff=jnp.int32, pay_margin=jnp.float32)
+        for v, fields in variants.items():
+            depth = params.depth.replace(**{k: kinds[k](x) for k, x in fields.items()})
+            prepared[v] = (static, params._replace(depth=depth), run, loop)
+    else:
+        names = configs(drafter)
+        prepared = compile_all(target, drafter, prompts[:batch], args, capacity)
     pool = _Prefills(target, prepared, prompts, args, capacity, {"plain": 1, "dflash": len(names) - 1})
     first = prefilled(target, prepared, prompts[:batch], args, capacity)  # the first prompts, one batch
     runs = {c: dict(state=state_for(first, prepared[c][0]), kind="plain" if c == "plain" else "dflash", slot=list(range(batch)),

@@ -72,7 +72,7 @@ def verify_chosen(params: Params, state: DecodeState, static: Decoding, drafts, 
         return commit_block(params, s, static, verify_fn(params, s, static, drafts[:, :k], qk, k_accept, k_bonus))
 
     state = run_one_of(w, [functools.partial(verify_k, k) for k in range(n + 1)], state)
-    ctx = depth.schedule(count_width(state.speculative, w, plain), plain, pays)
+    ctx = depth.schedule(params.depth, count_width(state.speculative, w, plain), plain, pays)
     return state.replace(speculative=ctx)
 
 

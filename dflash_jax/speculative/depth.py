@@ -13,13 +13,13 @@ With the measured seconds ``C(w)`` of a step that proposes and verifies ``w`` dr
 ``sum_b E_b(w) / C(w)`` over its running rows (the DSpark / vLLM adaptive-verification rule).
 
 Drafting does not pay when even that best rate does not beat the rate of a plain step (one
-token per running row per ``plain_cost`` seconds) by :data:`PAY_MARGIN`. The step after such a
-propose is then a plain step (a target pass over the anchor alone: no propose, one token), and
-the plain run doubles each time the next propose does not pay either (1, 2, 4, then at most
-:data:`MAX_BACKOFF` steps); a propose that pays resets it. The choice is made on device, from
-drafter-side values and the history only, so greedy output equals plain greedy decoding and
-sampled output keeps the target's distribution exactly (the accept rule of each verified draft is
-unchanged).
+token per running row per ``plain_cost`` seconds) by ``pay_margin`` (:data:`PAY_MARGIN` by
+default). The step after such a propose is then a plain step (a target pass over the anchor
+alone: no propose, one token), and the plain run doubles each time the next propose does not pay
+either (1, 2, 4, then at most ``max_backoff`` steps, :data:`MAX_BACKOFF` by default); a propose
+that pays resets it. The choice is made on device, from drafter-side values and the history only,
+so greedy output equals plain greedy decoding and sampled output keeps the target's distribution
+exactly (the accept rule of each verified draft is unchanged).
 """
 
 from __future__ import annotations
@@ -34,13 +34,17 @@ from flax import struct
 from dflash_jax.axes import axes_field
 from dflash_jax.errors import DFlashError
 
-MAX_BACKOFF = 8  # the longest run of plain steps between two proposes
-# Drafting pays when its expected rate beats a plain step's by this fraction. The steps chosen for
-# drafting are those whose predictions came out high, so their acceptance tends to fall short of
-# the prediction (selection on an estimate): on the chat prompts at batch 8 (2026-12-01) the steps
-# that drafted committed 1.32 tokens a row, under the 1.36 from which drafting pays there, though
-# their predictions had cleared it (BENCHMARKS.md, reading of the adaptive-depth run).
-PAY_MARGIN = 0.05
+# The longest run of plain steps between two proposes, and the fraction by which drafting's
+# expected rate must beat a plain step's. The steps chosen for drafting are those whose
+# predictions came out high, so their acceptance falls short of the prediction (selection on an
+# estimate): on the chat prompts at batch 8 the steps that drafted at a margin of 0.05 accepted
+# 38% of their first drafts where 47% was needed to pay. 16 and 0.15 against 8 and 0.05
+# (tools/bench_policy.py and tools/bench_spec.py, BENCHMARKS.md "Reading of the adaptive-depth
+# run"): chat went from 0.92x to 0.96x plain decoding at batch 8 and from 0.96x to 1.00x at batch
+# 1; on HumanEval two side-by-side runs disagreed (1.26x against 1.18x plain, then 1.15x against
+# 1.22x). Both are fields of DepthPolicy (traced): another value recompiles nothing.
+MAX_BACKOFF = 16
+PAY_MARGIN = 0.15
 _EPS = 1e-6
 
 
@@ -56,6 +60,10 @@ class DepthPolicy:
       step_cost: ``[K, n + 1]`` float32 seconds of a step that proposes and verifies ``w``
         drafts, ``w = 0..n``, per bucket.
       plain_cost: ``[K]`` float32 seconds of a plain step (no propose, one target token).
+      max_backoff: ``[]`` int32 the longest run of plain steps between two proposes
+        (:data:`MAX_BACKOFF` unless set).
+      pay_margin: ``[]`` float32 the fraction by which drafting's expected rate must beat a
+        plain step's (:data:`PAY_MARGIN` unless set).
     """
 
     scale: jnp.ndarray = axes_field(None)
@@ -63,6 +71,8 @@ class DepthPolicy:
     bounds: jnp.ndarray = axes_field(None)
     step_cost: jnp.ndarray = axes_field(None, None)
     plain_cost: jnp.ndarray = axes_field(None)
+    max_backoff: jnp.ndarray = axes_field()
+    pay_margin: jnp.ndarray = axes_field()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -129,20 +139,20 @@ def choose_width(policy: DepthPolicy, conf, n_valid, running, live):
         accepted; running: ``[B]`` bool rows still decoding; live: ``[]`` int32 longest live row.
     Returns:
       ``(w [] int32 in [0, n], pays [] bool)``: ``w`` maximises expected committed tokens of the
-      running rows per second; ``pays``: that rate beats plain decoding's by :data:`PAY_MARGIN`.
+      running rows per second; ``pays``: that rate beats plain decoding's by ``policy.pay_margin``.
     """
     k = bucket(policy, live)
     tokens = jnp.sum(jnp.where(running[:, None], expected_tokens(policy, conf, n_valid), 0.0), axis=0)
     rate = tokens / policy.step_cost[k]
     w = jnp.argmax(rate).astype(jnp.int32)
-    pays = rate[w] * policy.plain_cost[k] > (1.0 + PAY_MARGIN) * jnp.sum(running)
+    pays = rate[w] * policy.plain_cost[k] > (1.0 + policy.pay_margin) * jnp.sum(running)
     return w, pays
 
 
-def schedule(ctx, plain: jnp.ndarray, pays: jnp.ndarray):
+def schedule(policy: DepthPolicy, ctx, plain: jnp.ndarray, pays: jnp.ndarray):
     """The plain-step schedule after a step: a plain step uses one of ``plain_left``; a propose
     that pays resets the backoff, one that does not schedules ``backoff`` plain steps and doubles
-    it (at most :data:`MAX_BACKOFF`). Returns the updated speculative state."""
+    it (at most ``policy.max_backoff``). Returns the updated speculative state."""
     plain_left = jnp.where(plain, ctx.plain_left - 1, jnp.where(pays, 0, ctx.backoff))
-    backoff = jnp.where(plain, ctx.backoff, jnp.where(pays, 1, jnp.minimum(2 * ctx.backoff, MAX_BACKOFF)))
+    backoff = jnp.where(plain, ctx.backoff, jnp.where(pays, 1, jnp.minimum(2 * ctx.backoff, policy.max_backoff)))
     return ctx.replace(plain_left=plain_left.astype(jnp.int32), backoff=backoff.astype(jnp.int32))
