@@ -106,6 +106,29 @@ class CostModel:
         return CostModel(step_cost=((1.0,) * (n + 1),), plain_cost=(1.0 / _FORBIDDEN,))
 
 
+def check_constants(max_backoff, pay_margin) -> None:
+    """Checks the two constants of the depth policy (:mod:`dflash_jax.speculative.depth`).
+
+    Raises:
+      DFlashError: ``max_backoff`` not an integer in ``[1, 2**30]``; ``pay_margin`` not a number in
+        ``[0, 1e6]``.
+    """
+    if isinstance(max_backoff, bool) or not isinstance(max_backoff, numbers.Integral) or not 1 <= max_backoff <= 2**30:
+        raise DFlashError("max_backoff", f"got {max_backoff!r}", "an integer from 1 to 2**30: plain steps between two proposes")
+    if isinstance(pay_margin, bool) or not isinstance(pay_margin, numbers.Real) or not 0 <= pay_margin <= 1e6:
+        raise DFlashError("pay_margin", f"got {pay_margin!r}", "a number from 0 to 1e6; 0.15: drafting must beat a plain step by 15%")
+
+
+def with_constants(policy: DepthPolicy, max_backoff: int = MAX_BACKOFF, pay_margin: float = PAY_MARGIN) -> DepthPolicy:
+    """``policy`` with other constants (same shapes and dtypes: nothing recompiles).
+
+    Raises:
+      DFlashError: see :func:`check_constants`.
+    """
+    check_constants(max_backoff, pay_margin)
+    return policy.replace(max_backoff=jnp.int32(max_backoff), pay_margin=jnp.float32(pay_margin))
+
+
 def depth_policy(calibration: Calibration, costs: CostModel, max_backoff: int = MAX_BACKOFF,
                  pay_margin: float = PAY_MARGIN) -> DepthPolicy:
     """The arrays of ``Params.depth`` from a drafter's calibration, a cost model, the longest run
@@ -113,13 +136,10 @@ def depth_policy(calibration: Calibration, costs: CostModel, max_backoff: int = 
     beat a plain step (``pay_margin``; :mod:`dflash_jax.speculative.depth`).
 
     Raises:
-      DFlashError: the calibration and the cost model cover different depths; ``max_backoff`` not
-        an integer of at least 1; ``pay_margin`` not a finite number of at least 0.
+      DFlashError: the calibration and the cost model cover different depths; a bad constant
+        (:func:`check_constants`).
     """
-    if isinstance(max_backoff, bool) or not isinstance(max_backoff, numbers.Integral) or max_backoff < 1:
-        raise DFlashError("max_backoff", f"got {max_backoff!r}", "an integer of at least 1 (plain steps between two proposes)")
-    if isinstance(pay_margin, bool) or not isinstance(pay_margin, numbers.Real) or not math.isfinite(pay_margin) or pay_margin < 0:
-        raise DFlashError("pay_margin", f"got {pay_margin!r}", "a finite number of at least 0 (0.15: drafting must beat a plain step by 15%)")
+    check_constants(max_backoff, pay_margin)
     n = len(calibration.scale)
     if costs.n != n:
         raise DFlashError("cost_model", f"prices {costs.n} drafted tokens", f"{n} (the drafter's block_size - 1)")

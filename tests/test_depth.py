@@ -196,10 +196,15 @@ def test_missing_or_misshapen_policy_and_bad_cost_models_are_named(pair):
         decode.generate(Params(params, dparams, short), st, static)
     with pytest.raises(DFlashError, match="cost_model"):
         depth_policy(Calibration.identity(N), CostModel.forcing(2, 1))
-    for name, bad in (("max_backoff", 0), ("max_backoff", 2.5), ("max_backoff", True), ("pay_margin", -0.1), ("pay_margin", float("nan"))):
+    for name, bad in (("max_backoff", 0), ("max_backoff", 2.5), ("max_backoff", True), ("max_backoff", 2**31), ("pay_margin", -0.1),
+                      ("pay_margin", float("nan")), ("pay_margin", 1e39)):
         with pytest.raises(DFlashError, match=f"^{name}: got"):
             depth_policy(Calibration.identity(N), CostModel.forcing(N, 1), **{name: bad})
     short = depth_policy(Calibration.identity(N), CostModel.forcing(N, 1))
+    with pytest.raises(DFlashError, match="^pay_margin: got -1"):
+        costs.with_constants(short, pay_margin=-1)
+    other = costs.with_constants(short, max_backoff=np.int64(3), pay_margin=np.float32(0.5))
+    assert jax.tree.map(lambda x: (x.shape, x.dtype), other) == jax.tree.map(lambda x: (x.shape, x.dtype), short)
     with pytest.raises(DFlashError, match=r"params.depth.max_backoff: shape \(2,\)"):
         decode.generate(Params(params, dparams, short.replace(max_backoff=jnp.ones(2, jnp.int32))), st, static)
     for bad in (dict(step_cost=((1.0, -1.0),), plain_cost=(1.0,)), dict(step_cost=((1.0, 2.0), (1.0,)), plain_cost=(1.0, 1.0), bounds=(4, 8)),

@@ -33,13 +33,24 @@ SETS = {"chat": lambda: list(CHAT_PROMPTS), "humaneval": humaneval_chat_prompts}
 
 def parse_variants(text: str) -> dict:
     """``"16:0.15,8:0.05"`` -> ``{"16 / 0.15": dict(max_backoff=16, pay_margin=0.15), ...}``."""
+    from dflash_jax.costs import check_constants
+    from dflash_jax.errors import DFlashError
+
     out = {}
     for item in text.split(","):
         try:
             cap, margin = item.split(":")
-            out[f"{int(cap)} / {float(margin)}"] = dict(max_backoff=int(cap), pay_margin=float(margin))
+            fields = dict(max_backoff=int(cap), pay_margin=float(margin))
         except ValueError:
-            raise SystemExit(f"--variants: got {item!r}, expected MAX_BACKOFF:PAY_MARGIN such as 16:0.15") from None
+            raise SystemExit(f"error: --variants: got {item!r} (expected MAX_BACKOFF:PAY_MARGIN such as 16:0.15)") from None
+        try:
+            check_constants(**fields)
+        except DFlashError as e:
+            raise SystemExit(f"error: --variants {item}: {e}") from None
+        name = f"{fields['max_backoff']} / {fields['pay_margin']}"
+        if name in out:
+            raise SystemExit(f"error: --variants: {item!r} given twice")
+        out[name] = fields
     return out
 
 
@@ -50,7 +61,7 @@ def parse_sets(text: str) -> list[tuple[str, int]]:
     for item in text.split(","):
         name, _, count = item.partition(":")
         if name not in SETS or not count.isdigit() or int(count) < 1:
-            raise SystemExit(f"--sets: got {item!r}, expected NAME:COUNT with NAME in {sorted(SETS)}")
+            raise SystemExit(f"error: --sets: got {item!r} (expected NAME:COUNT with NAME in {sorted(SETS)})")
         out.append((name, int(count)))
     return out
 

@@ -115,6 +115,7 @@ def run_set(target, drafter, name, prompts, batch, args, variants: dict | None =
     import jax.numpy as jnp
 
     from bench_spec import compare, compile_all, configs, prefilled, state_for
+    from dflash_jax import costs
     from dflash_jax.arguments import default_max_len
 
     capacity = default_max_len(prompts, args.max_new_tokens)
@@ -122,10 +123,8 @@ def run_set(target, drafter, name, prompts, batch, args, variants: dict | None =
         names = ["plain", *variants]
         prepared = compile_all(target, drafter, prompts[:batch], args, capacity, ["plain", "auto"])
         static, params, run, loop = prepared["auto"]  # kept: the prefills read it
-        kinds = dict(max_backoff=jnp.int32, pay_margin=jnp.float32)
         for v, fields in variants.items():
-            depth = params.depth.replace(**{k: kinds[k](x) for k, x in fields.items()})
-            prepared[v] = (static, params._replace(depth=depth), run, loop)
+            prepared[v] = (static, params._replace(depth=costs.with_constants(params.depth, **fields)), run, loop)
     else:
         names = configs(drafter)
         prepared = compile_all(target, drafter, prompts[:batch], args, capacity)
