@@ -119,12 +119,15 @@ def check_constants(max_backoff, pay_margin) -> None:
         raise DFlashError("pay_margin", f"got {pay_margin!r}", "a number from 0 to 1e6; 0.15: drafting must beat a plain step by 15%")
 
 
-def with_constants(policy: DepthPolicy, max_backoff: int = MAX_BACKOFF, pay_margin: float = PAY_MARGIN) -> DepthPolicy:
-    """``policy`` with other constants (same shapes and dtypes: nothing recompiles).
+def with_constants(policy: DepthPolicy, max_backoff: int | None = None, pay_margin: float | None = None) -> DepthPolicy:
+    """``policy`` with the constants given (``None``: keep the policy's), in the same shapes and
+    dtypes, so nothing recompiles.
 
     Raises:
       DFlashError: see :func:`check_constants`.
     """
+    max_backoff = int(policy.max_backoff) if max_backoff is None else max_backoff
+    pay_margin = float(policy.pay_margin) if pay_margin is None else pay_margin
     check_constants(max_backoff, pay_margin)
     return policy.replace(max_backoff=jnp.int32(max_backoff), pay_margin=jnp.float32(pay_margin))
 

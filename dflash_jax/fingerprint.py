@@ -7,8 +7,8 @@ fingerprint hashes every parameter converted to float32, leaf by leaf in name or
 depend on the file's name or folder, its metadata (a re-saved GGUF with another chat template,
 ``general.name`` or key order; an HF folder holding the same weights), the layer layout (stacked
 or per layer) or the ``[out, in]`` copies of :mod:`dflash_jax.nn.layouts`; a tied embedding's
-output-head copy (:func:`dflash_jax.loading.with_output_head`) is left out. A re-quantized file is another model:
-its weights, and the drafts a drafter should make for it, differ.
+output-head copy (:func:`dflash_jax.loading.with_output_head`) is left out. A re-quantized file
+is another model: its weights, and the drafts a drafter should make for it, differ.
 
 Hashing reads every weight (about 0.4 s for the 135M-parameter default model), so a GGUF target
 records its fingerprint in its float32 cache (:mod:`dflash_jax.io.gguf_cache`) when that is

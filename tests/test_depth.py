@@ -205,6 +205,8 @@ def test_missing_or_misshapen_policy_and_bad_cost_models_are_named(pair):
         costs.with_constants(short, pay_margin=-1)
     other = costs.with_constants(short, max_backoff=np.int64(3), pay_margin=np.float32(0.5))
     assert jax.tree.map(lambda x: (x.shape, x.dtype), other) == jax.tree.map(lambda x: (x.shape, x.dtype), short)
+    kept = costs.with_constants(other, pay_margin=0.25)  # the constant not given stays the policy's
+    assert (int(kept.max_backoff), float(kept.pay_margin)) == (3, 0.25)
     with pytest.raises(DFlashError, match=r"params.depth.max_backoff: shape \(2,\)"):
         decode.generate(Params(params, dparams, short.replace(max_backoff=jnp.ones(2, jnp.int32))), st, static)
     for bad in (dict(step_cost=((1.0, -1.0),), plain_cost=(1.0,)), dict(step_cost=((1.0, 2.0), (1.0,)), plain_cost=(1.0, 1.0), bounds=(4, 8)),
