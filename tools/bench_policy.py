@@ -72,7 +72,7 @@ def rows(res: dict, variants: dict) -> list[str]:
     out = []
     for v in variants:
         ratio = (s[v]["tokens"] / s[v]["seconds"]) / (plain["tokens"] / plain["seconds"])
-        rounds = [a / b for a, b in zip(s[v]["per_batch"], plain["per_batch"])]
+        rounds = [(ta / sa) / (tb / sb) for (ta, sa), (tb, sb) in zip(s[v]["per_batch"], plain["per_batch"])]
         drafted = sum(s[v]["widths"])
         equal = s[v]["verdicts"].count("equal")
         out.append(f"| {res['name']} | {v} | **{ratio:.2f}x** ({min(rounds):.2f}-{max(rounds):.2f}) | {drafted} | "

@@ -189,7 +189,7 @@ def run_set(target, drafter, name, prompts, batch, args) -> dict:
                 s["tokens"] += r["decode_tokens"]
                 s["steps"] += r["steps"]
                 s["compiled"] += r["compiled"]
-                s["per_batch"].append(r["decode_tokens"] / r["seconds"])
+                s["per_batch"].append((r["decode_tokens"], r["seconds"]))
                 s["verdicts"] += [compare(p, o) for p, o in zip(recs["plain"]["rows"], r["rows"])]
                 if "passes" in r:
                     s["passes"] += r["passes"]
@@ -204,11 +204,19 @@ def run_set(target, drafter, name, prompts, batch, args) -> dict:
 
 
 def ratio_interval(a: dict, b: dict, seed: int = 0, draws: int = 2000):
-    """Bootstrap 95 % interval over batches of (tokens/s of ``a``) / (tokens/s of ``b``)."""
-    ta, tb = np.array(a["per_batch"]), np.array(b["per_batch"])
+    """Bootstrap 95 % interval of the ratio the tables report, (tokens/s of ``a``) / (tokens/s of
+    ``b``) with each rate a sum of tokens over a sum of seconds, resampling the batches (their
+    ``per_batch`` pairs ``(tokens, seconds)``, in the same order for ``a`` and ``b``) with
+    replacement: the statistic of the point figure (earlier versions resampled the mean of the
+    per-batch rates, which weighs batches equally, and a figure could fall outside its interval)."""
+    pa, pb = np.array(a["per_batch"], float), np.array(b["per_batch"], float)
     rng = np.random.default_rng(seed)
-    idx = rng.integers(0, len(ta), (draws, len(ta)))
-    r = np.sort(ta[idx].mean(1) / tb[idx].mean(1))
+    idx = rng.integers(0, len(pa), (draws, len(pa)))
+
+    def rate(p):
+        return p[idx, 0].sum(1) / p[idx, 1].sum(1)
+
+    r = np.sort(rate(pa) / rate(pb))
     return float(r[int(0.025 * draws)]), float(r[int(0.975 * draws)])
 
 
@@ -316,7 +324,7 @@ def section(results, names, args, argv, wall, busy, drafter) -> str:
 `{Path(drafter.source).name}`; greedy, {args.max_new_tokens} new tokens, the API's default capacity per batch, the fastest of
 {args.repeats} run(s) per configuration and batch; {wall / 60:.0f} minutes.{load}
 Decode tokens/s (sums over the batches; decode time excludes compilation and prefill); the best fixed depth is
-chosen per row after the fact; ratios with a bootstrap 95 % interval over batches. A batch above 1 runs as
+chosen per row after the fact; ratios of those rates, with a bootstrap 95 % interval of the same ratio over batches. A batch above 1 runs as
 continuous batching, as the server does (`tools/spec_continuous.py`): each configuration keeps its slots busy, a
 finished row taking the next prompt of the set, until it has finished as many rows as the set has prompts; there
 "batches" counts the segments of that many finished rows in which the configurations took turns.

@@ -102,7 +102,7 @@ def _segment(run: dict, s: dict, prep, pool, batch: int, n_prompts: int) -> None
             run["next"] += 1
             st = decode.replace_rows(st, fresh, jnp.asarray([b], jnp.int32))
         run["state"] = st
-    s["per_batch"].append(tokens / seconds)
+    s["per_batch"].append((tokens, seconds))
 
 
 def run_set(target, drafter, name, prompts, batch, args, variants: dict | None = None) -> dict:
@@ -143,8 +143,8 @@ def run_set(target, drafter, name, prompts, batch, args, variants: dict | None =
             if len(runs[c]["outputs"]) < len(prompts):
                 _segment(runs[c], sums[c], prepared[c], pool, batch, len(prompts))
         segment += 1
-        print(f"{name} continuous batch {batch} segment {segment}: " + " ".join(f"{c}={sums[c]['per_batch'][-1]:.1f}" for c in names),
-              flush=True)
+        last = {c: sums[c]["per_batch"][-1] for c in names}  # (tokens, seconds)
+        print(f"{name} continuous batch {batch} segment {segment}: " + " ".join(f"{c}={t / sec:.1f}" for c, (t, sec) in last.items()), flush=True)
     for c in names:
         if c != "plain":
             sums[c]["widths"] = jax.device_get(runs[c]["state"].speculative.widths).tolist()
