@@ -40,7 +40,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from benchlib import machine, write_section  # noqa: E402
+from benchlib import machine, publish  # noqa: E402
 
 
 def shapes(cfg) -> dict:
@@ -257,16 +257,12 @@ def main(argv=None) -> int:
     if args.passes:
         text = passes_section(measure_passes(target, PASS_SHAPES, args.repeats, args.capacity, np.random.default_rng(0)),
                               sys.argv[1:] if argv is None else argv, when, args.capacity)
-        print(text)
-        if not args.no_write:
-            write_section(Path(args.output), "layout_pass", text, tool="bench_layout")
+        publish(text, args, "layout_pass", "bench_layout")
         return 0
     cfg = target.cfg
     res = measure(cfg, widths, args.repeats, np.random.default_rng(0))
     text = section(res, widths, sys.argv[1:] if argv is None else argv, when)
-    print(text)
-    if not args.no_write:
-        write_section(Path(args.output), "layout", text, tool="bench_layout")
+    publish(text, args, "layout", "bench_layout")
     return 0
 
 

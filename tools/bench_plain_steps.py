@@ -25,7 +25,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from benchlib import machine, write_section  # noqa: E402
+from benchlib import machine, publish  # noqa: E402
 from prompts import CHAT_PROMPTS  # noqa: E402
 
 
@@ -103,9 +103,7 @@ target's hidden states and extends the drafter's context).
 
 Machine: {m['cpu']}, {m['cores']} cores, {m['memory']} RAM; {m['device']}; Python {m['python']}, jax {m['jax']}.
 """
-    print(text)
-    if not args.no_write:
-        write_section(Path(args.output), "plain_steps", text, tool="bench_plain_steps")
+    publish(text, args, "plain_steps", "bench_plain_steps")
     return 0
 
 

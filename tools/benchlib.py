@@ -57,3 +57,11 @@ def write_section(path: Path, key: str, body: str, tool: str = "bench_decode") -
     else:
         text = text.rstrip() + "\n\n" + block
     path.write_text(text, encoding="utf-8")
+
+
+def publish(text: str, args, key: str, tool: str) -> None:
+    """Prints a tool's section and, unless ``args.no_write``, writes it to ``args.output``
+    (:func:`write_section`)."""
+    print(text)
+    if not args.no_write:
+        write_section(Path(args.output), key, text, tool=tool)

@@ -105,26 +105,31 @@ def _segment(run: dict, s: dict, prep, pool, batch: int, n_prompts: int) -> None
     s["per_batch"].append((tokens, seconds))
 
 
-def run_set(target, drafter, name, prompts, batch, args, variants: dict | None = None) -> dict:
+def run_set(target, drafter, name, prompts, batch, args, variants: dict | None = None, fixed=()) -> dict:
     """Every configuration under continuous batching over one set: the dict of
     ``bench_spec.run_set`` (sums per configuration; its "batches" are segments of ``batch``
     finished rows). ``variants`` (name -> fields of auto's ``DepthPolicy``, such as
-    ``dict(max_backoff=16, pay_margin=0.15)``): plain decoding and these variants of auto, sharing
-    auto's compiled loop and cost model, instead of plain, every fixed depth and auto."""
+    ``dict(max_backoff=16, pay_margin=0.15)``, and ``raw=True`` for the identity calibration):
+    plain decoding, the fixed depths ``fixed`` and these variants of auto, sharing auto's compiled
+    loop and cost model, instead of plain, every fixed depth and auto."""
     import jax
     import jax.numpy as jnp
 
     from bench_spec import compare, compile_all, configs, prefilled, state_for
     from dflash_jax import costs
     from dflash_jax.arguments import default_max_len
+    from dflash_jax.speculative.depth import Calibration
 
     capacity = default_max_len(prompts, args.max_new_tokens)
     if variants:
-        names = ["plain", *variants]
-        prepared = compile_all(target, drafter, prompts[:batch], args, capacity, ["plain", "auto"])
+        names = ["plain", *fixed, *variants]
+        prepared = compile_all(target, drafter, prompts[:batch], args, capacity, ["plain", *fixed, "auto"])
         static, params, run, loop = prepared["auto"]  # kept: the prefills read it
+        identity = Calibration.identity(static.depth)
         for v, fields in variants.items():
-            prepared[v] = (static, params._replace(depth=costs.with_constants(params.depth, **fields)), run, loop)
+            fields = dict(fields)
+            calibration = identity if fields.pop("raw", False) else drafter.calibration or identity
+            prepared[v] = (static, params._replace(depth=costs.depth_policy(calibration, prepared["cost_model"], **fields)), run, loop)
     else:
         names = configs(drafter)
         prepared = compile_all(target, drafter, prompts[:batch], args, capacity)

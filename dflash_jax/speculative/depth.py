@@ -35,16 +35,16 @@ from dflash_jax.axes import axes_field
 from dflash_jax.errors import DFlashError
 
 # The longest run of plain steps between two proposes, and the fraction by which drafting's
-# expected rate must beat a plain step's. The steps chosen for drafting are those whose
-# predictions came out high, so their acceptance falls short of the prediction (selection on an
-# estimate): on the chat prompts at batch 8 the steps that drafted at a margin of 0.05 accepted
-# 38% of their first drafts where 47% was needed to pay. 16 and 0.15 against 8 and 0.05
-# (tools/bench_policy.py and tools/bench_spec.py, BENCHMARKS.md "Reading of the adaptive-depth
-# run"): chat went from 0.92x to 0.96x plain decoding at batch 8 and from 0.96x to 1.00x at batch
-# 1; on HumanEval two side-by-side runs disagreed (1.26x against 1.18x plain, then 1.15x against
-# 1.22x). Both are fields of DepthPolicy (traced): another value recompiles nothing.
-MAX_BACKOFF = 16
-PAY_MARGIN = 0.15
+# expected rate must beat a plain step's (a guard against selection on an estimate: the steps
+# chosen for drafting are those whose predictions came out high). Chosen side by side at 256 new
+# tokens, the length users' answers reach (tools/bench_policy.py, BENCHMARKS.md "Policy
+# constants", 2026-12-02): 8 and 0.05 against 16 and 0.15 gave 1.28x against 1.22x plain decoding
+# on HumanEval and 1.00x against 1.00x on chat at batch 1, and 1.20x against 1.10x and 0.99x
+# against 0.96x at batch 8. (Answers of 32 tokens had favoured 16 and 0.15 on chat, where each
+# answer's first probes weigh more.) Both are fields of DepthPolicy (traced): another value
+# recompiles nothing.
+MAX_BACKOFF = 8
+PAY_MARGIN = 0.05
 _EPS = 1e-6
 
 

@@ -1,4 +1,5 @@
-"""The statistics of ``tools/bench_spec.py``: its interval resamples the ratio it reports."""
+"""The pure parts of the benchmark tools: ``bench_spec``'s interval resamples the ratio it reports;
+``bench_policy`` parses its variants or names what is wrong."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tools"))
+import bench_policy  # noqa: E402
 import bench_spec  # noqa: E402
 
 sys.path.pop(0)
@@ -38,3 +40,18 @@ def test_interval_resamples_the_ratio_of_sums():
 def test_interval_of_identical_runs_is_one():
     a = _runs([(32, 1.5), (30, 2.0), (28, 1.0)])
     assert bench_spec.ratio_interval(a, a) == pytest.approx((1.0, 1.0))
+
+
+def test_policy_variants_parse_constants_and_the_raw_calibration():
+    got = bench_policy.parse_variants("8:0.05,16:0.15:raw")
+    assert got == {"8 / 0.05": dict(max_backoff=8, pay_margin=0.05, raw=False),
+                   "16 / 0.15 / raw": dict(max_backoff=16, pay_margin=0.15, raw=True)}
+
+
+@pytest.mark.parametrize("text, says", [("8", "MAX_BACKOFF:PAY_MARGIN[:raw]"), ("8:0.05:fitted", "MAX_BACKOFF:PAY_MARGIN[:raw]"),
+                                        ("8:0.05:raw:1", "MAX_BACKOFF:PAY_MARGIN[:raw]"), ("0:0.05", "max_backoff"),
+                                        ("8:nan", "pay_margin"), ("8:0.05,8:0.05", "given twice")])
+def test_policy_variants_name_what_is_wrong(text, says):
+    with pytest.raises(SystemExit, match="--variants") as e:
+        bench_policy.parse_variants(text)
+    assert says in str(e.value)
