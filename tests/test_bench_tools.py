@@ -1,8 +1,10 @@
 """The pure parts of the benchmark tools: ``bench_spec``'s interval resamples the ratio it reports;
-``bench_policy`` parses its variants or names what is wrong."""
+``bench_policy`` parses its variants, and the argument types name what is wrong; ``bench_attention``'s
+tables keep their columns."""
 
 from __future__ import annotations
 
+import argparse
 import sys
 from pathlib import Path
 
@@ -11,8 +13,10 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tools"))
+import bench_attention  # noqa: E402
 import bench_policy  # noqa: E402
 import bench_spec  # noqa: E402
+import benchlib  # noqa: E402
 
 sys.path.pop(0)
 
@@ -55,3 +59,37 @@ def test_policy_variants_name_what_is_wrong(text, says):
     with pytest.raises(SystemExit, match="--variants") as e:
         bench_policy.parse_variants(text)
     assert says in str(e.value)
+
+
+def test_argument_types_accept_and_name_what_is_wrong():
+    assert benchlib.int_list("1,8") == [1, 8]
+    assert benchlib.at_least(0)("0") == 0
+    for text in ("1,,2", "0", "1,1", "a", ""):
+        with pytest.raises(argparse.ArgumentTypeError, match="distinct integers >= 1"):
+            benchlib.int_list(text)
+    for text in ("0", "-1", "x"):
+        with pytest.raises(argparse.ArgumentTypeError, match="integer >= 1"):
+            benchlib.at_least(1)(text)
+
+
+@pytest.mark.parametrize("with_decode", [False, True])
+def test_attention_tables_keep_their_columns(with_decode):
+    blocks = [64, 128, 256]
+    kern = [dict(length=20, width=1, capacity=1024, ms={64: 1.0, 128: 1.5, 256: 2.0}, agree=True)]
+    dec = [dict(set="chat", kind="plain", rates={64: 30.0, 128: 29.0, 256: 28.0}, same=True)] if with_decode else []
+    args = argparse.Namespace(layers=30, batch=1, repeats=3, decode_batch=1 if with_decode else 0, max_new_tokens=8, runs=1)
+    text = bench_attention.section(kern, dec, blocks, args, [])
+    assert ("Whole greedy generations" in text) == with_decode
+    tables, rows = [], []
+    for line in text.splitlines() + [""]:
+        if line.startswith("|"):
+            rows.append(line)
+        elif rows:
+            tables.append(rows)
+            rows = []
+    assert len(tables) == (2 if with_decode else 1)
+    # header, rule and rows of a table have as many columns: the fixed ones, one per block, one per ratio
+    assert {line.count("|") for line in tables[0]} == {3 + 2 * len(blocks) - 1 + 1 + 1}
+    if with_decode:
+        assert {line.count("|") for line in tables[1]} == {2 + 2 * len(blocks) - 1 + 1 + 1}
+    assert "**0.50**" in text  # 64 / 256

@@ -30,18 +30,8 @@ import numpy as np
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from benchlib import machine, publish  # noqa: E402
+from benchlib import at_least, int_list, machine, publish  # noqa: E402
 from prompts import CHAT_PROMPTS, humaneval_chat_prompts  # noqa: E402
-
-
-def int_list(text: str) -> list[int]:
-    try:
-        out = [int(x) for x in text.split(",")]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
-    if not out or min(out) < 1:
-        raise argparse.ArgumentTypeError(f"expected integers >= 1, got {text!r}")
-    return out
 
 
 def kernel_fn(cfg, capacity: int, key_block: int):
@@ -99,7 +89,7 @@ def kernel(cfg, blocks, lengths, widths, batch: int, repeats: int) -> list[dict]
     return out
 
 
-def decode_runs(blocks, batch: int, n_max: int, max_new: int, runs: int) -> list[dict]:
+def decode_runs(target, blocks, batch: int, n_max: int, max_new: int, runs: int) -> list[dict]:
     """Decode tokens/s of plain decoding and DFlash (``n_max``) per block size and prompt set,
     medians of ``runs`` alternating runs of one batch (the first ``batch`` prompts of the set)."""
     import jax
@@ -111,7 +101,6 @@ def decode_runs(blocks, batch: int, n_max: int, max_new: int, runs: int) -> list
     from dflash_jax.arguments import default_max_len
     from dflash_jax.nn import live_attention
 
-    target = dj.load_target()
     drafter = dj.shipped_drafter(target)
     args = argparse.Namespace(max_new_tokens=max_new)
     default_block = live_attention.KEY_BLOCK
@@ -163,6 +152,14 @@ def section(kern, dec, blocks, args, argv) -> str:
                       + " | ".join(f"**{k['ms'][b] / k['ms'][base]:.2f}**" for b in blocks[:-1]) + f" | {'yes' if k['agree'] else 'NO'} |" for k in kern)
     drows = "\n".join(f"| {d['set']} | {'plain' if d['kind'] == 'plain' else 'n_max ' + str(d['kind'])} | " + " | ".join(f"{d['rates'][b]:.1f}" for b in blocks)
                       + " | " + " | ".join(f"**{d['rates'][b] / d['rates'][base]:.2f}x**" for b in blocks[:-1]) + f" | {'yes' if d['same'] else 'NO'} |" for d in dec)
+    decode_part = "" if not dec else f"""Whole greedy generations (the first {args.decode_batch} prompt(s) of each set as one batch, {args.max_new_tokens} new tokens, the API's
+default capacity, {args.runs} timed runs each after an untimed round), decode tokens/s:
+
+| prompts | decoding | {cols} | outputs equal |
+|---|---{rule}|---|
+{drows}
+
+"""
     return f"""## Key blocks of the live-length attention (`tools/bench_attention.py`)
 
 `{cmd}` ({when}); the default target's shapes (SmolLM2-135M-Instruct: {args.layers} layers, 3 KV heads of 64, 9 query
@@ -174,14 +171,7 @@ Attention alone (every layer, batch {args.batch}, {args.repeats} rounds; capacit
 |---|---|---{rule}|---|
 {krows}
 
-Whole greedy generations (the first {args.decode_batch} prompt(s) of each set as one batch, {args.max_new_tokens} new tokens, the API's
-default capacity, {args.runs} timed runs each after an untimed round), decode tokens/s:
-
-| prompts | decoding | {cols} | outputs equal |
-|---|---{rule}|---|
-{drows}
-
-Machine: {m['cpu']}, {m['cores']} cores, {m['memory']} RAM; {m['device']}; Python {m['python']}, jax {m['jax']}.
+{decode_part}Machine: {m['cpu']}, {m['cores']} cores, {m['memory']} RAM; {m['device']}; Python {m['python']}, jax {m['jax']}.
 """
 
 
@@ -190,23 +180,29 @@ def main(argv=None) -> int:
     p.add_argument("--blocks", type=int_list, default=[64, 128, 256], help="key-block sizes, the last the baseline")
     p.add_argument("--lengths", type=int_list, default=[20, 150, 300, 600, 1000, 3000], help="live lengths (tokens)")
     p.add_argument("--widths", type=int_list, default=[1, 2, 4, 8], help="query widths T")
-    p.add_argument("--batch", type=int, default=1, help="rows of the attention-alone measurement")
-    p.add_argument("--repeats", type=int, default=15, help="alternating rounds of the attention alone")
-    p.add_argument("--decode-batch", type=int, default=1, help="prompts decoded together (0: skip whole generations)")
-    p.add_argument("--n-max", type=int, default=3, help="DFlash's fixed depth in the whole generations")
-    p.add_argument("--max-new-tokens", type=int, default=64)
-    p.add_argument("--runs", type=int, default=4, help="timed runs of each whole generation, alternating")
+    p.add_argument("--batch", type=at_least(1), default=1, help="rows of the attention-alone measurement")
+    p.add_argument("--repeats", type=at_least(1), default=15, help="alternating rounds of the attention alone")
+    p.add_argument("--decode-batch", type=at_least(0), default=1, help="prompts decoded together (0: skip whole generations)")
+    p.add_argument("--n-max", type=at_least(1), default=3, help="DFlash's fixed depth in the whole generations")
+    p.add_argument("--max-new-tokens", type=at_least(1), default=64)
+    p.add_argument("--runs", type=at_least(1), default=4, help="timed runs of each whole generation, alternating")
     p.add_argument("--output", default=str(REPO / "BENCHMARKS.md"))
     p.add_argument("--no-write", action="store_true", help="print the section; leave BENCHMARKS.md alone")
     args = p.parse_args(argv)
     argv = sys.argv[1:] if argv is None else argv
+    if len(args.blocks) < 2:
+        p.error(f"argument --blocks: expected at least two sizes (the last is the baseline), got {args.blocks}")
 
     import dflash_jax as dj
 
-    cfg = dj.load_target().cfg
+    target = dj.load_target()
+    cfg = target.cfg
+    block_size = dj.shipped_drafter(target).cfg.block_size
+    if args.decode_batch and not args.n_max < block_size:
+        p.error(f"argument --n-max: expected at most {block_size - 1} (the shipped drafter's block_size - 1), got {args.n_max}")
     args.layers = cfg.num_hidden_layers
     kern = kernel(cfg, args.blocks, args.lengths, args.widths, args.batch, args.repeats)
-    dec = decode_runs(args.blocks, args.decode_batch, args.n_max, args.max_new_tokens, args.runs) if args.decode_batch else []
+    dec = decode_runs(target, args.blocks, args.decode_batch, args.n_max, args.max_new_tokens, args.runs) if args.decode_batch else []
     text = section(kern, dec, args.blocks, args, argv)
     publish(text, args, "key_blocks", "bench_attention")
     return 0

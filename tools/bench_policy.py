@@ -26,7 +26,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from benchlib import machine, publish  # noqa: E402
+from benchlib import at_least, int_list, machine, publish  # noqa: E402
 from prompts import CHAT_PROMPTS, humaneval_chat_prompts  # noqa: E402
 
 SETS = {"chat": lambda: list(CHAT_PROMPTS), "humaneval": humaneval_chat_prompts}
@@ -90,18 +90,15 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--sets", default="humaneval:24,chat:24", help="NAME:COUNT,... (chat, humaneval); prompts repeat cyclically")
     p.add_argument("--variants", default="8:0.05,16:0.15", help="MAX_BACKOFF:PAY_MARGIN[:raw],... auto variants (raw: the identity calibration)")
-    p.add_argument("--fixed", default="", help="fixed depths to run too, such as 1,2 (default none)")
-    p.add_argument("--batch", type=int, default=8, help="slots of continuous batching")
-    p.add_argument("--max-new-tokens", type=int, default=256, help="new tokens per answer (users' answers run to hundreds)")
+    p.add_argument("--fixed", type=int_list, default=[], help="fixed depths to run too, such as 1,2 (default none)")
+    p.add_argument("--batch", type=at_least(1), default=8, help="slots of continuous batching")
+    p.add_argument("--max-new-tokens", type=at_least(1), default=256, help="new tokens per answer (users' answers run to hundreds)")
     p.add_argument("--measure-costs", action="store_true", help="measure auto's cost model again instead of reading it")
     p.add_argument("--output", default=str(REPO / "BENCHMARKS.md"))
     p.add_argument("--no-write", action="store_true", help="print the section; leave BENCHMARKS.md alone")
     args = p.parse_args(argv)
     variants, sets = parse_variants(args.variants), parse_sets(args.sets)
-    try:
-        fixed = [int(x) for x in args.fixed.split(",")] if args.fixed else []
-    except ValueError:
-        raise SystemExit(f"error: --fixed: got {args.fixed!r} (expected depths such as 1,2)") from None
+    fixed = args.fixed
 
     import dflash_jax as dj
     from spec_continuous import run_set
@@ -109,7 +106,7 @@ def main(argv=None) -> int:
     target = dj.load_target()
     drafter = dj.shipped_drafter(target)
     if any(not 1 <= k < drafter.cfg.block_size for k in fixed):
-        raise SystemExit(f"error: --fixed: got {args.fixed!r} (depths from 1 to {drafter.cfg.block_size - 1})")
+        raise SystemExit(f"error: --fixed: got {fixed} (depths from 1 to {drafter.cfg.block_size - 1})")
     bench_args = types.SimpleNamespace(max_new_tokens=args.max_new_tokens, measure_costs=args.measure_costs)
     table = []
     for name, count in sets:

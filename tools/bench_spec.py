@@ -31,7 +31,7 @@ import numpy as np
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from benchlib import busy_seconds, machine, write_section  # noqa: E402
+from benchlib import at_least, busy_seconds, int_list, machine, write_section  # noqa: E402
 from prompts import CHAT_PROMPTS, humaneval_chat_prompts  # noqa: E402
 
 TIE_GAP = 1e-3  # a first difference at a step whose top-2 logit gap is below this is a near-tie
@@ -265,15 +265,17 @@ def plot(results, names, path: Path):
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--humaneval", type=int, default=48, help="the first N HumanEval prompts (164: all)")
-    p.add_argument("--chat", type=int, default=len(CHAT_PROMPTS), help="the first N chat prompts")
-    p.add_argument("--batches", default="1,8", help="batch sizes")
-    p.add_argument("--max-new-tokens", type=int, default=48)
-    p.add_argument("--repeats", type=int, default=1, help="runs of each configuration per batch, alternating; the fastest counts")
+    p.add_argument("--humaneval", type=at_least(0), default=48, help="the first N HumanEval prompts (164: all)")
+    p.add_argument("--chat", type=at_least(0), default=len(CHAT_PROMPTS), help="the first N chat prompts")
+    p.add_argument("--batches", type=int_list, default=[1, 8], help="batch sizes, such as 1,8")
+    p.add_argument("--max-new-tokens", type=at_least(1), default=48)
+    p.add_argument("--repeats", type=at_least(1), default=1, help="runs of each configuration per batch, alternating; the fastest counts")
     p.add_argument("--measure-costs", action="store_true", help="measure auto's cost models again instead of reading them")
     p.add_argument("--output", default=str(REPO / "BENCHMARKS.md"))
     p.add_argument("--no-write", action="store_true", help="print the section; leave BENCHMARKS.md and the plot alone")
     args = p.parse_args(argv)
+    if not args.humaneval and not args.chat:
+        p.error("arguments --humaneval and --chat: both 0, so no prompt is left to run")
 
     import dflash_jax as dj
 
@@ -287,7 +289,7 @@ def main(argv=None) -> int:
     enc = {k: [dj.encode_prompt(target, t) for t in v] for k, v in sets.items()}
     names = configs(drafter)
     busy0, t0 = busy_seconds(), time.perf_counter()
-    results = [run_set(target, drafter, name, prompts, int(b), args) for b in args.batches.split(",") for name, prompts in enc.items()]
+    results = [run_set(target, drafter, name, prompts, int(b), args) for b in args.batches for name, prompts in enc.items()]
     wall = time.perf_counter() - t0
     busy = None if busy0 is None else (busy_seconds() - busy0) / wall
     body = section(results, names, args, argv, wall, busy, drafter)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import os
 import platform
 import re
@@ -57,6 +58,30 @@ def write_section(path: Path, key: str, body: str, tool: str = "bench_decode") -
     else:
         text = text.rstrip() + "\n\n" + block
     path.write_text(text, encoding="utf-8")
+
+
+def at_least(minimum: int):
+    """An argparse type: an integer ``>= minimum``."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = None
+        if value is None or value < minimum:
+            raise argparse.ArgumentTypeError(f"expected an integer >= {minimum}, got {text!r}")
+        return value
+    return parse
+
+
+def int_list(text: str) -> list[int]:
+    """An argparse type: comma-separated distinct integers ``>= 1`` (``"1,8"``)."""
+    try:
+        out = [int(x) for x in text.split(",")]
+    except ValueError:
+        out = []
+    if not out or min(out) < 1 or len(set(out)) != len(out):
+        raise argparse.ArgumentTypeError(f"expected comma-separated distinct integers >= 1, got {text!r}")
+    return out
 
 
 def publish(text: str, args, key: str, tool: str) -> None:
