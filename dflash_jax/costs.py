@@ -116,7 +116,7 @@ def check_constants(max_backoff, pay_margin) -> None:
     if isinstance(max_backoff, bool) or not isinstance(max_backoff, numbers.Integral) or not 1 <= max_backoff <= 2**30:
         raise DFlashError("max_backoff", f"got {max_backoff!r}", "an integer from 1 to 2**30: plain steps between two proposes")
     if isinstance(pay_margin, bool) or not isinstance(pay_margin, numbers.Real) or not 0 <= pay_margin <= 1e6:
-        raise DFlashError("pay_margin", f"got {pay_margin!r}", "a number from 0 to 1e6; 0.15: drafting must beat a plain step by 15%")
+        raise DFlashError("pay_margin", f"got {pay_margin!r}", "a number from 0 to 1e6; 0.05: drafting must beat a plain step by 5%")
 
 
 def with_constants(policy: DepthPolicy, max_backoff: int | None = None, pay_margin: float | None = None) -> DepthPolicy:

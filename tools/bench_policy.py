@@ -72,11 +72,11 @@ def parse_sets(text: str) -> list[tuple[str, int]]:
     return out
 
 
-def rows(res: dict, variants) -> list[str]:
+def rows(res: dict, configs) -> list[str]:
     s = res["sums"]
     plain = s["plain"]
     out = []
-    for v in variants:
+    for v in configs:
         ratio = (s[v]["tokens"] / s[v]["seconds"]) / (plain["tokens"] / plain["seconds"])
         rounds = [(ta / sa) / (tb / sb) for (ta, sa), (tb, sb) in zip(s[v]["per_batch"], plain["per_batch"])]
         drafted = sum(s[v]["widths"])
