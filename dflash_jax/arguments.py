@@ -185,7 +185,7 @@ def check_request(target, prompts, max_new_tokens, sampling, max_len, chunk_size
         static, params = Decoding(target.cfg, drafter.cfg, sampling, draft_mode, depth), Params(target.params, drafter.params)
     _check_cost_model(cost_model, static)
     calibration = None
-    if static.adaptive:  # a policy of the right shapes for compiling; the driver sets its costs after prefill
+    if static.adaptive:  # a policy of the right shapes for compiling; the driver sets its costs before prefill
         calibration = drafter.calibration or Calibration.identity(static.depth)
         params = params._replace(depth=depth_policy(calibration, CostModel.forcing(static.depth, static.depth)))
     # a budget beyond the capacity never applies; capping it keeps it within int32

@@ -1,14 +1,17 @@
 """The cost model of the adaptive depth policy (``n_max="auto"``): measured, cached on disk.
 
 A :class:`CostModel` holds the seconds of one decode step of the loaded pair on the running
-device, for the batch and capacity of a generation: a step that proposes and verifies ``w``
-drafts (``w = 0..n``) and a plain step (no propose, the anchor alone). :func:`measure` times the
+device, for the batch of a generation: a step that proposes and verifies ``w`` drafts (for the
+few widths of :func:`~dflash_jax.speculative.depth.verify_widths`) and a plain step (no
+propose, the anchor alone). :func:`measure` times the
 generation's own compiled loop (or step), run with policies that force each width in turn
 (:meth:`CostModel.forcing`), so measuring compiles nothing. :func:`cost_model_for` keeps the
 result in ``<cache folder>/depth_costs`` (next to the compilation cache, ``jax_cache``), keyed
-by device, JAX version, models, decoding set-up, batch and capacity, and measures again on
-request (``refresh``: ``--measure-costs``). :func:`depth_policy` joins a cost model and the
-drafter's calibration into the arrays a step reads (``Params.depth``).
+by device, JAX version, models and batch size (:func:`cost_key`): once per machine, pair and
+batch size, never per prompt, budget or setting; it measures again on request (``refresh``:
+``--measure-costs``) and never keeps a measurement whose timings did not settle.
+:func:`depth_policy` joins a cost model and the drafter's calibration into the arrays a step
+reads (``Params.depth``).
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import hashlib
 import json
 import math
 import numbers
+import os
 import time
 from pathlib import Path
 from typing import Callable, Sequence
@@ -32,10 +36,12 @@ from dflash_jax import progress
 from dflash_jax.decoding import Decoding, Params
 from dflash_jax.errors import DFlashError
 from dflash_jax.io.files import write_text
-from dflash_jax.speculative.depth import MAX_BACKOFF, PAY_MARGIN, Calibration, DepthPolicy
+from dflash_jax.speculative.depth import MAX_BACKOFF, PAY_MARGIN, Calibration, DepthPolicy, verify_widths
 
 NEVER = 2**31 - 1  # the bound of the last live-length bucket
-FORMAT = 1  # part of every cache key: raise it when the steps change what they cost
+FORMAT = 2  # part of every cache key: raise it when the steps change what they cost
+MEASURE_LIVE = 128  # tokens: the live length steps are timed at (the first key block)
+STABLE = 0.10  # a kind's two fastest runs within 10%: the timings have settled
 _FORBIDDEN = 1e9  # seconds: a width no policy chooses
 
 
@@ -43,24 +49,28 @@ _FORBIDDEN = 1e9  # seconds: a width no policy chooses
 class CostModel:
     """Seconds of one decode step, per live-length bucket.
 
-    ``n`` must be the drafted depth of ``n_max="auto"``, the drafter's ``block_size - 1`` (7 for
-    the shipped drafter: 8 step costs per bucket). :func:`measure` (or :func:`cost_model_for`)
-    gives one measured on the running device; :meth:`forcing` and :meth:`never_pays` make ones
-    that force a width or plain steps.
+    ``widths`` must be :func:`~dflash_jax.speculative.depth.verify_widths` of the drafted depth
+    of ``n_max="auto"``, the drafter's ``block_size - 1`` (``(1, 3, 7)`` for the shipped
+    drafter: 3 step costs per bucket). :func:`measure` (or :func:`cost_model_for`) gives one
+    measured on the running device; :meth:`forcing` and :meth:`never_pays` make ones that force
+    a width or plain steps.
 
     Attributes:
-      step_cost: ``K`` tuples of ``n + 1`` seconds: a step that proposes and verifies ``w``
-        drafts, ``w = 0..n``.
+      step_cost: ``K`` tuples of seconds, one per width: a step that proposes and verifies
+        ``widths[j]`` drafts.
       plain_cost: ``K`` seconds of a plain step (no propose, one target token per row).
+      widths: the widths priced, ascending (the last is the drafted depth ``n``).
       bounds: ``K`` ascending upper bounds (tokens) of the live-length buckets (default one
         bucket for every length).
-      info: how it was obtained (device, date, batch, capacity, source), not compared.
+      info: how it was obtained (source, date, seconds, whether the timings settled, the load
+        average per core before and after), not compared.
     Raises:
       DFlashError: ragged or non-positive costs, or bounds that do not fit (names ``cost_model``).
     """
 
     step_cost: tuple[tuple[float, ...], ...]
     plain_cost: tuple[float, ...]
+    widths: tuple[int, ...]
     bounds: tuple[int, ...] = (NEVER,)
     info: dict | None = dataclasses.field(default=None, compare=False)
 
@@ -77,33 +87,44 @@ class CostModel:
                 raise DFlashError(f"cost_model.{name}", f"got {value!r}", want)
         k = len(self.bounds)
         rows = [tuple(float(c) for c in r) for r in self.step_cost]
-        if k < 1 or len(rows) != k or len(self.plain_cost) != k or len({len(r) for r in rows}) != 1 or len(rows[0]) < 2:
-            raise DFlashError("cost_model", f"{len(rows)} step-cost rows, {len(self.plain_cost)} plain costs, {k} bounds",
-                              "one row of n + 1 step costs and one plain cost per live-length bound")
+        widths = self.widths
+        if (isinstance(widths, (str, bytes)) or not isinstance(widths, Sequence) or not widths
+                or not all(isinstance(w, numbers.Integral) and not isinstance(w, bool) for w in widths)
+                or tuple(widths) != verify_widths(int(widths[-1]))):
+            raise DFlashError("cost_model.widths", f"got {widths!r}", "verify_widths(n) of the drafted depth n, e.g. (1, 3, 7) for n = 7")
+        if k < 1 or len(rows) != k or len(self.plain_cost) != k or {len(r) for r in rows} != {len(widths)}:
+            raise DFlashError("cost_model", f"{len(rows)} step-cost rows of {sorted({len(r) for r in rows})} costs, {len(self.plain_cost)} plain costs, {k} bounds",
+                              f"one row of {len(widths)} step costs (one per width) and one plain cost per live-length bound")
         values = [c for r in rows for c in r] + [float(c) for c in self.plain_cost]
         if not all(math.isfinite(c) and c > 0 for c in values):
             raise DFlashError("cost_model", "a cost that is not a positive finite number of seconds", "positive seconds")
         if list(self.bounds) != sorted(set(int(b) for b in self.bounds)):
             raise DFlashError("cost_model.bounds", f"got {self.bounds}", "ascending distinct token counts")
         object.__setattr__(self, "step_cost", tuple(rows))
+        object.__setattr__(self, "widths", tuple(int(w) for w in widths))
         object.__setattr__(self, "plain_cost", tuple(float(c) for c in self.plain_cost))
 
     @property
     def n(self) -> int:
         """The deepest width (drafted tokens) the model prices."""
-        return len(self.step_cost[0]) - 1
+        return self.widths[-1]
 
     @staticmethod
     def forcing(n: int, width: int) -> "CostModel":
-        """A cost model under which every step proposes and verifies exactly ``width`` drafts
-        (every other width and the plain step cost :data:`_FORBIDDEN` seconds)."""
-        return CostModel(step_cost=(tuple(1.0 if w == width else _FORBIDDEN for w in range(n + 1)),), plain_cost=(_FORBIDDEN,))
+        """A cost model under which every step proposes and verifies exactly ``width`` drafts, one
+        of ``verify_widths(n)`` (every other width and the plain step cost :data:`_FORBIDDEN`
+        seconds). Raises DFlashError for another width."""
+        widths = verify_widths(n)
+        if width not in widths:
+            raise DFlashError("width", f"got {width!r}", f"one of the verify widths {widths} of {n} drafted tokens")
+        return CostModel(step_cost=(tuple(1.0 if w == width else _FORBIDDEN for w in widths),), plain_cost=(_FORBIDDEN,), widths=widths)
 
     @staticmethod
     def never_pays(n: int) -> "CostModel":
         """A cost model under which drafting never pays (a plain step is almost free): proposes
         alternate with plain runs of 1, 2, 4, ... steps (:func:`~dflash_jax.speculative.depth.schedule`)."""
-        return CostModel(step_cost=((1.0,) * (n + 1),), plain_cost=(1.0 / _FORBIDDEN,))
+        widths = verify_widths(n)
+        return CostModel(step_cost=((1.0,) * len(widths),), plain_cost=(1.0 / _FORBIDDEN,), widths=widths)
 
 
 def check_constants(max_backoff, pay_margin) -> None:
@@ -156,6 +177,13 @@ def _copy(state):
     return jax.tree.map(lambda x: jnp.array(x, copy=True), state)
 
 
+def probe_state(state):
+    """``state`` with every row running: the shapes of a generation's state to time steps on
+    (its rows need not be prefilled, nor hold a user's prompt: a step costs the same whatever
+    the cache holds, and :func:`measure` sets the rows' lengths)."""
+    return state.replace(finish=jnp.zeros_like(state.finish))
+
+
 def _at_length(state, live: int | None, tokens: int):
     """A copy of ``state`` whose running rows are ``live`` tokens long (``None``: as they are;
     the rows past their real length hold stale slots, which cost what live ones do) with a
@@ -164,18 +192,21 @@ def _at_length(state, live: int | None, tokens: int):
     if live is not None:
         length = jnp.where(s.done, s.length, jnp.clip(jnp.maximum(s.length, live), 1, s.capacity - tokens - 1))
         s = s.replace(length=length, prompt_len=length - 1)
-    return s.replace(max_new=jnp.minimum(s.max_new, s.new_tokens + tokens))
+    return s.replace(max_new=s.new_tokens + tokens)
 
 
-def _time_kinds(run, params, base, n: int, rounds: int) -> tuple[list[float], float]:
-    """Seconds per step of every forced width and of the plain step: the fastest of ``rounds``
-    runs each (kinds alternating), made non-decreasing in the width by an isotonic fit (a loaded
-    machine's noise otherwise reorders neighbouring widths), the plain step at most the narrowest."""
+def _time_kinds(run, params, base, n: int, rounds: int, max_rounds: int) -> tuple[list[float], float, bool]:
+    """Seconds per step of every verify width and of the plain step: the fastest of ``rounds``
+    runs each (kinds alternating, so a burst of load hits every kind alike), more rounds (up to
+    ``max_rounds``) while some kind's two fastest runs differ by more than :data:`STABLE`; made
+    non-decreasing in the width by an isotonic fit, the plain step at most the narrowest.
+    Returns ``(step costs, plain cost, stable)``."""
     ident = Calibration.identity(n)
-    kinds = [(depth_policy(ident, CostModel.forcing(n, w)), False) for w in range(n + 1)]
+    kinds = [(depth_policy(ident, CostModel.forcing(n, w)), False) for w in verify_widths(n)]
     kinds.append((depth_policy(ident, CostModel.forcing(n, n)), True))  # plain: the schedule says plain throughout
-    best = [math.inf] * len(kinds)
-    for _ in range(rounds):
+    times: list[list[float]] = [[] for _ in kinds]
+    stable = False
+    for r in range(max_rounds):
         for i, (policy, plain) in enumerate(kinds):
             s = _copy(base)
             if plain:
@@ -184,46 +215,68 @@ def _time_kinds(run, params, base, n: int, rounds: int) -> tuple[list[float], fl
             t0 = time.perf_counter()
             s = run(params._replace(depth=policy), s)
             steps = int(jax.device_get(s.steps - base.steps))  # waits for the run
-            best[i] = min(best[i], (time.perf_counter() - t0) / max(steps, 1))
+            times[i].append((time.perf_counter() - t0) / max(steps, 1))
+        stable = all(sorted(t)[1] <= (1 + STABLE) * min(t) for t in times) if r >= 1 else False
+        if r + 1 >= rounds and stable:
+            break
+    best = [min(t) for t in times]
     step = [float(c) for c in isotonic_regression(best[:-1]).x]
-    return step, min(best[-1], step[0])
+    return step, min(best[-1], step[0]), stable
 
 
 def measure(run: Callable, params: Params, state, static: Decoding, tokens: int = 8, rounds: int = 3,
-            lengths: Sequence[int] | None = None) -> CostModel:
+            lengths: Sequence[int] | None = (MEASURE_LIVE,), max_rounds: int = 8) -> CostModel:
     """Times one step of each kind with the generation's own compiled ``run``.
 
     Args:
       run: ``run(params, state) -> state``, the compiled loop or step of the generation (it may
         donate the state; every run gets a copy).
       params: with any ``depth`` of the right shapes (replaced here).
-      state: a prefilled state of the generation's shapes (read only).
+      state: a state of the generation's shapes with running rows (read only), e.g.
+        :func:`probe_state`.
       static: the adaptive :class:`~dflash_jax.decoding.Decoding`.
-      tokens: new tokens per row per timed run (its ``max_new`` is cut to that).
-      rounds: runs per kind, alternating kinds; the fastest counts (:func:`_time_kinds`).
+      tokens: new tokens per row per timed run.
+      rounds, max_rounds: runs per kind, alternating kinds; the fastest counts, and rounds go on
+        past ``rounds`` while the timings are not stable (:func:`_time_kinds`).
       lengths: live-length buckets to price, ascending (each measured with the running rows
-        that long); ``None``: one bucket, at the state's own lengths (the prompts': the steps'
-        attention reads each key block once for all of a step's queries, so a longer context adds
-        about the same seconds to every width; one bucket keeps the first run's measurement short).
+        that long); default one bucket, timed at :data:`MEASURE_LIVE` tokens (within the first key
+        block of the live-length attention, which every answer reads: the steps' attention reads
+        each key block once for all of a step's queries, so a longer context adds about the same
+        seconds to every width); ``None``: one bucket at the state's own lengths.
     Returns:
-      A :class:`CostModel` (seconds per step); equal costs (``info["source"]`` ``"none"``) when
-      every row is done already (no step will run).
+      A :class:`CostModel` (seconds per step, ``info``: ``source`` ``"measured"``, ``stable``:
+      whether the timings settled, the load average before and after); equal costs
+      (``info["source"]`` ``"none"``) when every row is done already (no step will run).
     """
     n = static.depth
+    widths = verify_widths(n)
     if bool(jax.device_get(jnp.all(state.done))):
-        return CostModel(step_cost=((1.0,) * (n + 1),), plain_cost=(1.0,), info=dict(source="none"))
-    step, plain = zip(*[_time_kinds(run, params, _at_length(state, live, tokens), n, rounds) for live in (lengths or [None])])
-    return CostModel(step_cost=step, plain_cost=plain, bounds=tuple(lengths or (NEVER,)), info=dict(source="measured"))
+        return CostModel(step_cost=((1.0,) * len(widths),), plain_cost=(1.0,), widths=widths, info=dict(source="none"))
+    load = _load()
+    timed = [_time_kinds(run, params, _at_length(state, live, tokens), n, rounds, max_rounds) for live in (lengths or [None])]
+    step, plain, stable = zip(*timed)
+    bounds = (NEVER,) if lengths is None or len(lengths) == 1 else tuple(lengths)
+    return CostModel(step_cost=step, plain_cost=plain, widths=widths, bounds=bounds,
+                     info=dict(source="measured", stable=all(stable), load=[load, _load()]))
 
 
-def adaptive_params(params: Params, static: Decoding, calibration: Calibration, state, run: Callable, key: dict,
+def _load() -> float | None:
+    """The 1-minute load average per core (``None`` where the system has none)."""
+    try:
+        return round(os.getloadavg()[0] / (os.cpu_count() or 1), 2)
+    except OSError:
+        return None
+
+
+def adaptive_params(params: Params, static: Decoding, calibration: Calibration, run: Callable, key: dict, state,
                     cost_model: CostModel | str | None = None) -> tuple[Params, CostModel]:
     """``params`` with the depth policy of ``n_max="auto"`` set, and its cost model: ``cost_model``
     when it is a :class:`CostModel`, else the one kept for ``key`` (:func:`cost_key`) or measured
-    with ``run`` on copies of the prefilled ``state`` (:func:`measure`; ``"refresh"``: measured
-    again). The generation's driver and the serving engine both call it."""
+    with ``run`` (:func:`measure`; ``"refresh"``: measured again) on copies of
+    :func:`probe_state` of ``state`` (a state of ``run``'s shapes, prefilled or not). The
+    generation's driver and the serving engine both call it before they prefill a prompt."""
     if not isinstance(cost_model, CostModel):
-        measure_now = lambda: measure(run, params, state, static)  # noqa: E731
+        measure_now = lambda: measure(run, params, probe_state(state), static)  # noqa: E731
         cost_model = cost_model_for(key, measure_now, refresh=cost_model == "refresh", n=static.depth)
     return params._replace(depth=depth_policy(calibration, cost_model)), cost_model
 
@@ -236,16 +289,18 @@ def costs_dir() -> Path:
     return cache_dir() / "depth_costs"
 
 
-def cost_key(static: Decoding, params: Params, batch: int, capacity: int, sources: tuple[str, ...], mode: str) -> dict:
-    """What a cost model depends on: device, JAX, the models (sources, configs, layouts), the
-    decoding set-up, batch, capacity and how the steps run (``mode``: ``"loop"`` or ``"step"``)."""
+def cost_key(static: Decoding, params: Params, batch: int, sources: tuple[str, ...]) -> dict:
+    """What a cost model depends on: device, JAX, the models (sources, configs, dtype, layouts)
+    and the batch. Not the capacity (the steps read the live prefix of the cache, not its
+    capacity), the sampling settings, the draft mode, the prompt or how the steps are run (a
+    loop on device or steps from Python): each moves every kind's cost alike by a little, so
+    one measurement serves a machine and a pair at each batch size."""
     dev = jax.devices()[0]
     layout = ["per-layer" if isinstance(p.get("layers"), tuple) else "stacked" for p in (params.target, params.drafter)
               if isinstance(p, dict)]
-    digest = hashlib.sha256(repr(static).encode()).hexdigest()[:16]
+    digest = hashlib.sha256(repr((static.target, static.drafter)).encode()).hexdigest()[:16]
     return dict(device=f"{dev.platform}:{dev.device_kind}", devices=jax.device_count(), jax=jax.__version__,
-                format=FORMAT, sources=list(sources), decoding=digest, layout=layout, batch=int(batch),
-                capacity=int(capacity), mode=mode)
+                format=FORMAT, sources=list(sources), models=digest, layout=layout, batch=int(batch))
 
 
 def _entry_path(key: dict) -> Path:
@@ -261,7 +316,7 @@ def load_cached(key: dict, n: int | None = None) -> CostModel | None:
         if data.get("key") != key:
             return None
         model = CostModel(step_cost=tuple(map(tuple, data["step_cost"])), plain_cost=tuple(data["plain_cost"]),
-                          bounds=tuple(data["bounds"]), info=dict(data.get("info", {}), source="cached", path=str(path)))
+                          widths=tuple(data["widths"]), bounds=tuple(data["bounds"]), info=dict(data.get("info", {}), source="cached", path=str(path)))
     except (OSError, ValueError, KeyError, TypeError, DFlashError):
         return None
     return None if n is not None and model.n != n else model
@@ -271,27 +326,37 @@ def store(key: dict, costs: CostModel) -> Path:
     """Keeps ``costs`` for ``key`` (atomically); returns the file."""
     path = _entry_path(key)
     path.parent.mkdir(parents=True, exist_ok=True)
-    data = dict(key=key, step_cost=costs.step_cost, plain_cost=costs.plain_cost, bounds=costs.bounds, info=costs.info or {})
+    data = dict(key=key, step_cost=costs.step_cost, plain_cost=costs.plain_cost, widths=costs.widths, bounds=costs.bounds,
+                info=costs.info or {})
     return write_text(path, json.dumps(data, indent=1))
 
 
 def cost_model_for(key: dict, measure_fn: Callable[[], CostModel], refresh: bool = False, n: int | None = None) -> CostModel:
     """The kept cost model of ``key`` (one that prices ``n`` drafted tokens, when given), else (or
-    with ``refresh``) ``measure_fn()`` (:func:`measure`), kept unless nothing could be measured;
-    a measurement is reported on stderr (it takes seconds)."""
+    with ``refresh``) ``measure_fn()`` (:func:`measure`), reported on stderr (it takes seconds).
+
+    A measurement is kept only when its timings settled (``info["stable"]``, :func:`_time_kinds`):
+    one taken while other processes kept the machine busy is used for this run and measured
+    again next time, so it never decides the choices of later runs.
+    """
     if not refresh:
         kept = load_cached(key, n)
         if kept is not None:
             return kept
     t0 = time.perf_counter()
-    with progress.step("measuring the step costs of n_max auto", "measured the step costs of n_max auto"):
+    with progress.step("measuring the step costs of n_max auto (once per machine, pair and batch size)",
+                       "measured the step costs of n_max auto") as details:
         costs = measure_fn()
-    if (costs.info or {}).get("source") != "measured":
+        info = costs.info or {}
+        if info.get("source") == "measured" and not info.get("stable", True):
+            details.append("the timings did not settle (a busy machine?): used now, not kept")
+    if info.get("source") != "measured":
         return costs
     when = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-    costs = dataclasses.replace(costs, info=dict(source="measured", date=when, seconds=round(time.perf_counter() - t0, 3)))
-    try:
-        store(key, costs)
-    except OSError:  # a read-only cache folder: use the measurement without keeping it
-        pass
+    costs = dataclasses.replace(costs, info=dict(info, date=when, seconds=round(time.perf_counter() - t0, 3)))
+    if info.get("stable", True):
+        try:
+            store(key, costs)
+        except OSError:  # a read-only cache folder: use the measurement without keeping it
+            pass
     return costs

@@ -137,8 +137,10 @@ def check_depth_policy(policy, depth: int) -> None:
     how = "a DepthPolicy (dflash_jax.costs.depth_policy(calibration, cost_model)) in Params(..., depth=...)"
     if policy is None or not all(hasattr(policy, f) for f in ("scale", "bias", "bounds", "step_cost", "plain_cost", "max_backoff", "pay_margin")):
         raise DFlashError("params.depth", f"got {type(policy).__name__} under n_max='auto'", how)
+    from dflash_jax.speculative.depth import verify_widths  # the package's steps import this module
+
     k = policy.bounds.shape[0]
-    want = dict(scale=(depth,), bias=(depth,), bounds=(k,), step_cost=(k, depth + 1), plain_cost=(k,), max_backoff=(), pay_margin=())
+    want = dict(scale=(depth,), bias=(depth,), bounds=(k,), step_cost=(k, len(verify_widths(depth))), plain_cost=(k,), max_backoff=(), pay_margin=())
     for name, shape in want.items():
         if tuple(getattr(policy, name).shape) != shape:
             raise DFlashError(f"params.depth.{name}", f"shape {tuple(getattr(policy, name).shape)}", f"{shape} for {depth} drafted tokens")

@@ -74,8 +74,9 @@ def _compile_reported(req: Request, state, streaming: bool):
 
 def _with_policy(req: Request, target: Target, drafter: Drafter, state, run, streaming: bool) -> tuple[Request, dict]:
     """``req`` with ``params.depth`` set for ``n_max="auto"`` (:func:`dflash_jax.costs.adaptive_params`:
-    the costs given, kept on disk, or measured with ``run`` on copies of the prefilled ``state``),
-    and the statistics that say where the costs came from."""
+    the costs given, kept on disk for this machine, pair and batch size, or measured once with
+    ``run`` on copies of the initial ``state`` whose rows it sets to a fixed length, before the
+    prompts are prefilled), and the statistics that say where the costs came from."""
     if not req.static.adaptive:
         return req, {}
 
@@ -84,12 +85,13 @@ def _with_policy(req: Request, target: Target, drafter: Drafter, state, run, str
             s = run(params, s)
         return s
 
-    key = costs.cost_key(req.static, req.params, len(req.prompts), req.max_len, (target.source, drafter.source), "step" if streaming else "loop")
-    params, model = costs.adaptive_params(req.params, req.static, req.calibration, state, steps if streaming else run, key, req.cost_model)
+    key = costs.cost_key(req.static, req.params, len(req.prompts), (target.source, drafter.source))
+    params, model = costs.adaptive_params(req.params, req.static, req.calibration, steps if streaming else run, key, state, req.cost_model)
     info = model.info or {}
     return dataclasses.replace(req, params=params), dict(
         cost_model=info.get("source", "given"), cost_model_s=info.get("seconds", 0.0) if info.get("source") == "measured" else 0.0,
-        step_cost_ms=[round(1000 * c, 3) for c in model.step_cost[0]], plain_cost_ms=round(1000 * model.plain_cost[0], 3))
+        cost_widths=list(model.widths), step_cost_ms=[round(1000 * c, 3) for c in model.step_cost[0]],
+        plain_cost_ms=round(1000 * model.plain_cost[0], 3))
 
 
 def _stream(req: Request, tokenizer, state, run, on_tokens) -> tuple[Any, float]:
@@ -180,13 +182,13 @@ def generate(
     t0 = time.perf_counter()
     prefill_c, run = _compile_reported(req, state, streaming=on_tokens is not None)  # traces shapes only; nothing runs
     compile_s = time.perf_counter() - t0
+    req, policy_stats = _with_policy(req, target, drafter, state, run, streaming=on_tokens is not None)
 
     jax.block_until_ready((req.params, state))
     t0 = time.perf_counter()
     state = decode.prefill(req.params, state, req.static, req.chunk_size, max(len(p) for p in req.prompts), compiled=prefill_c)
     jax.block_until_ready(state)
     prefill_s = time.perf_counter() - t0
-    req, policy_stats = _with_policy(req, target, drafter, state, run, streaming=on_tokens is not None)
 
     t0, callback_s = time.perf_counter(), 0.0
     if on_tokens is None:

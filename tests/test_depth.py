@@ -26,6 +26,7 @@ from dflash_jax.testing import tiny_drafter, tiny_target, verify_scripted
 
 PROMPTS = [[5, 9, 17, 3, 22, 8, 1], [40, 2, 7], [11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 30, 31]]
 N = 3  # drafted tokens of the tiny drafter (block size 4)
+WIDTHS = depth.verify_widths(N)  # (1, 3): the widths an adaptive step chooses from
 CHOOSE = jax.jit(depth.choose_width)  # one compile for every policy (traced) of batch 4
 
 
@@ -59,7 +60,7 @@ def run_auto(pair, prompts, n_new, model: CostModel, calibration=None, sampling=
 # a confident calibration (acceptance about 0.8 at any confidence) and costs that grow with the
 # width: the chosen width then depends on how many drafts a shortened final block may hold
 CONFIDENT = Calibration((0.0,) * N, (1.4,) * N)
-GROWING = CostModel(step_cost=((1.1, 1.3, 1.5, 1.7),), plain_cost=(1.0,))
+GROWING = CostModel(step_cost=((1.3, 1.7),), plain_cost=(1.0,), widths=WIDTHS)
 
 
 def test_greedy_lossless_with_every_forced_width_and_the_plain_step(pair):
@@ -68,9 +69,9 @@ def test_greedy_lossless_with_every_forced_width_and_the_plain_step(pair):
     from dflash_jax.compile_count import count_compilations
 
     prompts, ref = PROMPTS, plain_greedy(pair, PROMPTS, 20)
-    run_auto(pair, prompts, 20, CostModel.forcing(N, 0))  # warm-up
+    run_auto(pair, prompts, 20, CostModel.forcing(N, 1))  # warm-up
     with count_compilations() as compiled:
-        for w in range(N + 1):
+        for w in WIDTHS:
             st = run_auto(pair, prompts, 20, CostModel.forcing(N, w))
             assert outputs(st) == ref
             widths = np.asarray(st.speculative.widths)
@@ -130,7 +131,7 @@ def scripted(pair, prompt, n_new, width, corrupt_at=None, conf=0.9):
     return st, accepts, full[len(prompt) : len(prompt) + n_new]
 
 
-@pytest.mark.parametrize("width", [0, 1, 2, 3])
+@pytest.mark.parametrize("width", WIDTHS)
 def test_scripted_full_acceptance_commits_width_plus_one(pair, width):
     st, accepts, ref = scripted(pair, PROMPTS[0], 1 + 4 * (width + 1), width)
     assert outputs(st)[0] == ref
@@ -138,7 +139,7 @@ def test_scripted_full_acceptance_commits_width_plus_one(pair, width):
     assert np.asarray(st.speculative.widths).tolist() == [4 if w == width else 0 for w in range(N + 1)]
 
 
-@pytest.mark.parametrize("width,j", [(3, 0), (3, 1), (2, 1), (1, 2), (3, 2)])
+@pytest.mark.parametrize("width,j", [(3, 0), (3, 1), (1, 0), (1, 2), (3, 2)])
 def test_scripted_rejection_at_j_accepts_min_of_j_and_width(pair, width, j):
     st, accepts, ref = scripted(pair, PROMPTS[1], 16, width, corrupt_at=j)
     assert outputs(st)[0] == ref
@@ -153,7 +154,7 @@ def width_oracle(scale, bias, step_cost, plain_cost, margin, conf, n_valid, runn
     a = 1 / (1 + np.exp(-(scale * np.log(c / (1 - c)) + bias)))
     surv = np.cumprod(a, axis=1) * (np.arange(conf.shape[1])[None] < n_valid[:, None])
     e = 1 + np.concatenate([np.zeros((len(c), 1)), np.cumsum(surv, axis=1)], axis=1)
-    rate = e[running].sum(0) / step_cost
+    rate = e[running].sum(0)[list(WIDTHS)] / step_cost
     return int(np.argmax(rate)), bool(rate.max() * plain_cost > (1 + margin) * running.sum())
 
 
@@ -166,21 +167,21 @@ def test_width_rule_matches_its_numpy_statement():
         n_valid, running = rng.integers(0, N + 1, b), rng.random(b) < 0.8
         running[0] = True
         scale, bias = rng.uniform(0.5, 1.5, N).astype(np.float32), rng.uniform(-1, 1, N).astype(np.float32)
-        step_cost = np.sort(rng.uniform(1.0, 2.0, N + 1)).astype(np.float32)
+        step_cost = np.sort(rng.uniform(1.0, 2.0, len(WIDTHS))).astype(np.float32)
         plain_cost, margin = np.float32(rng.uniform(0.7, 1.2)), float(rng.choice([0.0, depth.PAY_MARGIN, 0.3]))
-        model = CostModel(step_cost=(tuple(step_cost),), plain_cost=(float(plain_cost),))
+        model = CostModel(step_cost=(tuple(step_cost),), plain_cost=(float(plain_cost),), widths=WIDTHS)
         policy = depth_policy(Calibration(tuple(scale), tuple(bias)), model, pay_margin=margin)
         w, pays = CHOOSE(policy, jnp.asarray(conf), jnp.asarray(n_valid, jnp.int32), jnp.asarray(running), jnp.int32(20))
         assert (int(w), bool(pays)) == width_oracle(scale, bias, step_cost, plain_cost, np.float32(margin), conf, n_valid, running)
         chosen.add(int(w))
-    assert len(chosen) >= 3, f"the trials should reach several widths, got {chosen}"
+    assert chosen == {0, 1}, f"the trials should reach every width, got {chosen}"
 
 
 def test_cost_buckets_follow_the_longest_live_row():
-    model = CostModel(step_cost=((1, 1, 1, 1), (1, 9, 9, 9)), plain_cost=(5, 5), bounds=(16, costs.NEVER))
+    model = CostModel(step_cost=((1, 1), (1, 9)), plain_cost=(5, 5), widths=WIDTHS, bounds=(16, costs.NEVER))
     policy = depth_policy(Calibration.identity(N), model)
     conf, n_valid, running = jnp.full((4, N), 0.9), jnp.full((4,), N, jnp.int32), jnp.ones((4,), bool)
-    assert int(CHOOSE(policy, conf, n_valid, running, jnp.int32(16))[0]) == N
+    assert int(CHOOSE(policy, conf, n_valid, running, jnp.int32(16))[0]) == len(WIDTHS) - 1
     assert int(CHOOSE(policy, conf, n_valid, running, jnp.int32(17))[0]) == 0
 
 
@@ -209,8 +210,10 @@ def test_missing_or_misshapen_policy_and_bad_cost_models_are_named(pair):
     assert (int(kept.max_backoff), float(kept.pay_margin)) == (3, 0.25)
     with pytest.raises(DFlashError, match=r"params.depth.max_backoff: shape \(2,\)"):
         decode.generate(Params(params, dparams, short.replace(max_backoff=jnp.ones(2, jnp.int32))), st, static)
-    for bad in (dict(step_cost=((1.0, -1.0),), plain_cost=(1.0,)), dict(step_cost=((1.0, 2.0), (1.0,)), plain_cost=(1.0, 1.0), bounds=(4, 8)),
-                dict(step_cost=((1.0, 2.0),), plain_cost=(1.0,), bounds=(0, 0))):
+    for bad in (dict(step_cost=((1.0, -1.0),), plain_cost=(1.0,), widths=WIDTHS),
+                dict(step_cost=((1.0, 2.0), (1.0,)), plain_cost=(1.0, 1.0), widths=WIDTHS, bounds=(4, 8)),
+                dict(step_cost=((1.0, 2.0),), plain_cost=(1.0,), widths=WIDTHS, bounds=(0, 0)),
+                dict(step_cost=((1.0, 2.0),), plain_cost=(1.0,), widths=(1, 2, 3)), dict(step_cost=((1.0, 2.0),), plain_cost=(1.0,), widths=(1,))):
         with pytest.raises(DFlashError, match="cost_model"):
             CostModel(**bad)
     with pytest.raises(DFlashError, match="--n-max"):
@@ -228,11 +231,12 @@ def api_pair(pair):
 
 def test_generate_measures_keeps_and_refreshes_the_cost_model(api_pair, tmp_path, monkeypatch, capsys):
     """The API's default under a drafter recorded with ``auto``: costs measured once per
-    (device, pair, batch, capacity), saying so on stderr, read back from the cache folder,
+    (device, pair, batch size), whatever the capacity or streaming, saying so on stderr, read back from the cache folder,
     measured again on ``"refresh"``; stats report widths and plain steps; output equals plain
     greedy."""
     monkeypatch.setenv("DFLASH_JAX_CACHE", str(tmp_path))
     monkeypatch.delenv("DFLASH_JAX_PROGRESS", raising=False)
+    monkeypatch.setattr(costs, "STABLE", 100.0)  # the tiny pair's steps take a millisecond: timer noise
     target, drafter = api_pair
     plain = dj.generate(target, PROMPTS, max_new_tokens=12)
     capsys.readouterr()
@@ -242,25 +246,42 @@ def test_generate_measures_keeps_and_refreshes_the_cost_model(api_pair, tmp_path
     st = first.stats
     assert st["n_max"] == "auto" and st["cost_model"] == "measured" and st["cost_model_s"] > 0
     assert len(st["widths"]) == N + 1 and sum(st["widths"]) + st["plain_steps"] == st["steps"]
-    assert len(st["step_cost_ms"]) == N + 1 and st["plain_cost_ms"] > 0
+    assert len(st["step_cost_ms"]) == len(WIDTHS) and st["cost_widths"] == list(WIDTHS) and st["plain_cost_ms"] > 0
     kept = list((tmp_path / "depth_costs").glob("*.json"))
     assert len(kept) == 1 and json.loads(kept[0].read_text())["key"]["batch"] == 3
     again = dj.generate(target, PROMPTS, max_new_tokens=12, drafter=drafter)
     assert again.stats["cost_model"] == "cached" and again.stats["step_cost_ms"] == st["step_cost_ms"]
     assert "step costs" not in capsys.readouterr().err
     entry = json.loads(kept[0].read_text())
-    kept[0].write_text(json.dumps(dict(entry, step_cost=[[0.1, 0.2]])))  # a valid model of another depth
+    kept[0].write_text(json.dumps(dict(entry, step_cost=[[0.1, 0.2, 0.3]], widths=[1, 3, 7])))  # a valid model of another depth
     healed = dj.generate(target, PROMPTS, max_new_tokens=12, drafter=drafter)
-    assert healed.stats["cost_model"] == "measured" and len(json.loads(kept[0].read_text())["step_cost"][0]) == N + 1
+    assert healed.stats["cost_model"] == "measured" and len(json.loads(kept[0].read_text())["step_cost"][0]) == len(WIDTHS)
     key = entry["key"]
     fresh = CostModel.forcing(N, 1)
     remeasured = costs.cost_model_for(key, lambda: dataclasses.replace(fresh, info=dict(source="measured")), refresh=True)
     assert remeasured.step_cost == fresh.step_cost and costs.load_cached(key).step_cost == fresh.step_cost  # "refresh"
-    given = dj.generate(target, PROMPTS, max_new_tokens=12, drafter=drafter, cost_model=CostModel.forcing(N, 2))
-    assert given.stats["cost_model"] == "given" and given.stats["widths"][2] == given.stats["steps"]
+    given = dj.generate(target, PROMPTS, max_new_tokens=12, drafter=drafter, cost_model=CostModel.forcing(N, 1))
+    assert given.stats["cost_model"] == "given" and given.stats["widths"][1] == given.stats["steps"]
     streamed = []
-    res = dj.generate(target, PROMPTS, max_new_tokens=12, drafter=drafter, on_tokens=streamed.append)
-    assert res.output_ids == plain.output_ids and res.stats["cost_model"] == "measured"  # a step, not the loop: own key
+    capsys.readouterr()
+    res = dj.generate(target, PROMPTS, max_new_tokens=12, drafter=drafter, on_tokens=streamed.append, max_len=128)
+    # streamed, another capacity: the same machine, pair and batch size, so the same costs
+    assert res.output_ids == plain.output_ids and res.stats["cost_model"] == "cached"
+    assert "step costs" not in capsys.readouterr().err
+
+
+def test_a_measurement_that_did_not_settle_is_used_once_and_not_kept(api_pair, tmp_path, monkeypatch, capsys):
+    """A busy machine's timings (here: a settling bound nothing meets) decide this run only: the
+    next run measures again, and stderr says why."""
+    monkeypatch.setenv("DFLASH_JAX_CACHE", str(tmp_path))
+    monkeypatch.delenv("DFLASH_JAX_PROGRESS", raising=False)
+    monkeypatch.setattr(costs, "STABLE", -1.0)
+    target, drafter = api_pair
+    for _ in range(2):
+        res = dj.generate(target, PROMPTS, max_new_tokens=6, drafter=drafter)
+        assert res.stats["cost_model"] == "measured"
+        assert "the timings did not settle (a busy machine?): used now, not kept" in capsys.readouterr().err
+    assert not list((tmp_path / "depth_costs").glob("*.json"))
 
 
 @pytest.mark.parametrize("kwargs,needle", [
@@ -281,10 +302,11 @@ def test_cost_model_without_a_drafter_is_named(api_pair):
 
 
 @pytest.mark.parametrize("kwargs,needle", [
-    (dict(step_cost=[[0.1, 0.2]], plain_cost=0.1), "cost_model.plain_cost: got 0.1"),
-    (dict(step_cost=[0.1, 0.2], plain_cost=[0.1]), "cost_model.step_cost: got [0.1, 0.2]"),
-    (dict(step_cost=[["a", 0.2]], plain_cost=[0.1]), "cost_model.step_cost"),
-    (dict(step_cost=[[0.1, 0.2]], plain_cost=[0.1], bounds="16"), "cost_model.bounds"),
+    (dict(step_cost=[[0.1, 0.2]], plain_cost=0.1, widths=WIDTHS), "cost_model.plain_cost: got 0.1"),
+    (dict(step_cost=[0.1, 0.2], plain_cost=[0.1], widths=WIDTHS), "cost_model.step_cost: got [0.1, 0.2]"),
+    (dict(step_cost=[["a", 0.2]], plain_cost=[0.1], widths=WIDTHS), "cost_model.step_cost"),
+    (dict(step_cost=[[0.1, 0.2]], plain_cost=[0.1], widths=WIDTHS, bounds="16"), "cost_model.bounds"),
+    (dict(step_cost=[[0.1, 0.2]], plain_cost=[0.1], widths="13"), "cost_model.widths: got '13'"),
 ])
 def test_cost_models_of_the_wrong_types_are_named(kwargs, needle):
     with pytest.raises(DFlashError) as e:
@@ -310,11 +332,11 @@ def test_recorded_calibration_is_loaded_and_checked(api_pair, tmp_path):
 
 
 def test_measure_times_every_width_and_the_plain_step(pair):
-    """:func:`costs.measure` runs the given loop once per kind and round: it prices ``N + 1``
-    widths and the plain step, each from the loop's own step count."""
+    """:func:`costs.measure` runs the given loop once per kind and round: it prices every verify
+    width and the plain step, each from the loop's own step count."""
     cfg, params, dcfg, dparams = pair
     static = Decoding(cfg, dcfg, n_max="auto")
-    weights = Params(params, dparams, depth_policy(Calibration.identity(N), CostModel.forcing(N, 0)))
+    weights = Params(params, dparams, depth_policy(Calibration.identity(N), CostModel.forcing(N, 1)))
     st = decode.prefill(weights, decode.init_state(static, PROMPTS, 64, 30), static, 4)
     seen = []
 
@@ -323,11 +345,13 @@ def test_measure_times_every_width_and_the_plain_step(pair):
         seen.append(np.asarray(out.speculative.widths).tolist())
         return out
 
-    model = costs.measure(run, weights, st, static, tokens=6, rounds=2)
-    assert len(seen) == 2 * (N + 2) and model.n == N and model.info["source"] == "measured"
+    kinds = len(WIDTHS) + 1
+    model = costs.measure(run, weights, st, static, tokens=6, rounds=2, max_rounds=2)
+    assert len(seen) == 2 * kinds and model.n == N and model.widths == WIDTHS and model.info["source"] == "measured"
     assert all(c > 0 for c in model.step_cost[0] + model.plain_cost)
-    for i, widths in enumerate(seen[: N + 2]):  # each forced kind ran only its own steps
-        assert sum(widths) == (0 if i == N + 1 else widths[i]) and (i == N + 1 or widths[i] > 0)
+    for i, widths in enumerate(seen[:kinds]):  # each forced kind ran only its own steps
+        w = WIDTHS[i] if i < len(WIDTHS) else None
+        assert sum(widths) == (0 if w is None else widths[w]) and (w is None or widths[w] > 0)
     done = st.replace(finish=jnp.ones_like(st.finish))
     assert costs.measure(run, weights, done, static).info["source"] == "none"
     seen.clear()
@@ -337,6 +361,6 @@ def test_measure_times_every_width_and_the_plain_step(pair):
         lengths.append(int(jnp.max(s.length)))
         return run(p, s)
 
-    model = costs.measure(run_at, weights, st, static, tokens=4, rounds=1, lengths=(16, 40))
+    model = costs.measure(run_at, weights, st, static, tokens=4, rounds=1, lengths=(16, 40), max_rounds=1)
     assert model.bounds == (16, 40) and len(model.step_cost) == 2 and len(model.plain_cost) == 2
-    assert lengths == [16] * (N + 2) + [40] * (N + 2)  # each bucket priced with rows that long
+    assert lengths == [16] * kinds + [40] * kinds  # each bucket priced with rows that long

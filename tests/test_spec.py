@@ -17,7 +17,7 @@ from dflash_jax.costs import CostModel, depth_policy
 from dflash_jax.decoding import Decoding, Params
 from dflash_jax.errors import DFlashError
 from dflash_jax.sampling import SamplingConfig
-from dflash_jax.speculative.depth import Calibration
+from dflash_jax.speculative.depth import Calibration, verify_widths
 from dflash_jax.state import LENGTH, STOP
 from dflash_jax.testing import tiny_drafter, tiny_target, verify_scripted
 
@@ -28,7 +28,8 @@ def auto_policy(n):
     """``n_max="auto"``'s numbers for tests: confident predictions and cheap widths (the step
     verifies all ``n`` drafts) but a plain step cheaper still (the propose does not pay: the next
     step is a plain step)."""
-    return depth_policy(Calibration((1.0,) * n, (2.0,) * n), CostModel(step_cost=(tuple(1.0 + 0.1 * w for w in range(n + 1)),), plain_cost=(0.3,)))
+    return depth_policy(Calibration((1.0,) * n, (2.0,) * n), CostModel(step_cost=(tuple(1.0 + 0.1 * w for w in verify_widths(n)),), plain_cost=(0.3,),
+                                                                          widths=verify_widths(n)))
 PROMPTS = [[5, 9, 17, 3, 22, 8, 1], [40, 2, 7], [11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 30, 31]]
 
 
@@ -380,7 +381,7 @@ def _chi2_threshold(df, z=3.29):  # Wilson-Hilferty, upper 0.9995 quantile
 def test_sampled_tokens_follow_target_distribution(mode, sampling, n_max):
     """Chi-square of (t1, t2, t3) over many independent rows against the exact enumerated target
     distribution, on an 8-token vocabulary (two of three tokens come from a verify step). With
-    ``n_max="auto"`` the first step verifies the width its policy chooses (both drafts that fit) and,
+    ``n_max="auto"`` the first step verifies the width its policy chooses (holding both drafts that fit) and,
     as that propose does not pay, the rows that need a third token get it from a plain step."""
     cfg, params = tiny_target("llama", seed=11, vocab_size=8, scale=0.5)
     d = tiny_drafter(cfg, seed=1, block_size=4, layer_ids=(0, 2), scale=0.5)
@@ -388,8 +389,8 @@ def test_sampled_tokens_follow_target_distribution(mode, sampling, n_max):
     n = 6000
     st = run_spec((cfg, params), d, [prompt] * n, 3, chunk=4, max_len=8, sampling=sampling, seed=123, mode=mode, n_max=n_max)
     if n_max == "auto":
-        # the budget leaves room for two drafts, so a third would cost without committing more
-        assert np.asarray(st.speculative.widths).tolist() == [0, 0, 1, 0] and int(st.steps) == 2
+        # the budget leaves room for two drafts: the verify widths are 1 and 3, and 3 verifies both
+        assert np.asarray(st.speculative.widths).tolist() == [0, 0, 0, 1] and int(st.steps) == 2
     assert (np.asarray(st.length) == 6).all()
     least = n // 10 if n_max is None else n // 20  # auto: the second step is plain, it drafts nothing
     assert int(np.asarray(st.speculative.accepted).sum()) > least, "the drafter should get some tokens accepted"

@@ -46,14 +46,15 @@ def main(argv=None) -> int:
     from dflash_jax import decode
     from dflash_jax.arguments import default_max_len
     from dflash_jax.costs import NEVER, CostModel, depth_policy
-    from dflash_jax.speculative.depth import MAX_BACKOFF, Calibration
+    from dflash_jax.speculative.depth import MAX_BACKOFF, Calibration, verify_widths
 
     target = dj.load_target()
     drafter = dj.shipped_drafter(target)
     prompts = [dj.encode_prompt(target, t) for t in CHAT_PROMPTS[: args.batch]]
     capacity = default_max_len(prompts, args.max_new_tokens)
     n = drafter.cfg.block_size - 1
-    probe_one = CostModel(step_cost=(tuple(1.0 if w == 1 else 1e6 for w in range(n + 1)),), plain_cost=(1e-6,))
+    widths = verify_widths(n)
+    probe_one = CostModel(step_cost=(tuple(1.0 if w == 1 else 1e6 for w in widths),), plain_cost=(1e-6,), widths=widths)
     rows = jnp.int32(len(prompts))
     prepared, states = {}, {}
     for kind in ("plain", "auto"):

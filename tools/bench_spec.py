@@ -79,7 +79,7 @@ def compile_all(target, drafter, prompts, args, capacity, names=None):
         loop = decode.generate_until.lower(params, st, static, rows).compile()
         run = lambda p, s, loop=loop, rows=rows: loop(p, s, rows)  # noqa: E731
         if config == "auto":
-            key = costs.cost_key(static, params, len(prompts), capacity, (target.source, drafter.source), "loop")
+            key = costs.cost_key(static, params, len(prompts), (target.source, drafter.source))
             model = costs.cost_model_for(key, lambda: costs.measure(run, params, st, static), refresh=args.measure_costs)
             params = params._replace(depth=costs.depth_policy(calibration, model))
             out["cost_model"] = model
@@ -311,7 +311,7 @@ def section(results, names, args, argv, wall, busy, drafter) -> str:
     for r, d in zip(results, details):
         w = " ".join(f"{i}:{c}" for i, c in enumerate(d["widths"]))
         taus = ", ".join(f"{c} {d['tau'][c]:.2f}" for c in names[1:])
-        costs = "; ".join(f"capacity {cap}: " + " ".join(f"{1000 * c:.0f}" for c in cm.step_cost[0]) + f" / plain {1000 * cm.plain_cost[0]:.0f}"
+        costs = "; ".join(f"capacity {cap}: " + " ".join(f"{w}:{1000 * c:.0f}" for w, c in zip(cm.widths, cm.step_cost[0])) + f" / plain {1000 * cm.plain_cost[0]:.0f}"
                           for cap, cm in sorted(r["cost_models"].items()))
         extra.append(f"- {r['name']}, batch {r['batch']}: auto's widths (drafts verified: steps) {w}, plain steps {d['plain_steps']}; "
                      f"tau {taus}; outputs equal to plain greedy: {d['equal']} / {d['outputs']} at worst per configuration, "

@@ -96,13 +96,15 @@ def run_layers(body, carry, layers, xs):
     """Runs ``carry = body(carry, layer_params, layer_xs, i)`` over a run of identical layers.
 
     ``layers`` is either stacked (leaves ``[L, ...]``: one ``lax.scan``, ``i`` a traced int32
-    scalar) or the tuple of :func:`unstack_layers` (a Python loop, ``i`` a Python int). ``xs`` is
+    scalar) or the tuple of :func:`unstack_layers` (a Python loop over one jitted ``body``, so the layers are
+    traced once, not ``L`` times; ``i`` a traced int32 scalar there too). ``xs`` is
     a pytree of per-layer inputs with leading axis ``L``; ``layer_xs`` is its slice at ``i``.
     Returns the final carry. Source: the per-step weight copies of ``lax.scan`` on XLA:CPU
     (BENCHMARKS.md, plain-decoding notes) are why the per-layer form exists."""
     if isinstance(layers, (tuple, list)):
+        layer = jax.jit(body)  # traced once for all layers of one shape (the program still holds L copies)
         for i, lp in enumerate(layers):
-            carry = body(carry, lp, jax.tree_util.tree_map(lambda a, i=i: a[i], xs), i)
+            carry = layer(carry, lp, jax.tree_util.tree_map(lambda a, i=i: a[i], xs), jnp.int32(i))
         return carry
     n = jax.tree_util.tree_leaves(layers)[0].shape[0]
 

@@ -136,7 +136,7 @@ class Batch:
 
     def params_for_steps(self) -> Params:
         """The weights of a decode step: under ``n_max="auto"`` with the depth policy of this batch
-        size (``depth_params(params, static, state, run, max_len)``, once per size)."""
+        size (``depth_params(params, static, state, run)``, once per size)."""
         if not self.static.adaptive:
             return self.params
         if self.rows not in self._step_params:
@@ -145,7 +145,7 @@ class Batch:
             def run(p, s):
                 return decode.generate_until(p, s, self.static, rows, jnp.int32(self.max_len))
 
-            self._step_params[self.rows] = self._depth_params(self.params, self.static, self.state, run, self.max_len)
+            self._step_params[self.rows] = self._depth_params(self.params, self.static, self.state, run)
         return self._step_params[self.rows]
 
     def read(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

@@ -45,13 +45,15 @@ class ServedModel:
     def params(self) -> Params:
         return Params(self.target.params, None if self.drafter is None else self.drafter.params)
 
-    def depth_params(self, params: Params, static: Decoding, state, run, max_len: int) -> Params:
+    def depth_params(self, params: Params, static: Decoding, state, run) -> Params:
         """``params`` with the depth policy of ``n_max="auto"`` for a batch of ``state``'s rows
-        (costs kept on disk for this batch size and capacity, else measured now with ``run``,
-        the batch's own loop, on copies of ``state``: 10-30 s on this CPU, once per size)."""
+        (costs kept on disk for this machine, pair and batch size, else measured now with
+        ``run``, the batch's own loop, on copies of ``state`` with every row running: a few seconds on this
+        CPU, once per machine and size; :meth:`~dflash_jax.serve.engine.Engine.warm_up` does it
+        for every size before the server listens)."""
         calibration = self.drafter.calibration or Calibration.identity(static.depth)
-        key = costs.cost_key(static, params, state.tokens.shape[0], max_len, (self.target.source, self.drafter.source), "serve")
-        return costs.adaptive_params(params, static, calibration, state, run, key)[0]
+        key = costs.cost_key(static, params, state.tokens.shape[0], (self.target.source, self.drafter.source))
+        return costs.adaptive_params(params, static, calibration, run, key, state)[0]
 
     def decoding(self, sampling: SamplingConfig, n_max: int | None) -> Decoding:
         """The static decoding set-up of a request (raises DFlashError for a bad ``n_max``)."""

@@ -1,9 +1,9 @@
 """The adaptive-depth step (``n_max="auto"``): propose the whole block (or skip the propose),
 choose the verify width on device, verify and commit.
 
-The width picks one of ``n + 1`` compiled verify branches, each a target pass over exactly
-``w + 1`` tokens, so a narrow verify costs what its width costs and no width ever compiles
-during a generation. The branches are while loops that run once or not at all
+The width picks one of a few compiled verify branches (:func:`~dflash_jax.speculative.depth.verify_widths`,
+and the anchor alone for a plain step), each a target pass over exactly ``w + 1`` tokens, so a
+narrow verify costs what its width costs and no width ever compiles during a generation. The branches are while loops that run once or not at all
 (:func:`run_one_of`) rather than ``lax.switch``: an XLA conditional copies the large buffers it
 updates (the KV cache, the drafter context) on XLA:CPU, a while loop updates its carry in place.
 The policy is :mod:`dflash_jax.speculative.depth`.
@@ -64,14 +64,16 @@ def verify_chosen(params: Params, state: DecodeState, static: Decoding, drafts, 
     running = ~state.done
     _, _, block_len = block_positions(state, n + 1)
     live = jnp.max(jnp.where(running, state.length, 0))
-    w, pays = depth.choose_width(params.depth, conf, block_len - 1, running, live)
-    w = jnp.where(plain, 0, w)
+    j, pays = depth.choose_width(params.depth, conf, block_len - 1, running, live)
+    widths = (0, *depth.verify_widths(n))  # branch 0: the anchor alone (a plain step)
+    branch = jnp.where(plain, 0, j + 1)
+    w = jnp.asarray(widths, jnp.int32)[branch]
 
     def verify_k(k, s):
         qk = None if q is None else q[:, :k]
         return commit_block(params, s, static, verify_fn(params, s, static, drafts[:, :k], qk, k_accept, k_bonus))
 
-    state = run_one_of(w, [functools.partial(verify_k, k) for k in range(n + 1)], state)
+    state = run_one_of(branch, [functools.partial(verify_k, k) for k in widths], state)
     ctx = depth.schedule(params.depth, count_width(state.speculative, w, plain), plain, pays)
     return state.replace(speculative=ctx)
 

@@ -12,6 +12,14 @@ With the measured seconds ``C(w)`` of a step that proposes and verifies ``w`` dr
 (:mod:`dflash_jax.costs`), the batch verifies the width that maximises
 ``sum_b E_b(w) / C(w)`` over its running rows (the DSpark / vLLM adaptive-verification rule).
 
+The widths to choose from are few (:func:`verify_widths`: blocks of 2, 4, 8, ... tokens and the
+whole block), because each is a target pass compiled into the step: eight widths made the step's
+XLA:CPU executable 26 MB, which took 24 s to read back from the compilation cache on every run
+(BENCHMARKS.md, "The cost of auto at the point of use"). Between two of them a width is not worth
+its code: a verify of ``w`` drafts costs about what the next candidate costs (on XLA:CPU a pass of 4
+to 8 tokens costs within a few percent of 8; on a GPU every width costs about the same), and
+commits no more.
+
 Drafting does not pay when even that best rate does not beat the rate of a plain step (one
 token per running row per ``plain_cost`` seconds) by ``pay_margin`` (:data:`PAY_MARGIN` by
 default). The step after such a propose is then a plain step (a target pass over the anchor
@@ -57,8 +65,8 @@ class DepthPolicy:
       scale, bias: ``[n]`` float32 calibration per draft position (identity: 1 and 0).
       bounds: ``[K]`` int32 upper bounds of the live-length buckets of the cost table,
         ascending (a live length beyond the last uses the last bucket).
-      step_cost: ``[K, n + 1]`` float32 seconds of a step that proposes and verifies ``w``
-        drafts, ``w = 0..n``, per bucket.
+      step_cost: ``[K, m]`` float32 seconds of a step that proposes and verifies ``w`` drafts,
+        for the ``m`` widths of :func:`verify_widths`, per bucket.
       plain_cost: ``[K]`` float32 seconds of a plain step (no propose, one target token).
       max_backoff: ``[]`` int32 the longest run of plain steps between two proposes
         (:data:`MAX_BACKOFF` unless set).
@@ -111,6 +119,19 @@ class Calibration:
         return Calibration(out["scale"], out["bias"], dict(record))
 
 
+def verify_widths(n: int) -> tuple[int, ...]:
+    """The verify widths (drafts verified) an adaptive step of ``n`` drafted tokens chooses
+    from: ``1, 3, 7, ...`` below ``n`` (blocks of 2, 4, 8, ... tokens), then ``n`` (module
+    docstring). ``n = 7``: ``(1, 3, 7)``; ``n = 3``: ``(1, 3)``; ``n = 1``: ``(1,)``."""
+    if n < 1:
+        raise DFlashError("n (drafted tokens)", f"got {n}", "at least 1")
+    widths, w = [], 1
+    while w < n:
+        widths.append(w)
+        w = 2 * w + 1
+    return (*widths, n)
+
+
 def acceptance(policy: DepthPolicy, conf: jnp.ndarray) -> jnp.ndarray:
     """Calibrated acceptance predictions ``[B, n]`` of the confidences ``conf [B, n]``."""
     c = jnp.clip(conf.astype(jnp.float32), _EPS, 1.0 - _EPS)
@@ -138,15 +159,17 @@ def choose_width(policy: DepthPolicy, conf, n_valid, running, live):
       conf: ``[B, n]`` float32 drafter confidences; n_valid: ``[B]`` int32 drafts that may be
         accepted; running: ``[B]`` bool rows still decoding; live: ``[]`` int32 longest live row.
     Returns:
-      ``(w [] int32 in [0, n], pays [] bool)``: ``w`` maximises expected committed tokens of the
-      running rows per second; ``pays``: that rate beats plain decoding's by ``policy.pay_margin``.
+      ``(j [] int32, pays [] bool)``: ``verify_widths(n)[j]`` maximises expected committed tokens
+      of the running rows per second; ``pays``: that rate beats plain decoding's by
+      ``policy.pay_margin``.
     """
     k = bucket(policy, live)
-    tokens = jnp.sum(jnp.where(running[:, None], expected_tokens(policy, conf, n_valid), 0.0), axis=0)
+    widths = jnp.asarray(verify_widths(conf.shape[1]), jnp.int32)
+    tokens = jnp.sum(jnp.where(running[:, None], expected_tokens(policy, conf, n_valid), 0.0), axis=0)[widths]
     rate = tokens / policy.step_cost[k]
-    w = jnp.argmax(rate).astype(jnp.int32)
-    pays = rate[w] * policy.plain_cost[k] > (1.0 + policy.pay_margin) * jnp.sum(running)
-    return w, pays
+    j = jnp.argmax(rate).astype(jnp.int32)
+    pays = rate[j] * policy.plain_cost[k] > (1.0 + policy.pay_margin) * jnp.sum(running)
+    return j, pays
 
 
 def schedule(policy: DepthPolicy, ctx, plain: jnp.ndarray, pays: jnp.ndarray):
