@@ -243,7 +243,10 @@ def test_speculative_json_equals_plain_and_reports_acceptance(capsys, hf_dir, dr
 def test_adaptive_depth_json_reports_widths_and_measured_costs(capsys, hf_dir, draft_dir, tmp_path, monkeypatch):
     """`--n-max auto --measure-costs --json`: the output of plain greedy decoding, the histogram of
     chosen widths and the plain steps, and costs measured now (kept under the cache folder)."""
+    from dflash_jax import costs
+
     monkeypatch.setenv("DFLASH_JAX_CACHE", str(tmp_path))
+    monkeypatch.setattr(costs, "STABLE", 100.0)  # the tiny pair's steps take a millisecond: timer noise
     common = ("--target", hf_dir, "--prompt-ids", "5,6,7,8", "--max-new-tokens", 12, "--ignore-eos")
     plain_obj, _ = run_json(capsys, *common, "--no-spec")
     obj, _ = run_json(capsys, *common, "--draft", draft_dir, "--n-max", "auto", "--measure-costs")

@@ -177,23 +177,40 @@ def test_tool_calls_and_reasoning(serve_scripted, layout, reasoning, content, ar
     assert again.choices[0].finish_reason == "tool_calls"
 
 
-def test_adaptive_depth_server_answers_as_generate(serve_tiny_model, tmp_path, monkeypatch):
-    """A server under ``n_max="auto"`` measures its batch's step costs on first use (kept under the
-    cache folder) and answers as ``generate`` does."""
+def test_adaptive_depth_server_measures_before_it_listens(serve_tiny_model, tmp_path, monkeypatch):
+    """A server under ``n_max="auto"`` gets the step costs of every batch size it can run before
+    it listens (kept under the cache folder); no request, greedy or sampled, alone or together,
+    runs a measurement; greedy answers equal ``generate``'s."""
+    from concurrent.futures import ThreadPoolExecutor
+
     from serve_util import serve_in_thread
 
+    from dflash_jax import costs
     from dflash_jax.serve.app import build_app
     from dflash_jax.serve.engine import Engine
     from dflash_jax.serve.jobs import ServedModel
 
     monkeypatch.setenv("DFLASH_JAX_CACHE", str(tmp_path))
+    monkeypatch.setattr(costs, "STABLE", 100.0)  # the tiny pair's steps take a millisecond: timer noise
+    measured = []
+    real_measure = costs.measure
+    monkeypatch.setattr(costs, "measure", lambda run, params, state, *a, **k: measured.append(state.tokens.shape[0]) or
+                        real_measure(run, params, state, *a, **k))
     _, target, drafter = serve_tiny_model
-    engine = Engine(ServedModel(target, drafter, name="tiny", n_max="auto"), max_batch=2, max_len=SERVE_MAX_LEN, max_queue=8)
+    engine = Engine(ServedModel(target, drafter, name="tiny", n_max="auto"), max_batch=3, max_len=SERVE_MAX_LEN, max_queue=8)
+    assert engine.batch_sizes() == [1, 2, 3]
     url, stop = serve_in_thread(build_app(engine))
     try:
+        assert measured == [1, 2, 3] and len(list((tmp_path / "depth_costs").glob("*.json"))) == 3
         text, _, _ = oracle(serve_tiny_model, chat_ids(serve_tiny_model, MESSAGES), 16)
-        r = client(url).chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=16, temperature=0)
-        assert r.choices[0].message.content == text
-        assert len(list((tmp_path / "depth_costs").glob("*.json"))) == 1
+
+        def ask(temperature):
+            return client(url).chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=16, temperature=temperature)
+
+        assert ask(0).choices[0].message.content == text
+        with ThreadPoolExecutor(6) as pool:
+            answers = list(pool.map(ask, [0, 0, 0, 0.7, 0.7, 0]))
+        assert [a.choices[0].message.content for a, t in zip(answers, [0, 0, 0, 0.7, 0.7, 0]) if t == 0] == [text] * 4
+        assert measured == [1, 2, 3]  # nothing measured once the server listened
     finally:
         stop()

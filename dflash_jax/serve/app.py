@@ -77,8 +77,9 @@ def _submit(engine: Engine, job: Job, metrics: Metrics) -> None:
 
 def build_app(engine: Engine, metrics: Metrics | None = None, api_key: str | None = None, max_body_bytes: int = 4 << 20,
               shutdown_timeout: float = 30.0, start_engine: bool = True) -> FastAPI:
-    """The server's app around ``engine`` (started by the app's lifespan unless ``start_engine``
-    is false; stopped, with ``shutdown_timeout`` seconds for running requests, at shutdown)."""
+    """The server's app around ``engine`` (warmed up, :meth:`~dflash_jax.serve.engine.Engine.warm_up`,
+    and started by the app's lifespan, before the server listens, unless ``start_engine`` is
+    false; stopped, with ``shutdown_timeout`` seconds for running requests, at shutdown)."""
     metrics = metrics or engine.metrics or Metrics()
     engine.metrics = metrics  # the engine counts into the registry /metrics shows
     model, created = engine.model, int(time.time())
@@ -86,6 +87,7 @@ def build_app(engine: Engine, metrics: Metrics | None = None, api_key: str | Non
     @contextlib.asynccontextmanager
     async def lifespan(_app):
         if start_engine and not engine.started:
+            await asyncio.to_thread(engine.warm_up)  # the server listens once every batch size is ready
             engine.start()
         yield
         await asyncio.to_thread(engine.stop, shutdown_timeout)

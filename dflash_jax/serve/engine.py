@@ -31,7 +31,9 @@ import traceback
 
 import numpy as np
 
+from dflash_jax import progress
 from dflash_jax.errors import DFlashError
+from dflash_jax.sampling import SamplingConfig
 from dflash_jax.serve.batch import Batch, Prefill, bucket
 from dflash_jax.serve.jobs import Done, Failed, Job, ServedModel, Text
 from dflash_jax.state import FINISH_REASONS, RUNNING
@@ -95,6 +97,27 @@ class Engine:
     def started(self) -> bool:
         """Whether :meth:`start` was called (the thread may have ended since)."""
         return self._thread.ident is not None
+
+    def batch_sizes(self) -> list[int]:
+        """The batch sizes the engine can run: powers of two below ``max_batch``, and ``max_batch``."""
+        return sorted({min(self.max_batch, bucket(n)) for n in range(1, self.max_batch + 1)})
+
+    def warm_up(self) -> None:
+        """Gets every batch size ready before the server listens (call it before :meth:`start`):
+        under ``n_max="auto"`` compiles the default lane's decode loop (greedy, the default depth)
+        at each size of :meth:`batch_sizes` and reads its step costs from ``depth_costs/`` or
+        measures them now (a progress line each), so no request ever waits for a measurement
+        (other lanes find the costs kept: they depend on the batch size, not the sampling)."""
+        static = self.model.decoding(SamplingConfig(), None)
+        if not static.adaptive:
+            return
+        sizes = self.batch_sizes()
+        with progress.step(f"getting n_max auto ready for batch sizes {', '.join(map(str, sizes))}", "n_max auto is ready"):
+            self._switch_lane((static, False))
+            for rows in sizes:
+                self._batch.resize(rows, [])
+                self._batch.params_for_steps()
+            self._batch.resize(1, [])
 
     def submit(self, job: Job) -> None:
         """Queues ``job``. Raises :class:`QueueFull` or :class:`NotAccepting`."""

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import itertools
+import json
 import time
 from typing import Any
 
@@ -40,6 +41,7 @@ class ServedModel:
     name: str = "dflash-jax"
     n_max: int | str | None = None
     chat_template_kwargs: dict | None = None
+    _costs: dict = dataclasses.field(default_factory=dict, repr=False, compare=False)
 
     @property
     def params(self) -> Params:
@@ -53,7 +55,9 @@ class ServedModel:
         for every size before the server listens)."""
         calibration = self.drafter.calibration or Calibration.identity(static.depth)
         key = costs.cost_key(static, params, state.tokens.shape[0], (self.target.source, self.drafter.source))
-        return costs.adaptive_params(params, static, calibration, run, key, state)[0]
+        name = json.dumps(key, sort_keys=True)  # one measurement per process and key, kept or not
+        params, self._costs[name] = costs.adaptive_params(params, static, calibration, run, key, state, self._costs.get(name))
+        return params
 
     def decoding(self, sampling: SamplingConfig, n_max: int | None) -> Decoding:
         """The static decoding set-up of a request (raises DFlashError for a bad ``n_max``)."""
