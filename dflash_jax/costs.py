@@ -22,7 +22,6 @@ import hashlib
 import json
 import math
 import numbers
-import os
 import time
 from pathlib import Path
 from typing import Callable, Sequence
@@ -62,8 +61,8 @@ class CostModel:
       widths: the widths priced, ascending (the last is the drafted depth ``n``).
       bounds: ``K`` ascending upper bounds (tokens) of the live-length buckets (default one
         bucket for every length).
-      info: how it was obtained (source, date, seconds, whether the timings settled, the load
-        average per core before and after), not compared.
+      info: how it was obtained (source, date, seconds, whether the timings settled), not
+        compared.
     Raises:
       DFlashError: ragged or non-positive costs, or bounds that do not fit (names ``cost_model``).
     """
@@ -245,27 +244,17 @@ def measure(run: Callable, params: Params, state, static: Decoding, tokens: int 
         seconds to every width); ``None``: one bucket at the state's own lengths.
     Returns:
       A :class:`CostModel` (seconds per step, ``info``: ``source`` ``"measured"``, ``stable``:
-      whether the timings settled, the load average before and after); equal costs
+      whether the timings settled); equal costs
       (``info["source"]`` ``"none"``) when every row is done already (no step will run).
     """
     n = static.depth
     widths = verify_widths(n)
     if bool(jax.device_get(jnp.all(state.done))):
         return CostModel(step_cost=((1.0,) * len(widths),), plain_cost=(1.0,), widths=widths, info=dict(source="none"))
-    load = _load()
     timed = [_time_kinds(run, params, _at_length(state, live, tokens), n, rounds, max_rounds) for live in (lengths or [None])]
     step, plain, stable = zip(*timed)
-    bounds = (NEVER,) if lengths is None or len(lengths) == 1 else tuple(lengths)
-    return CostModel(step_cost=step, plain_cost=plain, widths=widths, bounds=bounds,
-                     info=dict(source="measured", stable=all(stable), load=[load, _load()]))
-
-
-def _load() -> float | None:
-    """The 1-minute load average per core (``None`` where the system has none)."""
-    try:
-        return round(os.getloadavg()[0] / (os.cpu_count() or 1), 2)
-    except OSError:
-        return None
+    return CostModel(step_cost=step, plain_cost=plain, widths=widths, bounds=tuple(lengths or (NEVER,)),
+                     info=dict(source="measured", stable=all(stable)))
 
 
 def adaptive_params(params: Params, static: Decoding, calibration: Calibration, run: Callable, key: dict, state,

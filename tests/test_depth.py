@@ -158,6 +158,14 @@ def width_oracle(scale, bias, step_cost, plain_cost, margin, conf, n_valid, runn
     return int(np.argmax(rate)), bool(rate.max() * plain_cost > (1 + margin) * running.sum())
 
 
+def test_verify_widths_are_blocks_of_powers_of_two_and_the_whole_block():
+    assert [depth.verify_widths(n) for n in (1, 2, 3, 5, 7, 15)] == [(1,), (1, 2), (1, 3), (1, 3, 5), (1, 3, 7), (1, 3, 7, 15)]
+    with pytest.raises(DFlashError, match="at least 1"):
+        depth.verify_widths(0)
+    with pytest.raises(DFlashError, match=r"^width: got 2 \(expected one of the verify widths \(1, 3\)"):
+        CostModel.forcing(N, 2)
+
+
 def test_width_rule_matches_its_numpy_statement():
     rng = np.random.default_rng(0)
     chosen = set()

@@ -122,7 +122,11 @@ class Calibration:
 def verify_widths(n: int) -> tuple[int, ...]:
     """The verify widths (drafts verified) an adaptive step of ``n`` drafted tokens chooses
     from: ``1, 3, 7, ...`` below ``n`` (blocks of 2, 4, 8, ... tokens), then ``n`` (module
-    docstring). ``n = 7``: ``(1, 3, 7)``; ``n = 3``: ``(1, 3)``; ``n = 1``: ``(1,)``."""
+    docstring). ``n = 7``: ``(1, 3, 7)``; ``n = 3``: ``(1, 3)``; ``n = 1``: ``(1,)``.
+
+    Raises:
+      DFlashError: ``n < 1``.
+    """
     if n < 1:
         raise DFlashError("n (drafted tokens)", f"got {n}", "at least 1")
     widths, w = [], 1
