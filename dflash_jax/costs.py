@@ -29,7 +29,6 @@ from typing import Callable, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
-from scipy.optimize import isotonic_regression
 
 from dflash_jax import progress
 from dflash_jax.decoding import Decoding, Params
@@ -219,6 +218,8 @@ def _time_kinds(run, params, base, n: int, rounds: int, max_rounds: int) -> tupl
         if r + 1 >= rounds and stable:
             break
     best = [min(t) for t in times]
+    from scipy.optimize import isotonic_regression  # here: importing scipy.optimize takes 0.4-0.8 s of every start
+
     step = [float(c) for c in isotonic_regression(best[:-1]).x]
     return step, min(best[-1], step[0]), stable
 

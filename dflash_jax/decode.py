@@ -81,20 +81,25 @@ def init_state(
     if (max_new < 1).any():
         raise DFlashError("max_new_tokens (--max-new-tokens)", f"got {int(max_new.min())}", "an integer >= 1")
     stops = np.asarray(list(stop_ids) or [-1], np.int32)
-    speculative = None if static.drafter is None else init_speculative_state(static.drafter, b, max_len, static.depth)
     return DecodeState(
         tokens=jnp.asarray(tokens),
         length=jnp.asarray(lens),
         prompt_len=jnp.asarray(lens),
         max_new=jnp.asarray(max_new),
         stop_ids=jnp.asarray(stops),
-        cache=module_for(static.target).init_cache(static.target, b, max_len),
         rng=_key(seed),
-        finish=jnp.zeros((b,), jnp.int32),
-        gaps=jnp.zeros((b, max_len), jnp.float32),
-        steps=jnp.zeros((), jnp.int32),
-        speculative=speculative,
+        **_empty_buffers(static, b, max_len),
     )
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1, 2))
+def _empty_buffers(static: Decoding, b: int, max_len: int) -> dict:
+    """The state's zeroed buffers (target cache, drafter context, statistics) made by one program:
+    eager ``jnp.zeros`` would dispatch one small program per shape, each looked up in the compile
+    cache at every start."""
+    speculative = None if static.drafter is None else init_speculative_state(static.drafter, b, max_len, static.depth)
+    return dict(cache=module_for(static.target).init_cache(static.target, b, max_len), finish=jnp.zeros((b,), jnp.int32),
+                gaps=jnp.zeros((b, max_len), jnp.float32), steps=jnp.zeros((), jnp.int32), speculative=speculative)
 
 
 def _key(seed) -> jax.Array:

@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dflash_jax import costs, decode, progress
+from dflash_jax import costs, decode, executables, progress
 from dflash_jax.arguments import Request, check_request
 from dflash_jax.compile_count import count_cache_hits, count_compilations
 from dflash_jax.loading import Drafter, Target
@@ -57,9 +57,9 @@ def _compile(req: Request, state, streaming: bool):
 def _compile_now(req: Request, state, streaming: bool):
     prefill_c = compile_prefill(req.params, state, req.static, req.chunk_size)
     if streaming:
-        return prefill_c, decode.decode_step.lower(req.params, state, req.static).compile()
+        return prefill_c, executables.compile(decode.decode_step, req.params, state, req.static)
     rows = jnp.int32(state.tokens.shape[0])
-    loop = decode.generate_until.lower(req.params, state, req.static, rows).compile()
+    loop = executables.compile(decode.generate_until, req.params, state, req.static, rows)
     return prefill_c, lambda params, s: loop(params, s, rows)
 
 

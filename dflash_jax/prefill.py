@@ -14,6 +14,7 @@ import numbers
 import jax
 import jax.numpy as jnp
 
+from dflash_jax import executables
 from dflash_jax.decoding import Decoding, Params, check_step_inputs
 from dflash_jax.errors import DFlashError
 from dflash_jax.registry import module_for
@@ -76,8 +77,8 @@ def compile_prefill(params: Params, state: DecodeState, static: Decoding, chunk_
     for these shapes: ``chunk(params, state, logits_acc, start)`` and ``finish(state, logits_acc)``
     (for :func:`prefill`'s ``compiled``; lowering traces shapes only, nothing runs)."""
     acc = jnp.zeros((state.tokens.shape[0], static.target.vocab_size), jnp.float32)
-    chunk = prefill_chunk.lower(params, state, static, acc, jnp.int32(0), chunk_size).compile()
-    return chunk, finish_prefill.lower(state, static, acc).compile()
+    chunk = executables.compile(prefill_chunk, params, state, static, acc, jnp.int32(0), chunk_size)
+    return chunk, executables.compile(finish_prefill, state, static, acc)
 
 
 def prefill(params: Params, state: DecodeState, static: Decoding, chunk_size: int, max_prompt_len: int | None = None,

@@ -62,8 +62,9 @@ def spec_stats(state, rows: Sequence[int] | None = None, n_max=None) -> dict:
       n_max: the depth the generation was asked for, reported as given (default: the drafted one).
     """
     sp = state.speculative  # the statistics only: the drafter context stays on device
-    fields = (sp.verify_steps, sp.accepted_per_position, sp.drafted, sp.accepted, state.committed, sp.widths)
-    verify, per_pos, drafted, accepted, committed, widths = jax.device_get(fields)
+    fields = (sp.verify_steps, sp.accepted_per_position, sp.drafted, sp.accepted, state.length, state.prompt_len, sp.widths)
+    verify, per_pos, drafted, accepted, length, prompt_len, widths = jax.device_get(fields)
+    committed = np.maximum(length - prompt_len - 1, 0)  # DecodeState.committed, on the host: no program per batch size
     passes = total = int(jax.device_get(state.steps))
     if rows is not None:
         idx = np.asarray(rows, np.int64)

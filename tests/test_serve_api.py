@@ -177,6 +177,37 @@ def test_tool_calls_and_reasoning(serve_scripted, layout, reasoning, content, ar
     assert again.choices[0].finish_reason == "tool_calls"
 
 
+def test_a_server_compiles_every_batch_size_before_it_listens(serve_tiny_model):
+    """The warm-up runs each batch size's programs (greedy, the default depth) before the server
+    listens: a burst of concurrent greedy requests with short prompts then compiles nothing, and
+    each answer equals ``generate``'s answer alone."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from serve_util import serve_in_thread
+
+    from dflash_jax.compile_count import count_compilations
+    from dflash_jax.serve.app import build_app
+    from dflash_jax.serve.engine import Engine
+    from dflash_jax.serve.jobs import ServedModel
+
+    _, target, drafter = serve_tiny_model
+    ids = chat_ids(serve_tiny_model, MESSAGES)
+    assert len(ids) <= 64  # the smallest prefill chunk, the one warmed up
+    text = oracle(serve_tiny_model, ids, 12)[0]
+    engine = Engine(ServedModel(target, drafter, name="tiny"), max_batch=4, max_len=SERVE_MAX_LEN, max_queue=16)
+    url, stop = serve_in_thread(build_app(engine))
+    try:
+        def ask(_):
+            return client(url).chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=12, temperature=0)
+
+        with count_compilations() as compiled, ThreadPoolExecutor(6) as pool:
+            answers = list(pool.map(ask, range(6)))
+        assert compiled() == 0
+        assert [a.choices[0].message.content for a in answers] == [text] * 6
+    finally:
+        stop()
+
+
 def test_adaptive_depth_server_measures_before_it_listens(serve_tiny_model, tmp_path, monkeypatch):
     """A server under ``n_max="auto"`` gets the step costs of every batch size it can run before
     it listens (kept under the cache folder); no request, greedy or sampled, alone or together,

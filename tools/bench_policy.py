@@ -27,9 +27,9 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from benchlib import at_least, int_list, machine, publish  # noqa: E402
-from prompts import CHAT_PROMPTS, humaneval_chat_prompts  # noqa: E402
+from prompts import CHAT_PROMPTS, CODE_PROMPTS, humaneval_chat_prompts  # noqa: E402
 
-SETS = {"chat": lambda: list(CHAT_PROMPTS), "humaneval": humaneval_chat_prompts}
+SETS = {"chat": lambda: list(CHAT_PROMPTS), "code": lambda: list(CODE_PROMPTS), "humaneval": humaneval_chat_prompts}
 
 
 def parse_variants(text: str) -> dict:
@@ -88,9 +88,10 @@ def rows(res: dict, configs) -> list[str]:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--sets", default="humaneval:24,chat:24", help="NAME:COUNT,... (chat, humaneval); prompts repeat cyclically")
+    p.add_argument("--sets", default="humaneval:24,chat:24", help="NAME:COUNT,... (chat, code, humaneval); prompts repeat cyclically")
     p.add_argument("--variants", default="8:0.05,16:0.15", help="MAX_BACKOFF:PAY_MARGIN[:raw],... auto variants (raw: the identity calibration)")
     p.add_argument("--fixed", type=int_list, default=[], help="fixed depths to run too, such as 1,2 (default none)")
+    p.add_argument("--auto-blocks", type=int_list, default=[], help="auto over shorter blocks too, such as 4,2 (verify widths 1,3 and 1)")
     p.add_argument("--batch", type=at_least(1), default=8, help="slots of continuous batching")
     p.add_argument("--max-new-tokens", type=at_least(1), default=256, help="new tokens per answer (users' answers run to hundreds)")
     p.add_argument("--measure-costs", action="store_true", help="measure auto's cost model again instead of reading it")
@@ -98,15 +99,17 @@ def main(argv=None) -> int:
     p.add_argument("--no-write", action="store_true", help="print the section; leave BENCHMARKS.md alone")
     args = p.parse_args(argv)
     variants, sets = parse_variants(args.variants), parse_sets(args.sets)
-    fixed = args.fixed
+    fixed = [*args.fixed, *(f"auto@{k}" for k in args.auto_blocks)]
 
     import dflash_jax as dj
     from spec_continuous import run_set
 
     target = dj.load_target()
     drafter = dj.shipped_drafter(target)
-    if any(not 1 <= k < drafter.cfg.block_size for k in fixed):
-        raise SystemExit(f"error: --fixed: got {fixed} (depths from 1 to {drafter.cfg.block_size - 1})")
+    if any(not 1 <= k < drafter.cfg.block_size for k in args.fixed):
+        raise SystemExit(f"error: --fixed: got {args.fixed} (depths from 1 to {drafter.cfg.block_size - 1})")
+    if any(not 2 <= k < drafter.cfg.block_size for k in args.auto_blocks):
+        raise SystemExit(f"error: --auto-blocks: got {args.auto_blocks} (blocks from 2 to {drafter.cfg.block_size - 1} tokens)")
     bench_args = types.SimpleNamespace(max_new_tokens=args.max_new_tokens, measure_costs=args.measure_costs)
     table = []
     for name, count in sets:

@@ -20,6 +20,7 @@ Results go to a section of ``BENCHMARKS.md`` and the plot to ``tools/results/dep
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import gc
 import shlex
@@ -48,7 +49,15 @@ def setup(target, drafter, config):
 
     if config == "plain":
         return Decoding(target.cfg, sampling=SamplingConfig()), Params(target.params)
-    return Decoding(target.cfg, drafter.cfg, SamplingConfig(), n_max=config), Params(target.params, drafter.params)
+    cfg, n_max = drafter.cfg, config
+    if isinstance(config, str) and config.startswith("auto@"):  # auto over a shorter block: fewer verify widths
+        cfg, n_max = dataclasses.replace(cfg, block_size=int(config[5:])), "auto"
+    return Decoding(target.cfg, cfg, SamplingConfig(), n_max=n_max), Params(target.params, drafter.params)
+
+
+def is_auto(config) -> bool:
+    """Whether ``config`` names auto (``"auto"``, or ``"auto@K"``: auto over blocks of ``K`` tokens)."""
+    return isinstance(config, str) and config.startswith("auto")
 
 
 def fresh_state(target, static, params, prompts, args, capacity):
@@ -70,15 +79,16 @@ def compile_all(target, drafter, prompts, args, capacity, names=None):
     out = {}
     for config in names or configs(drafter):
         static, params = setup(target, drafter, config)
-        if config == "auto":
+        if is_auto(config):
             n = static.depth
-            calibration = drafter.calibration or Calibration.identity(n)
+            cal = drafter.calibration
+            calibration = Calibration(cal.scale[:n], cal.bias[:n]) if cal is not None else Calibration.identity(n)
             params = params._replace(depth=costs.depth_policy(calibration, costs.CostModel.forcing(n, n)))
         st = fresh_state(target, static, params, prompts, args, capacity)
         rows = jnp.int32(len(prompts))
         loop = decode.generate_until.lower(params, st, static, rows).compile()
         run = lambda p, s, loop=loop, rows=rows: loop(p, s, rows)  # noqa: E731
-        if config == "auto":
+        if is_auto(config):
             key = costs.cost_key(static, params, len(prompts), (target.source, drafter.source))
             model = costs.cost_model_for(key, lambda: costs.measure(run, params, st, static), refresh=args.measure_costs)
             params = params._replace(depth=costs.depth_policy(calibration, model))

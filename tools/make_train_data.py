@@ -56,7 +56,7 @@ import numpy as np
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tools"))
-from prompts import CHAT_PROMPTS, HUMANEVAL_TEMPLATE  # noqa: E402  (the benchmark's prompts: held out)
+from prompts import CHAT_PROMPTS, CODE_PROMPTS, HUMANEVAL_TEMPLATE  # noqa: E402  (the benchmark's prompts: held out)
 
 sys.path.pop(0)
 
@@ -245,7 +245,7 @@ def build_prompts(seed: int, code_fraction: float) -> list[dict]:
             out.append(general[gi])
             gi += 1
     out += code2  # appended, so the round-1 list stays a prefix of the whole list
-    banned = {p.strip().lower() for p in held_out_prompts() + CHAT_PROMPTS}
+    banned = {p.strip().lower() for p in held_out_prompts() + CHAT_PROMPTS + CODE_PROMPTS}
     return [p for p in out if p["text"].strip().lower() not in banned]
 
 

@@ -39,6 +39,28 @@ CHAT_PROMPTS = [
 ]
 
 
+# Code requests as users type them (not HumanEval's wording): held out of the drafter's training
+# (tools/make_train_data.py drops them) and of the depth calibration; none of their tasks is among
+# make_train_data's CODING_TASKS.
+CODE_PROMPTS = [
+    "write a python function to check if a number is prime",
+    "How do I read a JSON file in Python and print every key?",
+    "Can you write a Python script that renames all .txt files in a folder to .md?",
+    "python: sort a list of dicts by the 'age' key, oldest first",
+    "Write a function that returns the longest word in a sentence.",
+    "I need a Python class for a bank account with deposit and withdraw methods.",
+    "write code to count how many times each word appears in a text file",
+    "How can I download a web page with Python's standard library?",
+    "Write a Python function that converts a number of seconds into hours, minutes and seconds.",
+    "make a python generator that yields the squares of the numbers from 1 to n",
+    "Show me how to use a dictionary comprehension to invert a dict.",
+    "Write a recursive function that sums a nested list of integers.",
+    "give me a python function that checks whether a string has balanced brackets",
+    "How do I time how long a function takes to run in Python?",
+    "Write a Python function that returns the n most common letters in a string.",
+    "write a function to merge two dictionaries, adding the values of shared keys",
+]
+
 # Fitting the adaptive depth policy's calibration (tools/calibrate_depth.py): neither HumanEval
 # nor CHAT_PROMPTS (both evaluate it), and not among the drafter's training prompts.
 CALIBRATION_CHAT = [

@@ -79,8 +79,15 @@ def unstack_layers(params: Params) -> Params:
     notes)."""
     if isinstance(params["layers"], (tuple, list)):
         return params
-    n = jax.tree_util.tree_leaves(params["layers"])[0].shape[0]
-    return dict(params, layers=tuple(jax.tree_util.tree_map(lambda a, i=i: a[i], params["layers"]) for i in range(n)))
+    leaves = jax.tree_util.tree_leaves(params["layers"])
+    if all(isinstance(a, jax.Array) for a in leaves):  # one program, not one eager slice per leaf and layer
+        return dict(params, layers=_split_layers(params["layers"], leaves[0].shape[0]))
+    return dict(params, layers=_split_layers.__wrapped__(params["layers"], leaves[0].shape[0]))  # numpy: views
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def _split_layers(layers, n: int) -> tuple:
+    return tuple(jax.tree_util.tree_map(lambda a, i=i: a[i], layers) for i in range(n))
 
 
 def stack_layers(params: Params) -> Params:

@@ -130,6 +130,21 @@ class Batch:
         if not running:  # an idle batch takes the group's key: a lone request's sampling is seeded
             self.state = self.state.replace(rng=fresh.rng)
 
+    def warm_up(self) -> None:
+        """Runs this batch size's programs once on throwaway rows, so that no request compiles
+        them: for each group size a request group can take here (powers of two up to the batch
+        size), a prefill of one-token prompts (the smallest prefill chunk), the swap into the
+        batch and a decode round (under ``n_max="auto"`` after this size's step costs); the rows
+        are freed after. Call it on an idle batch."""
+        g = 1
+        while g <= self.rows:
+            p = self.start_prefill(list(range(g)), [[0]] * g, [1] * g, 0)
+            while not p.complete:
+                self.prefill_step(p)
+            self.run(self.rows, 1)
+            self.release(list(range(self.rows)))
+            g *= 2
+
     def run(self, min_done: int, max_steps: int) -> None:
         """Decodes on device until ``min_done`` rows are done, all are, or ``max_steps`` steps ran."""
         self.state = decode.generate_until(self.params_for_steps(), self.state, self.static, jnp.int32(min_done), jnp.int32(max_steps))

@@ -104,20 +104,24 @@ class Engine:
 
     def warm_up(self) -> None:
         """Gets every batch size ready before the server listens (call it before :meth:`start`):
-        under ``n_max="auto"`` compiles the default lane's decode loop (greedy, the default depth)
-        at each size of :meth:`batch_sizes` and reads its step costs from ``depth_costs/`` or
-        measures them now (a progress line each), so no request ever waits for a measurement
-        (other lanes find the costs kept: they depend on the batch size, not the sampling)."""
+        runs the default lane's programs (greedy, the default depth) once at each size of
+        :meth:`batch_sizes`, growing and then shrinking the batch (:meth:`Batch.warm_up
+        <dflash_jax.serve.batch.Batch.warm_up>`), so the first requests compile nothing and,
+        under ``n_max="auto"``, the step costs of each size are read from ``depth_costs/`` or
+        measured now (other lanes find them kept: they depend on the batch size, not the
+        sampling). Prompts longer than the smallest prefill chunk, and other lanes, compile their
+        programs when they first come (a progress line each)."""
         static = self.model.decoding(SamplingConfig(), None)
-        if not static.adaptive:
-            return
         sizes = self.batch_sizes()
-        with progress.step(f"getting n_max auto ready for batch sizes {', '.join(map(str, sizes))}", "n_max auto is ready"):
+        what = "compiling" + (" and measuring the step costs" if static.adaptive else "")
+        with progress.step(f"{what} for batch sizes {', '.join(map(str, sizes))}", "every batch size is ready"):
             self._switch_lane((static, False))
             for rows in sizes:
                 self._batch.resize(rows, [])
-                self._batch.params_for_steps()
-            self._batch.resize(1, [])
+                self._batch.warm_up()
+            for rows in reversed(sizes[:-1]):
+                self._batch.resize(rows, [])
+            self._rows = [None] * self._batch.rows
 
     def submit(self, job: Job) -> None:
         """Queues ``job``. Raises :class:`QueueFull` or :class:`NotAccepting`."""

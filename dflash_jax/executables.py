@@ -1,0 +1,183 @@
+"""Compiled programs kept on disk under a key known before tracing, so a warm process neither
+traces nor lowers them.
+
+JAX's persistent compilation cache (``<cache folder>/jax_cache``) is keyed by the lowered
+program: to find an executable, a new process first traces and lowers the function, which for
+the decode loop of a 30-layer target takes seconds on a CPU (BENCHMARKS.md, "The cost of auto at
+the point of use"). :func:`compile` keys an executable instead by everything that decides it
+before tracing:
+
+* the function (module and qualified name) and the ``repr`` of each argument that is not an array
+  (static configs; their reprs list every field);
+* the tree structure of the arguments and each array's shape, dtype, weak type and sharding;
+* the source of this package (a hash of every ``.py`` file under ``dflash_jax/``: any change of
+  the code is a new key);
+* the module constants read while tracing (:data:`TRACE_CONSTANTS`: the attention's key block,
+  the weight layouts' row thresholds; a new such constant must be listed there);
+* JAX's and jaxlib's versions, the backend's platform and version, the devices' kinds and count,
+  ``XLA_FLAGS`` and the JAX options that change lowering (x64, matmul precision).
+
+An entry is :func:`jax.experimental.serialize_executable.serialize`'s payload and trees, pickled,
+in ``executables/<name>-<key>.bin`` inside JAX's persistent compilation cache folder, written
+atomically: the store is on exactly when that cache is (``<cache folder>/jax_cache`` by default,
+:mod:`dflash_jax`). An entry that fails to
+load (written by another JAX, truncated) is removed and the function compiled again; an argument
+whose ``repr`` could be ambiguous (a memory address, a shortened array) is never stored. Reading
+an entry runs what it holds, as JAX's own cache does: the folder must be as trusted as the code.
+The store keeps at most :data:`MAX_BYTES`, dropping the least recently used entries.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import importlib
+import os
+import pickle
+import tempfile
+from pathlib import Path
+from typing import Any, Callable
+
+import jax
+import numpy as np
+
+FORMAT = 1
+# An XLA option at its default value: a program compiled for the store has a key of its own in
+# JAX's cache, so a miss here compiles anew. An executable that JAX read back from its cache does
+# not serialize whole again (its kernels are left out: "Function call_kernel not found" when the
+# copy runs), so one read back during a compile is used but never stored.
+FRESH = {"xla_cpu_enable_fast_math": False}
+MAX_BYTES = 1 << 30  # 1 GiB: about 100 decode loops of the default pair
+_AMBIGUOUS = (" at 0x", "...")
+
+
+TRACE_CONSTANTS = (("dflash_jax.nn.live_attention", "KEY_BLOCK"), ("dflash_jax.nn.live_attention", "FLAT_MAX_QUERIES"),
+                   ("dflash_jax.nn.layouts", "GATE_UP_MIN_ROWS"), ("dflash_jax.nn.layouts", "HEAD_MIN_ROWS"))
+
+
+def store_dir() -> Path | None:
+    """``executables/`` in JAX's persistent compilation cache folder, ``None`` while that cache is off."""
+    folder = jax.config.jax_compilation_cache_dir
+    return Path(folder) / "executables" if folder else None
+
+
+@functools.cache
+def source_hash() -> str:
+    """SHA-256 over the path and bytes of every ``.py`` file of the package, in path order."""
+    root = Path(__file__).resolve().parent
+    h = hashlib.sha256()
+    for p in sorted(root.rglob("*.py")):
+        h.update(str(p.relative_to(root)).encode() + b"\0" + p.read_bytes() + b"\0")
+    return h.hexdigest()
+
+
+def _platform() -> tuple:
+    import jaxlib
+
+    devices = jax.devices()
+    backend = devices[0].client
+    cfg = jax.config
+    constants = tuple(getattr(importlib.import_module(m), name) for m, name in TRACE_CONSTANTS)
+    return (FORMAT, constants, jax.__version__, jaxlib.__version__, backend.platform, backend.platform_version,
+            tuple(d.device_kind for d in devices), os.environ.get("XLA_FLAGS", ""),
+            cfg.jax_enable_x64, str(cfg.jax_default_matmul_precision), source_hash())
+
+
+def _leaf_key(x) -> str | None:
+    """An array's aval and sharding, or a static value's ``repr``; ``None`` when that repr could
+    stand for more than one value."""
+    if isinstance(x, (jax.Array, np.ndarray, np.generic)):
+        weak = getattr(getattr(x, "aval", None), "weak_type", False)
+        return f"{x.dtype}{list(x.shape)}w{int(weak)}:{getattr(x, 'sharding', None)}"
+    r = repr(x)
+    return None if any(a in r for a in _AMBIGUOUS) else f"{type(x).__qualname__}={r}"
+
+
+def key(fn: Callable, args: tuple) -> str | None:
+    """The store's key of ``fn(*args)`` (hex SHA-256), or ``None`` when an argument cannot be keyed."""
+    leaves, treedef = jax.tree_util.tree_flatten(args)
+    parts = [_leaf_key(x) for x in leaves]
+    if None in parts:
+        return None
+    name = f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', repr(fn))}"
+    text = repr((_platform(), name, str(treedef), parts))
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def _path(folder: Path, fn: Callable, k: str) -> Path:
+    name = "".join(c if c.isalnum() or c == "_" else "_" for c in getattr(fn, "__name__", "fn"))
+    return folder / f"{name}-{k[:40]}.bin"
+
+
+def _load(path: Path) -> Any | None:
+    from jax.experimental.serialize_executable import deserialize_and_load
+
+    try:
+        fmt, payload, in_tree, out_tree = pickle.loads(path.read_bytes())
+        if fmt != FORMAT:
+            raise ValueError(f"format {fmt}")
+        compiled = deserialize_and_load(payload, in_tree, out_tree)
+    except FileNotFoundError:
+        return None
+    except Exception:  # written by another JAX or truncated: compile again
+        path.unlink(missing_ok=True)
+        return None
+    os.utime(path)  # recently used
+    return compiled
+
+
+def _save(path: Path, compiled) -> None:
+    from jax.experimental.serialize_executable import serialize
+
+    try:
+        payload, in_tree, out_tree = serialize(compiled)
+        data = pickle.dumps((FORMAT, payload, in_tree, out_tree))
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+        _trim(path.parent)
+    except (OSError, ValueError, NotImplementedError, pickle.PicklingError):
+        return  # a read-only cache folder or a program JAX cannot serialize: keep it in memory only
+
+
+def _trim(folder: Path, max_bytes: int | None = None) -> None:
+    """Drops the least recently used entries of ``folder`` beyond ``max_bytes`` (default :data:`MAX_BYTES`)."""
+    limit = MAX_BYTES if max_bytes is None else max_bytes
+    entries = sorted(folder.glob("*.bin"), key=lambda p: p.stat().st_mtime, reverse=True)
+    total = 0
+    for p in entries:
+        total += p.stat().st_size
+        if total > limit:
+            p.unlink(missing_ok=True)
+
+
+def compile(fn, *args):
+    """``fn.lower(*args).compile()``, read from the store when this process's key is there.
+
+    Args:
+      fn: a ``jax.jit``-wrapped function; ``args`` its positional arguments, static ones
+        included, exactly as ``fn.lower`` takes them.
+    Returns:
+      a :class:`jax.stages.Compiled`, called with the non-static arguments.
+    Raises:
+      whatever ``fn.lower`` or ``compile`` raise for these arguments (a program read from the
+      store was compiled from the same source, shapes and settings, so it raises nothing new).
+    """
+    folder = store_dir()
+    k = key(fn, args) if folder is not None else None
+    if k is not None:
+        path = _path(folder, fn, k)
+        compiled = _load(path)
+        if compiled is not None:
+            return compiled
+    if k is None:
+        return fn.lower(*args).compile()
+    from dflash_jax.compile_count import count_cache_hits
+
+    with count_cache_hits() as hits:
+        compiled = fn.lower(*args).compile(compiler_options=FRESH)
+    if hits() == 0:
+        _save(path, compiled)
+    return compiled

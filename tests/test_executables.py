@@ -1,0 +1,123 @@
+"""The store of compiled programs (dflash_jax.executables): a program compiled in one process runs
+from the store in the next without tracing, lowering or compiling; its key follows what decides
+the program; bad entries and programs JAX read back from its own cache are never used from it."""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from dflash_jax import executables
+from dflash_jax.compile_count import count_compilations
+from dflash_jax.nn import live_attention
+
+
+@jax.jit
+def _loop(x, w):
+    def body(c):
+        i, x = c
+        return i + 1, jnp.tanh(x @ w) + jnp.arange(x.shape[-1], dtype=x.dtype) * i
+
+    return jax.lax.while_loop(lambda c: c[0] < 3, body, (0, x))[1]
+
+
+@pytest.fixture
+def store(tmp_path):
+    """A compile cache folder of this test's own (the store lives inside it)."""
+    old = jax.config.jax_compilation_cache_dir
+    jax.config.update("jax_compilation_cache_dir", str(tmp_path))
+    yield tmp_path / "executables"
+    jax.config.update("jax_compilation_cache_dir", old)
+
+
+SCRIPT = textwrap.dedent("""
+    import json, sys, time
+    import jax, jax.numpy as jnp
+    import dflash_jax
+    from dflash_jax import decode, executables
+    from dflash_jax.compile_count import count_compilations
+    from dflash_jax.decoding import Decoding, Params
+    from dflash_jax.testing import tiny_target
+    cfg, params = tiny_target("llama", seed=3)
+    static = Decoding(cfg)
+    state = decode.prefill(Params(params), decode.init_state(static, [[5, 9, 17]], 32, 6), static, 8)
+    with count_compilations() as compiled:
+        loop = executables.compile(decode.generate_until, Params(params), state, static, jnp.int32(1))
+        out = loop(Params(params), state, jnp.int32(1))
+    print(json.dumps(dict(compiled=compiled(), tokens=jax.device_get(out.tokens[0, :out.length[0]]).tolist())))
+""")
+
+
+def test_a_stored_decode_loop_runs_in_a_new_process_without_compiling(tmp_path):
+    """The first process compiles and stores the loop; the second reads it, compiles nothing and
+    decodes the same tokens (an executable JAX read back from its cache would not run from the
+    store: "Function ... not found")."""
+    env = dict(os.environ, JAX_COMPILATION_CACHE_DIR=str(tmp_path), JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0")
+    runs = [json.loads(subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, check=True,
+                                      timeout=600).stdout.splitlines()[-1]) for _ in range(3)]
+    assert runs[0]["compiled"] >= 1
+    assert runs[1]["compiled"] == runs[2]["compiled"] == 0
+    assert runs[0]["tokens"] == runs[1]["tokens"] == runs[2]["tokens"]
+    assert len(list((tmp_path / "executables").glob("generate_until-*.bin"))) == 1
+
+
+def test_the_key_follows_shapes_statics_and_trace_constants(monkeypatch):
+    x, w = jnp.ones((2, 4)), jnp.ones((4, 4))
+    k = executables.key(_loop, (x, w))
+    assert k == executables.key(_loop, (x + 1, w * 2))  # values are not part of it
+    assert k != executables.key(_loop, (jnp.ones((3, 4)), w))
+    assert k != executables.key(_loop, (x.astype(jnp.bfloat16), w))
+    assert executables.key(_loop, (x, w, 7)) != executables.key(_loop, (x, w, 8))  # a static argument
+    monkeypatch.setattr(live_attention, "KEY_BLOCK", live_attention.KEY_BLOCK + 1)
+    assert k != executables.key(_loop, (x, w))
+
+
+def test_an_argument_of_ambiguous_repr_is_never_keyed():
+    class Opaque:
+        pass
+
+    assert executables.key(_loop, (jnp.ones(2), Opaque())) is None
+    assert executables.key(_loop, (jnp.ones(2), np.arange(5000))) is not None  # an array: by its shape
+
+
+def test_a_broken_entry_is_compiled_again(store):
+    x, w = jnp.ones((2, 4)), jnp.eye(4)
+    want = _loop(x, w)
+    executables.compile(_loop, x, w)
+    (entry,) = store.glob("*.bin")
+    entry.write_bytes(b"not a pickle")
+    jax.clear_caches()
+    np.testing.assert_allclose(executables.compile(_loop, x, w)(x, w), want)
+    assert entry.read_bytes() != b"not a pickle"
+
+
+def test_a_program_read_back_from_jax_cache_is_used_but_not_stored(store):
+    x, w = jnp.ones((2, 3)), jnp.eye(3)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    try:
+        executables.compile(_loop, x, w)
+        (entry,) = store.glob("*.bin")
+        entry.unlink()
+        jax.clear_caches()
+        with count_compilations() as compiled:
+            out = executables.compile(_loop, x, w)(x, w)
+    finally:
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", float(os.environ.get("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", 1.0)))
+    assert compiled() == 1  # a read from JAX's cache
+    np.testing.assert_allclose(out, _loop(x, w))
+    assert not list(store.glob("*.bin"))
+
+
+def test_the_store_keeps_the_most_recently_used_entries(tmp_path):
+    for i, size in enumerate([300, 300, 300]):
+        p = tmp_path / f"e{i}.bin"
+        p.write_bytes(b"x" * size)
+        os.utime(p, (1000 + i, 1000 + i))
+    executables._trim(tmp_path, max_bytes=650)
+    assert sorted(p.name for p in tmp_path.glob("*.bin")) == ["e1.bin", "e2.bin"]
