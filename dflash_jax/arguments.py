@@ -10,7 +10,7 @@ from typing import Sequence
 import numpy as np
 
 from dflash_jax.costs import CostModel, depth_policy
-from dflash_jax.decoding import Decoding, Params
+from dflash_jax.decoding import AUTO, Decoding, Params
 from dflash_jax.errors import DFlashError
 from dflash_jax.loading import Drafter, Target
 from dflash_jax.prefill import check_chunk_size
@@ -153,7 +153,7 @@ def _check_cost_model(cost_model, static: Decoding) -> None:
         raise DFlashError("cost_model (--measure-costs)", got, "n_max='auto' with a drafter (plain decoding and fixed depths weigh no costs)")
     if isinstance(cost_model, CostModel):
         if cost_model.n != static.depth:
-            raise DFlashError("cost_model", f"prices {cost_model.n} drafted tokens", f"{static.depth} (the drafter's block_size - 1)")
+            raise DFlashError("cost_model", f"prices {cost_model.n} drafted tokens", f"{static.depth} (the drafted depth under n_max='auto')")
     elif cost_model != "refresh":
         raise DFlashError("cost_model", f"got {cost_model!r}", "None (kept or measured), 'refresh' (measure again) or a CostModel")
 
@@ -182,7 +182,8 @@ def check_request(target, prompts, max_new_tokens, sampling, max_len, chunk_size
         static, params = Decoding(target.cfg, None, sampling, draft_mode, n_max), Params(target.params)
     else:
         depth = drafter.n_max if n_max is None else n_max
-        static, params = Decoding(target.cfg, drafter.cfg, sampling, draft_mode, depth), Params(target.params, drafter.params)
+        static = Decoding(target.cfg, drafter.cfg, sampling, draft_mode, depth, drafter.auto_depth if depth == AUTO else None)
+        params = Params(target.params, drafter.params)
     _check_cost_model(cost_model, static)
     calibration = None
     if static.adaptive:  # a policy of the right shapes for compiling; the driver sets its costs before prefill

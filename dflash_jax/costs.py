@@ -158,13 +158,15 @@ def depth_policy(calibration: Calibration, costs: CostModel, max_backoff: int = 
     beat a plain step (``pay_margin``; :mod:`dflash_jax.speculative.depth`).
 
     Raises:
-      DFlashError: the calibration and the cost model cover different depths; a bad constant
-        (:func:`check_constants`).
+      DFlashError: a cost model of more drafts than the calibration covers (a longer
+        calibration is cut to the cost model's drafts: auto over fewer drafts than the block);
+        a bad constant (:func:`check_constants`).
     """
     check_constants(max_backoff, pay_margin)
-    n = len(calibration.scale)
-    if costs.n != n:
-        raise DFlashError("cost_model", f"prices {costs.n} drafted tokens", f"{n} (the drafter's block_size - 1)")
+    n = costs.n
+    if len(calibration.scale) < n:
+        raise DFlashError("cost_model", f"prices {n} drafted tokens", f"at most {len(calibration.scale)} (the calibrated draft positions)")
+    calibration = Calibration(calibration.scale[:n], calibration.bias[:n])  # auto over fewer drafts: the first positions
     f32 = lambda x: jnp.asarray(np.asarray(x, np.float32))  # noqa: E731
     return DepthPolicy(scale=f32(calibration.scale), bias=f32(calibration.bias), bounds=jnp.asarray(np.asarray(costs.bounds, np.int32)),
                        step_cost=f32(costs.step_cost), plain_cost=f32(costs.plain_cost), max_backoff=jnp.int32(max_backoff),

@@ -45,12 +45,17 @@ class Decoding:
         or ``"sample"`` (draw each draft from the warped drafter distribution).
       n_max: drafted tokens verified per block, in ``[1, block_size - 1]``; ``None`` resolves to
         ``block_size - 1`` with a drafter (and must stay ``None`` without one). ``"auto"``: the
-        drafter drafts ``block_size - 1`` tokens and every step chooses, on device, how many of
+        drafter drafts ``auto_depth`` tokens and every step chooses, on device, how many of
         them to verify, or whether to skip the propose (:mod:`dflash_jax.speculative.depth`;
         the step then needs ``Params.depth``).
+      auto_depth: under ``"auto"``, the tokens drafted per block, the widest verify (an integer
+        in ``[1, block_size - 1]``; ``None``: ``block_size - 1``). Fewer drafts mean fewer verify
+        widths to compile (:func:`~dflash_jax.speculative.depth.verify_widths`); a drafter may
+        record its own (:attr:`dflash_jax.loading.Drafter.auto_depth`).
     Raises:
-      DFlashError: a drafter that does not fit the target, a bad ``n_max`` or ``draft_mode``,
-        a ``sampling`` that is not a :class:`SamplingConfig`, or ``n_max`` without a drafter.
+      DFlashError: a drafter that does not fit the target, a bad ``n_max``, ``auto_depth`` or
+        ``draft_mode``, a ``sampling`` that is not a :class:`SamplingConfig`, ``n_max`` without a
+        drafter or ``auto_depth`` without ``n_max="auto"``.
     """
 
     target: Any
@@ -58,6 +63,7 @@ class Decoding:
     sampling: SamplingConfig = SamplingConfig()
     draft_mode: str = "argmax"
     n_max: int | str | None = None
+    auto_depth: int | None = None
 
     def __post_init__(self):
         if not isinstance(self.sampling, SamplingConfig):
@@ -73,6 +79,12 @@ class Decoding:
             return
         check_drafter_fits(self.drafter, self.target)
         object.__setattr__(self, "n_max", check_n_max(self.drafter, self.n_max))
+        if self.auto_depth is not None:
+            top = self.drafter.block_size - 1
+            if self.n_max != AUTO:
+                raise DFlashError("auto_depth", f"got {self.auto_depth!r} with n_max={self.n_max!r}", "n_max='auto', or auto_depth=None")
+            if isinstance(self.auto_depth, bool) or not isinstance(self.auto_depth, numbers.Integral) or not 1 <= self.auto_depth <= top:
+                raise DFlashError("auto_depth", f"got {self.auto_depth!r}", f"an integer in [1, {top}] (block_size - 1)")
 
     @property
     def speculative(self) -> bool:
@@ -86,10 +98,13 @@ class Decoding:
 
     @property
     def depth(self) -> int:
-        """Tokens drafted per block: ``n_max``, or ``block_size - 1`` under ``"auto"`` (0 plain)."""
+        """Tokens drafted per block: ``n_max``, or under ``"auto"`` ``auto_depth`` (default
+        ``block_size - 1``); 0 plain."""
         if self.drafter is None:
             return 0
-        return self.drafter.block_size - 1 if self.adaptive else self.n_max
+        if self.adaptive:
+            return self.auto_depth or self.drafter.block_size - 1
+        return self.n_max
 
     @property
     def width(self) -> int:

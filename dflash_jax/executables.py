@@ -42,10 +42,11 @@ import jax
 import numpy as np
 
 FORMAT = 1
-# An XLA option at its default value: a program compiled for the store has a key of its own in
-# JAX's cache, so a miss here compiles anew. An executable that JAX read back from its cache does
-# not serialize whole again (its kernels are left out: "Function call_kernel not found" when the
-# copy runs), so one read back during a compile is used but never stored.
+# An executable that JAX read back from its own cache does not serialize whole again (its kernels
+# are left out: "Function call_kernel not found" when the copy runs). So a program compiled for the
+# store gets a key of its own in JAX's cache (this XLA option at its default value) and JAX does
+# not keep it (the store does): every miss here compiles anew. One read back from JAX's cache all
+# the same (an entry of another version of this module) is used but never stored.
 FRESH = {"xla_cpu_enable_fast_math": False}
 MAX_BYTES = 1 << 30  # 1 GiB: about 100 decode loops of the default pair
 _AMBIGUOUS = (" at 0x", "...")
@@ -153,6 +154,13 @@ def _trim(folder: Path, max_bytes: int | None = None) -> None:
             p.unlink(missing_ok=True)
 
 
+def _not_kept_by_jax():
+    """A context (this thread) in which JAX's persistent cache keeps no new entry."""
+    from jax._src import config
+
+    return config.persistent_cache_min_compile_time_secs(float("inf"))
+
+
 def compile(fn, *args):
     """``fn.lower(*args).compile()``, read from the store when this process's key is there.
 
@@ -176,7 +184,7 @@ def compile(fn, *args):
         return fn.lower(*args).compile()
     from dflash_jax.compile_count import count_cache_hits
 
-    with count_cache_hits() as hits:
+    with count_cache_hits() as hits, _not_kept_by_jax():
         compiled = fn.lower(*args).compile(compiler_options=FRESH)
     if hits() == 0:
         _save(path, compiled)

@@ -161,6 +161,10 @@ class Drafter:
       calibration: the per-position calibration of its confidences for ``n_max="auto"``
         (``config.json`` field ``dflash_jax.depth_calibration``,
         :class:`~dflash_jax.speculative.depth.Calibration`), or ``None`` (raw confidences).
+      auto_depth: the drafts per block under ``n_max="auto"`` (``config.json`` field
+        ``dflash_jax.auto_depth``: what its benchmark measured best; ``None``: ``block_size - 1``;
+        :attr:`dflash_jax.decoding.Decoding.auto_depth`). ``dataclasses.replace(drafter,
+        auto_depth=k)`` runs auto over another depth.
     """
 
     cfg: Any
@@ -168,6 +172,7 @@ class Drafter:
     source: str = ""
     n_max: int | str | None = None
     calibration: Any = None
+    auto_depth: int | None = None
 
 
 def load_drafter(path: str | os.PathLike, target: Target, dtype: str | None = None, draft_vocab: bool = True,
@@ -193,10 +198,10 @@ def load_drafter(path: str | os.PathLike, target: Target, dtype: str | None = No
     dtype = dtype or target.cfg.dtype
     if p.is_file() and p.suffix.lower() == ".gguf":
         cfg, params = registry.load_gguf_drafter(p, target.cfg, dtype=dtype)
-        n_max = calibration = None
+        n_max = auto_depth = calibration = None
     elif p.is_dir():
         cfg, params = registry.load_hf_drafter(p, target.cfg, dtype=dtype)
-        n_max, calibration = _recorded_policy(p / "config.json", cfg.block_size)
+        n_max, auto_depth, calibration = _recorded_policy(p / "config.json", cfg.block_size)
         ids = dv.load(p, cfg.vocab_size) if draft_vocab else None
         if ids is not None:
             cfg, params = dv.attach(cfg, params, target.params, ids)
@@ -207,21 +212,28 @@ def load_drafter(path: str | os.PathLike, target: Target, dtype: str | None = No
         raise DFlashError(str(p), "no such folder or .gguf file", "a DFlash drafter checkpoint")
     if per_layer and registry.drafter_kind(cfg.architecture).per_layer:
         params = dense.unstack_layers(params)
-    return Drafter(cfg=cfg, params=params, source=str(p), n_max=n_max, calibration=calibration)
+    return Drafter(cfg=cfg, params=params, source=str(p), n_max=n_max, calibration=calibration, auto_depth=auto_depth)
 
 
 def _recorded_policy(config_path: Path, block_size: int):
-    """``(n_max, calibration)`` recorded in a drafter ``config.json``: ``dflash_jax.n_max`` (an
-    integer in ``[1, block_size - 1]`` or ``"auto"``) and ``dflash_jax.depth_calibration``
-    (raises ``DFlashError`` naming the file and field otherwise)."""
+    """``(n_max, auto_depth, calibration)`` recorded in a drafter ``config.json``:
+    ``dflash_jax.n_max`` (an integer in ``[1, block_size - 1]`` or ``"auto"``),
+    ``dflash_jax.auto_depth`` (an integer in ``[1, block_size - 1]``) and
+    ``dflash_jax.depth_calibration`` (raises ``DFlashError`` naming the file and field otherwise)."""
     record = read_json(config_path).get("dflash_jax") or {}
-    value = record.get("n_max")
-    if value is not None and value != "auto" and (isinstance(value, bool) or not isinstance(value, int) or not 1 <= value < block_size):
+    value, auto_depth = record.get("n_max"), record.get("auto_depth")
+    if value is not None and value != "auto" and not _depth_ok(value, block_size):
         raise DFlashError(f"{config_path}: field dflash_jax.n_max", f"got {value!r}", f"an integer in [1, {block_size - 1}] (block_size - 1) or 'auto'")
+    if auto_depth is not None and not _depth_ok(auto_depth, block_size):
+        raise DFlashError(f"{config_path}: field dflash_jax.auto_depth", f"got {auto_depth!r}", f"an integer in [1, {block_size - 1}] (block_size - 1)")
     calibration = record.get("depth_calibration")
     if calibration is not None:
         calibration = Calibration.from_record(calibration, block_size - 1, f"{config_path}: field dflash_jax.depth_calibration")
-    return value, calibration
+    return value, auto_depth, calibration
+
+
+def _depth_ok(value, block_size: int) -> bool:
+    return not isinstance(value, bool) and isinstance(value, int) and 1 <= value < block_size
 
 
 def fingerprint_of(target: Target) -> str:

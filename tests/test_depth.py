@@ -203,8 +203,11 @@ def test_missing_or_misshapen_policy_and_bad_cost_models_are_named(pair):
     short = depth_policy(Calibration.identity(2), CostModel.forcing(2, 1))
     with pytest.raises(DFlashError, match=r"params.depth.scale: shape \(2,\)"):
         decode.generate(Params(params, dparams, short), st, static)
-    with pytest.raises(DFlashError, match="cost_model"):
-        depth_policy(Calibration.identity(N), CostModel.forcing(2, 1))
+    with pytest.raises(DFlashError, match="cost_model: prices 3 drafted tokens"):
+        depth_policy(Calibration.identity(2), CostModel.forcing(N, 1))
+    cut = depth_policy(Calibration((0.5, 1.0, 2.0), (0.1, 0.2, 0.3)), CostModel.forcing(1, 1))  # auto over fewer drafts
+    np.testing.assert_allclose(cut.scale, [0.5])
+    np.testing.assert_allclose(cut.bias, [0.1])
     for name, bad in (("max_backoff", 0), ("max_backoff", 2.5), ("max_backoff", True), ("max_backoff", 2**31), ("pay_margin", -0.1),
                       ("pay_margin", float("nan")), ("pay_margin", 1e39)):
         with pytest.raises(DFlashError, match=f"^{name}: got"):
@@ -333,6 +336,17 @@ def test_recorded_calibration_is_loaded_and_checked(api_pair, tmp_path):
     d = dj.load_drafter(tmp_path, target)
     assert d.n_max == "auto" and d.calibration == Calibration((1.0, 0.5, 2.0), (0.0, 0.1, -0.2))
     assert d.calibration.record["method"] == "test"
+    assert d.auto_depth is None
+    cfg["dflash_jax"]["auto_depth"] = 1
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    d = dj.load_drafter(tmp_path, target)
+    res = dj.generate(target, [[5, 9, 17]], 6, drafter=d, cost_model=CostModel.forcing(1, 1))  # auto over one draft, as recorded
+    assert d.auto_depth == 1 and res.stats["n_max"] == "auto" and len(res.stats["widths"]) == 2
+    cfg["dflash_jax"]["auto_depth"] = drafter.cfg.block_size
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(DFlashError, match=rf"config.json: field dflash_jax.auto_depth: got {drafter.cfg.block_size}"):
+        dj.load_drafter(tmp_path, target)
+    del cfg["dflash_jax"]["auto_depth"]
     cfg["dflash_jax"]["depth_calibration"]["bias"] = [0.0, 0.1]
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(DFlashError, match=r"config.json: field dflash_jax.depth_calibration.bias: got \[0.0, 0.1\]"):
@@ -372,3 +386,20 @@ def test_measure_times_every_width_and_the_plain_step(pair):
     model = costs.measure(run_at, weights, st, static, tokens=4, rounds=1, lengths=(16, 40), max_rounds=1)
     assert model.bounds == (16, 40) and len(model.step_cost) == 2 and len(model.plain_cost) == 2
     assert lengths == [16] * kinds + [40] * kinds  # each bucket priced with rows that long
+
+
+def test_auto_over_fewer_drafts_than_the_block_is_lossless_and_checked(pair):
+    """``auto_depth`` drafts fewer tokens than the block (one verify width, ``(1,)``, and the
+    plain step): greedy output still equals plain greedy decoding; a bad ``auto_depth`` is named."""
+    cfg, params, dcfg, dparams = pair
+    static = Decoding(cfg, dcfg, n_max="auto", auto_depth=1)
+    assert static.depth == 1 and static.width == 2
+    policy = depth_policy(Calibration.identity(N), CostModel(step_cost=((1.3,),), plain_cost=(1.0,), widths=(1,)))
+    st = decode.prefill(Params(params, dparams, policy), decode.init_state(static, PROMPTS, 64, 16), static, 4)
+    st = decode.generate(Params(params, dparams, policy), st, static)
+    assert outputs(st) == plain_greedy(pair, PROMPTS, 16)
+    assert np.asarray(st.speculative.widths).shape == (2,)
+    for kw, match in ((dict(n_max=2, auto_depth=1), "auto_depth: got 1 with n_max=2"), (dict(n_max="auto", auto_depth=N + 1), "auto_depth: got 4"),
+                      (dict(n_max="auto", auto_depth=0), "auto_depth: got 0")):
+        with pytest.raises(DFlashError, match=match):
+            Decoding(cfg, dcfg, **kw)

@@ -109,8 +109,8 @@ class Engine:
         <dflash_jax.serve.batch.Batch.warm_up>`), so the first requests compile nothing and,
         under ``n_max="auto"``, the step costs of each size are read from ``depth_costs/`` or
         measured now (other lanes find them kept: they depend on the batch size, not the
-        sampling). Prompts longer than the smallest prefill chunk, and other lanes, compile their
-        programs when they first come (a progress line each)."""
+        sampling). Prompts longer than the smallest prefill chunk, and other lanes (sampling
+        settings, depths), compile their programs when they first come."""
         static = self.model.decoding(SamplingConfig(), None)
         sizes = self.batch_sizes()
         what = "compiling" + (" and measuring the step costs" if static.adaptive else "")

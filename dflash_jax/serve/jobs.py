@@ -16,7 +16,7 @@ import time
 from typing import Any
 
 from dflash_jax import costs
-from dflash_jax.decoding import Decoding, Params
+from dflash_jax.decoding import AUTO, Decoding, Params
 from dflash_jax.loading import Drafter, Target
 from dflash_jax.sampling import SamplingConfig
 from dflash_jax.speculative.depth import Calibration
@@ -64,7 +64,7 @@ class ServedModel:
         if self.drafter is None:
             return Decoding(self.target.cfg, None, sampling)
         depth = n_max if n_max is not None else self.n_max if self.n_max is not None else self.drafter.n_max
-        return Decoding(self.target.cfg, self.drafter.cfg, sampling, "argmax", depth)
+        return Decoding(self.target.cfg, self.drafter.cfg, sampling, "argmax", depth, self.drafter.auto_depth if depth == AUTO else None)
 
 
 @dataclasses.dataclass(frozen=True)
