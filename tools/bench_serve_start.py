@@ -94,7 +94,7 @@ def main(argv=None) -> int:
     finally:
         stop(srv)
     same = sum(a == b for a, b in zip(burst["texts"], alone["texts"]))
-    warm_up = [line.strip() for line in (cache / "server.log").read_text().splitlines() if "batch size" in line]
+    warm_up = [line.strip() for line in (cache / "server.log").read_text().splitlines() if "is ready in" in line or "measured the step costs" in line]
     m = machine()
     when = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     cmd = shlex.join(["python", "tools/bench_serve_start.py", *(sys.argv[1:] if argv is None else argv)])
@@ -111,7 +111,7 @@ same requests one after another.
 | the same, one at a time | {alone['wall']:.1f} | {alone['rate']:.1f} | {alone['compiled']:.0f} |
 
 Burst against one at a time: **{burst['rate'] / alone['rate']:.2f}x** the throughput; answers equal to their answer alone:
-{same} / {args.requests}. Warm-up lines of the server: {'; '.join(f'`{w}`' for w in warm_up) or 'none'}.
+{same} / {args.requests}. The server's warm-up: {'; '.join(f'`{w}`' for w in warm_up) or 'no lines'}.
 
 Machine: {m['cpu']}, {m['cores']} cores, {m['memory']} RAM; {m['device']}; Python {m['python']}, jax {m['jax']}.
 """
