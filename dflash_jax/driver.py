@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Sequence
 
 import jax
@@ -55,12 +56,16 @@ def _compile(req: Request, state, streaming: bool):
 
 
 def _compile_now(req: Request, state, streaming: bool):
-    prefill_c = compile_prefill(req.params, state, req.static, req.chunk_size)
-    if streaming:
-        return prefill_c, executables.compile(decode.decode_step, req.params, state, req.static)
-    rows = jnp.int32(state.tokens.shape[0])
-    loop = executables.compile(decode.generate_until, req.params, state, req.static, rows)
-    return prefill_c, lambda params, s: loop(params, s, rows)
+    # prefill and decode side by side: reading an executable back (or compiling it) is mostly
+    # outside the GIL, and the two take about 0.5 s and 1.6 s on this CPU (BENCHMARKS.md)
+    with ThreadPoolExecutor(1) as pool:
+        prefill_c = pool.submit(compile_prefill, req.params, state, req.static, req.chunk_size)
+        if streaming:
+            step = executables.compile(decode.decode_step, req.params, state, req.static)
+            return prefill_c.result(), step
+        rows = jnp.int32(state.tokens.shape[0])
+        loop = executables.compile(decode.generate_until, req.params, state, req.static, rows)
+        return prefill_c.result(), lambda params, s: loop(params, s, rows)
 
 
 def _compile_reported(req: Request, state, streaming: bool):

@@ -20,11 +20,14 @@ before tracing:
 An entry is :func:`jax.experimental.serialize_executable.serialize`'s payload and trees, pickled,
 in ``executables/<name>-<key>.bin`` inside JAX's persistent compilation cache folder, written
 atomically: the store is on exactly when that cache is (``<cache folder>/jax_cache`` by default,
-:mod:`dflash_jax`). An entry that fails to
-load (written by another JAX, truncated) is removed and the function compiled again; an argument
-whose ``repr`` could be ambiguous (a memory address, a shortened array) is never stored. Reading
-an entry runs what it holds, as JAX's own cache does: the folder must be as trusted as the code.
-The store keeps at most :data:`MAX_BYTES`, dropping the least recently used entries.
+:mod:`dflash_jax`). A miss compiles the program anew, never from JAX's cache (see :data:`FRESH`).
+An entry that fails to load (written by another JAX, truncated) is removed and the function
+compiled again; an argument whose ``repr`` could be ambiguous (a memory address, a shortened
+array) is never keyed. Reading an entry runs what it holds, as JAX's own cache does: the folder
+must be as trusted as the code. The store keeps at most :data:`MAX_BYTES`, dropping the least
+recently used entries. Reading an executable back is what remains of a warm compile: on XLA:CPU
+its time grows faster than its kernel count (BENCHMARKS.md), so programs with fewer target
+passes load faster.
 """
 
 from __future__ import annotations
@@ -48,10 +51,8 @@ FORMAT = 1
 # not keep it (the store does): every miss here compiles anew. One read back from JAX's cache all
 # the same (an entry of another version of this module) is used but never stored.
 FRESH = {"xla_cpu_enable_fast_math": False}
-MAX_BYTES = 1 << 30  # 1 GiB: about 100 decode loops of the default pair
+MAX_BYTES = 1 << 30  # 1 GiB: about 150 decode loops of the default pair
 _AMBIGUOUS = (" at 0x", "...")
-
-
 TRACE_CONSTANTS = (("dflash_jax.nn.live_attention", "KEY_BLOCK"), ("dflash_jax.nn.live_attention", "FLAT_MAX_QUERIES"),
                    ("dflash_jax.nn.layouts", "GATE_UP_MIN_ROWS"), ("dflash_jax.nn.layouts", "HEAD_MIN_ROWS"))
 

@@ -56,14 +56,12 @@ SCRIPT = textwrap.dedent("""
 
 def test_a_stored_decode_loop_runs_in_a_new_process_without_compiling(tmp_path):
     """The first process compiles and stores the loop; the second reads it, compiles nothing and
-    decodes the same tokens (an executable JAX read back from its cache would not run from the
-    store: "Function ... not found")."""
+    decodes the same tokens."""
     env = dict(os.environ, JAX_COMPILATION_CACHE_DIR=str(tmp_path), JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0")
     runs = [json.loads(subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, check=True,
-                                      timeout=600).stdout.splitlines()[-1]) for _ in range(3)]
-    assert runs[0]["compiled"] >= 1
-    assert runs[1]["compiled"] == runs[2]["compiled"] == 0
-    assert runs[0]["tokens"] == runs[1]["tokens"] == runs[2]["tokens"]
+                                      timeout=600).stdout.splitlines()[-1]) for _ in range(2)]
+    assert runs[0]["compiled"] >= 1 and runs[1]["compiled"] == 0
+    assert runs[0]["tokens"] == runs[1]["tokens"]
     assert len(list((tmp_path / "executables").glob("generate_until-*.bin"))) == 1
 
 

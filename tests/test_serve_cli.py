@@ -99,7 +99,7 @@ def test_default_pair_end_to_end():
 
     target = dj.load_target()
     drafter = dj.shipped_drafter(target)
-    engine = Engine(ServedModel(target, drafter, name="smollm2"), max_batch=2, max_len=256)
+    engine = Engine(ServedModel(target, drafter, name="smollm2"), max_batch=1, max_len=256)  # one size to warm up
     url, stop = serve_in_thread(build_app(engine))
     try:
         messages = [{"role": "user", "content": "Write a Python function that adds two numbers."}]

@@ -20,7 +20,6 @@ Results go to a section of ``BENCHMARKS.md`` and the plot to ``tools/results/dep
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import datetime
 import gc
 import shlex
@@ -49,10 +48,11 @@ def setup(target, drafter, config):
 
     if config == "plain":
         return Decoding(target.cfg, sampling=SamplingConfig()), Params(target.params)
-    cfg, n_max = drafter.cfg, config
-    if isinstance(config, str) and config.startswith("auto@"):  # auto over a shorter block: fewer verify widths
-        cfg, n_max = dataclasses.replace(cfg, block_size=int(config[5:])), "auto"
-    return Decoding(target.cfg, cfg, SamplingConfig(), n_max=n_max), Params(target.params, drafter.params)
+    if not is_auto(config):
+        return Decoding(target.cfg, drafter.cfg, SamplingConfig(), n_max=config), Params(target.params, drafter.params)
+    # "auto": over the drafter's recorded auto_depth; "auto@K": over blocks of K tokens (K - 1 drafts)
+    depth = int(config[5:]) - 1 if config.startswith("auto@") else drafter.auto_depth
+    return Decoding(target.cfg, drafter.cfg, SamplingConfig(), n_max="auto", auto_depth=depth), Params(target.params, drafter.params)
 
 
 def is_auto(config) -> bool:
@@ -81,8 +81,7 @@ def compile_all(target, drafter, prompts, args, capacity, names=None):
         static, params = setup(target, drafter, config)
         if is_auto(config):
             n = static.depth
-            cal = drafter.calibration
-            calibration = Calibration(cal.scale[:n], cal.bias[:n]) if cal is not None else Calibration.identity(n)
+            calibration = drafter.calibration or Calibration.identity(n)  # depth_policy takes its first n positions
             params = params._replace(depth=costs.depth_policy(calibration, costs.CostModel.forcing(n, n)))
         st = fresh_state(target, static, params, prompts, args, capacity)
         rows = jnp.int32(len(prompts))
