@@ -9,7 +9,8 @@ from jax import monitoring
 
 _COMPILE = "/jax/core/compile/backend_compile_duration"
 _CACHE_HIT = "/jax/compilation_cache/cache_hits"
-_counts = {_COMPILE: 0, _CACHE_HIT: 0}
+_STORE_READ = "store_read"  # a program read back from dflash_jax.executables' store (not a compile)
+_counts = {_COMPILE: 0, _CACHE_HIT: 0, _STORE_READ: 0}
 _registered = [False]
 
 
@@ -49,6 +50,19 @@ def count_cache_hits():
     _register()
     start = _counts[_CACHE_HIT]
     yield lambda: _counts[_CACHE_HIT] - start
+
+
+def note_store_read() -> None:
+    """Counts one program read back from :mod:`dflash_jax.executables`' store."""
+    _counts[_STORE_READ] += 1
+
+
+@contextlib.contextmanager
+def count_store_reads():
+    """Context manager yielding a callable that returns how many programs were read back from
+    :mod:`dflash_jax.executables`' store since the block began (they are not compilations)."""
+    start = _counts[_STORE_READ]
+    yield lambda: _counts[_STORE_READ] - start
 
 
 def compilations() -> int:

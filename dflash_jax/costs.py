@@ -48,8 +48,8 @@ class CostModel:
     """Seconds of one decode step, per live-length bucket.
 
     ``widths`` must be :func:`~dflash_jax.speculative.depth.verify_widths` of the drafted depth
-    of ``n_max="auto"``, the drafter's ``block_size - 1`` (``(1, 3, 7)`` for the shipped
-    drafter: 3 step costs per bucket). :func:`measure` (or :func:`cost_model_for`) gives one
+    of ``n_max="auto"`` (``Decoding.depth``: ``(1, 3, 7)`` for 7 drafts, 3 step costs per bucket;
+    ``(1,)`` for the shipped drafter's ``auto_depth`` of 1). :func:`measure` (or :func:`cost_model_for`) gives one
     measured on the running device; :meth:`forcing` and :meth:`never_pays` make ones that force
     a width or plain steps.
 

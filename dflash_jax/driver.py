@@ -19,7 +19,7 @@ import numpy as np
 
 from dflash_jax import costs, decode, executables, progress
 from dflash_jax.arguments import Request, check_request
-from dflash_jax.compile_count import count_cache_hits, count_compilations
+from dflash_jax.compile_count import count_cache_hits, count_compilations, count_store_reads
 from dflash_jax.loading import Drafter, Target
 from dflash_jax.prefill import compile_prefill
 from dflash_jax.results import GenerationResult, build_result, spec_stats
@@ -71,9 +71,10 @@ def _compile_now(req: Request, state, streaming: bool):
 def _compile_reported(req: Request, state, streaming: bool):
     """:func:`_compile`, reported as a progress step (programs compiled, compile-cache hits)."""
     with progress.step("compiling", "compiled prefill and decode", routine=True) as details, \
-            count_compilations() as programs, count_cache_hits() as hits:
+            count_compilations() as programs, count_cache_hits() as hits, count_store_reads() as stored:
         out = _compile(req, state, streaming)
-        details.append(f"capacity {req.max_len}, chunk {req.chunk_size}: {programs()} XLA programs, {hits()} read from the compile cache")
+        details.append(f"capacity {req.max_len}, chunk {req.chunk_size}: {programs()} XLA programs, {hits()} read from the compile cache, "
+                       f"{stored()} read back from jax_cache/executables")
     return out
 
 

@@ -44,6 +44,8 @@ from typing import Any, Callable
 import jax
 import numpy as np
 
+from dflash_jax.compile_count import count_cache_hits, note_store_read
+
 FORMAT = 1
 # An executable that JAX read back from its own cache does not serialize whole again (its kernels
 # are left out: "Function call_kernel not found" when the copy runs). So a program compiled for the
@@ -125,6 +127,7 @@ def _load(path: Path) -> Any | None:
         path.unlink(missing_ok=True)
         return None
     os.utime(path)  # recently used
+    note_store_read()
     return compiled
 
 
@@ -183,8 +186,6 @@ def compile(fn, *args):
             return compiled
     if k is None:
         return fn.lower(*args).compile()
-    from dflash_jax.compile_count import count_cache_hits
-
     with count_cache_hits() as hits, _not_kept_by_jax():
         compiled = fn.lower(*args).compile(compiler_options=FRESH)
     if hits() == 0:

@@ -41,16 +41,16 @@ SCRIPT = textwrap.dedent("""
     import jax, jax.numpy as jnp
     import dflash_jax
     from dflash_jax import decode, executables
-    from dflash_jax.compile_count import count_compilations
+    from dflash_jax.compile_count import count_compilations, count_store_reads
     from dflash_jax.decoding import Decoding, Params
     from dflash_jax.testing import tiny_target
     cfg, params = tiny_target("llama", seed=3)
     static = Decoding(cfg)
     state = decode.prefill(Params(params), decode.init_state(static, [[5, 9, 17]], 32, 6), static, 8)
-    with count_compilations() as compiled:
+    with count_compilations() as compiled, count_store_reads() as read:
         loop = executables.compile(decode.generate_until, Params(params), state, static, jnp.int32(1))
         out = loop(Params(params), state, jnp.int32(1))
-    print(json.dumps(dict(compiled=compiled(), tokens=jax.device_get(out.tokens[0, :out.length[0]]).tolist())))
+    print(json.dumps(dict(compiled=compiled(), read=read(), tokens=jax.device_get(out.tokens[0, :out.length[0]]).tolist())))
 """)
 
 
@@ -60,7 +60,8 @@ def test_a_stored_decode_loop_runs_in_a_new_process_without_compiling(tmp_path):
     env = dict(os.environ, JAX_COMPILATION_CACHE_DIR=str(tmp_path), JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0")
     runs = [json.loads(subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, check=True,
                                       timeout=600).stdout.splitlines()[-1]) for _ in range(2)]
-    assert runs[0]["compiled"] >= 1 and runs[1]["compiled"] == 0
+    assert runs[0]["compiled"] >= 1 and runs[0]["read"] == 0
+    assert runs[1]["compiled"] == 0 and runs[1]["read"] == 1
     assert runs[0]["tokens"] == runs[1]["tokens"]
     assert len(list((tmp_path / "executables").glob("generate_until-*.bin"))) == 1
 

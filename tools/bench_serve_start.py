@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import os
 import shlex
 import sys
 import tempfile
@@ -81,8 +82,6 @@ def main(argv=None) -> int:
     argv_srv = [sys.executable, "-m", "dflash_jax", "serve", "--max-batch", str(args.max_batch), *shlex.split(args.server_args),
                 "--port", str(port)]
     prompts = [CHAT_PROMPTS[i % len(CHAT_PROMPTS)] for i in range(args.requests)]
-    import os
-
     os.environ["DFLASH_JAX_CACHE"] = str(cache)
     t0 = time.perf_counter()
     proc = start("dflash-jax serve", argv_srv, port, cache / "server.log")
