@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 
 import jax
-from flax import struct
+from dflash_jax import pytree
 
 from dflash_jax.errors import DFlashError
 
@@ -26,9 +26,9 @@ def axes_field(*axes: str | None, **kwargs):
     """A pytree dataclass field whose arrays have the logical axes ``axes`` (one per dimension).
 
     A field holding a container of arrays (a dict or tuple of them) gives every array in it the
-    same axes. ``kwargs`` go to :func:`flax.struct.field` (e.g. ``default``).
+    same axes. ``kwargs`` go to :func:`dflash_jax.pytree.field` (e.g. ``default``).
     """
-    return struct.field(metadata={"axes": tuple(axes)}, **kwargs)
+    return pytree.field(metadata={"axes": tuple(axes)}, **kwargs)
 
 
 def declared_axes(tree, where: str = "state"):

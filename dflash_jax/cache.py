@@ -9,14 +9,14 @@ overwritten before any query can see them.
 from __future__ import annotations
 
 import jax.numpy as jnp
-from flax import struct
+from dflash_jax import pytree
 
 from dflash_jax.axes import KV_AXES, axes_field
 
 __all__ = ["KV_AXES", "Capture", "KVCache", "init_capture", "init_kv_cache", "write_layer_rows", "write_rows"]
 
 
-@struct.dataclass
+@pytree.dataclass
 class KVCache:
     """Stacked per-layer keys and values.
 
@@ -58,7 +58,7 @@ def write_layer_rows(buf: jnp.ndarray, layer, rows: jnp.ndarray, index: jnp.ndar
     return buf.at[layer, b, index].set(rows.astype(buf.dtype), mode="drop")
 
 
-@struct.dataclass
+@pytree.dataclass
 class Capture:
     """Hidden states of chosen target layers, written at ``positions - base`` of each row.
 
@@ -77,8 +77,8 @@ class Capture:
 
     hidden: jnp.ndarray = axes_field("batch", "seq", None)
     base: jnp.ndarray = axes_field("batch")
-    layer_ids: tuple = struct.field(pytree_node=False, default=())
-    post_norm_last: bool = struct.field(pytree_node=False, default=False)
+    layer_ids: tuple = pytree.field(pytree_node=False, default=())
+    post_norm_last: bool = pytree.field(pytree_node=False, default=False)
 
 
 def init_capture(layer_ids, batch: int, rows: int, hidden_size: int, dtype, base=None, post_norm_last: bool = False) -> Capture:

@@ -15,9 +15,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import traceback
-from typing import Sequence
+from typing import Callable, Sequence
 
 from dflash_jax.cli_common import Parser, UsageError, int_list, integer, number, one_line
 from dflash_jax.cli_model import add_model_options, check_model_options, load_model
@@ -207,8 +208,14 @@ def _generate(args) -> int:
     return 0
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """Runs the command line; returns the exit code (0 ok, 2 bad input or usage)."""
+def main(argv: Sequence[str] | None = None, fast_exit: bool = False) -> int:
+    """Runs the command line; returns the exit code (0 ok, 2 bad input or usage).
+
+    With ``fast_exit`` (the ``dflash-jax`` program, :func:`entry`) a ``generate`` ends the
+    process itself once its output is flushed, without Python's teardown: unloading the
+    compiled programs and JAX's backend took 0.8-1.1 s after every answer on the CI machine
+    (BENCHMARKS.md, "Time to first token"), memory the OS frees at once anyway. Everything a
+    run writes (caches, the executable store) is written before its answer."""
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
     try:
@@ -224,11 +231,25 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     if args.command == "train":
         return train_cli.run(args, argv[argv.index("train") + 1 :])
+    if args.command == "serve":
+        return _reported(lambda: serve_cli.run(args), args)
+    code = _reported(lambda: _generate(args), args)
+    if fast_exit:
+        try:
+            sys.stdout.flush()
+            sys.stderr.flush()
+        except OSError:  # a closed pipe: nothing more can reach the reader
+            pass
+        os._exit(code)
+    return code
 
+
+def _reported(run: Callable[[], int], args) -> int:
+    """``run()``, its errors printed as one ``error:`` line (2; 130 on Ctrl-C)."""
     from dflash_jax.errors import DFlashError
 
     try:
-        return serve_cli.run(args) if args.command == "serve" else _generate(args)
+        return run()
     except DFlashError as e:
         err, msg = e, str(e)
     except OSError as e:
@@ -243,5 +264,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 2
 
 
+def entry() -> None:
+    """The ``dflash-jax`` program: :func:`main` with ``fast_exit``."""
+    sys.exit(main(fast_exit=True))
+
+
 if __name__ == "__main__":  # pragma: no cover
-    sys.exit(main())
+    entry()

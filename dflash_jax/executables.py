@@ -165,29 +165,33 @@ def _not_kept_by_jax():
     return config.persistent_cache_min_compile_time_secs(float("inf"))
 
 
-def compile(fn, *args):
-    """``fn.lower(*args).compile()``, read from the store when this process's key is there.
+def compile(fn, *args, options: dict | None = None):
+    """``fn.lower(*args).compile(compiler_options=options)``, read from the store when this
+    process's key is there.
 
     Args:
       fn: a ``jax.jit``-wrapped function; ``args`` its positional arguments, static ones
         included, exactly as ``fn.lower`` takes them.
+      options: XLA compiler options of this program (part of its key), e.g.
+        :data:`dflash_jax.prefill.FEW_ROWS_OPTIONS`.
     Returns:
       a :class:`jax.stages.Compiled`, called with the non-static arguments.
     Raises:
       whatever ``fn.lower`` or ``compile`` raise for these arguments (a program read from the
       store was compiled from the same source, shapes and settings, so it raises nothing new).
     """
+    options = dict(options or {})
     folder = store_dir()
-    k = key(fn, args) if folder is not None else None
+    k = key(fn, args + (sorted(options.items()),)) if folder is not None else None
     if k is not None:
         path = _path(folder, fn, k)
         compiled = _load(path)
         if compiled is not None:
             return compiled
     if k is None:
-        return fn.lower(*args).compile()
+        return fn.lower(*args).compile(compiler_options=options or None)
     with count_cache_hits() as hits, _not_kept_by_jax():
-        compiled = fn.lower(*args).compile(compiler_options=FRESH)
+        compiled = fn.lower(*args).compile(compiler_options={**FRESH, **options})
     if hits() == 0:
         _save(path, compiled)
     return compiled

@@ -23,6 +23,16 @@ from dflash_jax.speculative.capture import absorb_context, block_capture
 from dflash_jax.state import DecodeState, commit
 
 
+FEW_ROWS = 64
+"""Prefill chunks of at most this many rows (batch x chunk) compile with :data:`FEW_ROWS_OPTIONS`
+on the CPU backend."""
+FEW_ROWS_OPTIONS = {"xla_cpu_experimental_ynn_fusion_type": ""}
+"""XLA:CPU without its YNNPACK fusions: their first call in a process costs about 0.6 s more per
+program, and at 64 rows the chunk runs no faster with them (1.35x faster at 256; BENCHMARKS.md,
+"Time to first token"). A short prompt's prefill took 0.3 s instead of 0.8 s in a warm
+``dflash-jax generate``."""
+
+
 def check_chunk_size(chunk_size) -> int:
     """``chunk_size`` as an int; raises DFlashError (naming ``--chunk-size``) unless an integer >= 1."""
     if isinstance(chunk_size, bool) or not isinstance(chunk_size, numbers.Integral) or chunk_size < 1:
@@ -75,9 +85,13 @@ def finish_prefill(state: DecodeState, static: Decoding, logits_acc) -> DecodeSt
 def compile_prefill(params: Params, state: DecodeState, static: Decoding, chunk_size: int):
     """``(chunk, finish)``, :func:`prefill_chunk` and :func:`finish_prefill` compiled ahead of time
     for these shapes: ``chunk(params, state, logits_acc, start)`` and ``finish(state, logits_acc)``
-    (for :func:`prefill`'s ``compiled``; lowering traces shapes only, nothing runs)."""
-    acc = jnp.zeros((state.tokens.shape[0], static.target.vocab_size), jnp.float32)
-    chunk = executables.compile(prefill_chunk, params, state, static, acc, jnp.int32(0), chunk_size)
+    (for :func:`prefill`'s ``compiled``; lowering traces shapes only, nothing runs). On the CPU
+    backend a chunk of at most :data:`FEW_ROWS` rows compiles with :data:`FEW_ROWS_OPTIONS`."""
+    rows = state.tokens.shape[0]
+    acc = jnp.zeros((rows, static.target.vocab_size), jnp.float32)
+    few = jax.default_backend() == "cpu" and rows * chunk_size <= FEW_ROWS
+    chunk = executables.compile(prefill_chunk, params, state, static, acc, jnp.int32(0), chunk_size,
+                                options=FEW_ROWS_OPTIONS if few else None)
     return chunk, executables.compile(finish_prefill, state, static, acc)
 
 

@@ -11,7 +11,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-from flax import struct
+from dflash_jax import pytree
 
 from dflash_jax.axes import axes_field
 from dflash_jax.cache import KVCache
@@ -21,7 +21,7 @@ RUNNING, STOP, LENGTH, CAPACITY = 0, 1, 2, 3
 FINISH_REASONS = {RUNNING: None, STOP: "stop", LENGTH: "length", CAPACITY: "capacity"}
 
 
-@struct.dataclass
+@pytree.dataclass
 class DecodeState:
     """Decode carry for a batch of ``B`` rows with capacity ``S`` tokens each.
 

@@ -106,7 +106,7 @@ def test_every_state_array_declares_axes_and_replace_rows_swaps_every_batch_leaf
     exactly the leaves with a batch axis (so a new per-row field cannot be missed)."""
     import jax.numpy as jnp
     import numpy as np
-    from flax import struct
+    from dflash_jax import pytree
 
     from dflash_jax import decode
     from dflash_jax.axes import declared_axes, flat_axes
@@ -133,7 +133,7 @@ def test_every_state_array_declares_axes_and_replace_rows_swaps_every_batch_leaf
             else:
                 assert (x == 0).all(), ax
 
-    @struct.dataclass
+    @pytree.dataclass
     class Undeclared:
         per_row: jnp.ndarray
 

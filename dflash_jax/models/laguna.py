@@ -49,7 +49,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-from flax import struct
+from dflash_jax import pytree
 from jax import lax
 
 from dflash_jax.axes import KV_AXES, axes_field
@@ -164,7 +164,7 @@ def init_params(cfg: LagunaConfig, key: jax.Array, scale: float = 0.02) -> Param
 # Cache
 
 
-@struct.dataclass
+@pytree.dataclass
 class LagunaCache:
     """KV cache of a Laguna target.
 
@@ -177,7 +177,7 @@ class LagunaCache:
 
     kv: dict = axes_field(*KV_AXES)
     ring_pos: jnp.ndarray = axes_field("batch", None)
-    capacity: int = struct.field(pytree_node=False, default=0)
+    capacity: int = pytree.field(pytree_node=False, default=0)
 
 
 def init_cache(cfg: LagunaConfig, batch: int, capacity: int) -> LagunaCache:

@@ -37,7 +37,7 @@ import math
 
 import jax
 import jax.numpy as jnp
-from flax import struct
+from dflash_jax import pytree
 
 from dflash_jax.axes import axes_field
 from dflash_jax.errors import DFlashError
@@ -56,7 +56,7 @@ PAY_MARGIN = 0.05
 _EPS = 1e-6
 
 
-@struct.dataclass
+@pytree.dataclass
 class DepthPolicy:
     """The numbers of the depth policy, one pytree (``Params.depth``; traced, so new costs or a
     new calibration never recompile).

@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import jax.numpy as jnp
-from flax import struct
+from dflash_jax import pytree
 
 from dflash_jax.axes import KV_AXES, axes_field
 from dflash_jax.config import DrafterConfig
 
 
-@struct.dataclass
+@pytree.dataclass
 class SpeculativeState:
     """Drafter context and acceptance statistics, carried in ``DecodeState.speculative``.
 

@@ -1,7 +1,7 @@
 """Exact-resume training checkpoints: parameters and optimizer state as safetensors, step, PRNG
 key and data cursor as JSON, written to a temporary folder and renamed into place.
 
-Why our own writer and not orbax-checkpoint (installed with flax): the trainer is one process
+Why our own writer and not orbax-checkpoint: the trainer is one process
 (one :class:`~dflash_jax.train.data.Batcher`, an unsharded step), where these few lines give
 bit-exact resume with files any safetensors reader opens and keep older run folders resumable;
 orbax's ``CheckpointManager`` measured here adds ~1.5 s of import and ~3x the save time for the

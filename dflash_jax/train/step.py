@@ -8,7 +8,7 @@ import functools
 import jax
 import jax.numpy as jnp
 import optax
-from flax import struct
+from dflash_jax import pytree
 
 from dflash_jax.config import DrafterConfig, TargetConfig
 from dflash_jax.models import drafter
@@ -21,7 +21,7 @@ from dflash_jax.errors import DFlashError
 _global_norm = getattr(getattr(optax, "tree", None), "norm", None) or optax.global_norm
 
 
-@struct.dataclass
+@pytree.dataclass
 class TrainState:
     """Everything a step changes: float32 drafter ``params``, optax ``opt_state``, the PRNG
     ``rng`` (split once per step) and ``step`` (int32 scalar, the next step's index)."""
