@@ -413,13 +413,21 @@ def test_prompt_and_prompt_ids_conflict(capsys, hf_dir):
     assert_one_line_error(code, out, err, "--prompt-ids")
 
 
-def test_python_dash_m_entry_point(tmp_path):
+def test_python_dash_m_entry_point(tmp_path, hf_dir, model):
+    """The program ends itself after generate (no teardown): all of its output still arrives, and
+    its exit codes are main's."""
     env = dict(os.environ, JAX_PLATFORMS="cpu")
     proc = subprocess.run([sys.executable, "-m", "dflash_jax", "generate", "--target", str(tmp_path / "nope")],
                           capture_output=True, text=True, env=env, cwd=REPO, timeout=300)
     assert proc.returncode == 2 and proc.stdout == ""
     assert proc.stderr.strip().splitlines() == [f"error: {tmp_path / 'nope'}: no such file or folder "
                                                 "(expected a Hugging Face checkpoint folder or a .gguf file)"]
+    cfg, params = model
+    ids = ",".join(map(str, PROMPT_IDS))
+    proc = subprocess.run([sys.executable, "-m", "dflash_jax", "generate", "--target", str(hf_dir), "--prompt-ids", ids,
+                           "--max-new-tokens", "5", "--ignore-eos", "--json"], capture_output=True, text=True, env=env, cwd=REPO, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.endswith("\n") and json.loads(proc.stdout)["output_ids"] == reference_greedy(params, cfg, PROMPT_IDS, 5)
 
 
 @pytest.mark.slow

@@ -49,6 +49,12 @@ def finished(url, reason):
     (dict(CHAT, tool_choice="required", tools=[{"type": "function", "function": {"name": "f"}}]), "tool_choice", "invalid_value"),
     (dict(CHAT, tools=[{"type": "function", "function": {"name": "f"}}]), "tools", "invalid_value"),  # the template takes none
     (dict(CHAT, max_tokens=1000), "max_tokens", "context_length_exceeded"),
+    (dict(CHAT, logprobs=True), "logprobs", "unsupported_parameter"),
+    (dict(CHAT, top_logprobs=2), "top_logprobs", "unsupported_parameter"),
+    (dict(CHAT, frequency_penalty=0.5), "frequency_penalty", "unsupported_parameter"),
+    (dict(CHAT, logit_bias={"5": 10}), "logit_bias", "unsupported_parameter"),
+    (dict(CHAT, response_format={"type": "json_object"}), "response_format", "unsupported_parameter"),
+    (dict(CHAT, temprature=0.5), "temprature", "unknown_parameter"),  # a typo is not silently dropped
     (dict(CHAT, messages=[{"role": "user", "content": "x" * 400}]), "messages", "context_length_exceeded"),
 ])
 def test_bad_requests_are_400_naming_the_field(serve_tiny, body, param, code):
@@ -60,6 +66,27 @@ def test_bad_requests_are_400_naming_the_field(serve_tiny, body, param, code):
     assert (err["param"], err["code"]) == (param, code), err
     assert param is None or param.split(".")[0] in err["message"]
     assert healthy(url), raw(url + "/health")
+
+
+def test_neutral_and_bookkeeping_parameters_are_taken_the_rest_refused_through_openai(serve_tiny):
+    """OpenAI's fields at their neutral values, and its bookkeeping fields, change nothing; the
+    client gets a BadRequestError naming a field this server cannot honour or does not know."""
+    url, _ = serve_tiny
+    c = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
+    args = dict(model="tiny", messages=CHAT["messages"], max_tokens=4, temperature=0)
+    plain = c.chat.completions.create(**args).choices[0].message.content
+    same = c.chat.completions.create(**args, logprobs=False, frequency_penalty=0, presence_penalty=0.0, logit_bias={}, user="u",
+                                     store=False, metadata={"k": "v"}, response_format={"type": "text"}, parallel_tool_calls=True)
+    assert same.choices[0].message.content == plain and same.choices[0].logprobs is None
+    for extra, param in ((dict(logprobs=True, top_logprobs=1), "logprobs"), (dict(extra_body={"best_fit": 1}), "best_fit")):
+        with pytest.raises(openai.BadRequestError) as e:
+            c.chat.completions.create(**args, **extra)
+        assert e.value.body["param"] == param, e.value.body
+    for extra, param in ((dict(logprobs=0), "logprobs"), (dict(echo=True), "echo"), (dict(best_of=2), "best_of")):
+        with pytest.raises(openai.BadRequestError) as e:
+            c.completions.create(model="tiny", prompt=[1, 2], max_tokens=2, **extra)
+        assert e.value.body["param"] == param and e.value.body["code"] == "unsupported_parameter", e.value.body
+    assert healthy(url)
 
 
 def test_completion_errors_and_unknown_model_and_size(serve_tiny):
@@ -94,6 +121,8 @@ def test_api_key_queue_full_and_engine_death(serve_tiny_model):
         status, _, out = post(url, CHAT, headers={"Authorization": "Bearer wrong"})
         assert out["error"]["code"] == "invalid_api_key"
         assert raw(url + "/v1/models", headers=key)[0] == 200 and raw(url + "/v1/models")[0] == 401
+        assert raw(url + "/metrics")[0] == 401 and raw(url + "/metrics", headers=key)[0] == 200  # the key guards /metrics
+        assert raw(url + "/health")[0] == 200  # probes need none
         first = {}
         waiting = threading.Thread(target=lambda: first.update(r=post(url, CHAT, headers=key)))
         waiting.start()
@@ -188,3 +217,37 @@ def test_a_failing_request_fails_alone(serve_tiny, monkeypatch):
     assert out["bad"][0] == 500 and "bad row" in out["bad"][2]["error"]["message"]
     assert out["good"][0] == 200 and out["good"][2]["usage"]["completion_tokens"] >= 1
     assert healthy(url) and engine.counts() == (0, 0)
+
+
+def test_the_key_from_the_environment_or_a_file(serve_tiny_model, tmp_path):
+    """``$DFLASH_JAX_API_KEY`` and ``--api-key-file`` give the server its key (a real client with
+    it gets answers, without it 401); giving two, or an empty or unreadable one, is an error
+    naming it."""
+    from dflash_jax.cli import build_parser
+    from dflash_jax.errors import DFlashError
+    from dflash_jax.serve.cli import api_key
+
+    def args(*extra):
+        return build_parser().parse_args(["serve", "--target", str(serve_tiny_model[0]), *extra])
+
+    (tmp_path / "key").write_text("from-file\n")
+    assert api_key(args(), {"DFLASH_JAX_API_KEY": "from-env"}) == "from-env"
+    assert api_key(args("--api-key-file", str(tmp_path / "key")), {"DFLASH_JAX_API_KEY": "from-env"}) == "from-file"
+    assert api_key(args("--api-key", "given"), {"DFLASH_JAX_API_KEY": "from-env"}) == "given"
+    assert api_key(args(), {}) is None
+    for extra, env, needle in ((("--api-key", "a", "--api-key-file", str(tmp_path / "key")), {}, "--api-key, --api-key-file"),
+                               (("--api-key-file", str(tmp_path / "nope")), {}, "--api-key-file"),
+                               ((), {"DFLASH_JAX_API_KEY": " "}, "DFLASH_JAX_API_KEY")):
+        with pytest.raises(DFlashError, match=needle):
+            api_key(args(*extra), env)
+
+    _, target, drafter = serve_tiny_model
+    engine = Engine(ServedModel(target, drafter, name="tiny"), max_batch=1, max_len=64)
+    url, stop = serve_in_thread(build_app(engine, api_key=api_key(args(), {"DFLASH_JAX_API_KEY": "from-env"})))
+    try:
+        ok = openai.OpenAI(base_url=url + "/v1", api_key="from-env", max_retries=0)
+        assert ok.completions.create(model="tiny", prompt=[1, 2], max_tokens=2, temperature=0).choices[0].text is not None
+        with pytest.raises(openai.AuthenticationError):
+            openai.OpenAI(base_url=url + "/v1", api_key="wrong", max_retries=0).models.list()
+    finally:
+        stop()

@@ -3,8 +3,8 @@
 
 Handlers check a request (:mod:`~dflash_jax.serve.requests`), queue it on the
 :class:`~dflash_jax.serve.engine.Engine` and turn its events into OpenAI responses
-(:mod:`~dflash_jax.serve.responses`). With an API key, the ``/v1`` endpoints need
-``Authorization: Bearer KEY`` (401 otherwise). A body over ``max_body_bytes`` is refused with 413,
+(:mod:`~dflash_jax.serve.responses`). With an API key, the ``/v1`` endpoints and ``/metrics``
+need ``Authorization: Bearer KEY`` (401 otherwise); ``/health`` stays open for probes. A body over ``max_body_bytes`` is refused with 413,
 a full queue with 429 and ``Retry-After``; ``/health`` answers 503 once the engine died.
 """
 
@@ -105,7 +105,7 @@ def build_app(engine: Engine, metrics: Metrics | None = None, api_key: str | Non
         running, waiting = engine.counts()
         return {"status": "ok", "running": running, "waiting": waiting}
 
-    @app.get("/metrics")
+    @app.get("/metrics", dependencies=auth)
     async def prometheus():
         return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 

@@ -1,6 +1,7 @@
 """``dflash-jax serve``: the model options of ``generate`` and the server's own, then uvicorn.
 
-SIGTERM and SIGINT stop the server gracefully: no new connections or requests, running requests
+With a key (``--api-key``, ``--api-key-file`` or ``$DFLASH_JAX_API_KEY``) ``/v1`` and ``/metrics``
+need it; ``/health`` stays open. SIGTERM and SIGINT stop the server gracefully: no new connections or requests, running requests
 get ``--shutdown-timeout`` seconds to finish (then they are cancelled), exit code 0. If the engine
 dies, ``/health`` answers 503, the server stops and the command exits with 1.
 """
@@ -8,8 +9,10 @@ dies, ``/health`` answers 503, the server stops and the command exits with 1.
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import sys
+from pathlib import Path
 
 from dflash_jax.cli_common import integer, number
 from dflash_jax.cli_model import add_model_options, check_model_options, load_model
@@ -19,6 +22,8 @@ PARSER_TEXT = dict(
     description="Serve a model over an OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions, /v1/models, "
     "/health, /metrics) with continuous batching and DFlash speculative decoding.",
 )
+
+API_KEY_ENV = "DFLASH_JAX_API_KEY"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -31,7 +36,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="tokens per request, prompt included (default 1024, at most the target's max_position_embeddings)")
     p.add_argument("--max-queue", type=integer, default=256, metavar="N",
                    help="requests waiting for a row beyond which new ones get 429 (default 256)")
-    p.add_argument("--api-key", metavar="KEY", default=None, help="require 'Authorization: Bearer KEY' on /v1 (default: none)")
+    p.add_argument("--api-key", metavar="KEY", default=None,
+                   help=f"require 'Authorization: Bearer KEY' on /v1 and /metrics (default: ${API_KEY_ENV}, else none; "
+                   "a key on the command line shows in ps: prefer --api-key-file or the variable)")
+    p.add_argument("--api-key-file", metavar="PATH", default=None, help="read the key from this file (its first line)")
     p.add_argument("--served-model-name", metavar="NAME", default=None,
                    help="the model name clients send (default: the target's file or folder name)")
     p.add_argument("--chunk-size", type=integer, default=256, metavar="N", help="prompt tokens per prefill pass (default 256)")
@@ -41,6 +49,36 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="seconds running requests get to finish on SIGTERM/SIGINT (default 30)")
     p.add_argument("--max-body-bytes", type=integer, default=4 << 20, metavar="N", help="largest request body (default 4 MiB)")
     p.add_argument("--debug", action="store_true", help="show tracebacks on errors")
+
+
+def api_key(args, environ=None) -> str | None:
+    """The server's key: ``--api-key``, else the first line of ``--api-key-file``, else
+    ``$DFLASH_JAX_API_KEY``; ``None`` for none of them.
+
+    Raises:
+      DFlashError: both options given, an unreadable file, or an empty key (naming the option
+        or variable).
+    """
+    environ = os.environ if environ is None else environ
+    if args.api_key is not None and args.api_key_file is not None:
+        raise DFlashError("--api-key, --api-key-file", "both given", "one of them")
+    if args.api_key is not None:
+        key, where = args.api_key, "--api-key"
+    elif args.api_key_file is not None:
+        where = f"--api-key-file: {args.api_key_file}"
+        try:
+            text = Path(args.api_key_file).read_text(encoding="utf-8")
+        except (OSError, UnicodeError) as e:
+            raise DFlashError(where, f"cannot be read ({getattr(e, 'strerror', None) or e})", "a UTF-8 text file holding the key") from None
+        key = (text.splitlines() or [""])[0]
+    elif API_KEY_ENV in environ:
+        key, where = environ[API_KEY_ENV], API_KEY_ENV
+    else:
+        return None
+    key = key.strip()
+    if not key:
+        raise DFlashError(where, "an empty key", "a non-empty key (or none of --api-key, --api-key-file and $" + API_KEY_ENV + ")")
+    return key
 
 
 def _check(args) -> None:
@@ -56,8 +94,6 @@ def _check(args) -> None:
 
 def build_engine(args):
     """Loads the model of the options and builds the engine (raises DFlashError for bad input)."""
-    from pathlib import Path
-
     from dflash_jax.sampling import SamplingConfig
     from dflash_jax.serve.engine import Engine
     from dflash_jax.serve.jobs import ServedModel
@@ -85,8 +121,9 @@ def run(args) -> int:
     from dflash_jax.serve.app import build_app
 
     _check(args)
+    key = api_key(args)
     engine, why = build_engine(args)
-    app = build_app(engine, api_key=args.api_key, max_body_bytes=args.max_body_bytes, shutdown_timeout=args.shutdown_timeout)
+    app = build_app(engine, api_key=key, max_body_bytes=args.max_body_bytes, shutdown_timeout=args.shutdown_timeout)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level="info", timeout_graceful_shutdown=args.shutdown_timeout)
     server = uvicorn.Server(config)
     engine.on_death = lambda _e: setattr(server, "should_exit", True)

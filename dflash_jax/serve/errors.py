@@ -63,6 +63,9 @@ def validation_error(exc: RequestValidationError) -> APIError:
         return APIError(400, f"malformed JSON body: {first.get('msg')} (expected a JSON object)", None, "invalid_json")
     if kind == "missing":
         return APIError(400, f"{field}: missing (expected a value)", field, "missing_required_parameter")
+    if kind == "extra_forbidden":
+        return APIError(400, f"{field}: not a parameter of this endpoint (expected OpenAI's fields or this server's "
+                        "extensions, README \"Serving\"; unknown ones are refused, not ignored)", field, "unknown_parameter")
     got = first.get("input")
     shown = repr(got) if not isinstance(got, (dict, list)) else type(got).__name__
     code = "invalid_type" if kind.endswith("_type") or kind.endswith("_parsing") or kind == "model_attributes_type" else "invalid_value"

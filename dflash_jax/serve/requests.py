@@ -96,8 +96,26 @@ def _completion_prompt(model: ServedModel, req: CompletionRequest) -> list[int]:
     return list(p)
 
 
+# OpenAI's fields whose effect this server does not have, each with the values that ask for none
+_NEUTRAL = {"logprobs": (None, False), "top_logprobs": (None, 0), "frequency_penalty": (None, 0), "presence_penalty": (None, 0),
+            "logit_bias": (None, {}), "response_format": (None, {"type": "text"}), "echo": (None, False), "best_of": (None, 1),
+            "suffix": (None, "")}
+
+
+def check_unsupported(req) -> None:
+    """400 ``unsupported_parameter`` naming the first field of :data:`_NEUTRAL` the request sets to
+    something other than its neutral values (log-probabilities are not returned, no penalties...)."""
+    for name, neutral in _NEUTRAL.items():
+        value = getattr(req, name, None)
+        if not any(value == n and isinstance(value, bool) == isinstance(n, bool) for n in neutral):
+            allowed = " or ".join("absent" if n is None else json.dumps(n) for n in neutral)
+            raise APIError(400, f"{name}: {json.dumps(value)} is not supported by this server (expected {allowed})",
+                           name, "unsupported_parameter")
+
+
 def _spec(model: ServedModel, req, prompt: list[int], max_tokens: int | None, max_len: int, prompt_field: str) -> JobSpec:
     """The checks both endpoints share, then the job."""
+    check_unsupported(req)
     if req.n != 1:
         raise APIError(400, f"n: got {req.n} (expected 1: one choice per request)", "n", "invalid_value")
     if not prompt:

@@ -3,7 +3,12 @@
 Requests: :class:`ChatCompletionRequest` (``POST /v1/chat/completions``) and
 :class:`CompletionRequest` (``POST /v1/completions``), with the extensions ``top_k``,
 ``ignore_eos``, ``chat_template_kwargs`` and ``n_max``. Numbers and flags are strict (``"5"`` is
-not an integer); fields the server does not use are ignored, as OpenAI-compatible servers do.
+not an integer). A request's own fields are closed: an unknown one is refused (400 naming it,
+code ``unknown_parameter``), never dropped unseen; OpenAI's fields that change nothing here
+(:data:`NO_EFFECT`) are taken, and those whose effect this server does not have (log-probabilities,
+penalties, ``logit_bias``, a ``response_format`` other than text, ...) are refused by
+:mod:`~dflash_jax.serve.requests` unless at their neutral value. Nested objects (messages, tools)
+ignore extra fields: clients send back earlier answers with fields such as ``refusal``.
 Responses follow OpenAI's schema; ``usage.completion_tokens_details`` counts the drafted tokens the
 target accepted and rejected, and ``speculative`` (an extension) holds the request's speculative
 statistics.
@@ -67,10 +72,15 @@ class StreamOptions(_Request):
 
 Number = Union[StrictInt, StrictFloat]
 
+NO_EFFECT = ("user", "store", "metadata", "service_tier", "parallel_tool_calls")
+"""OpenAI request fields taken and ignored: bookkeeping that does not change an answer here."""
 
-class _Sampling(_Request):
+
+class _Sampling(BaseModel):
     """Fields both endpoints share (OpenAI's names and defaults; ``top_k``, ``ignore_eos`` and
-    ``n_max`` are extensions)."""
+    ``n_max`` are extensions). Closed to unknown fields (module docstring)."""
+
+    model_config = ConfigDict(extra="forbid")
 
     model: StrictStr
     max_tokens: StrictInt | None = Field(default=None, ge=1)
@@ -84,6 +94,15 @@ class _Sampling(_Request):
     n: StrictInt = 1
     ignore_eos: StrictBool = False
     n_max: StrictInt | None = Field(default=None, ge=1)
+    # OpenAI's, refused unless neutral (serve.requests.check_unsupported)
+    frequency_penalty: Number | None = None
+    presence_penalty: Number | None = None
+    logit_bias: dict[str, Any] | None = None
+    # OpenAI's, no effect here (NO_EFFECT)
+    user: StrictStr | None = None
+    store: StrictBool | None = None
+    metadata: dict[str, Any] | None = None
+    service_tier: StrictStr | None = None
 
 
 class ChatCompletionRequest(_Sampling):
@@ -92,10 +111,18 @@ class ChatCompletionRequest(_Sampling):
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    parallel_tool_calls: StrictBool | None = None
+    logprobs: StrictBool | None = None
+    top_logprobs: StrictInt | None = None
+    response_format: dict[str, Any] | None = None
 
 
 class CompletionRequest(_Sampling):
     prompt: StrictStr | list[StrictInt] | list[StrictStr] | list[list[StrictInt]]
+    logprobs: StrictInt | None = None
+    echo: StrictBool | None = None
+    best_of: StrictInt | None = None
+    suffix: StrictStr | None = None
 
 
 # ---------------------------------------------------------------- responses
