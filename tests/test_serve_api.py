@@ -8,6 +8,7 @@ shared server (tests/conftest.py) decodes the tiny model with a tiny DFlash draf
 import asyncio
 import json
 
+import jax.numpy as jnp
 import openai
 import pytest
 from conftest import SERVE_MAX_LEN
@@ -242,6 +243,26 @@ def test_adaptive_depth_server_measures_before_it_listens(serve_tiny_model, tmp_
         with ThreadPoolExecutor(6) as pool:
             answers = list(pool.map(ask, [0, 0, 0, 0.7, 0.7, 0]))
         assert [a.choices[0].message.content for a, t in zip(answers, [0, 0, 0, 0.7, 0.7, 0]) if t == 0] == [text] * 4
+        # a seeded request sent alone repeats, whatever the requests before it left of auto's batch-wide
+        # plain-step schedule (set here as earlier requests could leave it, between requests)
+        seeded = set()
+        for plain_left, backoff in ((0, 1), (3, 8), (1, 2), (7, 16)):
+            spec = engine._batch.state.speculative
+            engine._batch.state = engine._batch.state.replace(speculative=spec.replace(
+                plain_left=jnp.int32(plain_left), backoff=jnp.int32(backoff)))
+            seeded.add(client(url).chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=16, temperature=1.0,
+                                                           seed=42).choices[0].message.content)
+        assert len(seeded) == 1, seeded
+        # which holds because a group swapped into an idle batch brings a fresh schedule (the tiny
+        # drafter's rejected drafts rarely turn a different schedule into another text; the default
+        # pair's did: 3 texts in 6 lone requests before)
+        batch = engine._batch
+        batch.state = batch.state.replace(speculative=batch.state.speculative.replace(plain_left=jnp.int32(7), backoff=jnp.int32(16)))
+        group = batch.start_prefill([0], [[1, 2, 3]], [4], 42)
+        while not group.complete:
+            batch.prefill_step(group)
+        assert (int(batch.state.speculative.plain_left), int(batch.state.speculative.backoff)) == (0, 1)
+        batch.release([0])
         assert measured == [1, 2, 3]  # nothing measured once the server listened
     finally:
         stop()

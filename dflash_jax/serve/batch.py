@@ -72,6 +72,13 @@ class Prefill:
         return self.start >= self.end
 
 
+def _schedule_of(spec, fresh):
+    """``spec`` with the plain-step schedule of ``n_max="auto"`` (batch-wide: ``plain_left``,
+    ``backoff``) of ``fresh``: the previous requests' schedule would change which steps draft,
+    hence how a seeded request samples."""
+    return None if spec is None else spec.replace(plain_left=fresh.plain_left, backoff=fresh.backoff)
+
+
 class Batch:
     """``rows`` decode rows of capacity ``max_len`` under ``static``, all free at first.
 
@@ -127,8 +134,8 @@ class Batch:
         fresh = decode.finish_prefill(p.state, self.static, p.acc)
         running = bool(np.any(np.asarray(jax.device_get(~self.state.done))))
         self.state = decode.replace_rows(self.state, fresh, jnp.asarray(p.rows, jnp.int32))
-        if not running:  # an idle batch takes the group's key: a lone request's sampling is seeded
-            self.state = self.state.replace(rng=fresh.rng)
+        if not running:  # an idle batch starts as the group's own: a lone request's sampling repeats with its seed
+            self.state = self.state.replace(rng=fresh.rng, speculative=_schedule_of(self.state.speculative, fresh.speculative))
 
     def warm_up(self) -> None:
         """Runs this batch size's programs once on throwaway rows, so that no request compiles
