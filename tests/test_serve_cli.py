@@ -114,3 +114,63 @@ def test_default_pair_end_to_end():
         assert json.loads(raw(url + "/health")[2])["status"] == "ok"
     finally:
         stop()
+
+
+def _draining(engine, grace):
+    """``(url, server, thread)``: a :class:`DrainingServer` of ``engine`` on a free port, in a thread."""
+    import socket
+
+    import uvicorn
+
+    from dflash_jax.serve.app import build_app
+    from dflash_jax.serve.shutdown import DrainingServer
+
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    server = DrainingServer(uvicorn.Config(build_app(engine, shutdown_timeout=grace), log_level="warning",
+                                           timeout_graceful_shutdown=grace), engine, grace)
+    thread = threading.Thread(target=server.run, kwargs=dict(sockets=[sock]), daemon=True)
+    thread.start()
+    while not server.started:
+        assert thread.is_alive()
+        time.sleep(0.02)
+    return f"http://127.0.0.1:{sock.getsockname()[1]}", server, thread
+
+
+@pytest.mark.parametrize("grace", [30.0, 0.3])
+def test_a_stop_drains_streams_and_answers_new_requests_503(serve_tiny_model, grace, capfd):
+    """The first exit signal drains: a stream in flight gets every token (or, past the grace
+    period, a final error event: never a silent cut); a request sent meanwhile gets 503 with
+    Retry-After while the server still listens; then the server stops, without tracebacks."""
+    from dflash_jax.serve.engine import Engine
+    from dflash_jax.serve.jobs import ServedModel
+
+    engine = Engine(ServedModel(serve_tiny_model[1], None, name="t"), max_batch=1, max_len=128, steps_per_round=2)
+    real_decode = engine._decode
+
+    def slow_decode():  # two tokens per 0.1 s: a 60-token answer outlasts the short grace
+        time.sleep(0.1)
+        real_decode()
+
+    engine._decode = slow_decode
+    url, server, thread = _draining(engine, grace)
+    c = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=60)
+    ask = dict(model="t", prompt=[1, 2, 3], max_tokens=60, temperature=0, extra_body={"ignore_eos": True})
+    whole = c.completions.create(**ask).choices[0].text
+    stream = iter(c.completions.create(**ask, stream=True))
+    first = next(stream)
+    server.handle_exit(signal.SIGTERM, None)
+    while engine.counts() == (1, 0) and not engine._stopping:
+        time.sleep(0.01)
+    status, headers, body = raw(url + "/v1/completions", "POST", json.dumps({"model": "t", "prompt": [1], "max_tokens": 2}).encode())
+    assert status == 503 and headers["retry-after"] and json.loads(body)["error"]["code"] == "unavailable", body
+    if grace > 1:
+        rest = list(stream)
+        assert rest[-1].choices[0].finish_reason == "length"
+        assert first.choices[0].text + "".join(ch.choices[0].text for ch in rest if ch.choices) == whole
+    else:
+        with pytest.raises(openai.APIError, match="shutting down"):
+            list(stream)
+    thread.join(30)
+    assert not thread.is_alive() and not server.drain.is_alive()
+    assert "Traceback" not in capfd.readouterr().err

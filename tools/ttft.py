@@ -5,7 +5,7 @@ one new, empty cache folder and ``DFLASH_JAX_PROGRESS=1``. The time to
 first token (TTFT) runs from starting the process to the first byte of the answer on stdout; the
 wall time until the process exits. The first run is README command 1's ``generate`` in the empty
 folder (download, dequantization, float32 cache, compilation: a fresh clone's first run); then
-three commands with other prompts and budgets, each run twice: "cold" is the first run of that
+four commands with other prompts and budgets, each run twice: "cold" is the first run of that
 command (the model is cached; programs of new shapes compile), "warm" the same command again.
 ``--against CHECKOUT`` runs every command with that checkout's package too (its own cache
 folder), alternating with this one, for a before/after comparison under the same load.
@@ -30,6 +30,7 @@ from benchlib import busy_seconds, machine, write_section
 REPO = Path(__file__).resolve().parents[1]
 README_PROMPT = "What is the capital of France?"
 COMMANDS = [
+    ["What is 7 times 8?", "--max-new-tokens", "24"],  # issue 29's own example
     ["What is 2 + 2? Answer with the number only.", "--max-new-tokens", "32"],
     ["Write a Python function that reverses a string.", "--max-new-tokens", "256"],
     ["Explain what a hash table is in two sentences.", "--max-new-tokens", "96"],

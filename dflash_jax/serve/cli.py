@@ -1,9 +1,11 @@
 """``dflash-jax serve``: the model options of ``generate`` and the server's own, then uvicorn.
 
 With a key (``--api-key``, ``--api-key-file`` or ``$DFLASH_JAX_API_KEY``) ``/v1`` and ``/metrics``
-need it; ``/health`` stays open. SIGTERM and SIGINT stop the server gracefully: no new connections or requests, running requests
-get ``--shutdown-timeout`` seconds to finish (then they are cancelled), exit code 0. If the engine
-dies, ``/health`` answers 503, the server stops and the command exits with 1.
+need it; ``/health`` stays open. SIGTERM and SIGINT stop the server gracefully
+(:mod:`~dflash_jax.serve.shutdown`): new requests get 503 with ``Retry-After``, running requests get
+``--shutdown-timeout`` seconds to finish (then they end with an error, streamed ones with a final
+error event), exit code 0. If the engine dies, ``/health`` answers 503, the server stops and the
+command exits with 1.
 """
 
 from __future__ import annotations
@@ -119,13 +121,14 @@ def run(args) -> int:
     import uvicorn
 
     from dflash_jax.serve.app import build_app
+    from dflash_jax.serve.shutdown import DrainingServer
 
     _check(args)
     key = api_key(args)
     engine, why = build_engine(args)
     app = build_app(engine, api_key=key, max_body_bytes=args.max_body_bytes, shutdown_timeout=args.shutdown_timeout)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level="info", timeout_graceful_shutdown=args.shutdown_timeout)
-    server = uvicorn.Server(config)
+    server = DrainingServer(config, engine, args.shutdown_timeout)
     engine.on_death = lambda _e: setattr(server, "should_exit", True)
     print(f"dflash-jax serve: {engine.model.name} ({why}) on http://{args.host}:{args.port}/v1, "
           f"{args.max_batch} rows x {args.max_len} tokens", file=sys.stderr, flush=True)
