@@ -14,8 +14,8 @@ from __future__ import annotations
 import dataclasses
 
 import jax
-from dflash_jax import pytree
 
+from dflash_jax import pytree
 from dflash_jax.errors import DFlashError
 
 # Logical axis names of cache arrays (see dflash_jax.sharding).

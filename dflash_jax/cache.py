@@ -9,8 +9,8 @@ overwritten before any query can see them.
 from __future__ import annotations
 
 import jax.numpy as jnp
-from dflash_jax import pytree
 
+from dflash_jax import pytree
 from dflash_jax.axes import KV_AXES, axes_field
 
 __all__ = ["KV_AXES", "Capture", "KVCache", "init_capture", "init_kv_cache", "write_layer_rows", "write_rows"]

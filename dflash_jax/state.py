@@ -11,8 +11,8 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-from dflash_jax import pytree
 
+from dflash_jax import pytree
 from dflash_jax.axes import axes_field
 from dflash_jax.cache import KVCache
 

@@ -49,9 +49,9 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-from dflash_jax import pytree
 from jax import lax
 
+from dflash_jax import pytree
 from dflash_jax.axes import KV_AXES, axes_field
 from dflash_jax.cache import Capture, write_layer_rows, write_rows
 from dflash_jax.config_laguna import LagunaConfig

@@ -4,8 +4,9 @@
 Handlers check a request (:mod:`~dflash_jax.serve.requests`), queue it on the
 :class:`~dflash_jax.serve.engine.Engine` and turn its events into OpenAI responses
 (:mod:`~dflash_jax.serve.responses`). With an API key, the ``/v1`` endpoints and ``/metrics``
-need ``Authorization: Bearer KEY`` (401 otherwise); ``/health`` stays open for probes. A body over ``max_body_bytes`` is refused with 413,
-a full queue with 429 and ``Retry-After``; ``/health`` answers 503 once the engine died.
+need ``Authorization: Bearer KEY`` (401 otherwise); ``/health`` stays open for probes. A body
+over ``max_body_bytes`` is refused with 413, a full queue with 429 and ``Retry-After``;
+``/health`` answers 503 once the engine died.
 """
 
 from __future__ import annotations

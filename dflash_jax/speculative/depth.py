@@ -37,8 +37,8 @@ import math
 
 import jax
 import jax.numpy as jnp
-from dflash_jax import pytree
 
+from dflash_jax import pytree
 from dflash_jax.axes import axes_field
 from dflash_jax.errors import DFlashError
 

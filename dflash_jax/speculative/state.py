@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import jax.numpy as jnp
-from dflash_jax import pytree
 
+from dflash_jax import pytree
 from dflash_jax.axes import KV_AXES, axes_field
 from dflash_jax.config import DrafterConfig
 

@@ -8,8 +8,8 @@ import functools
 import jax
 import jax.numpy as jnp
 import optax
-from dflash_jax import pytree
 
+from dflash_jax import pytree
 from dflash_jax.config import DrafterConfig, TargetConfig
 from dflash_jax.models import drafter
 from dflash_jax.models.dense import stack_layers
