@@ -31,26 +31,33 @@ TOOLS = [{"type": "function", "function": {"name": "get_weather", "description":
     "type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}}, "required": ["city"]}}}]
 
 
-def serve_in_thread(app):
-    """Runs ``app`` with uvicorn on a free loopback port; returns ``(base url, stop())``."""
-    import uvicorn
-
+def run_in_thread(server) -> tuple[str, threading.Thread]:
+    """Runs the ``uvicorn.Server`` ``server`` on a free loopback port in a thread, once it has
+    started: ``(base url, thread)``."""
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5))
     thread = threading.Thread(target=server.run, kwargs=dict(sockets=[sock]), daemon=True)
     thread.start()
     deadline = time.time() + 60
     while not server.started:
         assert thread.is_alive() and time.time() < deadline, "the server did not start"
         time.sleep(0.02)
+    return f"http://127.0.0.1:{port}", thread
+
+
+def serve_in_thread(app):
+    """Runs ``app`` with uvicorn on a free loopback port; returns ``(base url, stop())``."""
+    import uvicorn
+
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5))
+    url, thread = run_in_thread(server)
 
     def stop():
         server.should_exit = True
         thread.join(30)
 
-    return f"http://127.0.0.1:{port}", stop
+    return url, stop
 
 
 def free_port() -> int:

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from dflash_jax import executables
-from dflash_jax.compile_count import count_compilations
+from dflash_jax.compile_count import count_compilations, count_store_reads
 from dflash_jax.nn import live_attention
 
 
@@ -129,3 +129,25 @@ def test_the_store_keeps_the_most_recently_used_entries(tmp_path):
         os.utime(p, (1000 + i, 1000 + i))
     executables._trim(tmp_path, max_bytes=650)
     assert sorted(p.name for p in tmp_path.glob("*.bin")) == ["e1.bin", "e2.bin"]
+
+
+@jax.jit
+def _project(x, w):
+    return jnp.tanh(x @ w) @ w.T
+
+
+def test_compiler_options_reach_xla_and_key_the_entry(store):
+    """A program compiled with options (the short prefill's: no YNNPACK fusions) is another entry
+    than the one without, and the options are in the executable read back from the store."""
+    x, w = jnp.ones((64, 576)), jnp.full((576, 1536), 1e-3)
+    from dflash_jax.prefill import FEW_ROWS_OPTIONS
+
+    plain = executables.compile(_project, x, w)
+    few = executables.compile(_project, x, w, options=FEW_ROWS_OPTIONS)
+    assert len(list(store.glob("_project-*.bin"))) == 2
+    assert "ynn_fusion" in plain.as_text() and "ynn_fusion" not in few.as_text()
+    jax.clear_caches()
+    with count_compilations() as compiled, count_store_reads() as read:
+        again = executables.compile(_project, x, w, options=FEW_ROWS_OPTIONS)
+    assert (compiled(), read()) == (0, 1) and "ynn_fusion" not in again.as_text()
+    np.testing.assert_allclose(again(x, w), plain(x, w), rtol=1e-5)

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import openai
 import pytest
-from serve_util import free_port, raw, serve_in_thread
+from serve_util import free_port, raw, run_in_thread, serve_in_thread
 
 import dflash_jax as dj
 from dflash_jax import cli
@@ -118,23 +118,15 @@ def test_default_pair_end_to_end():
 
 def _draining(engine, grace):
     """``(url, server, thread)``: a :class:`DrainingServer` of ``engine`` on a free port, in a thread."""
-    import socket
-
     import uvicorn
 
     from dflash_jax.serve.app import build_app
     from dflash_jax.serve.shutdown import DrainingServer
 
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
     server = DrainingServer(uvicorn.Config(build_app(engine, shutdown_timeout=grace), log_level="warning",
                                            timeout_graceful_shutdown=grace), engine, grace)
-    thread = threading.Thread(target=server.run, kwargs=dict(sockets=[sock]), daemon=True)
-    thread.start()
-    while not server.started:
-        assert thread.is_alive()
-        time.sleep(0.02)
-    return f"http://127.0.0.1:{sock.getsockname()[1]}", server, thread
+    url, thread = run_in_thread(server)
+    return url, server, thread
 
 
 @pytest.mark.parametrize("grace", [30.0, 0.3])

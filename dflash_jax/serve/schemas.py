@@ -5,7 +5,7 @@ Requests: :class:`ChatCompletionRequest` (``POST /v1/chat/completions``) and
 ``ignore_eos``, ``chat_template_kwargs`` and ``n_max``. Numbers and flags are strict (``"5"`` is
 not an integer). A request's own fields are closed: an unknown one is refused (400 naming it,
 code ``unknown_parameter``), never dropped unseen; OpenAI's fields that change nothing here
-(:data:`NO_EFFECT`) are taken, and those whose effect this server does not have (log-probabilities,
+(``user``, ``store``, ``metadata``, ``service_tier``, ``parallel_tool_calls``) are taken, and those whose effect this server does not have (log-probabilities,
 penalties, ``logit_bias``, a ``response_format`` other than text, ...) are refused by
 :mod:`~dflash_jax.serve.requests` unless at their neutral value. Nested objects (messages, tools)
 ignore extra fields: clients send back earlier answers with fields such as ``refusal``.
@@ -72,9 +72,6 @@ class StreamOptions(_Request):
 
 Number = Union[StrictInt, StrictFloat]
 
-NO_EFFECT = ("user", "store", "metadata", "service_tier", "parallel_tool_calls")
-"""OpenAI request fields taken and ignored: bookkeeping that does not change an answer here."""
-
 
 class _Sampling(BaseModel):
     """Fields both endpoints share (OpenAI's names and defaults; ``top_k``, ``ignore_eos`` and
@@ -98,7 +95,7 @@ class _Sampling(BaseModel):
     frequency_penalty: Number | None = None
     presence_penalty: Number | None = None
     logit_bias: dict[str, Any] | None = None
-    # OpenAI's, no effect here (NO_EFFECT)
+    # OpenAI's bookkeeping: no effect here
     user: StrictStr | None = None
     store: StrictBool | None = None
     metadata: dict[str, Any] | None = None

@@ -8,7 +8,8 @@ admitting (waiting and new requests get 503 with ``Retry-After``, the server sti
 running requests, streams included, get the grace period to finish
 (:meth:`~dflash_jax.serve.engine.Engine.stop`), those that do not end with an error (a final SSE
 error event when streamed); then uvicorn stops with nothing left running. A second signal during
-the drain is uvicorn's own: a second SIGINT forces the exit.
+the drain hands over to uvicorn at once (its own shutdown, open connections get its grace), and a
+further SIGINT forces the exit.
 """
 
 from __future__ import annotations
