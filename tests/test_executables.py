@@ -16,6 +16,7 @@ import pytest
 from dflash_jax import executables
 from dflash_jax.compile_count import count_compilations, count_store_reads
 from dflash_jax.nn import live_attention
+from dflash_jax.prefill import FEW_ROWS_OPTIONS
 
 
 @jax.jit
@@ -140,8 +141,6 @@ def test_compiler_options_reach_xla_and_key_the_entry(store):
     """A program compiled with options (the short prefill's: no YNNPACK fusions) is another entry
     than the one without, and the options are in the executable read back from the store."""
     x, w = jnp.ones((64, 576)), jnp.full((576, 1536), 1e-3)
-    from dflash_jax.prefill import FEW_ROWS_OPTIONS
-
     plain = executables.compile(_project, x, w)
     few = executables.compile(_project, x, w, options=FEW_ROWS_OPTIONS)
     assert len(list(store.glob("_project-*.bin"))) == 2

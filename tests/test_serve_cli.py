@@ -166,3 +166,34 @@ def test_a_stop_drains_streams_and_answers_new_requests_503(serve_tiny_model, gr
     thread.join(30)
     assert not thread.is_alive() and not server.drain.is_alive()
     assert "Traceback" not in capfd.readouterr().err
+
+
+def test_a_second_signal_during_the_drain_hands_over_to_uvicorn():
+    """While the drain waits on running requests, a second signal starts uvicorn's own shutdown at
+    once, and a further SIGINT forces the exit (README, ``--shutdown-timeout``)."""
+    import uvicorn
+
+    from dflash_jax.serve.shutdown import DrainingServer
+
+    release = threading.Event()
+
+    class Engine:  # one request running; its drain lasts until released
+        stopped = False
+
+        def counts(self):
+            return 1, 0
+
+        def stop(self, grace):
+            release.wait(30)
+            self.stopped = True
+
+    server = DrainingServer(uvicorn.Config(lambda *a: None), Engine(), 30.0)
+    server.handle_exit(signal.SIGTERM, None)
+    assert server.drain.is_alive() and not server.should_exit and not server.force_exit
+    server.handle_exit(signal.SIGTERM, None)
+    assert server.should_exit and not server.force_exit and server.drain.is_alive()
+    server.handle_exit(signal.SIGINT, None)
+    assert server.force_exit
+    release.set()
+    server.drain.join(30)
+    assert server.engine.stopped

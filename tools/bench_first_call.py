@@ -33,6 +33,7 @@ def main(argv=None) -> int:
     import jax
     import jax.numpy as jnp
 
+    from dflash_jax import executables
     from dflash_jax.loading import load_target
     from dflash_jax.models import dense
     from dflash_jax.prefill import FEW_ROWS_OPTIONS
@@ -52,7 +53,7 @@ def main(argv=None) -> int:
         positions = jnp.broadcast_to(jnp.arange(300, 300 + t, dtype=jnp.int32), (b, t))
         for name, options in variants.items():
             c = jax.jit(fwd, donate_argnums=3).lower(params, tokens, positions, dense.init_cache(cfg, b, 1024)).compile(
-                compiler_options=dict(options, xla_cpu_enable_fast_math=False))
+                compiler_options={**executables.FRESH, **options})  # as the project compiles
             progs[(b, t, name)] = (c, tokens, positions)
     for _ in range(args.rounds):
         for k, (c, tokens, positions) in progs.items():

@@ -5,8 +5,9 @@ Requests: :class:`ChatCompletionRequest` (``POST /v1/chat/completions``) and
 ``ignore_eos``, ``chat_template_kwargs`` and ``n_max``. Numbers and flags are strict (``"5"`` is
 not an integer). A request's own fields are closed: an unknown one is refused (400 naming it,
 code ``unknown_parameter``), never dropped unseen; OpenAI's fields that change nothing here
-(``user``, ``store``, ``metadata``, ``service_tier``, ``parallel_tool_calls``) are taken, and those whose effect this server does not have (log-probabilities,
-penalties, ``logit_bias``, a ``response_format`` other than text, ...) are refused by
+(``user``, ``store``, ``metadata``, ``service_tier``, ``parallel_tool_calls``) are taken, and
+those whose effect this server does not have (log-probabilities, penalties, ``logit_bias``, a
+``response_format`` other than text, ...) are refused by
 :mod:`~dflash_jax.serve.requests` unless at their neutral value. Nested objects (messages, tools)
 ignore extra fields: clients send back earlier answers with fields such as ``refusal``.
 Responses follow OpenAI's schema; ``usage.completion_tokens_details`` counts the drafted tokens the
