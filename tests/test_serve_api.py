@@ -209,6 +209,30 @@ def test_a_server_compiles_every_batch_size_before_it_listens(serve_tiny_model):
         stop()
 
 
+def test_the_warm_up_covers_a_jump_between_any_two_batch_sizes(serve_tiny_model):
+    """A burst can take the batch from one size straight to any other (1 -> 4 as four requests
+    come at once, 4 -> 1 as three finish together); after the warm-up none of these jumps compiles."""
+    from dflash_jax.compile_count import count_compilations
+    from dflash_jax.serve.engine import Engine
+    from dflash_jax.serve.jobs import ServedModel
+
+    _, target, drafter = serve_tiny_model
+    engine = Engine(ServedModel(target, drafter, name="tiny"), max_batch=4, max_len=SERVE_MAX_LEN, max_queue=16)
+    engine.warm_up()
+    sizes = engine.batch_sizes()
+    assert sizes == [1, 2, 4]
+
+    def jump(rows):  # a shrink keeps some rows and needs one free row
+        engine._batch.resize(rows, list(range(min(engine._batch.rows, rows) - 1)))
+
+    with count_compilations() as compiled:
+        for src in reversed(sizes):
+            for dst in sizes:
+                jump(src)
+                jump(dst)
+    assert compiled() == 0
+
+
 def test_adaptive_depth_server_measures_before_it_listens(serve_tiny_model, tmp_path, monkeypatch):
     """A server under ``n_max="auto"`` gets the step costs of every batch size it can run before
     it listens (kept under the cache folder); no request, greedy or sampled, alone or together,

@@ -105,8 +105,8 @@ class Engine:
     def warm_up(self) -> None:
         """Gets every batch size ready before the server listens (call it before :meth:`start`):
         runs the default lane's programs (greedy, the default depth) once at each size of
-        :meth:`batch_sizes`, growing and then shrinking the batch (:meth:`Batch.warm_up
-        <dflash_jax.serve.batch.Batch.warm_up>`), so the first requests compile nothing and,
+        :meth:`batch_sizes` (:meth:`Batch.warm_up <dflash_jax.serve.batch.Batch.warm_up>`) and
+        resizes the batch from each size to each other, so the first requests compile nothing and,
         under ``n_max="auto"``, the step costs of each size are read from ``depth_costs/`` or
         measured now (other lanes find them kept: they depend on the batch size, not the
         sampling). Prompts longer than the smallest prefill chunk, and other lanes (sampling
@@ -119,8 +119,12 @@ class Engine:
             for rows in sizes:
                 self._batch.resize(rows, [])
                 self._batch.warm_up()
-            for rows in reversed(sizes[:-1]):
-                self._batch.resize(rows, [])
+            for src in sizes:  # a burst may jump between any two sizes (1 -> 4): each jump is a program
+                for dst in sizes:
+                    if dst != src:
+                        self._batch.resize(src, [])
+                        self._batch.resize(dst, [])
+            self._batch.resize(sizes[0], [])
             self._rows = [None] * self._batch.rows
 
     def submit(self, job: Job) -> None:
