@@ -24,7 +24,7 @@ from dflash_jax.decoding import Decoding, Params, check_step_inputs
 from dflash_jax.errors import DFlashError
 from dflash_jax.registry import module_for
 from dflash_jax.prefill import compile_prefill, finish_prefill, prefill, prefill_chunk  # noqa: F401  (part of this API)
-from dflash_jax.sampling import sample, top2_gap
+from dflash_jax.sampling import row_keys, sample_at, top2_gap
 from dflash_jax.speculative import step as speculative_step
 from dflash_jax.speculative.state import init_speculative_state
 from dflash_jax.state import RUNNING, DecodeState, commit
@@ -52,7 +52,7 @@ def init_state(
     max_len: int,
     max_new_tokens: int | Sequence[int],
     stop_ids: Sequence[int] = (),
-    seed: int | jax.Array = 0,
+    seed: int | jax.Array | Sequence[int] = 0,
 ) -> DecodeState:
     """A fresh decode state holding the prompts, with an empty target cache of ``max_len`` slots
     (and, when ``static`` has a drafter, an empty drafter context and zeroed statistics).
@@ -63,10 +63,11 @@ def init_state(
       max_len: capacity in tokens per row (prompt + generated).
       max_new_tokens: new-token budget, one int for all rows or one per row.
       stop_ids: token ids that end a row (EOS included by the caller).
-      seed: int seed or a PRNG key.
+      seed: an int seed or a PRNG key (row ``b`` samples with ``fold_in(key, b)``), or one int
+        seed per prompt (:func:`~dflash_jax.sampling.row_keys`).
     Raises:
       DFlashError: a prompt that leaves no room for one new token within ``max_len``; a budget
-        below 1; a seed that is neither an integer in ``[0, 2**63)`` nor a key.
+        below 1; a seed that is none of these.
     """
     check_step_inputs(None, None, static)
     toks, lens = pad_prompts(prompts)
@@ -87,7 +88,7 @@ def init_state(
         prompt_len=jnp.asarray(lens),
         max_new=jnp.asarray(max_new),
         stop_ids=jnp.asarray(stops),
-        rng=_key(seed),
+        rng=row_keys(seed, b),
         **_empty_buffers(static, b, max_len),
     )
 
@@ -102,17 +103,6 @@ def _empty_buffers(static: Decoding, b: int, max_len: int) -> dict:
                 gaps=jnp.zeros((b, max_len), jnp.float32), steps=jnp.zeros((), jnp.int32), speculative=speculative)
 
 
-def _key(seed) -> jax.Array:
-    """A PRNG key from an integer seed in ``[0, 2**63)`` or a key (DFlashError naming ``--seed`` otherwise)."""
-    if isinstance(seed, (int, np.integer)) and not isinstance(seed, (bool, np.bool_)):
-        if not 0 <= seed < 2**63:
-            raise DFlashError("seed (--seed)", f"got {seed}", "an integer in [0, 2**63)")
-        return jax.random.key(int(seed))
-    if isinstance(seed, jax.Array):
-        return seed
-    raise DFlashError("seed (--seed)", f"got {seed!r}", "an integer in [0, 2**63) or a PRNG key")
-
-
 def plain_step_fn(params: Params, state: DecodeState, static: Decoding) -> DecodeState:
     """One target pass over each row's last committed token; commits one sampled token per row."""
     cfg = static.target
@@ -122,9 +112,8 @@ def plain_step_fn(params: Params, state: DecodeState, static: Decoding) -> Decod
     tok = jnp.take_along_axis(state.tokens, pos[:, None], axis=1)
     hidden, cache, _ = mod.forward_hidden(params.target, cfg, tok, pos[:, None], state.cache)
     logits = mod.lm_head(params.target, cfg, hidden[:, 0])
-    rng, key = jax.random.split(state.rng)
-    nxt = sample(key, logits, static.sampling)
-    state = state.replace(cache=cache, rng=rng, steps=state.steps + 1)
+    nxt = sample_at(state.rng, state.length[:, None], logits[:, None], static.sampling)[:, 0]
+    state = state.replace(cache=cache, steps=state.steps + 1)
     return commit(state, nxt[:, None], jnp.ones((b,), jnp.int32), top2_gap(logits)[:, None])
 
 
@@ -201,7 +190,7 @@ def replace_rows(state: DecodeState, fresh: DecodeState, rows) -> DecodeState:
     Every array whose declared axes (:func:`dflash_jax.axes.axes_field`) include ``"batch"``
     (tokens, lengths, budgets, finish codes, gaps, every cache array and a speculative state's
     drafter context and statistics) takes ``fresh``'s row ``j`` at row
-    ``rows[j]``; the rest (stop ids, PRNG key, step counter) stays ``state``'s. ``fresh`` is
+    ``rows[j]`` (its PRNG key too); the rest (stop ids, step counter) stays ``state``'s. ``fresh`` is
     typically a prefilled :func:`init_state` of the new prompts with the same capacity.
 
     Args:

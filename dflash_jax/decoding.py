@@ -42,7 +42,8 @@ class Decoding:
         ``None`` for plain decoding.
       sampling: :class:`~dflash_jax.sampling.SamplingConfig` (default greedy).
       draft_mode: ``"argmax"`` (propose the drafter's argmax; default, docs/specs/dflash.md 2.2)
-        or ``"sample"`` (draw each draft from the warped drafter distribution).
+        or ``"sample"`` (draw each draft from the warped drafter distribution with the uniform
+        the target's token at its position is drawn with, :mod:`dflash_jax.sampling`).
       n_max: drafted tokens verified per block, in ``[1, block_size - 1]``; ``None`` resolves to
         ``block_size - 1`` with a drafter (and must stay ``None`` without one). ``"auto"``: the
         drafter drafts ``auto_depth`` tokens and every step chooses, on device, how many of

@@ -160,7 +160,7 @@ def generate(
       stop_ids: extra token ids that end a row (kept in the output).
       stop: stop texts (see :mod:`dflash_jax.api` for how they are applied).
       ignore_eos: do not stop at the target's EOS ids.
-      seed: PRNG seed for sampling, an integer in ``[0, 2**63)``.
+      seed: sampling seed in ``[0, 2**63)``; row ``b`` uses ``fold_in(key(seed), b)`` (:mod:`~dflash_jax.sampling`).
       on_tokens: streaming callback, called with ``B`` lists of the ids each row committed since
         the previous call (the first call carries the token from prefill). With it, decoding is
         stepped from Python (``decode.stream``); without, it runs as one on-device loop.

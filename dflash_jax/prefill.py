@@ -18,7 +18,7 @@ from dflash_jax import executables
 from dflash_jax.decoding import Decoding, Params, check_step_inputs
 from dflash_jax.errors import DFlashError
 from dflash_jax.registry import module_for
-from dflash_jax.sampling import sample, top2_gap
+from dflash_jax.sampling import sample_at, top2_gap
 from dflash_jax.speculative.capture import absorb_context, block_capture
 from dflash_jax.state import DecodeState, commit
 
@@ -76,9 +76,7 @@ prefill_chunk.__doc__ = "Jitted :func:`prefill_chunk_fn` (state and accumulator 
 @functools.partial(jax.jit, static_argnames=("static",), donate_argnames=("state",))
 def finish_prefill(state: DecodeState, static: Decoding, logits_acc) -> DecodeState:
     """Samples each row's first new token from its last prompt row's logits and commits it."""
-    rng, key = jax.random.split(state.rng)
-    first = sample(key, logits_acc, static.sampling)
-    state = state.replace(rng=rng)
+    first = sample_at(state.rng, state.length[:, None], logits_acc[:, None], static.sampling)[:, 0]
     return commit(state, first[:, None], jnp.ones_like(first), top2_gap(logits_acc)[:, None])
 
 

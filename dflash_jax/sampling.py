@@ -1,17 +1,34 @@
-"""Token selection as pure functions of logits and a key: greedy, temperature, top-k, top-p.
+"""Token selection as pure functions of logits and keys: greedy, temperature, top-k, top-p.
 
 The same warp is applied everywhere a distribution over the target's vocabulary is needed (plain
-decoding, speculative acceptance, resampling), so all paths sample one distribution.
+decoding, verification, sampled drafts), so all paths sample one distribution.
+
+Sampling is indexed by position: each row of a decode state carries its own PRNG key, and the
+token at index ``t`` of row ``b`` (its place in ``DecodeState.tokens``) is drawn by inverse
+transform with the uniform ``u`` of ``fold_in(rng[b], t)``: the first token, in vocabulary order,
+whose cumulative probability under ``softmax(warp(logits))`` exceeds ``u`` (:func:`sample_at`).
+Plain decoding draws each token this way; a speculative verify draws the target's token at every
+slot of the block with the same uniforms and accepts a draft while it equals that token ("sample
+and match", docs/specs/dflash.md 2.2), the first differing target token being the bonus. Every
+committed token is then the target's own sample, so a row's sampled text is a function of its
+key, its prompt and the target only: the same with or without a drafter, at any verify width,
+alone or in any batch. A sampled draft uses the same uniform over the drafter's distribution (in
+the target's vocabulary order), which couples the two distributions: the closer they are, the
+more often the draft matches; what is committed never changes. One uniform per token costs a
+softmax and a cumulative sum over the vocabulary, about what the argmax costs (a Gumbel-max
+draw, ``V`` random numbers per token, cost several times more on XLA:CPU).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import numbers
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from dflash_jax.errors import DFlashError
 
@@ -80,11 +97,86 @@ def probabilities(logits: jnp.ndarray, cfg: SamplingConfig) -> jnp.ndarray:
     return jax.nn.softmax(warp_logits(logits, cfg), axis=-1)
 
 
-def sample(key: jax.Array, logits: jnp.ndarray, cfg: SamplingConfig) -> jnp.ndarray:
-    """Draws one token per row: ``[..., V]`` logits -> ``[...]`` int32 ids."""
+def row_keys(seed, rows: int) -> jax.Array:
+    """The ``[rows]`` PRNG keys of a decode state's rows.
+
+    Args:
+      seed: an integer in ``[0, 2**63)`` or a PRNG key: row ``b`` gets ``fold_in(key, b)``; or a
+        list of ``rows`` such integers: row ``b`` gets row 0's key of its own seed (a server
+        request keeps the key of its seed in whatever row it lands).
+      rows: the batch size ``B``.
+    Raises:
+      DFlashError: a seed that is none of these (names ``--seed``).
+    """
+    if isinstance(seed, (list, tuple)):
+        if len(seed) != rows:
+            raise DFlashError("seed (--seed)", f"got {len(seed)} seeds for {rows} rows", "one seed per prompt")
+        return _first_rows(jnp.stack([_key(s) for s in seed]))
+    return _rows_of(_key(seed), rows)
+
+
+def _key(seed) -> jax.Array:
+    """A PRNG key from an integer seed in ``[0, 2**63)`` or a key (DFlashError naming ``--seed`` otherwise)."""
+    if isinstance(seed, numbers.Integral) and not isinstance(seed, (bool, np.bool_)):
+        if not 0 <= seed < 2**63:
+            raise DFlashError("seed (--seed)", f"got {seed}", "an integer in [0, 2**63)")
+        return jax.random.key(int(seed))
+    if isinstance(seed, jax.Array) and jnp.issubdtype(seed.dtype, jax.dtypes.prng_key) and seed.shape == ():
+        return seed
+    raise DFlashError("seed (--seed)", f"got {seed!r}", "an integer in [0, 2**63), a PRNG key or one integer per prompt")
+
+
+@functools.partial(jax.jit, static_argnums=(1,))
+def _rows_of(key: jax.Array, rows: int) -> jax.Array:
+    return jax.vmap(lambda b: jax.random.fold_in(key, b))(jnp.arange(rows, dtype=jnp.uint32))
+
+
+@jax.jit
+def _first_rows(keys: jax.Array) -> jax.Array:
+    return jax.vmap(lambda k: jax.random.fold_in(k, 0))(keys)
+
+
+def uniform_at(rng: jax.Array, index: jnp.ndarray) -> jnp.ndarray:
+    """The uniforms of the tokens at ``index`` (module docstring).
+
+    Args:
+      rng: ``[B]`` PRNG keys, one per row.
+      index: ``[B, T]`` int32 token indices (positions in the row's tokens).
+    Returns:
+      ``[B, T]`` float32 in ``[0, 1)``, a function of ``(rng[b], index[b, t])`` only.
+    """
+    def one(key, t):
+        return jax.random.uniform(jax.random.fold_in(key, t), (), jnp.float32)
+
+    return jax.vmap(jax.vmap(one, (None, 0)), (0, 0))(rng, index.astype(jnp.uint32))
+
+
+def sample_at(rng: jax.Array, index: jnp.ndarray, logits: jnp.ndarray, cfg: SamplingConfig, vocab: int | None = None,
+              ids: jnp.ndarray | None = None) -> jnp.ndarray:
+    """The tokens at ``index`` drawn from ``softmax(warp_logits(logits))`` with their positions'
+    uniforms, by inverse transform (exact: token ``i`` is drawn with its probability).
+
+    Args:
+      rng: ``[B]`` PRNG keys; index: ``[B, T]`` int32 token indices.
+      logits: ``[B, T, V']`` float: the target's (``V' = V``) or a drafter's over the target ids
+        ``ids [V']`` (a draft vocabulary), whose probabilities are then laid out over the target's
+        vocabulary ``vocab`` before the draw.
+      cfg: the sampling settings; greedy returns the argmax and reads no uniform.
+      vocab: the target's vocabulary ``V`` when ``ids`` is given.
+    Returns:
+      ``[B, T]`` int32: column indices of ``logits`` when greedy, else target ids (the same
+      thing without ``ids``).
+    """
     if cfg.greedy:
         return jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    return jax.random.categorical(key, warp_logits(logits, cfg), axis=-1).astype(jnp.int32)
+    p = jax.nn.softmax(warp_logits(logits, cfg).astype(jnp.float32), axis=-1)
+    if ids is not None:
+        p = jnp.zeros(p.shape[:-1] + (vocab,), p.dtype).at[..., ids].set(p)
+    c = jnp.cumsum(p, axis=-1)
+    total = c[..., -1:]
+    # below the total by at least one ulp: the token drawn has probability > 0 whatever the rounding
+    u = jnp.minimum(uniform_at(rng, index)[..., None] * total, jnp.nextafter(total, 0.0))
+    return jnp.sum(c <= u, axis=-1).astype(jnp.int32)
 
 
 def top2_gap(logits: jnp.ndarray) -> jnp.ndarray:

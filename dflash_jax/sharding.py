@@ -236,7 +236,7 @@ def state_axes(state) -> Any:
     ``k``/``v`` ``[L, B, S, Hkv, D]`` (Laguna: every ``kv`` pair, ring layers too) and drafter context
     ``ctx_k``/``ctx_v`` ``[Ld, B, S, Hkv, D]`` -> :data:`~dflash_jax.axes.KV_AXES`;
     ``accepted_per_position`` ``[B, n]`` and Laguna ``ring_pos`` ``[B, R]`` -> ``("batch", None)``;
-    ``stop_ids``, ``rng``, ``steps`` are replicated.
+    ``rng`` ``[B]`` (row keys) -> ``("batch",)``; ``stop_ids`` and ``steps`` are replicated.
 
     Raises:
       DFlashError: an array field without declared axes (names it).

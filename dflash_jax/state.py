@@ -32,7 +32,8 @@ class DecodeState:
       max_new: ``[B]`` int32 new-token budget per row.
       stop_ids: ``[n]`` int32 ids that end a row (EOS and stop ids; ``-1`` pads).
       cache: target :class:`KVCache`; slots ``[0, length - 1)`` are committed between steps.
-      rng: PRNG key, split every step.
+      rng: ``[B]`` PRNG keys, one per row, never split: the token at index ``t`` of row ``b`` is
+        drawn with the uniform of ``fold_in(rng[b], t)`` (:func:`dflash_jax.sampling.sample_at`).
       finish: ``[B]`` int32 finish code (``RUNNING``, ``STOP``, ``LENGTH``, ``CAPACITY``).
       gaps: ``[B, S]`` float32 top-2 logit gap of the target step that chose each token.
       steps: ``[]`` int32 target passes after prefill (decode steps or verify steps).
@@ -46,7 +47,7 @@ class DecodeState:
     max_new: jnp.ndarray = axes_field("batch")
     stop_ids: jnp.ndarray = axes_field(None)
     cache: KVCache  # its own fields declare their axes (as speculative's do)
-    rng: jax.Array = axes_field()
+    rng: jax.Array = axes_field("batch")
     finish: jnp.ndarray = axes_field("batch")
     gaps: jnp.ndarray = axes_field("batch", "seq")
     steps: jnp.ndarray = axes_field()

@@ -1,6 +1,7 @@
 """The pure parts of the benchmark tools: ``bench_spec``'s interval resamples the ratio it reports;
 ``bench_policy`` parses its variants, and the argument types name what is wrong; ``bench_attention``'s
-tables keep their columns."""
+tables keep their columns; ``bench_recall`` builds its trees best-first and counts a tree's acceptance as
+the deepest node on the target's path."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tools"))
 import bench_attention  # noqa: E402
 import bench_policy  # noqa: E402
+import bench_recall  # noqa: E402
 import bench_spec  # noqa: E402
 import benchlib  # noqa: E402
 
@@ -93,3 +95,19 @@ def test_attention_tables_keep_their_columns(with_decode):
     if with_decode:
         assert {line.count("|") for line in tables[1]} == {2 + 2 * len(blocks) - 1 + 1 + 1}
     assert "**0.50**" in text  # 64 / 256
+
+
+def test_recall_trees_grow_best_first_and_accept_the_deepest_node_on_the_target_path():
+    # two slots, top-3 each: slot 1 [0.5, 0.3, 0.2], slot 2 [0.6, 0.3, 0.1] (sorted, as the tool keeps them)
+    logp = np.log([[0.5, 0.3, 0.2], [0.6, 0.3, 0.1]])
+    # paths by probability: (0,) .5, (0, 0) .30, (1,) .3, (1, 0) .18, (2,) .2, (0, 1) .15, (2, 0) .12, ...
+    assert bench_recall.best_first_tree(logp, 1) == {(0,)}
+    assert bench_recall.best_first_tree(logp, 3) == {(0,), (0, 0), (1,)}
+    assert bench_recall.best_first_tree(logp, 6) == {(0,), (0, 0), (1,), (1, 0), (2,), (0, 1)}
+    assert len(bench_recall.best_first_tree(logp, 100)) == 3 + 9  # every node once, then it stops
+    tree = {(0,), (0, 0), (1,)}
+    assert [bench_recall.accepted(tree, r) for r in ([0, 0], [1, 0], [0, 2], [2, 0], [1, 3])] == [2, 1, 1, 0, 1]
+    # static: the most frequent prefixes of the target's rank paths, a miss (rank = topk) is no node
+    ranks = np.array([[0, 0], [0, 1], [0, 0], [1, 3], [3, 0]])
+    assert bench_recall.static_tree(ranks, 3, topk=3) == {(0,), (0, 0), (1,)}
+    assert bench_recall.ceiling(ranks, 1) == pytest.approx(1 + (2 + 1 + 2 + 0 + 0) / 5)

@@ -138,25 +138,31 @@ def test_argmax_drafts_are_the_best_listed_token(target):
     st, full = _prefilled_and_full_logits(target, d)
     ids = np.array(SMALL_IDS)
     dcfg, dparams = with_vocab(target, d, ids)
-    drafts, q = speculative.propose_block(Params(params, dparams), st, Decoding(cfg, dcfg))
+    drafts, _ = speculative.propose_block(Params(params, dparams), st, Decoding(cfg, dcfg))
     want = ids[np.argmax(full[..., ids], axis=-1)]
-    assert q is None
     np.testing.assert_array_equal(np.asarray(drafts), want)
     assert (want != np.argmax(full, axis=-1)).any()  # the restriction matters here
 
 
-def test_sampled_proposal_is_the_softmax_over_listed_columns(target):
+def test_sampled_drafts_are_listed_tokens_drawn_with_the_target_ids_uniform(target):
+    """A sampled draft is the inverse-transform draw, with the uniform of the draft's position, from
+    the warped drafter distribution laid out over the target's vocabulary (zero off the list)."""
+    from dflash_jax.sampling import uniform_at
+
     cfg, params = target
     d = drafter_for(cfg, 4, seed=7)
     st, full = _prefilled_and_full_logits(target, d)
     ids = np.array(SMALL_IDS)
     dcfg, dparams = with_vocab(target, d, ids)
-    drafts, q = speculative.propose_block(Params(params, dparams), st, Decoding(cfg, dcfg, SamplingConfig(0.7), draft_mode="sample"), jax.random.key(0))
-    q = np.asarray(q)
-    assert q.shape == full.shape and np.isin(np.asarray(drafts), ids).all()
-    want = np.zeros_like(q)
-    want[..., ids] = jax.nn.softmax(full[..., ids] / 0.7, axis=-1)
-    np.testing.assert_allclose(q, want, rtol=1e-5, atol=1e-6)
+    drafts, _ = speculative.propose_block(Params(params, dparams), st, Decoding(cfg, dcfg, SamplingConfig(0.7), draft_mode="sample"))
+    index = np.asarray(st.length)[:, None] + np.arange(full.shape[1])  # the mask at position p drafts the token at index p
+    u = np.asarray(uniform_at(st.rng, jnp.asarray(index, jnp.int32)), np.float64)
+    z = full[..., ids].astype(np.float64) / 0.7
+    q = np.zeros(full.shape)
+    q[..., ids] = np.exp(z - z.max(-1, keepdims=True)) / np.exp(z - z.max(-1, keepdims=True)).sum(-1, keepdims=True)
+    want = np.sum(np.cumsum(q, axis=-1) <= u[..., None], axis=-1)
+    np.testing.assert_array_equal(np.asarray(drafts), want)
+    assert set(want.ravel()) <= set(ids.tolist())
 
 
 @pytest.mark.parametrize("sampling", [SamplingConfig(1.0), SamplingConfig(0.8, top_k=3)], ids=["t1", "t0.8-k3"])

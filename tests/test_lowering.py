@@ -90,9 +90,8 @@ def test_decoding_steps_lower_for_cuda_and_tpu(models, name, spec, sampling):
     }
     if spec:
         drafts = jnp.zeros((len(PROMPTS), static.n_max), jnp.int32)
-        q = None if static.draft_mode == "argmax" else jnp.full(drafts.shape + (static.target.vocab_size,), 1.0 / static.target.vocab_size)
-        steps["propose_block"] = (speculative.propose_block, params, state, static, jax.random.key(0))
-        steps["verify_block"] = (speculative.verify_block, params, state, static, drafts, q, jax.random.key(1), jax.random.key(2))
+        steps["propose_block"] = (speculative.propose_block, params, state, static)
+        steps["verify_block"] = (speculative.verify_block, params, state, static, drafts)
     for step, (jitted, *args) in steps.items():
         _, text = lower(jitted, *args)
         donates = step != "propose_block"  # every step but propose donates the state
@@ -114,8 +113,7 @@ def test_adaptive_depth_steps_lower_for_cuda_and_tpu(models, sampling):
     params = Params(p, dp, depth_policy(Calibration.identity(n), CostModel.forcing(n, n)))
     state = decode.init_state(static, PROMPTS, 24, 8)
     drafts, conf = jnp.zeros((len(PROMPTS), n), jnp.int32), jnp.zeros((len(PROMPTS), n), jnp.float32)
-    q = None if mode == "argmax" else jnp.full(drafts.shape + (cfg.vocab_size,), 1.0 / cfg.vocab_size)
-    verify_args = (drafts, conf, q, False, jax.random.key(1), jax.random.key(2))
+    verify_args = (drafts, conf, False)
     for jitted, *args in ((decode.decode_step, params, state, static), (decode.generate_until, params, state, static, jnp.int32(2)),
                           (verify_auto, params, state, static, *verify_args)):
         _, text = lower(jitted, *args)

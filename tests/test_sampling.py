@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from dflash_jax.errors import DFlashError
-from dflash_jax.sampling import SamplingConfig, probabilities, sample, top2_gap
+from dflash_jax.sampling import SamplingConfig, probabilities, row_keys, sample_at, top2_gap
 
 
 def np_reference(logits, t, k, p):
@@ -34,17 +34,33 @@ def test_probabilities_match_reference(t, k, p):
 
 
 def test_sample_frequencies_follow_probabilities():
+    """Draws at 200 positions of 200 rows follow the warped distribution, and the draws of
+    neighbouring positions are independent (their joint frequencies are the products)."""
     logits = jnp.asarray([1.0, 0.2, -0.5, 2.0, 0.0, -3.0])
     cfg = SamplingConfig(temperature=1.0, top_k=4)
-    keys = jax.random.split(jax.random.key(0), 40000)
-    draws = np.asarray(jax.vmap(lambda k: sample(k, logits, cfg))(keys))
-    freq = np.bincount(draws, minlength=6) / draws.size
-    np.testing.assert_allclose(freq, np.asarray(probabilities(logits, cfg)), atol=0.01)
+    index = jnp.broadcast_to(jnp.arange(200, dtype=jnp.int32), (200, 200))
+    draws = np.asarray(sample_at(row_keys(0, 200), index, jnp.broadcast_to(logits, (200, 200, 6)), cfg))
+    p = np.asarray(probabilities(logits, cfg))
+    np.testing.assert_allclose(np.bincount(draws.ravel(), minlength=6) / draws.size, p, atol=0.01)
+    joint = np.bincount((6 * draws[:, :-1] + draws[:, 1:]).ravel(), minlength=36).reshape(6, 6) / draws[:, 1:].size
+    np.testing.assert_allclose(joint, np.outer(p, p), atol=0.01)
+
+
+def test_row_keys_are_per_row_and_a_seed_list_keeps_each_seed():
+    """Rows of one seed get distinct keys; in a list of seeds each row gets row 0's key of its
+    own seed (a server request samples as it would alone), and the list's length must match."""
+    data = lambda k: np.asarray(jax.random.key_data(k)).tolist()
+    keys = row_keys(9, 4)
+    assert keys.shape == (4,) and len({str(d) for d in data(keys)}) == 4
+    assert data(row_keys([5, 9], 2))[1] == data(row_keys(9, 3))[0] == data(keys)[0]
+    assert data(row_keys(jax.random.key(9), 4)) == data(keys)
+    with pytest.raises(DFlashError, match="one seed per prompt"):
+        row_keys([1, 2], 3)
 
 
 def test_greedy_and_gap():
     logits = jnp.asarray([[0.1, 3.0, 2.5], [4.0, 1.0, 3.9]])
-    assert list(np.asarray(sample(None, logits, SamplingConfig()))) == [1, 0]
+    assert np.asarray(sample_at(None, jnp.zeros((2, 1), jnp.int32), logits[:, None], SamplingConfig()))[:, 0].tolist() == [1, 0]
     np.testing.assert_allclose(np.asarray(top2_gap(logits)), [0.5, 0.1], atol=1e-6)
 
 
@@ -74,3 +90,16 @@ def test_non_finite_and_mistyped_values_are_refused(kw, opt):
 
 def test_numpy_scalars_are_accepted():
     assert SamplingConfig(temperature=np.float32(0.5), top_k=np.int64(3), top_p=np.float64(0.9)).top_k == 3
+
+
+@pytest.mark.parametrize("u, want", [(0.0, 1), (1 - 2**-24, 3)])
+def test_the_draw_never_picks_a_token_of_probability_zero(monkeypatch, u, want):
+    """At the ends of the uniform's range the inverse transform picks the first / last token of
+    positive probability (here top-k leaves tokens 1 and 3 of 6), whatever the float rounding of
+    the cumulative sum."""
+    import dflash_jax.sampling as sampling
+
+    monkeypatch.setattr(sampling, "uniform_at", lambda rng, index: jnp.full(index.shape, u, jnp.float32))
+    logits = jnp.asarray([[[0.0, 5.0, 1.0, 4.9, -3.0, 2.0]]])
+    got = sampling.sample_at(row_keys(0, 1), jnp.zeros((1, 1), jnp.int32), logits, SamplingConfig(1.0, top_k=2))
+    assert int(got[0, 0]) == want

@@ -267,8 +267,9 @@ def test_adaptive_depth_server_measures_before_it_listens(serve_tiny_model, tmp_
         with ThreadPoolExecutor(6) as pool:
             answers = list(pool.map(ask, [0, 0, 0, 0.7, 0.7, 0]))
         assert [a.choices[0].message.content for a, t in zip(answers, [0, 0, 0, 0.7, 0.7, 0]) if t == 0] == [text] * 4
-        # a seeded request sent alone repeats, whatever the requests before it left of auto's batch-wide
-        # plain-step schedule (set here as earlier requests could leave it, between requests)
+        # a seeded request answers what generate samples with its seed, whatever the requests before it left of
+        # auto's batch-wide plain-step schedule (set here as earlier requests could leave it, between requests):
+        # the depth never changes a sampled token
         seeded = set()
         for plain_left, backoff in ((0, 1), (3, 8), (1, 2), (7, 16)):
             spec = engine._batch.state.speculative
@@ -276,17 +277,41 @@ def test_adaptive_depth_server_measures_before_it_listens(serve_tiny_model, tmp_
                 plain_left=jnp.int32(plain_left), backoff=jnp.int32(backoff)))
             seeded.add(client(url).chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=16, temperature=1.0,
                                                            seed=42).choices[0].message.content)
-        assert len(seeded) == 1, seeded
-        # which holds because a group swapped into an idle batch brings a fresh schedule (the tiny
-        # drafter's rejected drafts rarely turn a different schedule into another text; the default
-        # pair's did: 3 texts in 6 lone requests before)
-        batch = engine._batch
-        batch.state = batch.state.replace(speculative=batch.state.speculative.replace(plain_left=jnp.int32(7), backoff=jnp.int32(16)))
-        group = batch.start_prefill([0], [[1, 2, 3]], [4], 42)
-        while not group.complete:
-            batch.prefill_step(group)
-        assert (int(batch.state.speculative.plain_left), int(batch.state.speculative.backoff)) == (0, 1)
-        batch.release([0])
+        sampled = oracle(serve_tiny_model, chat_ids(serve_tiny_model, MESSAGES), 16, sampling=dj.SamplingConfig(1.0), seed=42)
+        assert seeded == {sampled[0]}
         assert measured == [1, 2, 3]  # nothing measured once the server listened
     finally:
         stop()
+
+
+def test_a_seeded_request_gives_one_text_alone_or_in_a_batch(serve_tiny, serve_tiny_model):
+    """A sampled request with a seed answers what ``generate`` samples with that seed, sent alone
+    five times or at once with other seeds and prompts (whole and streamed, twice in one batch);
+    another seed gives another text. Each row samples with its own seed's key at each position
+    (dflash_jax.sampling), so neither its row, its neighbours nor the drafter change its tokens."""
+    url, engine = serve_tiny
+    expected = oracle(serve_tiny_model, [1, 2, 3], 24, sampling=dj.SamplingConfig(temperature=1.0), seed=42, ignore_eos=True)[0]
+    c = client(url)
+
+    def text(seed):
+        return c.completions.create(model="tiny", prompt=[1, 2, 3], max_tokens=24, temperature=1.0, seed=seed,
+                                    extra_body={"ignore_eos": True}).choices[0].text
+
+    assert {text(42) for _ in range(5)} == {expected}
+    assert text(7) != expected
+
+    async def main():
+        a = openai.AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+        async def one(prompt, seed, stream):
+            kw = dict(model="tiny", prompt=prompt, max_tokens=24, temperature=1.0, seed=seed, extra_body={"ignore_eos": True})
+            if not stream:
+                return (await a.completions.create(**kw)).choices[0].text
+            return "".join([ch.choices[0].text async for ch in await a.completions.create(stream=True, **kw) if ch.choices])
+
+        mixed = [([1, 2, 3], 42, False), ([9, 8], 5, True), ([1, 2, 3], 6, False), ([1, 2, 3], 42, True), ([4, 4, 4, 4], 0, False)]
+        return await asyncio.gather(*(one(*m) for m in mixed))
+
+    got = asyncio.run(main())
+    assert got[0] == got[3] == expected and got[2] != expected
+    assert engine.counts() == (0, 0) and free_rows_at_length_1(engine)

@@ -251,18 +251,3 @@ def test_the_key_from_the_environment_or_a_file(serve_tiny_model, tmp_path):
             openai.OpenAI(base_url=url + "/v1", api_key="wrong", max_retries=0).models.list()
     finally:
         stop()
-
-
-def test_a_seeded_sampled_request_repeats_when_sent_alone(serve_tiny):
-    """A lone request with a seed gives one text however often it is sent (and another seed, at
-    this temperature, another text)."""
-    url, _ = serve_tiny
-    c = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
-
-    def text(seed):
-        return c.completions.create(model="tiny", prompt=[1, 2, 3], max_tokens=24, temperature=1.0, seed=seed,
-                                    extra_body={"ignore_eos": True}).choices[0].text
-
-    texts = {text(42) for _ in range(5)}
-    assert len(texts) == 1, texts
-    assert text(7) not in texts

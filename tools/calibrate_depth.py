@@ -44,16 +44,16 @@ def record_steps(target, drafter, prompts: list[list[int]], max_new: int, max_le
 
     from dflash_jax import decode, speculative
     from dflash_jax.decoding import Decoding, Params
-    from dflash_jax.speculative.propose import block_positions, draft_fn
+    from dflash_jax.speculative.propose import block_positions, propose_fn
 
     n = drafter.cfg.block_size - 1
     static, params = Decoding(target.cfg, drafter.cfg, n_max=n), Params(target.params, drafter.params)
-    draft = jax.jit(draft_fn, static_argnames=("static",))
+    draft = jax.jit(propose_fn, static_argnames=("static",))
     st = decode.init_state(static, prompts, max_len, max_new, target.eos_ids)
     st = decode.prefill(params, st, static, 256)
     confs, accs, valids, rows = [], [], [], []
     while not bool(jax.device_get(jnp.all(st.done))):
-        drafts, _, conf = draft(params, st, static)
+        drafts, conf = draft(params, st, static)
         running, before = jax.device_get((~st.done, st.speculative.accepted))
         n_valid = jax.device_get(block_positions(st, n + 1)[2] - 1)
         st = speculative.verify_block(params, st, static, drafts)

@@ -36,10 +36,8 @@ def fixed_acceptance_step(params: Params, state, static: Decoding, accept):
     whose verdict accepts exactly ``accept`` drafts per row (``[]`` int32, at most what the block
     allows): the drafter's and the target's passes run as in a real step, so it costs what a real
     step costs, while the acceptance is scripted (the committed tokens are not the target's)."""
-    rng, k_draft, k_accept, k_bonus = jax.random.split(state.rng, 4)
-    state = state.replace(rng=rng)
-    drafts, q = propose_fn(params, state, static, k_draft)
-    verdict = verify_fn(params, state, static, drafts, q, k_accept, k_bonus)
+    drafts, _ = propose_fn(params, state, static)
+    verdict = verify_fn(params, state, static, drafts)
     a = jnp.minimum(jnp.broadcast_to(jnp.asarray(accept, jnp.int32), verdict.accepted.shape), verdict.n_valid)
     return commit_block(params, state, static, verdict._replace(accepted=a))
 

@@ -72,13 +72,6 @@ class Prefill:
         return self.start >= self.end
 
 
-def _schedule_of(spec, fresh):
-    """``spec`` with the plain-step schedule of ``n_max="auto"`` (batch-wide: ``plain_left``,
-    ``backoff``) of ``fresh``: the previous requests' schedule would change which steps draft,
-    hence how a seeded request samples."""
-    return None if spec is None else spec.replace(plain_left=fresh.plain_left, backoff=fresh.backoff)
-
-
 class Batch:
     """``rows`` decode rows of capacity ``max_len`` under ``static``, all free at first.
 
@@ -115,11 +108,12 @@ class Batch:
         else:  # shrink: the kept rows first, then copies of a free (done) row
             free = next(i for i in range(self.rows) if i not in keep)
             state = take_rows(self.state, jnp.asarray(list(keep) + [free] * (rows - len(keep)), jnp.int32))
-        self.state, self.rows = state.replace(rng=self.state.rng), rows
+        self.state, self.rows = state, rows
 
-    def start_prefill(self, rows: list[int], prompts: list[list[int]], max_new: list[int], seed: int) -> Prefill:
-        """A :class:`Prefill` of ``prompts`` for ``rows`` (raises DFlashError for a bad prompt)."""
-        fresh = decode.init_state(self.static, prompts, self.max_len, max_new, self.stop_ids, seed)
+    def start_prefill(self, rows: list[int], prompts: list[list[int]], max_new: list[int], seeds: list[int]) -> Prefill:
+        """A :class:`Prefill` of ``prompts`` for ``rows``, each prompt sampling with its own seed
+        wherever it lands (raises DFlashError for a bad prompt)."""
+        fresh = decode.init_state(self.static, prompts, self.max_len, max_new, self.stop_ids, list(seeds))
         end = max(len(p) for p in prompts)
         acc = jnp.zeros((len(prompts), self.static.target.vocab_size), jnp.float32)
         return Prefill(rows=list(rows), state=fresh, acc=acc, start=0, end=end, chunk=effective_chunk_size(self.chunk_size, end))
@@ -132,10 +126,7 @@ class Batch:
         if not p.complete:
             return
         fresh = decode.finish_prefill(p.state, self.static, p.acc)
-        running = bool(np.any(np.asarray(jax.device_get(~self.state.done))))
         self.state = decode.replace_rows(self.state, fresh, jnp.asarray(p.rows, jnp.int32))
-        if not running:  # an idle batch starts as the group's own: a lone request's sampling repeats with its seed
-            self.state = self.state.replace(rng=fresh.rng, speculative=_schedule_of(self.state.speculative, fresh.speculative))
 
     def warm_up(self) -> None:
         """Runs this batch size's programs once on throwaway rows, so that no request compiles
@@ -145,7 +136,7 @@ class Batch:
         are freed after. Call it on an idle batch."""
         g = 1
         while g <= self.rows:
-            p = self.start_prefill(list(range(g)), [[0]] * g, [1] * g, 0)
+            p = self.start_prefill(list(range(g)), [[0]] * g, [1] * g, [0] * g)
             while not p.complete:
                 self.prefill_step(p)
             self.run(self.rows, 1)

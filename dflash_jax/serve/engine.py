@@ -236,7 +236,7 @@ class Engine:
         rows = [i for i, r in enumerate(self._rows) if r is None][:n]
         try:
             group = self._batch.start_prefill(rows, [list(j.spec.prompt) for j in jobs], [j.spec.max_new for j in jobs],
-                                              jobs[0].spec.seed)
+                                              [j.spec.seed for j in jobs])
         except DFlashError as e:  # a prompt the checks let through: only these requests fail
             for j in jobs:
                 j.post(Failed(str(e), 400))

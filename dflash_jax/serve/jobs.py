@@ -78,7 +78,7 @@ class JobSpec:
       ignore_eos: EOS does not end it.
       stop_texts: stop texts (cut before; checked on the decoded text).
       stop_ids: single-token stop texts' ids (the row ends at them, as ``generate``'s stop ids).
-      seed: sampling seed.
+      seed: sampling seed (the request's, else a random one): the row's key wherever it runs.
     """
 
     prompt: tuple[int, ...]

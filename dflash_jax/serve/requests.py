@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import secrets
 
 from dflash_jax.errors import DFlashError
 from dflash_jax.sampling import SamplingConfig
@@ -140,7 +141,8 @@ def _spec(model: ServedModel, req, prompt: list[int], max_tokens: int | None, ma
         raise APIError(400, "stop: empty stop text (expected non-empty strings)", "stop", "invalid_value")
     stop_ids, _ = split_stop(model.target.tokenizer, stops) if stops else ([], [])
     return JobSpec(prompt=tuple(prompt), max_new=room if max_tokens is None else max_tokens, static=static,
-                   ignore_eos=req.ignore_eos, stop_texts=tuple(stops), stop_ids=tuple(stop_ids), seed=req.seed or 0)
+                   ignore_eos=req.ignore_eos, stop_texts=tuple(stops), stop_ids=tuple(stop_ids),
+                   seed=secrets.randbelow(2**63) if req.seed is None else req.seed)  # no seed: an answer of its own
 
 
 def chat_job(model: ServedModel, req: ChatCompletionRequest, max_len: int) -> tuple[JobSpec, ChatOptions]:

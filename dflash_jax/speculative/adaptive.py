@@ -19,24 +19,24 @@ import jax.numpy as jnp
 from dflash_jax.decoding import Decoding, Params, check_depth_policy, check_step_inputs
 from dflash_jax.speculative import depth
 from dflash_jax.speculative.commit import commit_block, count_width
-from dflash_jax.speculative.propose import block_positions, draft_fn
+from dflash_jax.speculative.propose import block_positions, propose_fn
 from dflash_jax.speculative.verify import verify_fn
 from dflash_jax.state import DecodeState
 
 
-def step_fn(params: Params, state: DecodeState, static: Decoding, k_draft, k_accept, k_bonus) -> DecodeState:
+def step_fn(params: Params, state: DecodeState, static: Decoding) -> DecodeState:
     """One adaptive step (pure): a plain step when the schedule says so, else propose the whole
-    block and verify the width the policy chooses (keys: drafting, acceptance, resampling)."""
+    block and verify the width the policy chooses."""
     plain = state.speculative.plain_left > 0
 
     def draft(_):
-        return draft_fn(params, state, static, k_draft)
+        return propose_fn(params, state, static)
 
     def skip(_):  # zeros of the propose's shapes: a plain step verifies the anchor alone
         return jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), jax.eval_shape(draft, None))
 
-    drafts, q, conf = jax.lax.cond(plain, skip, draft, None)
-    return verify_chosen(params, state, static, drafts, q, conf, plain, k_accept, k_bonus)
+    drafts, conf = jax.lax.cond(plain, skip, draft, None)
+    return verify_chosen(params, state, static, drafts, conf, plain)
 
 
 def run_one_of(index, fns, operand):
@@ -48,12 +48,12 @@ def run_one_of(index, fns, operand):
     return operand
 
 
-def verify_chosen(params: Params, state: DecodeState, static: Decoding, drafts, q, conf, plain, k_accept=None, k_bonus=None) -> DecodeState:
+def verify_chosen(params: Params, state: DecodeState, static: Decoding, drafts, conf, plain) -> DecodeState:
     """Chooses the width from the confidences, verifies that many drafts and commits (pure).
 
     Args:
-      drafts: ``[B, n]`` int32; q: ``[B, n, V]`` or ``None`` (one-hot); conf: ``[B, n]`` float32
-        drafter confidences; plain: ``[]`` bool, a plain step (verifies the anchor alone).
+      drafts: ``[B, n]`` int32; conf: ``[B, n]`` float32 drafter confidences; plain: ``[]``
+        bool, a plain step (verifies the anchor alone).
     Returns:
       The state after the step, its width counted and its plain-step schedule updated.
     Raises:
@@ -70,8 +70,7 @@ def verify_chosen(params: Params, state: DecodeState, static: Decoding, drafts, 
     w = jnp.asarray(widths, jnp.int32)[branch]
 
     def verify_k(k, s):
-        qk = None if q is None else q[:, :k]
-        return commit_block(params, s, static, verify_fn(params, s, static, drafts[:, :k], qk, k_accept, k_bonus))
+        return commit_block(params, s, static, verify_fn(params, s, static, drafts[:, :k]))
 
     state = run_one_of(branch, [functools.partial(verify_k, k) for k in widths], state)
     ctx = depth.schedule(params.depth, count_width(state.speculative, w, plain), plain, pays)
@@ -79,11 +78,10 @@ def verify_chosen(params: Params, state: DecodeState, static: Decoding, drafts, 
 
 
 @functools.partial(jax.jit, static_argnames=("static",), donate_argnames=("state",))
-def verify_auto(params: Params, state: DecodeState, static: Decoding, drafts, conf, q=None, plain=False, key_accept=None,
-                key_bonus=None) -> DecodeState:
+def verify_auto(params: Params, state: DecodeState, static: Decoding, drafts, conf, plain=False) -> DecodeState:
     """Jitted :func:`verify_chosen` of given ``drafts [B, n]`` and confidences ``conf [B, n]``
     (``n = static.depth``), state donated: the adaptive step after its propose, for scripted
     drafters in tests and experiments. Raises DFlashError for arguments that do not go together
     (:func:`~dflash_jax.decoding.check_step_inputs`)."""
     check_step_inputs(params, state, static)
-    return verify_chosen(params, state, static, drafts, q, conf, jnp.asarray(plain), key_accept, key_bonus)
+    return verify_chosen(params, state, static, drafts, conf, jnp.asarray(plain))

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 
 from dflash_jax.decoding import Decoding, Params, check_step_inputs
 from dflash_jax.models import drafter
-from dflash_jax.sampling import probabilities, warp_logits
+from dflash_jax.sampling import sample_at
 from dflash_jax.state import DecodeState
 
 
@@ -26,27 +26,20 @@ def block_positions(state: DecodeState, width: int):
     return start, positions, jnp.clip(room, 1, width).astype(jnp.int32)
 
 
-def propose_fn(params: Params, state: DecodeState, static: Decoding, key=None):
+def propose_fn(params: Params, state: DecodeState, static: Decoding):
     """Drafts ``static.depth`` tokens per row (pure; the state is read only).
 
-    ``static.draft_mode`` ``"argmax"`` proposes the drafter's argmax (a one-hot proposal
-    distribution); ``"sample"`` draws each position from the drafter distribution warped by the
-    target's ``static.sampling`` (z-lab PyPI behaviour), with ``key``.
+    ``static.draft_mode`` ``"argmax"`` proposes the drafter's argmax; ``"sample"`` draws each
+    draft from the drafter's distribution warped by the target's ``static.sampling``, with the
+    uniform of the draft's position, the uniform the target's token there is drawn with
+    (:mod:`dflash_jax.sampling`: the two are coupled, what is committed does not change).
 
     Returns:
-      ``(drafts [B, n] int32, q [B, n, V] float32 or None)``; ``q`` is the proposal
-      distribution when it is not one-hot (zero outside a draft vocabulary, when the drafter
-      has one).
+      ``(drafts [B, n] int32 target ids, conf [B, n] float32)``: ``conf`` is the top probability
+      of the drafter's (unwarped) distribution at each position, a function of the distribution
+      only, never of a sampled draft (:mod:`dflash_jax.speculative.depth` chooses the verify
+      width from it).
     """
-    drafts, q, _ = draft_fn(params, state, static, key)
-    return drafts, q
-
-
-def draft_fn(params: Params, state: DecodeState, static: Decoding, key=None):
-    """:func:`propose_fn` that also returns the drafter's confidences: ``(drafts, q, conf)``,
-    ``conf [B, n]`` float32 the top probability of the drafter's (unwarped) distribution at each
-    position, a function of the distribution only, never of a sampled draft
-    (:mod:`dflash_jax.speculative.depth` chooses the verify width from it)."""
     cfg_t, cfg_d, sampling, width = static.target, static.drafter, static.sampling, static.width
     params_d = params.drafter
     start, positions, block_len = block_positions(state, width)
@@ -58,18 +51,16 @@ def draft_fn(params: Params, state: DecodeState, static: Decoding, key=None):
     lg = drafter.logits(params_d, cfg_d, params.target, cfg_t, hidden[:, 1:])
     conf = 1.0 / jnp.sum(jnp.exp(lg - jnp.max(lg, axis=-1, keepdims=True)), axis=-1)
     if sampling.greedy or static.draft_mode == "argmax":
-        return drafter.draft_token_ids(params_d, cfg_d, jnp.argmax(lg, axis=-1)), None, conf
-    drafts = drafter.draft_token_ids(params_d, cfg_d, jax.random.categorical(key, warp_logits(lg, sampling), axis=-1))
-    q = probabilities(lg, sampling)
-    if cfg_d.draft_vocab_size:  # no proposal mass outside the draft vocabulary
-        q = jnp.zeros(q.shape[:-1] + (cfg_d.vocab_size,), q.dtype).at[..., params_d["draft_ids"]].set(q)
-    return drafts, q, conf
+        return drafter.draft_token_ids(params_d, cfg_d, jnp.argmax(lg, axis=-1)), conf
+    ids = params_d["draft_ids"] if cfg_d.draft_vocab_size else None  # the target ids of the columns of lg
+    # the mask at position p drafts the token at index p: the target draws that token with the same uniform
+    return sample_at(state.rng, positions[:, 1:], lg, sampling, vocab=cfg_t.vocab_size, ids=ids), conf
 
 
 @functools.partial(jax.jit, static_argnames=("static",))
-def propose_block(params: Params, state: DecodeState, static: Decoding, key=None):
-    """Jitted :func:`propose_fn`: ``(drafts [B, n] int32, q [B, n, V] or None)``.
+def propose_block(params: Params, state: DecodeState, static: Decoding):
+    """Jitted :func:`propose_fn`: ``(drafts [B, n] int32, conf [B, n] float32)``.
     Raises DFlashError for arguments that do not go together
     (:func:`~dflash_jax.decoding.check_step_inputs`)."""
     check_step_inputs(params, state, static)
-    return propose_fn(params, state, static, key)
+    return propose_fn(params, state, static)

@@ -1,75 +1,44 @@
 """Verify: one target pass over the block ``[anchor, drafts]`` and the accept rule.
 
-Accept rules (docs/specs/dflash.md 2.2):
-- greedy: accept the longest prefix of drafts equal to the target's argmax; the bonus token is
-  the argmax after it. Output equals the target's own greedy decode.
-- sampling: Leviathan/Chen rejection sampling. Draft ``d_i`` is accepted while
-  ``u_i * q_i(d_i) < p_i(d_i)``; after the first rejection the bonus is drawn from
-  ``norm(max(0, p - q))`` (or ``p`` if that is empty), after a full accept from ``p`` at the
-  last slot. With one-hot ``q`` (argmax proposals) this is exact "sample and match".
-  ``p`` and ``q`` are warped by the same temperature/top-k/top-p, so emitted tokens follow the
-  target's sampling distribution exactly.
+Accept rule (docs/specs/dflash.md 2.2, "sample and match"): the target chooses its own token at
+every slot of the block, the argmax when greedy, else its sample with the uniform of that token's
+position (:func:`dflash_jax.sampling.sample_at`); the longest prefix of drafts equal to the
+target's tokens is accepted and the target's token after it is the bonus token. Every committed
+token is the target's own choice, so greedy output equals the target's greedy decode and sampled
+output is exactly the target's sample with the row's key (the same with or without a drafter).
+It equals Leviathan/Chen rejection sampling with a one-hot proposal; sampled drafts are coupled
+to the target's tokens through the shared uniform instead of a proposal distribution ``q``.
 """
 
 from __future__ import annotations
 
 from typing import NamedTuple
 
-import jax
 import jax.numpy as jnp
 
 from dflash_jax.cache import Capture
 from dflash_jax.decoding import Decoding, Params
 from dflash_jax.registry import module_for
-from dflash_jax.sampling import SamplingConfig, probabilities, top2_gap
+from dflash_jax.sampling import sample_at, top2_gap
 from dflash_jax.speculative.capture import block_capture
 from dflash_jax.speculative.propose import block_positions
 from dflash_jax.state import DecodeState
 
 
-def accept_greedy(drafts: jnp.ndarray, logits: jnp.ndarray, n_valid: jnp.ndarray):
-    """Greedy acceptance.
+def accept(drafts: jnp.ndarray, chosen: jnp.ndarray, n_valid: jnp.ndarray):
+    """The accept rule (module docstring).
 
     Args:
       drafts: ``[B, n]`` int32.
-      logits: ``[B, n + 1, V]`` target logits over ``[anchor, drafts]``.
+      chosen: ``[B, n + 1]`` int32 the target's token at each slot of ``[anchor, drafts]`` (the
+        token that follows that slot).
       n_valid: ``[B]`` int32 drafts that may be accepted (shorter final block).
     Returns:
       ``(a [B] int32 accepted drafts, bonus [B] int32)``.
     """
-    post = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    ok = (drafts == post[:, :-1]) & (jnp.arange(drafts.shape[1])[None, :] < n_valid[:, None])
+    ok = (drafts == chosen[:, :-1]) & (jnp.arange(drafts.shape[1])[None, :] < n_valid[:, None])
     a = jnp.sum(jnp.cumprod(ok.astype(jnp.int32), axis=1), axis=1).astype(jnp.int32)
-    return a, jnp.take_along_axis(post, a[:, None], axis=1)[:, 0]
-
-
-def accept_sampled(drafts, logits, q, n_valid, sampling: SamplingConfig, key_accept, key_bonus):
-    """Exact rejection sampling (module docstring).
-
-    Args:
-      drafts: ``[B, n]`` int32; logits ``[B, n + 1, V]``; ``q``: ``[B, n, V]`` proposal
-        probabilities or ``None`` for one-hot (argmax) proposals.
-    Returns:
-      ``(a [B] int32, bonus [B] int32)``.
-    """
-    b, n = drafts.shape
-    p = probabilities(logits, sampling)  # [B, n+1, V]
-    p_d = jnp.take_along_axis(p[:, :-1], drafts[..., None], axis=-1)[..., 0]
-    if q is None:
-        q = jax.nn.one_hot(drafts, p.shape[-1], dtype=jnp.float32)
-    q_d = jnp.take_along_axis(q, drafts[..., None], axis=-1)[..., 0]
-    u = jax.random.uniform(key_accept, (b, n))
-    ok = (u * q_d < p_d) & (jnp.arange(n)[None, :] < n_valid[:, None])
-    a = jnp.sum(jnp.cumprod(ok.astype(jnp.int32), axis=1), axis=1).astype(jnp.int32)
-    p_a = jnp.take_along_axis(p, a[:, None, None], axis=1)[:, 0]
-    q_pad = jnp.concatenate([q, jnp.zeros_like(q[:, :1])], axis=1)
-    q_a = jnp.take_along_axis(q_pad, a[:, None, None], axis=1)[:, 0]
-    rejected = (a < n_valid)[:, None]
-    resid = jnp.where(rejected, jnp.maximum(p_a - q_a, 0.0), p_a)
-    total = jnp.sum(resid, axis=-1, keepdims=True)
-    dist = jnp.where(total > 0, resid / jnp.where(total > 0, total, 1.0), p_a)
-    bonus = jax.random.categorical(key_bonus, jnp.log(dist), axis=-1).astype(jnp.int32)
-    return a, bonus
+    return a, jnp.take_along_axis(chosen, a[:, None], axis=1)[:, 0]
 
 
 class Verdict(NamedTuple):
@@ -92,13 +61,12 @@ class Verdict(NamedTuple):
     capture: Capture
 
 
-def verify_fn(params: Params, state: DecodeState, static: Decoding, drafts, q=None, key_accept=None, key_bonus=None) -> Verdict:
+def verify_fn(params: Params, state: DecodeState, static: Decoding, drafts) -> Verdict:
     """One target pass over ``[anchor, drafts]`` of each row, then the accept rule (module docstring).
 
     Args:
       drafts: ``[B, n]`` int32 from propose (``n = 0``: the anchor alone, a plain step that
-        keeps the drafter context); ``q``: ``[B, n, V]`` proposal probabilities or
-        ``None`` (one-hot); ``key_accept``, ``key_bonus``: PRNG keys when sampling.
+        keeps the drafter context).
     Returns:
       :class:`Verdict` (the state is read only).
     """
@@ -112,10 +80,7 @@ def verify_fn(params: Params, state: DecodeState, static: Decoding, drafts, q=No
     hidden, cache, capture = mod.forward_hidden(params.target, cfg_t, block, positions, state.cache, capture)
     logits = mod.lm_head(params.target, cfg_t, hidden)
     n_valid = block_len - 1
-    if static.sampling.greedy:
-        a, bonus = accept_greedy(drafts, logits, n_valid)
-    else:
-        a, bonus = accept_sampled(drafts, logits, q, n_valid, static.sampling, key_accept, key_bonus)
+    a, bonus = accept(drafts, sample_at(state.rng, positions + 1, logits, static.sampling), n_valid)
     k = jnp.arange(width, dtype=jnp.int32)[None, :]
     drafts_pad = jnp.pad(drafts, ((0, 0), (0, 1)))
     tokens = jnp.where(k < a[:, None], drafts_pad, bonus[:, None])
