@@ -80,30 +80,21 @@ def parse_prompts(text: str) -> list[tuple[str, int]]:
 
 def build_fns(static, topk: int):
     """``(slot_topk, advance)``: the jitted drafter pass that returns ``(ids [B, n, topk] int32,
-    logp [B, n, topk] float32)`` per draft slot, sorted by probability (propose_fn's lines,
-    keeping the distribution), and one verify of no drafts (commits the greedy token)."""
+    logp [B, n, topk] float32)`` per draft slot, sorted by probability (the pass propose_fn
+    drafts from, :func:`~dflash_jax.speculative.propose.draft_logits`), and one verify of no
+    drafts (commits the greedy token)."""
     import jax
     import jax.numpy as jnp
 
     from dflash_jax import speculative
     from dflash_jax.models import drafter
-    from dflash_jax.speculative.propose import block_positions
-
-    cfg_t, cfg_d, width = static.target, static.drafter, static.width
+    from dflash_jax.speculative.propose import draft_logits
 
     @jax.jit
     def slot_topk(params, state):
-        params_d = params.drafter
-        start, positions, block_len = block_positions(state, width)
-        anchor = jnp.take_along_axis(state.tokens, start[:, None], axis=1)
-        b = anchor.shape[0]
-        block = jnp.concatenate([anchor, jnp.full((b, width - 1), cfg_d.mask_token_id, jnp.int32)], axis=1)
-        ctx = state.speculative
-        hidden = drafter.forward(params_d, cfg_d, params.target, cfg_t, block, positions, ctx.ctx_k, ctx.ctx_v, start, block_len)
-        lg = drafter.logits(params_d, cfg_d, params.target, cfg_t, hidden[:, 1:])
-        logp = jax.nn.log_softmax(lg, axis=-1)
+        logp = jax.nn.log_softmax(draft_logits(params, state, static)[0], axis=-1)
         top, idx = jax.lax.top_k(logp, topk)
-        return drafter.draft_token_ids(params_d, cfg_d, idx), top
+        return drafter.draft_token_ids(params.drafter, static.drafter, idx), top
 
     def advance(params, state):
         b = state.tokens.shape[0]

@@ -40,21 +40,33 @@ def propose_fn(params: Params, state: DecodeState, static: Decoding):
       only, never of a sampled draft (:mod:`dflash_jax.speculative.depth` chooses the verify
       width from it).
     """
-    cfg_t, cfg_d, sampling, width = static.target, static.drafter, static.sampling, static.width
+    cfg_t, cfg_d, sampling = static.target, static.drafter, static.sampling
     params_d = params.drafter
-    start, positions, block_len = block_positions(state, width)
-    anchor = jnp.take_along_axis(state.tokens, start[:, None], axis=1)
-    b = anchor.shape[0]
-    block = jnp.concatenate([anchor, jnp.full((b, width - 1), cfg_d.mask_token_id, jnp.int32)], axis=1)
-    ctx = state.speculative
-    hidden = drafter.forward(params_d, cfg_d, params.target, cfg_t, block, positions, ctx.ctx_k, ctx.ctx_v, start, block_len)
-    lg = drafter.logits(params_d, cfg_d, params.target, cfg_t, hidden[:, 1:])
+    lg, positions = draft_logits(params, state, static)
     conf = 1.0 / jnp.sum(jnp.exp(lg - jnp.max(lg, axis=-1, keepdims=True)), axis=-1)
     if sampling.greedy or static.draft_mode == "argmax":
         return drafter.draft_token_ids(params_d, cfg_d, jnp.argmax(lg, axis=-1)), conf
     ids = params_d["draft_ids"] if cfg_d.draft_vocab_size else None  # the target ids of the columns of lg
     # the mask at position p drafts the token at index p: the target draws that token with the same uniform
     return sample_at(state.rng, positions[:, 1:], lg, sampling, vocab=cfg_t.vocab_size, ids=ids), conf
+
+
+def draft_logits(params: Params, state: DecodeState, static: Decoding):
+    """The drafter's one pass over each row's block ``[anchor, MASK x (width - 1)]`` (pure).
+
+    Returns:
+      ``(logits [B, width - 1, V'] float32, positions [B, width] int32)``: the drafter's logits at
+      each mask slot (``V'``: its draft vocabulary when it has one, else the target's) and the
+      block's positions (:func:`block_positions`).
+    """
+    cfg_t, cfg_d, width = static.target, static.drafter, static.width
+    params_d = params.drafter
+    start, positions, block_len = block_positions(state, width)
+    anchor = jnp.take_along_axis(state.tokens, start[:, None], axis=1)
+    block = jnp.concatenate([anchor, jnp.full((anchor.shape[0], width - 1), cfg_d.mask_token_id, jnp.int32)], axis=1)
+    ctx = state.speculative
+    hidden = drafter.forward(params_d, cfg_d, params.target, cfg_t, block, positions, ctx.ctx_k, ctx.ctx_v, start, block_len)
+    return drafter.logits(params_d, cfg_d, params.target, cfg_t, hidden[:, 1:]), positions
 
 
 @functools.partial(jax.jit, static_argnames=("static",))
