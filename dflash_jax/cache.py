@@ -13,7 +13,7 @@ import jax.numpy as jnp
 from dflash_jax import pytree
 from dflash_jax.axes import KV_AXES, axes_field
 
-__all__ = ["KV_AXES", "Capture", "KVCache", "init_capture", "init_kv_cache", "write_layer_rows", "write_rows"]
+__all__ = ["KV_AXES", "Capture", "KVCache", "init_capture", "init_kv_cache", "move_slots", "write_layer_rows", "write_rows"]
 
 
 @pytree.dataclass
@@ -56,6 +56,20 @@ def write_layer_rows(buf: jnp.ndarray, layer, rows: jnp.ndarray, index: jnp.ndar
     scatter updates the carried stack in place inside a layer scan."""
     b = jnp.arange(buf.shape[1])[:, None]
     return buf.at[layer, b, index].set(rows.astype(buf.dtype), mode="drop")
+
+
+def move_slots(buf: jnp.ndarray, src: jnp.ndarray, dst: jnp.ndarray) -> jnp.ndarray:
+    """Copies slot ``src[b, w]`` of every layer of row ``b`` to slot ``dst[b, w]`` (all sources
+    read before any write), in a stacked ``[L, B, S, ...]`` cache. Used to compact the accepted
+    path of a verified tree to the slots a chain would have used; indices outside ``S`` are
+    dropped (a source outside reads clamped, its write is dropped when its ``dst`` is too).
+
+    Args:
+      buf: ``[L, B, S, ...]``; src, dst: ``[B, W]`` int32.
+    """
+    b = jnp.arange(buf.shape[1])[:, None]
+    rows = buf[:, b, jnp.clip(src, 0, buf.shape[2] - 1)]
+    return buf.at[:, b, dst].set(rows, mode="drop")
 
 
 @pytree.dataclass

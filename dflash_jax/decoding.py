@@ -19,6 +19,9 @@ from dflash_jax.sampling import SamplingConfig
 
 DRAFT_MODES = ("argmax", "sample")
 AUTO = "auto"
+MAX_TREE_NODES = 15
+"""The most drafted nodes of a verified tree: a 16-token target pass (a Laguna target's
+``max_block`` bounds it too)."""
 
 
 class Params(NamedTuple):
@@ -53,10 +56,16 @@ class Decoding:
         in ``[1, block_size - 1]``; ``None``: ``block_size - 1``). Fewer drafts mean fewer verify
         widths to compile (:func:`~dflash_jax.speculative.depth.verify_widths`); a drafter may
         record its own (:attr:`dflash_jax.loading.Drafter.auto_depth`).
+      tree: tree verification with this many drafted nodes per step (an integer in
+        ``[1, MAX_TREE_NODES]``; the target verifies ``tree + 1`` tokens), built best-first from
+        the drafter's top candidates at each of its ``n_max`` slots
+        (:mod:`dflash_jax.speculative.tree`); ``None``: a chain of ``n_max`` drafts. Needs a
+        fixed ``n_max`` and ``draft_mode="argmax"``.
     Raises:
       DFlashError: a drafter that does not fit the target, a bad ``n_max``, ``auto_depth`` or
         ``draft_mode``, a ``sampling`` that is not a :class:`SamplingConfig`, ``n_max`` without a
-        drafter or ``auto_depth`` without ``n_max="auto"``.
+        drafter or ``auto_depth`` without ``n_max="auto"``, a bad ``tree`` or one that does not go
+        with the other settings.
     """
 
     target: Any
@@ -65,6 +74,7 @@ class Decoding:
     draft_mode: str = "argmax"
     n_max: int | str | None = None
     auto_depth: int | None = None
+    tree: int | None = None
 
     def __post_init__(self):
         if not isinstance(self.sampling, SamplingConfig):
@@ -74,6 +84,8 @@ class Decoding:
             raise DFlashError("drafter", f"got {type(self.drafter).__name__}", "a DrafterConfig (Drafter.cfg) or None")
         if self.draft_mode not in DRAFT_MODES:
             raise DFlashError("draft_mode", f"got {self.draft_mode!r}", f"one of {', '.join(DRAFT_MODES)}")
+        if self.tree is not None:
+            self._check_tree()
         if self.drafter is None:
             if self.n_max is not None:
                 raise DFlashError("n_max (--n-max)", f"got {self.n_max} without a drafter (plain decoding drafts nothing)", "a drafter, or n_max=None")
@@ -86,6 +98,17 @@ class Decoding:
                 raise DFlashError("auto_depth", f"got {self.auto_depth!r} with n_max={self.n_max!r}", "n_max='auto', or auto_depth=None")
             if isinstance(self.auto_depth, bool) or not isinstance(self.auto_depth, numbers.Integral) or not 1 <= self.auto_depth <= top:
                 raise DFlashError("auto_depth", f"got {self.auto_depth!r}", f"an integer in [1, {top}] (block_size - 1)")
+
+    def _check_tree(self):
+        """Raises DFlashError for a ``tree`` that is not a node count or does not go with the rest."""
+        if self.drafter is None:
+            raise DFlashError("tree (--tree)", f"got {self.tree!r} without a drafter", "a drafter, or tree=None")
+        top = min(MAX_TREE_NODES, getattr(self.target, "max_block", MAX_TREE_NODES + 1) - 1)
+        if isinstance(self.tree, bool) or not isinstance(self.tree, numbers.Integral) or not 1 <= self.tree <= top:
+            raise DFlashError("tree (--tree)", f"got {self.tree!r}", f"an integer in [1, {top}] (drafted nodes per step)")
+        if self.n_max == AUTO or self.draft_mode != "argmax":
+            raise DFlashError("tree (--tree)", f"got tree={self.tree} with n_max={self.n_max!r}, draft_mode={self.draft_mode!r}",
+                              "a fixed n_max (the tree's depth) and draft_mode='argmax'")
 
     @property
     def speculative(self) -> bool:

@@ -32,12 +32,12 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from dflash_jax.cache import Capture, KVCache, init_kv_cache, write_layer_rows
+from dflash_jax.cache import Capture, KVCache, init_kv_cache, move_slots, write_layer_rows
 from dflash_jax.config import TargetConfig
 from dflash_jax.models import capture as captures
 from dflash_jax.models import params as P
 from dflash_jax.models.params import ParamSpec, decoder_layer, stacked
-from dflash_jax.nn.attention import causal_visible
+from dflash_jax.nn.attention import TreeBlock, block_visible, rope_positions
 from dflash_jax.nn.embedding import embed, lm_head  # noqa: F401 (the model API: shared by every family)
 from dflash_jax.nn.live_attention import cache_attention, live_keys
 from dflash_jax.nn.layer import attention_output, mlp_residual, project_qkv
@@ -132,16 +132,24 @@ def init_cache(cfg: TargetConfig, batch: int, capacity: int) -> KVCache:
     return init_kv_cache(cfg.num_hidden_layers, batch, capacity, cfg.num_key_value_heads, cfg.head_dim, cfg.dtype)
 
 
-def _layer(cfg: TargetConfig, inv_freq, x, lp, k_all, v_all, positions, n_keys, layer):
+def move_rows(cfg: TargetConfig, cache: KVCache, src: jnp.ndarray, dst: jnp.ndarray) -> KVCache:
+    """The cache with the K/V of slot ``src[b, w]`` copied to ``dst[b, w]`` in every layer
+    (``[B, W]`` int32; :func:`~dflash_jax.cache.move_slots`): a verified tree's accepted path
+    moved to the slots a chain would have written."""
+    return KVCache(k=move_slots(cache.k, src, dst), v=move_slots(cache.v, src, dst))
+
+
+def _layer(cfg: TargetConfig, inv_freq, x, lp, k_all, v_all, positions, rope_pos, visible, n_keys, layer):
     """One decoder layer over ``x [B,T,H]``; writes this layer's K/V rows into the stacked cache
     ``[L, B, S, Hkv, D]`` in place at index ``layer`` (carried through the scan, never copied) and
-    attends the cache's first ``n_keys`` slots (:func:`~dflash_jax.nn.live_attention.live_keys`)."""
+    attends the cache's first ``n_keys`` slots (:func:`~dflash_jax.nn.live_attention.live_keys`)
+    under ``visible`` (:func:`~dflash_jax.nn.attention.block_visible`); RoPE at ``rope_pos``."""
     h = rms_norm(x, lp["attn_norm"], cfg.rms_norm_eps)
-    q, k, v = project_qkv(lp, h, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, positions, inv_freq,
+    q, k, v = project_qkv(lp, h, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, rope_pos, inv_freq,
                           cfg.rms_norm_eps, bias=cfg.qkv_bias, qk_norm=cfg.qk_norm)
     k_all = write_layer_rows(k_all, layer, k, positions)
     v_all = write_layer_rows(v_all, layer, v, positions)
-    a = cache_attention(q, k_all, v_all, layer, n_keys, functools.partial(causal_visible, positions))
+    a = cache_attention(q, k_all, v_all, layer, n_keys, visible)
     x = x + attention_output(lp, a, h, bias=cfg.o_bias)
     return mlp_residual(lp, x, cfg.rms_norm_eps), k_all, v_all
 
@@ -153,24 +161,27 @@ def forward_hidden(
     positions: jnp.ndarray,
     cache: KVCache,
     capture: Capture | None = None,
+    tree: TreeBlock | None = None,
 ) -> tuple[jnp.ndarray, KVCache, Capture | None]:
     """Runs the decoder stack; returns the final-normed hidden states ``[B, T, H]``.
 
     Same contract as :func:`forward` without the LM head, so callers that need only some rows'
-    logits (prefill's last row) pay for the head once. Raises
-    :class:`~dflash_jax.errors.DFlashError` for a capture layer id outside the target.
+    logits (prefill's last row) pay for the head once; ``tree``: the block is a tree of
+    candidates (:class:`~dflash_jax.nn.attention.TreeBlock`: RoPE by depth, ancestors visible).
+    Raises :class:`~dflash_jax.errors.DFlashError` for a capture layer id outside the target.
     """
     n_layers = cfg.num_hidden_layers
     inv_freq = inv_frequencies(cfg.rope, cfg.head_dim)
     positions = positions.astype(jnp.int32)
     n_keys = live_keys(positions, cache.capacity)
+    rope_pos, visible = rope_positions(positions, tree), block_visible(positions, tree)
     x = embed(params, tokens).astype(cfg.dtype)
     slot_of = jnp.asarray(captures.slots(capture, n_layers))
     cap = captures.stack(capture, x)
 
     def body(carry, lp, slot, i):
         x, cap, k_all, v_all = carry
-        x, k_all, v_all = _layer(cfg, inv_freq, x, lp, k_all, v_all, positions, n_keys, i)
+        x, k_all, v_all = _layer(cfg, inv_freq, x, lp, k_all, v_all, positions, rope_pos, visible, n_keys, i)
         return x, captures.keep(capture, cap, x, slot), k_all, v_all
 
     x, cap, k_new, v_new = run_layers(body, (x, cap, cache.k, cache.v), params["layers"], slot_of)

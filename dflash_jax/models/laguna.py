@@ -53,12 +53,12 @@ from jax import lax
 
 from dflash_jax import pytree
 from dflash_jax.axes import KV_AXES, axes_field
-from dflash_jax.cache import Capture, write_layer_rows, write_rows
+from dflash_jax.cache import Capture, move_slots, write_layer_rows, write_rows
 from dflash_jax.config_laguna import LagunaConfig
 from dflash_jax.models import capture as captures
 from dflash_jax.models import params as P
 from dflash_jax.models.params import ParamSpec, decoder_layer, stacked
-from dflash_jax.nn.attention import causal_visible, swiglu
+from dflash_jax.nn.attention import TreeBlock, block_visible, rope_positions, swiglu
 from dflash_jax.nn.live_attention import cache_attention, live_keys
 from dflash_jax.nn.embedding import embed, lm_head  # noqa: F401 (the model API: shared by every family)
 from dflash_jax.nn.layer import attention_output, mlp_residual, project_qkv
@@ -226,32 +226,35 @@ def moe(cfg: LagunaConfig, lp: dict, h: jnp.ndarray) -> jnp.ndarray:
     return out.reshape(shape)
 
 
-def _layer(cfg: LagunaConfig, i: int, lp, x, k_all, v_all, rep, positions, ring_pos, ring_idx, capacity, n_keys):
+def _layer(cfg: LagunaConfig, i: int, lp, x, k_all, v_all, rep, positions, ring_pos, ring_idx, capacity, n_keys, tree=None):
     """Decoder layer ``i`` (static) on ``x [B,T,H]``, whose cache is entry ``rep`` (traced int32)
     of its segment's stacked ``k_all``/``v_all`` ``[reps, B, S, Hkv, D]``; the new rows are
     scattered into the carried stacks in place. A full-attention layer reads only the cache's first
     ``n_keys`` slots (:func:`~dflash_jax.nn.live_attention.live_keys`), a sliding one its ring.
-    Returns ``(x, k_all, v_all)``."""
+    ``tree``: the block is a :class:`~dflash_jax.nn.attention.TreeBlock` (RoPE and window by
+    depth, ancestors visible). Returns ``(x, k_all, v_all)``."""
     D, hkv = cfg.head_dim, cfg.num_key_value_heads
     sliding = cfg.layer_types[i] == "sliding_attention"
     rope = cfg.rope_sliding if sliding else cfg.rope_full
     inv_freq, scale = rope_tables(rope, D, cfg.attention_factor_rule)
     h = rms_norm(x, lp["attn_norm"], cfg.rms_norm_eps)
-    q, k, v = project_qkv(lp, h, cfg.heads_per_layer[i], hkv, D, positions, inv_freq, cfg.rms_norm_eps, qk_norm=True, rope_scale=scale)
-    qpos = positions[:, :, None]
+    rope_pos = rope_positions(positions, tree)
+    q, k, v = project_qkv(lp, h, cfg.heads_per_layer[i], hkv, D, rope_pos, inv_freq, cfg.rms_norm_eps, qk_norm=True, rope_scale=scale)
+    qpos = rope_pos[:, :, None]
     if sliding:
         win = cfg.sliding_window
         start = positions[:, :1]
         old = (ring_pos >= 0) & (ring_pos < start)
         ring_mask = old[:, None, :] & (qpos - ring_pos[:, None, :] < win)
-        kpos = positions[:, None, :]
-        self_mask = (kpos <= qpos) & (qpos - kpos < win) & (kpos < capacity)
+        kpos = rope_pos[:, None, :]
+        seen = (kpos <= qpos) if tree is None else tree.mask
+        self_mask = seen & (qpos - kpos < win) & (positions[:, None, :] < capacity)
         a = cache_attention(q, k_all, v_all, rep, k_all.shape[2], lambda slots: jnp.take(ring_mask, slots, axis=2),
                             extra=((k, v, self_mask),))
         k_all, v_all = write_layer_rows(k_all, rep, k, ring_idx), write_layer_rows(v_all, rep, v, ring_idx)
     else:
         k_all, v_all = write_layer_rows(k_all, rep, k, positions), write_layer_rows(v_all, rep, v, positions)
-        a = cache_attention(q, k_all, v_all, rep, n_keys, functools.partial(causal_visible, positions))
+        a = cache_attention(q, k_all, v_all, rep, n_keys, block_visible(positions, tree))
     x = x + attention_output(lp, a, h, gate="head" if cfg.gate_per_head[i] else "element")
     if cfg.mlp_layer_types[i] == "dense":
         return mlp_residual(lp, x, cfg.rms_norm_eps), k_all, v_all
@@ -265,6 +268,7 @@ def forward_hidden(
     positions: jnp.ndarray,
     cache: LagunaCache,
     capture: Capture | None = None,
+    tree: TreeBlock | None = None,
 ) -> tuple[jnp.ndarray, LagunaCache, Capture | None]:
     """Runs the decoder stack; returns the final-normed hidden states ``[B, T, H]``.
 
@@ -279,6 +283,9 @@ def forward_hidden(
         in ``DecodeState.length``).
       capture: optional :class:`~dflash_jax.cache.Capture`; every row of every listed layer's
         output residual (HF ``hidden_states[i + 1]``) is written at ``position - base``.
+      tree: optional :class:`~dflash_jax.nn.attention.TreeBlock`: the block (contiguous slots
+        ``positions``) is a tree of candidates, each at RoPE position first slot + depth and
+        seeing its ancestors only (tree verification).
     Returns:
       ``(hidden [B, T, H] in cfg.dtype, cache, capture)``.
     Source: transformers ``LagunaModel.forward`` / ``LagunaDecoderLayer``.
@@ -305,7 +312,7 @@ def forward_hidden(
             lps, slot, r = xs
             kvs = list(kvs)
             for k in range(p):
-                x, *kvs[k] = _layer(cfg, start + k, lps[k], x, *kvs[k], r, positions, cache.ring_pos, ring_idx, capacity, n_keys)
+                x, *kvs[k] = _layer(cfg, start + k, lps[k], x, *kvs[k], r, positions, cache.ring_pos, ring_idx, capacity, n_keys, tree)
                 cap = captures.keep(capture, cap, x, slot[k])
             return (x, cap, [tuple(kv) for kv in kvs]), None
 
@@ -317,6 +324,30 @@ def forward_hidden(
     final_norm = functools.partial(rms_norm, weight=params["norm"], eps=cfg.rms_norm_eps)
     capture = captures.write(capture, cap, positions, n_layers, final_norm, valid=real)
     return final_norm(x), cache, capture
+
+
+def move_rows(cfg: LagunaConfig, cache: LagunaCache, src: jnp.ndarray, dst: jnp.ndarray) -> LagunaCache:
+    """The cache with the K/V of slot (position) ``src[b, w]`` copied to ``dst[b, w]`` in every
+    layer (``[B, W]`` int32): a verified tree's accepted path moved to the slots a chain would have
+    written. Full layers move slots, sliding layers their ring rows (``p % R``), and ``ring_pos``
+    records the destination positions. Every ``src`` must be a row the last forward wrote."""
+    ring = cache.ring_pos.shape[1]
+    kv = {}
+    for key, (k, v) in cache.kv.items():
+        if not _sliding_key(cfg, key):
+            kv[key] = (move_slots(k, src, dst), move_slots(v, src, dst))
+        else:
+            kv[key] = (move_slots(k, src % ring, dst % ring), move_slots(v, src % ring, dst % ring))
+    dst_ok = jnp.where(dst < cache.capacity, dst % ring, ring)
+    ring_pos = write_rows(cache.ring_pos[..., None], dst[..., None], dst_ok)[..., 0]
+    return cache.replace(kv=kv, ring_pos=ring_pos)
+
+
+def _sliding_key(cfg: LagunaConfig, key: str) -> bool:
+    """Whether cache entry ``seg{j}_{k}`` holds sliding-window layers."""
+    j, k = (int(x) for x in key[3:].split("_"))
+    start = segments(cfg)[j][0]
+    return cfg.layer_types[start + k] == "sliding_attention"
 
 
 def forward(params: Params, cfg: LagunaConfig, tokens, positions, cache: LagunaCache, capture: Capture | None = None):

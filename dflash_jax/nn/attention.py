@@ -1,6 +1,9 @@
-"""The causal visibility rule and the SwiGLU MLP (attention itself: :mod:`dflash_jax.nn.live_attention`)."""
+"""The causal and tree visibility rules and the SwiGLU MLP (attention itself: :mod:`dflash_jax.nn.live_attention`)."""
 
 from __future__ import annotations
+
+import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -16,6 +19,44 @@ def causal_visible(q_positions: jnp.ndarray, slots: jnp.ndarray) -> jnp.ndarray:
     row's committed length are either written in the same forward or never read.
     """
     return slots[None, None, :] <= q_positions[:, :, None]
+
+
+class TreeBlock(NamedTuple):
+    """The shape of a block whose tokens form a tree (tree verification) rather than a chain.
+
+    Token ``t`` of the block is written to slot ``positions[b, 0] + t`` as in a chain, but its
+    RoPE position is ``positions[b, 0] + depth[b, t]`` and inside the block it sees only its
+    ancestors and itself. A chain is ``depth = t`` with a lower-triangular ``mask``.
+
+    Attributes:
+      depth: ``[B, T]`` int32 depth of each token below the block's first (``depth[:, 0] = 0``).
+      mask: ``[B, T, T]`` bool, ``mask[b, i, j]``: token ``j`` is token ``i`` or an ancestor of it.
+    """
+
+    depth: jnp.ndarray
+    mask: jnp.ndarray
+
+
+def rope_positions(positions: jnp.ndarray, tree: TreeBlock | None) -> jnp.ndarray:
+    """``[B, T]`` int32 RoPE positions of a block written at slots ``positions [B, T]``: the
+    slots themselves, or with a :class:`TreeBlock` the first slot plus each token's depth."""
+    return positions if tree is None else positions[:, :1] + tree.depth
+
+
+def block_visible(positions: jnp.ndarray, tree: TreeBlock | None):
+    """The visibility rule ``slots [K] -> [B, T, K] bool`` of a block written at slots
+    ``positions [B, T]`` (contiguous per row): :func:`causal_visible` for a chain; for a
+    :class:`TreeBlock`, every slot before the block's first and, inside the block, ``tree.mask``."""
+    if tree is None:
+        return functools.partial(causal_visible, positions)
+
+    def visible(slots):
+        rel = slots[None, :] - positions[:, :1]  # [B, K]
+        t = tree.mask.shape[2]
+        inside = jnp.take_along_axis(tree.mask, jnp.clip(rel, 0, t - 1)[:, None, :], axis=2)
+        return (rel < 0)[:, None, :] | (inside & ((rel >= 0) & (rel < t))[:, None, :])
+
+    return visible
 
 
 def swiglu(x: jnp.ndarray, w_gate, w_up, w_down, b_gate=None, b_up=None, b_down=None, *, w_gate_t=None,
