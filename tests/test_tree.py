@@ -103,15 +103,15 @@ def test_greedy_tree_decoding_on_laguna_equals_plain_greedy(laguna_target, chunk
     assert got == [laguna_plain(laguna_target, LAGUNA_PROMPT, 14), laguna_plain(laguna_target, LAGUNA_PROMPT[:7], 14)]
 
 
-def scripted_tree_run(target, d, prompt, n_new, max_len):
+def scripted_tree_run(target, d, prompt, n_new, max_len, n_max=3, check=None):
     """Tree steps scripted from the target's greedy continuation (:func:`scripted_tree`) until the
-    row is done: ``(state, accepted per step, plain decoding's state)``."""
+    row is done, ``check(state)`` after each: ``(state, accepted per step, plain decoding's state)``."""
     (cfg, params), (dcfg, dparams) = target, d
     s_plain = Decoding(cfg)
     plain = decode.init_state(s_plain, [prompt], max_len, n_new)
     plain = decode.generate(Params(params), decode.prefill(Params(params), plain, s_plain, 4), s_plain)
     ref = outputs(plain)[0] + [0] * 4
-    static, w = Decoding(cfg, dcfg, n_max=3, tree=5), Params(params, dparams)
+    static, w = Decoding(cfg, dcfg, n_max=n_max, tree=5), Params(params, dparams)
     st = decode.prefill(w, decode.init_state(static, [prompt], max_len, n_new), static, 4)
     step = jax.jit(lambda w, s, t: commit_block(w, s, static, verify_tree_fn(w, s, static, t)))
     accepts = []
@@ -120,6 +120,8 @@ def scripted_tree_run(target, d, prompt, n_new, max_len):
         before = int(st.speculative.accepted[0])
         st = step(w, st, scripted_tree(ref[k : k + 3], cfg.vocab_size))
         accepts.append(int(st.speculative.accepted[0]) - before)
+        if check is not None:
+            check(st)
     return st, accepts, plain
 
 
@@ -128,14 +130,14 @@ def committed_rows(cfg, cache, n):
     slot, and the ring rows of a sliding layer that hold the last ``sliding_window`` positions."""
     if not hasattr(cache, "ring_pos"):
         return [np.asarray(cache.k[:, :, :n]), np.asarray(cache.v[:, :, :n])]
-    from dflash_jax.models.laguna import _sliding_key
+    from dflash_jax.models.laguna import cache_entries
 
     pos = np.asarray(cache.ring_pos[0])
     live = np.nonzero((pos < n) & (pos >= n - cfg.sliding_window))[0]
     out = [pos[live]]
-    for key in sorted(cache.kv):
+    for key, (_, sliding) in sorted(cache_entries(cfg).items()):
         k, v = (np.asarray(x) for x in cache.kv[key])
-        out += [k[:, :, live], v[:, :, live]] if _sliding_key(cfg, key) else [k[:, :, :n], v[:, :, :n]]
+        out += [k[:, :, live], v[:, :, live]] if sliding else [k[:, :, :n], v[:, :, :n]]
     return out
 
 
@@ -154,14 +156,21 @@ def test_the_accepted_path_lands_where_a_chain_puts_it(family, dense, laguna_tar
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)  # float32: a tree pass sums in another order
 
 
-def test_the_drafter_context_after_a_tree_step_is_a_fresh_prefill(dense):
+@pytest.mark.parametrize("n_max", [3, 7])  # 7: more draft slots than the tree's 5 nodes
+def test_the_drafter_context_after_a_tree_step_is_a_fresh_prefill(dense, n_max):
     """After scripted tree steps the drafter context of every committed position equals the one a
-    fresh prefill of the committed tokens projects (the captured rows were moved with the path)."""
+    fresh prefill of the committed tokens projects (the captured rows were moved with the path),
+    and no slot of it is ever NaN (the rows past a path are the drafter's to mask, not to read
+    as NaN: attention multiplies them by zero)."""
     cfg, params = dense
-    d = tiny_drafter(cfg, seed=1, block_size=4, layer_ids=(0, 2))
-    st, _, _ = scripted_tree_run(dense, d, PROMPTS[0], 13, 48)
+    d = tiny_drafter(cfg, seed=1, block_size=n_max + 1, layer_ids=(0, 2))
+
+    def finite(st):
+        assert np.isfinite(np.asarray(st.speculative.ctx_k)).all() and np.isfinite(np.asarray(st.speculative.ctx_v)).all()
+
+    st, _, _ = scripted_tree_run(dense, d, PROMPTS[0], 13, 48, n_max=n_max, check=finite)
     n = int(st.length[0]) - 1
-    static = Decoding(cfg, d[0], n_max=3)
+    static = Decoding(cfg, d[0], n_max=n_max)
     committed = [int(t) for t in np.asarray(st.tokens[0, :n])]
     fresh = decode.prefill(Params(params, d[1]), decode.init_state(static, [committed], 48, 1), static, 4)
     np.testing.assert_allclose(np.asarray(st.speculative.ctx_k[:, 0, : n - 1]), np.asarray(fresh.speculative.ctx_k[:, 0, : n - 1]), rtol=1e-4, atol=1e-5)

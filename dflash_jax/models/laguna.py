@@ -180,15 +180,20 @@ class LagunaCache:
     capacity: int = pytree.field(pytree_node=False, default=0)
 
 
+def cache_entries(cfg: LagunaConfig) -> dict[str, tuple[int, bool]]:
+    """``{"seg{j}_{k}": (repetitions, sliding)}``: the cache entries of :func:`init_cache`, each
+    stacking the layers of one pattern slot, and whether they are sliding-window layers (a ring)."""
+    return {f"seg{j}_{k}": (reps, cfg.layer_types[start + k] == "sliding_attention")
+            for j, (start, p, reps) in enumerate(segments(cfg)) for k in range(p)}
+
+
 def init_cache(cfg: LagunaConfig, batch: int, capacity: int) -> LagunaCache:
     """An empty cache: ``capacity`` slots for full layers, ``cfg.ring_size`` for sliding ones."""
     kv = {}
     ring = cfg.ring_size if "sliding_attention" in cfg.layer_types else 1
-    for j, (start, p, reps) in enumerate(segments(cfg)):
-        for k in range(p):
-            rows = ring if cfg.layer_types[start + k] == "sliding_attention" else capacity
-            shape = (reps, batch, rows, cfg.num_key_value_heads, cfg.head_dim)
-            kv[f"seg{j}_{k}"] = (jnp.zeros(shape, cfg.dtype), jnp.zeros(shape, cfg.dtype))
+    for key, (reps, sliding) in cache_entries(cfg).items():
+        shape = (reps, batch, ring if sliding else capacity, cfg.num_key_value_heads, cfg.head_dim)
+        kv[key] = (jnp.zeros(shape, cfg.dtype), jnp.zeros(shape, cfg.dtype))
     return LagunaCache(kv=kv, ring_pos=jnp.full((batch, ring), -1, jnp.int32), capacity=int(capacity))
 
 
@@ -330,24 +335,22 @@ def move_rows(cfg: LagunaConfig, cache: LagunaCache, src: jnp.ndarray, dst: jnp.
     """The cache with the K/V of slot (position) ``src[b, w]`` copied to ``dst[b, w]`` in every
     layer (``[B, W]`` int32): a verified tree's accepted path moved to the slots a chain would have
     written. Full layers move slots, sliding layers their ring rows (``p % R``), and ``ring_pos``
-    records the destination positions. Every ``src`` must be a row the last forward wrote."""
+    records the destination positions. Every ``src`` must be a row the last forward wrote.
+
+    Args:
+      src, dst: ``[B, W]`` int32 positions; a ``dst`` at or past the capacity is dropped.
+    Returns:
+      the :class:`LagunaCache` with the rows moved.
+    """
     ring = cache.ring_pos.shape[1]
     kv = {}
-    for key, (k, v) in cache.kv.items():
-        if not _sliding_key(cfg, key):
-            kv[key] = (move_slots(k, src, dst), move_slots(v, src, dst))
-        else:
-            kv[key] = (move_slots(k, src % ring, dst % ring), move_slots(v, src % ring, dst % ring))
+    for key, (_, sliding) in cache_entries(cfg).items():
+        k, v = cache.kv[key]
+        s, d = (src % ring, dst % ring) if sliding else (src, dst)
+        kv[key] = (move_slots(k, s, d), move_slots(v, s, d))
     dst_ok = jnp.where(dst < cache.capacity, dst % ring, ring)
     ring_pos = write_rows(cache.ring_pos[..., None], dst[..., None], dst_ok)[..., 0]
     return cache.replace(kv=kv, ring_pos=ring_pos)
-
-
-def _sliding_key(cfg: LagunaConfig, key: str) -> bool:
-    """Whether cache entry ``seg{j}_{k}`` holds sliding-window layers."""
-    j, k = (int(x) for x in key[3:].split("_"))
-    start = segments(cfg)[j][0]
-    return cfg.layer_types[start + k] == "sliding_attention"
 
 
 def forward(params: Params, cfg: LagunaConfig, tokens, positions, cache: LagunaCache, capture: Capture | None = None):

@@ -131,7 +131,13 @@ def accept_tree(tree: DraftTree, chosen: jnp.ndarray, valid: jnp.ndarray, n: int
 
 
 def propose_tree_fn(params: Params, state: DecodeState, static: Decoding) -> DraftTree:
-    """The drafter's pass and the best-first tree of ``static.tree`` nodes, in target ids (pure)."""
+    """The drafter's pass over each row's block and the best-first tree of ``static.tree`` nodes
+    over its ``static.depth`` slots (pure; the state is read only).
+
+    Returns:
+      :class:`DraftTree` of ``N = static.tree`` nodes per row, ``tokens`` in target ids (through
+      the drafter's draft vocabulary when it has one).
+    """
     cfg_d = static.drafter
     lg, _ = draft_logits(params, state, static)
     index, tree = build_tree(lg, static.tree)
