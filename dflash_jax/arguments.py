@@ -152,14 +152,34 @@ def _check_cost_model(cost_model, static: Decoding) -> None:
         got = "given without a drafter" if static.drafter is None else f"given with n_max {static.n_max!r}"
         raise DFlashError("cost_model (--measure-costs)", got, "n_max='auto' with a drafter (plain decoding and fixed depths weigh no costs)")
     if isinstance(cost_model, CostModel):
-        if cost_model.n != static.depth:
-            raise DFlashError("cost_model", f"prices {cost_model.n} drafted tokens", f"{static.depth} (the drafted depth under n_max='auto')")
+        if cost_model.widths != static.auto_widths:
+            what = f"a tree of {static.tree} nodes" if static.tree else f"{static.depth} drafted tokens"
+            raise DFlashError("cost_model", f"prices the verify widths {cost_model.widths}", f"{static.auto_widths} ({what} under n_max='auto')")
     elif cost_model != "refresh":
         raise DFlashError("cost_model", f"got {cost_model!r}", "None (kept or measured), 'refresh' (measure again) or a CostModel")
 
 
+def drafter_decoding(target_cfg, drafter: Drafter, sampling, draft_mode: str = "argmax", n_max=None, tree=None) -> Decoding:
+    """The :class:`~dflash_jax.decoding.Decoding` of a generation with ``drafter``: ``n_max=None``
+    takes the drafter's recorded depth (``"auto"`` with its ``auto_depth`` for the shipped
+    drafter); ``tree=None`` takes its recorded tree (:attr:`~dflash_jax.loading.Drafter.tree`)
+    where its recorded depth applies and drafts are argmax (a tree holds the drafter's top
+    candidates), else a chain; ``tree=0`` is a chain; ``tree=N`` a best-first tree of ``N`` nodes.
+
+    Raises:
+      DFlashError: a ``tree`` that is not a node count, or settings that do not go together
+        (:class:`~dflash_jax.decoding.Decoding`; the message names the argument and its option).
+    """
+    if tree is not None and (isinstance(tree, bool) or not _is_int(tree) or tree < 0):
+        raise DFlashError("tree (--tree)", f"got {tree!r}", "an integer >= 0 (0: a chain of drafts) or None (the drafter's recorded tree)")
+    depth = drafter.n_max if n_max is None else n_max
+    if tree is None:
+        tree = drafter.tree if n_max is None and draft_mode == "argmax" else None
+    return Decoding(target_cfg, drafter.cfg, sampling, draft_mode, depth, drafter.auto_depth if depth == AUTO else None, int(tree) if tree else None)
+
+
 def check_request(target, prompts, max_new_tokens, sampling, max_len, chunk_size, stop_ids, stop, ignore_eos, seed, on_tokens,
-                  drafter, n_max, draft_mode, cost_model=None) -> Request:
+                  drafter, n_max, draft_mode, cost_model=None, tree=None) -> Request:
     """Checks :func:`dflash_jax.generate`'s arguments (same names) and resolves the defaults.
 
     Raises:
@@ -179,16 +199,17 @@ def check_request(target, prompts, max_new_tokens, sampling, max_len, chunk_size
     stops, stop_texts = _stops(target, stop_ids, stop, ignore_eos)
     max_len = _resolve_max_len(target.cfg, prompts, max_new_tokens, max_len)
     if drafter is None:
+        if tree is not None:
+            raise DFlashError("tree (--tree)", f"got {tree!r} without a drafter", "a drafter, or tree=None")
         static, params = Decoding(target.cfg, None, sampling, draft_mode, n_max), Params(target.params)
     else:
-        depth = drafter.n_max if n_max is None else n_max
-        static = Decoding(target.cfg, drafter.cfg, sampling, draft_mode, depth, drafter.auto_depth if depth == AUTO else None)
-        params = Params(target.params, drafter.params)
+        static, params = drafter_decoding(target.cfg, drafter, sampling, draft_mode, n_max, tree), Params(target.params, drafter.params)
     _check_cost_model(cost_model, static)
     calibration = None
     if static.adaptive:  # a policy of the right shapes for compiling; the driver sets its costs before prefill
         calibration = drafter.calibration or Calibration.identity(static.depth)
-        params = params._replace(depth=depth_policy(calibration, CostModel.forcing(static.depth, static.depth)))
+        widths = static.auto_widths
+        params = params._replace(depth=depth_policy(calibration, CostModel.forcing(widths[-1], widths[-1], widths), depth=static.depth))
     # a budget beyond the capacity never applies; capping it keeps it within int32
     return Request(prompts=prompts, max_new_tokens=min(int(max_new_tokens), max_len), max_len=max_len,
                    chunk_size=effective_chunk_size(chunk_size, max(len(p) for p in prompts)), stop_ids=tuple(stops),

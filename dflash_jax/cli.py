@@ -81,6 +81,8 @@ def build_parser() -> argparse.ArgumentParser:
 def _stats_line(stats: dict, finish: str) -> str:
     mode = "plain decoding" if stats.get("mode", "plain") == "plain" else f"{stats['mode']} decoding"
     spec = f"tau {stats['tau']:.2f} over {stats['verify_steps']} verify steps | " if "tau" in stats else ""
+    if stats.get("tree"):
+        spec += f"tree of {stats['tree']} nodes | "
     if stats.get("n_max") == "auto":
         spec += f"widths {' '.join(f'{w}:{c}' for w, c in enumerate(stats['widths']) if c)} plain {stats['plain_steps']} | "
     return (
@@ -190,7 +192,8 @@ def _generate(args) -> int:
     budget = _budget(args, target, prompt_ids)
     res = _run_generate(args, target, prompt_ids, max_new_tokens=budget, sampling=sampling, max_len=args.max_len,
                         chunk_size=args.chunk_size, stop=args.stop, ignore_eos=args.ignore_eos, seed=args.seed,
-                        on_tokens=on_tokens, drafter=drafter, n_max=n_max, cost_model="refresh" if args.measure_costs else None)
+                        on_tokens=on_tokens, drafter=drafter, n_max=n_max, cost_model="refresh" if args.measure_costs else None,
+                        tree=args.tree)
     if args.json:
         obj = dict(prompt_ids=res.prompt_ids[0], output_ids=res.output_ids[0], text=None if res.texts is None else res.texts[0],
                    finish_reason=res.finish_reason[0], top2_logit_gaps=res.top2_logit_gaps[0], stats=res.stats)

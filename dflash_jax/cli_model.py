@@ -1,7 +1,7 @@
 """The model options ``dflash-jax generate`` and ``dflash-jax serve`` share, and loading what they name.
 
 :func:`add_model_options` adds ``--target``, ``--draft``, ``--no-spec``, ``--block-size``,
-``--n-max``, ``--dtype`` and ``--chat-template-kwargs``; :func:`check_model_options` refuses
+``--n-max``, ``--tree``, ``--dtype`` and ``--chat-template-kwargs``; :func:`check_model_options` refuses
 values and combinations before anything loads; :func:`load_model` loads the target and the drafter
 (``--draft``, else the one shipped for the target) and resolves the draft depth.
 """
@@ -47,6 +47,9 @@ def add_model_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--n-max", type=depth, default=None, metavar="N|auto",
                    help="draft tokens verified per step, or 'auto': each step chooses from the drafter's confidences and "
                    "measured costs (default: the drafter's recorded depth, 'auto' for the shipped drafter)")
+    p.add_argument("--tree", type=integer, default=None, metavar="N",
+                   help="verify a best-first tree of N drafted nodes over the drafter's top candidates per step "
+                   "(0: a chain of drafts; default: the drafter's recorded tree with its recorded depth)")
     p.add_argument("--dtype", type=one_of(*DTYPES), metavar=choices_metavar(*DTYPES), default="float32",
                    help="compute dtype (default float32)")
     p.add_argument("--chat-template-kwargs", type=json_object, default=None, metavar="JSON",
@@ -61,7 +64,10 @@ def check_model_options(args) -> None:
         raise DFlashError("--block-size", f"got {args.block_size}", "an integer >= 2")
     if args.n_max == "auto" and args.block_size is not None:
         raise DFlashError("--block-size", "given with --n-max auto (which verifies up to the drafter's whole block)", "one of them")
-    for opt, given in (("--n-max", args.n_max is not None), ("--block-size", args.block_size is not None), ("--draft", args.draft is not None)):
+    if args.tree is not None and args.tree < 0:
+        raise DFlashError("--tree", f"got {args.tree}", "an integer >= 0 (0: a chain of drafts)")
+    for opt, given in (("--n-max", args.n_max is not None), ("--block-size", args.block_size is not None), ("--draft", args.draft is not None),
+                       ("--tree", args.tree is not None)):
         if args.no_spec and given:
             raise DFlashError(opt, "conflicts with --no-spec (plain decoding drafts nothing)", f"either {opt} or --no-spec, not both")
 

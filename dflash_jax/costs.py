@@ -2,7 +2,8 @@
 
 A :class:`CostModel` holds the seconds of one decode step of the loaded pair on the running
 device, for the batch of a generation: a step that proposes and verifies ``w`` drafts (for the
-few widths of :func:`~dflash_jax.speculative.depth.verify_widths`) and a plain step (no
+few widths of ``Decoding.auto_widths``: :func:`~dflash_jax.speculative.depth.verify_widths` of a
+chain, :func:`~dflash_jax.speculative.depth.tree_widths` of a tree) and a plain step (no
 propose, the anchor alone). :func:`measure` times the
 generation's own compiled loop (or step), run with policies that force each width in turn
 (:meth:`CostModel.forcing`), so measuring compiles nothing. :func:`cost_model_for` keeps the
@@ -47,9 +48,9 @@ _FORBIDDEN = 1e9  # seconds: a width no policy chooses
 class CostModel:
     """Seconds of one decode step, per live-length bucket.
 
-    ``widths`` must be :func:`~dflash_jax.speculative.depth.verify_widths` of the drafted depth
-    of ``n_max="auto"`` (``Decoding.depth``: ``(1, 3, 7)`` for 7 drafts, 3 step costs per bucket;
-    ``(1,)`` for the shipped drafter's ``auto_depth`` of 1). :func:`measure` (or :func:`cost_model_for`) gives one
+    ``widths`` are the widths a step of ``n_max="auto"`` chooses from (``Decoding.auto_widths``):
+    ``(1, 3, 7)`` for 7 drafts, 3 step costs per bucket; ``(1,)`` for auto over one draft;
+    ``(3,)`` for a tree of 3 nodes. :func:`measure` (or :func:`cost_model_for`) gives one
     measured on the running device; :meth:`forcing` and :meth:`never_pays` make ones that force
     a width or plain steps.
 
@@ -87,9 +88,10 @@ class CostModel:
         rows = [tuple(float(c) for c in r) for r in self.step_cost]
         widths = self.widths
         if (isinstance(widths, (str, bytes)) or not isinstance(widths, Sequence) or not widths
-                or not all(isinstance(w, numbers.Integral) and not isinstance(w, bool) for w in widths)
-                or tuple(widths) != verify_widths(int(widths[-1]))):
-            raise DFlashError("cost_model.widths", f"got {widths!r}", "verify_widths(n) of the drafted depth n, e.g. (1, 3, 7) for n = 7")
+                or not all(isinstance(w, numbers.Integral) and not isinstance(w, bool) and w >= 1 for w in widths)
+                or list(widths) != sorted(set(widths))):
+            raise DFlashError("cost_model.widths", f"got {widths!r}",
+                              "ascending distinct verify widths (Decoding.auto_widths), e.g. (1, 3, 7) for 7 drafts, (3, 7) for a tree of 7 nodes")
         if k < 1 or len(rows) != k or len(self.plain_cost) != k or {len(r) for r in rows} != {len(widths)}:
             raise DFlashError("cost_model", f"{len(rows)} step-cost rows of {sorted({len(r) for r in rows})} costs, {len(self.plain_cost)} plain costs, {k} bounds",
                               f"one row of {len(widths)} step costs (one per width) and one plain cost per live-length bound")
@@ -108,20 +110,21 @@ class CostModel:
         return self.widths[-1]
 
     @staticmethod
-    def forcing(n: int, width: int) -> "CostModel":
+    def forcing(n: int, width: int, widths: Sequence[int] | None = None) -> "CostModel":
         """A cost model under which every step proposes and verifies exactly ``width`` drafts, one
-        of ``verify_widths(n)`` (every other width and the plain step cost :data:`_FORBIDDEN`
-        seconds). Raises DFlashError for another width."""
-        widths = verify_widths(n)
+        of ``widths`` (default ``verify_widths(n)``, a chain's; every other width and the plain
+        step cost :data:`_FORBIDDEN` seconds). Raises DFlashError for another width."""
+        widths = tuple(widths or verify_widths(n))
         if width not in widths:
-            raise DFlashError("width", f"got {width!r}", f"one of the verify widths {widths} of {n} drafted tokens")
+            raise DFlashError("width", f"got {width!r}", f"one of the verify widths {widths}")
         return CostModel(step_cost=(tuple(1.0 if w == width else _FORBIDDEN for w in widths),), plain_cost=(_FORBIDDEN,), widths=widths)
 
     @staticmethod
-    def never_pays(n: int) -> "CostModel":
+    def never_pays(n: int, widths: Sequence[int] | None = None) -> "CostModel":
         """A cost model under which drafting never pays (a plain step is almost free): proposes
-        alternate with plain runs of 1, 2, 4, ... steps (:func:`~dflash_jax.speculative.depth.schedule`)."""
-        widths = verify_widths(n)
+        alternate with plain runs of 1, 2, 4, ... steps (:func:`~dflash_jax.speculative.depth.schedule`).
+        ``widths``: as :meth:`forcing`."""
+        widths = tuple(widths or verify_widths(n))
         return CostModel(step_cost=((1.0,) * len(widths),), plain_cost=(1.0 / _FORBIDDEN,), widths=widths)
 
 
@@ -152,18 +155,21 @@ def with_constants(policy: DepthPolicy, max_backoff: int | None = None, pay_marg
 
 
 def depth_policy(calibration: Calibration, costs: CostModel, max_backoff: int = MAX_BACKOFF,
-                 pay_margin: float = PAY_MARGIN) -> DepthPolicy:
+                 pay_margin: float = PAY_MARGIN, depth: int | None = None) -> DepthPolicy:
     """The arrays of ``Params.depth`` from a drafter's calibration, a cost model, the longest run
     of plain steps between two proposes (``max_backoff``) and the fraction by which drafting must
     beat a plain step (``pay_margin``; :mod:`dflash_jax.speculative.depth`).
 
+    Args:
+      depth: the drafted depth, the calibrated positions a step reads (``None``: ``costs.n``, a
+        chain's; a tree of ``costs.n`` nodes is ``Decoding.depth`` deep).
     Raises:
-      DFlashError: a cost model of more drafts than the calibration covers (a longer
-        calibration is cut to the cost model's drafts: auto over fewer drafts than the block);
+      DFlashError: a cost model (or ``depth``) of more drafts than the calibration covers (a
+        longer calibration is cut to the drafted depth: auto over fewer drafts than the block);
         a bad constant (:func:`check_constants`).
     """
     check_constants(max_backoff, pay_margin)
-    n = costs.n
+    n = costs.n if depth is None else int(depth)
     if len(calibration.scale) < n:
         raise DFlashError("cost_model", f"prices {n} drafted tokens", f"at most {len(calibration.scale)} (the calibrated draft positions)")
     calibration = Calibration(calibration.scale[:n], calibration.bias[:n])  # auto over fewer drafts: the first positions
@@ -195,15 +201,15 @@ def _at_length(state, live: int | None, tokens: int):
     return s.replace(max_new=s.new_tokens + tokens)
 
 
-def _time_kinds(run, params, base, n: int, rounds: int, max_rounds: int) -> tuple[list[float], float, bool]:
+def _time_kinds(run, params, base, widths: tuple[int, ...], rounds: int, max_rounds: int, depth: int) -> tuple[list[float], float, bool]:
     """Seconds per step of every verify width and of the plain step: the fastest of ``rounds``
     runs each (kinds alternating, so a burst of load hits every kind alike), more rounds (up to
     ``max_rounds``) while some kind's two fastest runs differ by more than :data:`STABLE`; made
     non-decreasing in the width by an isotonic fit, the plain step at most the narrowest.
     Returns ``(step costs, plain cost, stable)``."""
-    ident = Calibration.identity(n)
-    kinds = [(depth_policy(ident, CostModel.forcing(n, w)), False) for w in verify_widths(n)]
-    kinds.append((depth_policy(ident, CostModel.forcing(n, n)), True))  # plain: the schedule says plain throughout
+    ident, n = Calibration.identity(depth), widths[-1]
+    kinds = [(depth_policy(ident, CostModel.forcing(n, w, widths), depth=depth), False) for w in widths]
+    kinds.append((depth_policy(ident, CostModel.forcing(n, n, widths), depth=depth), True))  # plain: the schedule says plain throughout
     times: list[list[float]] = [[] for _ in kinds]
     stable = False
     for r in range(max_rounds):
@@ -250,11 +256,10 @@ def measure(run: Callable, params: Params, state, static: Decoding, tokens: int 
       whether the timings settled); equal costs
       (``info["source"]`` ``"none"``) when every row is done already (no step will run).
     """
-    n = static.depth
-    widths = verify_widths(n)
+    widths = static.auto_widths
     if bool(jax.device_get(jnp.all(state.done))):
         return CostModel(step_cost=((1.0,) * len(widths),), plain_cost=(1.0,), widths=widths, info=dict(source="none"))
-    timed = [_time_kinds(run, params, _at_length(state, live, tokens), n, rounds, max_rounds) for live in (lengths or [None])]
+    timed = [_time_kinds(run, params, _at_length(state, live, tokens), widths, rounds, max_rounds, static.depth) for live in (lengths or [None])]
     step, plain, stable = zip(*timed)
     return CostModel(step_cost=step, plain_cost=plain, widths=widths, bounds=tuple(lengths or (NEVER,)),
                      info=dict(source="measured", stable=all(stable)))
@@ -269,8 +274,8 @@ def adaptive_params(params: Params, static: Decoding, calibration: Calibration, 
     generation's driver and the serving engine both call it before they prefill a prompt."""
     if not isinstance(cost_model, CostModel):
         measure_now = lambda: measure(run, params, probe_state(state), static)  # noqa: E731
-        cost_model = cost_model_for(key, measure_now, refresh=cost_model == "refresh", n=static.depth)
-    return params._replace(depth=depth_policy(calibration, cost_model)), cost_model
+        cost_model = cost_model_for(key, measure_now, refresh=cost_model == "refresh", widths=static.auto_widths)
+    return params._replace(depth=depth_policy(calibration, cost_model, depth=static.depth)), cost_model
 
 
 def costs_dir() -> Path:
@@ -291,17 +296,20 @@ def cost_key(static: Decoding, params: Params, batch: int, sources: tuple[str, .
     layout = ["per-layer" if isinstance(p.get("layers"), tuple) else "stacked" for p in (params.target, params.drafter)
               if isinstance(p, dict)]
     digest = hashlib.sha256(repr((static.target, static.drafter)).encode()).hexdigest()[:16]
-    return dict(device=f"{dev.platform}:{dev.device_kind}", devices=jax.device_count(), jax=jax.__version__,
-                format=FORMAT, sources=list(sources), models=digest, layout=layout, batch=int(batch))
+    key = dict(device=f"{dev.platform}:{dev.device_kind}", devices=jax.device_count(), jax=jax.__version__,
+               format=FORMAT, sources=list(sources), models=digest, layout=layout, batch=int(batch))
+    if static.tree:  # a tree step's pass of w nodes is priced apart from a chain's of w drafts
+        key.update(tree=int(static.tree), depth=int(static.depth))
+    return key
 
 
 def _entry_path(key: dict) -> Path:
     return costs_dir() / (hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:20] + ".json")
 
 
-def load_cached(key: dict, n: int | None = None) -> CostModel | None:
+def load_cached(key: dict, widths: Sequence[int] | None = None) -> CostModel | None:
     """The cost model kept for ``key``, or ``None`` (none kept, an unreadable entry, or one that
-    does not price ``n`` drafted tokens)."""
+    does not price the verify ``widths`` given)."""
     path = _entry_path(key)
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
@@ -311,7 +319,7 @@ def load_cached(key: dict, n: int | None = None) -> CostModel | None:
                           widths=tuple(data["widths"]), bounds=tuple(data["bounds"]), info=dict(data.get("info", {}), source="cached", path=str(path)))
     except (OSError, ValueError, KeyError, TypeError, DFlashError):
         return None
-    return None if n is not None and model.n != n else model
+    return None if widths is not None and model.widths != tuple(widths) else model
 
 
 def store(key: dict, costs: CostModel) -> Path:
@@ -323,8 +331,8 @@ def store(key: dict, costs: CostModel) -> Path:
     return write_text(path, json.dumps(data, indent=1))
 
 
-def cost_model_for(key: dict, measure_fn: Callable[[], CostModel], refresh: bool = False, n: int | None = None) -> CostModel:
-    """The kept cost model of ``key`` (one that prices ``n`` drafted tokens, when given), else (or
+def cost_model_for(key: dict, measure_fn: Callable[[], CostModel], refresh: bool = False, widths: Sequence[int] | None = None) -> CostModel:
+    """The kept cost model of ``key`` (one that prices the verify ``widths``, when given), else (or
     with ``refresh``) ``measure_fn()`` (:func:`measure`), reported on stderr (it takes seconds).
 
     A measurement is kept only when its timings settled (``info["stable"]``, :func:`_time_kinds`):
@@ -332,7 +340,7 @@ def cost_model_for(key: dict, measure_fn: Callable[[], CostModel], refresh: bool
     again next time, so it never decides the choices of later runs.
     """
     if not refresh:
-        kept = load_cached(key, n)
+        kept = load_cached(key, widths)
         if kept is not None:
             return kept
     t0 = time.perf_counter()

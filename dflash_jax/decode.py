@@ -98,7 +98,7 @@ def _empty_buffers(static: Decoding, b: int, max_len: int) -> dict:
     """The state's zeroed buffers (target cache, drafter context, statistics) made by one program:
     eager ``jnp.zeros`` would dispatch one small program per shape, each looked up in the compile
     cache at every start."""
-    speculative = None if static.drafter is None else init_speculative_state(static.drafter, b, max_len, static.depth)
+    speculative = None if static.drafter is None else init_speculative_state(static.drafter, b, max_len, static.depth, static.verify_top)
     return dict(cache=module_for(static.target).init_cache(static.target, b, max_len), finish=jnp.zeros((b,), jnp.int32),
                 gaps=jnp.zeros((b, max_len), jnp.float32), steps=jnp.zeros((), jnp.int32), speculative=speculative)
 

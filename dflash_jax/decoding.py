@@ -59,8 +59,10 @@ class Decoding:
       tree: tree verification with this many drafted nodes per step (an integer in
         ``[1, MAX_TREE_NODES]``; the target verifies ``tree + 1`` tokens), built best-first from
         the drafter's top candidates at each of its ``n_max`` slots
-        (:mod:`dflash_jax.speculative.tree`); ``None``: a chain of ``n_max`` drafts. Needs a
-        fixed ``n_max`` and ``draft_mode="argmax"``.
+        (:mod:`dflash_jax.speculative.tree`); ``None``: a chain of ``n_max`` drafts. Needs
+        ``draft_mode="argmax"``. Under ``n_max="auto"`` the tree is ``auto_depth`` deep and every
+        step chooses how many of its first nodes to verify (the first ``w`` nodes of a best-first
+        tree are the best tree of ``w`` nodes), or a plain step.
     Raises:
       DFlashError: a drafter that does not fit the target, a bad ``n_max``, ``auto_depth`` or
         ``draft_mode``, a ``sampling`` that is not a :class:`SamplingConfig`, ``n_max`` without a
@@ -106,9 +108,9 @@ class Decoding:
         top = min(MAX_TREE_NODES, getattr(self.target, "max_block", MAX_TREE_NODES + 1) - 1)
         if isinstance(self.tree, bool) or not isinstance(self.tree, numbers.Integral) or not 1 <= self.tree <= top:
             raise DFlashError("tree (--tree)", f"got {self.tree!r}", f"an integer in [1, {top}] (drafted nodes per step)")
-        if self.n_max == AUTO or self.draft_mode != "argmax":
-            raise DFlashError("tree (--tree)", f"got tree={self.tree} with n_max={self.n_max!r}, draft_mode={self.draft_mode!r}",
-                              "a fixed n_max (the tree's depth) and draft_mode='argmax'")
+        if self.draft_mode != "argmax":
+            raise DFlashError("tree (--tree)", f"got tree={self.tree} with draft_mode={self.draft_mode!r}",
+                              "draft_mode='argmax' (a tree holds the drafter's top candidates, not samples)")
 
     @property
     def speculative(self) -> bool:
@@ -129,6 +131,22 @@ class Decoding:
         if self.adaptive:
             return self.auto_depth or self.drafter.block_size - 1
         return self.n_max
+
+    @property
+    def verify_top(self) -> int:
+        """The most drafted tokens one verify pass holds: the tree's nodes, else the drafted depth
+        (0 plain). Under ``n_max="auto"`` the widths to choose from are
+        :func:`~dflash_jax.speculative.depth.verify_widths` of it."""
+        return self.tree or self.depth
+
+    @property
+    def auto_widths(self) -> tuple[int, ...]:
+        """The widths (drafts, or a tree's first nodes, verified) a step of ``n_max="auto"``
+        chooses from besides a plain step: :func:`~dflash_jax.speculative.depth.verify_widths`
+        of the drafted depth, or :func:`~dflash_jax.speculative.depth.tree_widths` of the tree."""
+        from dflash_jax.speculative import depth  # the package's steps import this module
+
+        return depth.tree_widths(self.tree) if self.tree else depth.verify_widths(self.depth)
 
     @property
     def width(self) -> int:
@@ -166,23 +184,24 @@ def check_step_inputs(params, state, static) -> None:
         raise DFlashError("decode state", "a drafter context under a Decoding without a drafter", "a state from init_state with the same Decoding")
 
 
-def check_depth_policy(policy, depth: int) -> None:
+def check_depth_policy(policy, static: Decoding) -> None:
     """Checks ``Params.depth`` under ``n_max="auto"`` (at trace time: shapes only; the steps
-    that choose a width call it, prefill does not need a policy).
+    that choose a width call it, prefill does not need a policy): one calibration per drafted
+    position (``static.depth``), one step cost per width of ``static.auto_widths``.
 
     Raises:
-      DFlashError: no policy, or one whose arrays do not fit ``depth`` drafted tokens.
+      DFlashError: no policy, or one whose arrays do not fit ``static``.
     """
     how = "a DepthPolicy (dflash_jax.costs.depth_policy(calibration, cost_model)) in Params(..., depth=...)"
     if policy is None or not all(hasattr(policy, f) for f in ("scale", "bias", "bounds", "step_cost", "plain_cost", "max_backoff", "pay_margin")):
         raise DFlashError("params.depth", f"got {type(policy).__name__} under n_max='auto'", how)
-    from dflash_jax.speculative.depth import verify_widths  # the package's steps import this module
-
+    depth, widths = static.depth, static.auto_widths
     k = policy.bounds.shape[0]
-    want = dict(scale=(depth,), bias=(depth,), bounds=(k,), step_cost=(k, len(verify_widths(depth))), plain_cost=(k,), max_backoff=(), pay_margin=())
+    want = dict(scale=(depth,), bias=(depth,), bounds=(k,), step_cost=(k, len(widths)), plain_cost=(k,), max_backoff=(), pay_margin=())
     for name, shape in want.items():
         if tuple(getattr(policy, name).shape) != shape:
-            raise DFlashError(f"params.depth.{name}", f"shape {tuple(getattr(policy, name).shape)}", f"{shape} for {depth} drafted tokens")
+            raise DFlashError(f"params.depth.{name}", f"shape {tuple(getattr(policy, name).shape)}",
+                              f"{shape} for {depth} drafted tokens and the verify widths {widths}")
 
 
 def check_n_max(cfg_d, n_max: int | str | None) -> int | str:

@@ -143,6 +143,7 @@ def generate(
     n_max: int | str | None = None,
     draft_mode: str = "argmax",
     cost_model: costs.CostModel | str | None = None,
+    tree: int | None = None,
 ) -> GenerationResult:
     """Generation for a batch of prompts: DFlash speculative decoding with a ``drafter``, plain
     decoding without.
@@ -175,6 +176,12 @@ def generate(
       draft_mode: ``"argmax"`` (default) or ``"sample"`` proposals (:class:`dflash_jax.decoding.Decoding`).
       cost_model: under ``"auto"``: ``None`` (kept on disk for this device, pair, batch and
         capacity, else measured before the timed decode), ``"refresh"`` or a ``CostModel``.
+      tree: tree verification (:mod:`dflash_jax.speculative.tree`): ``N`` drafts a best-first
+        tree of ``N`` nodes over the drafter's top candidates at each slot and verifies it in
+        one target pass (under ``"auto"`` each step verifies its first 1, 3, 7, ... nodes or
+        takes a plain step); ``0``: a chain of drafts; ``None``: the drafter's recorded tree
+        where its recorded depth applies (:func:`~dflash_jax.arguments.drafter_decoding`).
+        Stats add ``tree``; ``widths`` then counts steps by the nodes verified.
     Returns:
       :class:`~dflash_jax.results.GenerationResult`.
     Raises:
@@ -183,7 +190,7 @@ def generate(
         texts without a tokenizer, or an argument of the wrong type (the message names it).
     """
     req = check_request(target, prompts, max_new_tokens, sampling, max_len, chunk_size, stop_ids, stop, ignore_eos, seed,
-                        on_tokens, drafter, n_max, draft_mode, cost_model)
+                        on_tokens, drafter, n_max, draft_mode, cost_model, tree)
     state = decode.init_state(req.static, req.prompts, req.max_len, req.max_new_tokens, req.stop_ids, req.seed)
     t0 = time.perf_counter()
     prefill_c, run = _compile_reported(req, state, streaming=on_tokens is not None)  # traces shapes only; nothing runs
@@ -205,5 +212,5 @@ def generate(
     decode_s = time.perf_counter() - t0 - callback_s
 
     timings = dict(compile_time_s=compile_s, prefill_time_s=prefill_s, decode_time_s=decode_s)
-    extra = dict(mode="plain") if drafter is None else dict(mode="dflash", **spec_stats(state, n_max=req.static.n_max), **policy_stats)
+    extra = dict(mode="plain") if drafter is None else dict(mode="dflash", **spec_stats(state, n_max=req.static.n_max), tree=req.static.tree, **policy_stats)
     return build_result(target, req.prompts, state, req.stop_texts, timings, max_len=req.max_len, chunk_size=req.chunk_size, **extra)

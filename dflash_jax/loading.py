@@ -165,6 +165,9 @@ class Drafter:
         ``dflash_jax.auto_depth``: what its benchmark measured best; ``None``: ``block_size - 1``;
         :attr:`dflash_jax.decoding.Decoding.auto_depth`). ``dataclasses.replace(drafter,
         auto_depth=k)`` runs auto over another depth.
+      tree: the nodes of the best-first draft tree verified with its recorded depth
+        (``config.json`` field ``dflash_jax.tree``, :attr:`dflash_jax.decoding.Decoding.tree`;
+        ``None``: a chain of drafts).
     """
 
     cfg: Any
@@ -173,6 +176,7 @@ class Drafter:
     n_max: int | str | None = None
     calibration: Any = None
     auto_depth: int | None = None
+    tree: int | None = None
 
 
 def load_drafter(path: str | os.PathLike, target: Target, dtype: str | None = None, draft_vocab: bool = True,
@@ -198,10 +202,10 @@ def load_drafter(path: str | os.PathLike, target: Target, dtype: str | None = No
     dtype = dtype or target.cfg.dtype
     if p.is_file() and p.suffix.lower() == ".gguf":
         cfg, params = registry.load_gguf_drafter(p, target.cfg, dtype=dtype)
-        n_max = auto_depth = calibration = None
+        n_max = auto_depth = calibration = tree = None
     elif p.is_dir():
         cfg, params = registry.load_hf_drafter(p, target.cfg, dtype=dtype)
-        n_max, auto_depth, calibration = _recorded_policy(p / "config.json", cfg.block_size)
+        n_max, auto_depth, calibration, tree = _recorded_policy(p / "config.json", cfg.block_size)
         ids = dv.load(p, cfg.vocab_size) if draft_vocab else None
         if ids is not None:
             cfg, params = dv.attach(cfg, params, target.params, ids)
@@ -212,14 +216,17 @@ def load_drafter(path: str | os.PathLike, target: Target, dtype: str | None = No
         raise DFlashError(str(p), "no such folder or .gguf file", "a DFlash drafter checkpoint")
     if per_layer and registry.drafter_kind(cfg.architecture).per_layer:
         params = dense.unstack_layers(params)
-    return Drafter(cfg=cfg, params=params, source=str(p), n_max=n_max, calibration=calibration, auto_depth=auto_depth)
+    return Drafter(cfg=cfg, params=params, source=str(p), n_max=n_max, calibration=calibration, auto_depth=auto_depth, tree=tree)
 
 
 def _recorded_policy(config_path: Path, block_size: int):
-    """``(n_max, auto_depth, calibration)`` recorded in a drafter ``config.json``:
+    """``(n_max, auto_depth, calibration, tree)`` recorded in a drafter ``config.json``:
     ``dflash_jax.n_max`` (an integer in ``[1, block_size - 1]`` or ``"auto"``),
-    ``dflash_jax.auto_depth`` (an integer in ``[1, block_size - 1]``) and
-    ``dflash_jax.depth_calibration`` (raises ``DFlashError`` naming the file and field otherwise)."""
+    ``dflash_jax.auto_depth`` (an integer in ``[1, block_size - 1]``),
+    ``dflash_jax.depth_calibration`` and ``dflash_jax.tree`` (an integer in
+    ``[1, MAX_TREE_NODES]``; raises ``DFlashError`` naming the file and field otherwise)."""
+    from dflash_jax.decoding import MAX_TREE_NODES
+
     record = read_json(config_path).get("dflash_jax") or {}
     value, auto_depth = record.get("n_max"), record.get("auto_depth")
     if value is not None and value != "auto" and not _depth_ok(value, block_size):
@@ -229,7 +236,10 @@ def _recorded_policy(config_path: Path, block_size: int):
     calibration = record.get("depth_calibration")
     if calibration is not None:
         calibration = Calibration.from_record(calibration, block_size - 1, f"{config_path}: field dflash_jax.depth_calibration")
-    return value, auto_depth, calibration
+    tree = record.get("tree")
+    if tree is not None and not _depth_ok(tree, MAX_TREE_NODES + 1):
+        raise DFlashError(f"{config_path}: field dflash_jax.tree", f"got {tree!r}", f"an integer in [1, {MAX_TREE_NODES}] (drafted nodes per step)")
+    return value, auto_depth, calibration, tree
 
 
 def _depth_ok(value, block_size: int) -> bool:

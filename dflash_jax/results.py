@@ -51,7 +51,8 @@ def spec_stats(state, rows: Sequence[int] | None = None, n_max=None) -> dict:
     ``accepted_per_position[i]``: the fraction of verify steps in which draft position ``i + 1``
     was accepted. Also ``verify_steps``, ``drafted_tokens``, ``accepted_tokens``, ``n_max``
     (the given ``n_max``, e.g. ``"auto"``, else the drafted depth), ``widths`` (steps that
-    proposed and verified ``w`` drafts, ``w = 0..depth``; batch steps, not rows) and
+    proposed and verified ``w`` drafts, or a tree of ``w`` nodes, ``w = 0..depth`` (or the tree's
+    nodes); batch steps, not rows) and
     ``plain_steps`` (batch steps without a propose).
 
     Args:

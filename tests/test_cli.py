@@ -238,6 +238,9 @@ def test_speculative_json_equals_plain_and_reports_acceptance(capsys, hf_dir, dr
     assert st["drafted_tokens"] >= st["accepted_tokens"] >= 0
     short, _ = run_json(capsys, *common, "--draft", draft_dir, "--n-max", 2)
     assert len(short["stats"]["accepted_per_position"]) == 2 and short["output_ids"] == plain_obj["output_ids"]
+    tree, _ = run_json(capsys, *common, "--draft", draft_dir, "--n-max", 2, "--tree", 5)  # a tree of 5 nodes, 2 deep
+    assert tree["output_ids"] == plain_obj["output_ids"] and tree["stats"]["tree"] == 5 and short["stats"]["tree"] is None
+    assert tree["stats"]["widths"][5] == tree["stats"]["verify_steps"] and len(tree["stats"]["accepted_per_position"]) == 2
 
 
 def test_adaptive_depth_json_reports_widths_and_measured_costs(capsys, hf_dir, draft_dir, tmp_path, monkeypatch):

@@ -298,7 +298,7 @@ def test_a_measurement_that_did_not_settle_is_used_once_and_not_kept(api_pair, t
 @pytest.mark.parametrize("kwargs,needle", [
     (dict(n_max=2, cost_model="refresh"), "cost_model (--measure-costs): given with n_max 2"),
     (dict(cost_model="again"), "cost_model: got 'again'"),
-    (dict(cost_model=CostModel.forcing(2, 1)), "cost_model: prices 2 drafted tokens"),
+    (dict(cost_model=CostModel.forcing(2, 1)), "cost_model: prices the verify widths (1, 2)"),
 ])
 def test_bad_cost_model_arguments(api_pair, kwargs, needle):
     target, drafter = api_pair

@@ -53,6 +53,7 @@ def test_dry_run_measures_every_section(dry_run):
             assert d["steps"] == 8 and d["step_ms"] > 0 and d["weight_bytes"] > 0 and d["kv_bytes"] > 0 and d["hbm_fraction"] > 0
         for d in e["dflash"]:  # the scripted acceptance is exact: accepted drafts plus the bonus token per step
             assert d["steps"] == 8 and d["tau"] == d["accept"] + 1 and d["tokens_per_s"] > 0
+    assert [d["tree"] for d in qwen["dflash"] if d["tree"]] == [5] and qwen["compile_s"]["tree 5 loop"] > 0
     o = res["oracle_tests"]
     assert o["passed"] >= 1 and o["failed"] == 0 and not o["timed_out"], o
     assert (out / "oracle_tests.log").read_text().count(" PASSED") == o["passed"]

@@ -36,6 +36,7 @@ def test_recorded_settings(pair):
     recorded = config["dflash_jax"]
     assert drafter.cfg.block_size == config["dflash_config"]["block_size"]
     assert drafter.n_max == recorded["n_max"] == "auto"  # adaptive depth, with its calibration
+    assert (drafter.auto_depth, drafter.tree) == (recorded["auto_depth"], recorded["tree"]) == (3, 3)  # over a tree of 3 nodes
     assert drafter.calibration.scale == tuple(recorded["depth_calibration"]["scale"])
     assert len(drafter.calibration.bias) == drafter.cfg.block_size - 1
     ids = draft_vocab.load(folder, target.cfg.vocab_size)
@@ -81,6 +82,7 @@ def test_lossless_and_accepts_drafts(pair, tmp_path, monkeypatch):
         for n_max in (None, 3):
             spec = dj.generate(target, [ids], max_new_tokens=48, drafter=drafter, n_max=n_max)
             assert spec.output_ids == plain.output_ids and spec.stats["n_max"] == (n_max or "auto")
+            assert spec.stats["tree"] == (None if n_max else 3)  # the recorded tree goes with the recorded depth
             assert spec.stats["accepted_tokens"] > 0, f"no draft accepted for {text!r} at n_max {n_max}"
 
 

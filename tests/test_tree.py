@@ -203,10 +203,140 @@ def test_tree_settings_that_do_not_go_together_are_named(dense, laguna_target):
     cfg = dense[0]
     dcfg = tiny_drafter(cfg, block_size=4, layer_ids=(0, 2))[0]
     for kw, match in ((dict(tree=0), r"tree \(--tree\).*\[1, 15\]"), (dict(tree=16), r"\[1, 15\]"), (dict(tree=True), "tree"),
-                      (dict(tree=3, n_max="auto"), "fixed n_max"), (dict(tree=3, draft_mode="sample"), "draft_mode='argmax'")):
+                      (dict(tree=3, draft_mode="sample"), "draft_mode='argmax'")):
         with pytest.raises(DFlashError, match=match):
             Decoding(cfg, dcfg, **kw)
+    auto = Decoding(cfg, dcfg, n_max="auto", auto_depth=2, tree=5)  # auto over a tree 2 deep
+    assert (auto.depth, auto.verify_top, auto.width) == (2, 5, 3)
     with pytest.raises(DFlashError, match="without a drafter"):
         Decoding(cfg, tree=3)
     with pytest.raises(DFlashError, match=r"\[1, 7\]"):  # a Laguna target's max_block of 8 bounds the pass
         Decoding(laguna_target[0], tiny_drafter(laguna_target[0], block_size=4, layer_ids=(0, 2))[0], tree=8)
+
+
+def run_auto_tree(target, d, prompts, n_new, model, tree=7, calibration=None, sampling=SamplingConfig(), seed=0, chunk=4, max_len=64):
+    """Decodes under ``n_max="auto"`` over a best-first tree of ``tree`` nodes with the cost model given."""
+    from dflash_jax.costs import depth_policy
+    from dflash_jax.speculative.depth import Calibration
+
+    (cfg, params), (dcfg, dparams) = target, d
+    static = Decoding(cfg, dcfg, sampling, n_max="auto", tree=tree)
+    policy = depth_policy(calibration or Calibration.identity(static.depth), model, depth=static.depth)
+    w = Params(params, dparams, policy)
+    st = decode.init_state(static, prompts, max_len, n_new, seed=seed)
+    return decode.generate(w, decode.prefill(w, st, static, chunk), static)
+
+
+def test_auto_over_a_tree_is_lossless_at_every_width_it_may_choose(dense):
+    """Under ``n_max="auto"`` with ``tree=15`` a step verifies the first 3, 7 or 15 nodes of its
+    tree (``tree_widths``), or takes a plain step: greedy output equals plain greedy at each forced
+    width, with a policy that chooses, and when drafting never pays; ``widths`` counts the nodes
+    verified; one compiled loop serves them all (the policy is traced)."""
+    from dflash_jax.compile_count import count_compilations
+    from dflash_jax.costs import CostModel
+    from dflash_jax.speculative.depth import tree_widths
+
+    assert (tree_widths(1), tree_widths(2), tree_widths(3), tree_widths(7), tree_widths(15)) == ((1,), (2,), (3,), (3, 7), (3, 7, 15))
+    d = tiny_drafter(dense[0], seed=0, block_size=4, layer_ids=(0, 2))
+    want = plain_greedy(dense, PROMPTS, 20)
+    widths = (3, 7, 15)
+    run_auto_tree(dense, d, PROMPTS, 20, CostModel.forcing(15, 3, widths), tree=15)  # warm-up
+    with count_compilations() as compiled:
+        for w in widths:
+            st = run_auto_tree(dense, d, PROMPTS, 20, CostModel.forcing(15, w, widths), tree=15)
+            assert outputs(st) == want, w
+            counted = np.asarray(st.speculative.widths)
+            assert counted.shape == (16,) and counted[w] == int(st.steps) == counted.sum(), (w, counted)
+        chooses = CostModel(step_cost=((1.3, 1.5, 1.9),), plain_cost=(1.0,), widths=widths)
+        st = run_auto_tree(dense, d, PROMPTS, 20, chooses, tree=15)
+        assert outputs(st) == want
+        st = run_auto_tree(dense, d, PROMPTS, 20, CostModel.never_pays(15, widths), tree=15)
+        assert outputs(st) == want and int(np.asarray(st.speculative.widths).sum()) < int(st.steps)
+    assert compiled() == 0
+
+
+def test_auto_over_a_tree_samples_the_target_s_own_tokens(dense):
+    """At T > 0 a seeded row under auto over a tree commits exactly the tokens plain sampling with
+    that seed commits (every committed token is the target's own draw with the row's key)."""
+    from dflash_jax.costs import CostModel
+
+    d = tiny_drafter(dense[0], seed=0, block_size=4, layer_ids=(0, 2))
+    sampling = SamplingConfig(temperature=0.8, top_k=20)
+    cfg, params = dense
+    static, w = Decoding(cfg, sampling=sampling), Params(params)
+    plain = decode.generate(w, decode.prefill(w, decode.init_state(static, PROMPTS, 64, 16, seed=7), static, 4), static)
+    chooses = CostModel(step_cost=((1.3, 1.6),), plain_cost=(1.0,), widths=(3, 7))
+    assert outputs(run_auto_tree(dense, d, PROMPTS, 16, chooses, sampling=sampling, seed=7)) == outputs(plain)
+
+
+def test_expected_tokens_of_a_tree_follow_its_paths():
+    """``tree_expected_tokens`` against a hand count: a top candidate is right with the calibrated
+    acceptance ``a`` of its slot, another with ``(1 - a) * p / (1 - c)``; a node counts with the
+    product along its path. A chain of top candidates gives ``expected_tokens``."""
+    from dflash_jax.costs import CostModel, depth_policy
+    from dflash_jax.speculative import depth
+    from dflash_jax.speculative.depth import Calibration
+
+    probs = np.array([[0.6, 0.3, 0.05, 0.05], [0.02, 0.03, 0.9, 0.05]])
+    lg = jnp.asarray(np.log(probs)[None], jnp.float32)
+    _, tree = build_tree(lg, 4)  # a (0.6), a>c (0.54), b (0.3), b>c (0.27)
+    policy = depth_policy(Calibration((1.0, 1.0), (0.5, -0.5)), CostModel.forcing(4, 4, (3, 4)), depth=2)
+    conf = jnp.asarray([[0.6, 0.9]], jnp.float32)
+    a1 = 1 / (1 + np.exp(-(np.log(0.6 / 0.4) + 0.5)))
+    a2 = 1 / (1 + np.exp(-(np.log(0.9 / 0.1) - 0.5)))
+    b = (1 - a1) * 0.3 / 0.4
+    want = np.cumsum([1.0, a1, a1 * a2, b, b * a2])
+    got = depth.tree_expected_tokens(policy, tree, conf, jnp.asarray([2], jnp.int32))
+    np.testing.assert_allclose(np.asarray(got[0]), want, rtol=1e-5)
+    short = depth.tree_expected_tokens(policy, tree, conf, jnp.asarray([1], jnp.int32))  # depth 2 may not be accepted
+    np.testing.assert_allclose(np.asarray(short[0]), np.cumsum([1.0, a1, 0.0, b, 0.0]), rtol=1e-5)
+    chain = make_tree([0, 1], [1, 2])._replace(prob=jnp.asarray([[0.6, 0.9]]), rank=jnp.zeros((1, 2), jnp.int32))
+    np.testing.assert_allclose(np.asarray(depth.tree_expected_tokens(policy, chain, conf, jnp.asarray([2], jnp.int32))),
+                               np.asarray(depth.expected_tokens(policy, conf, jnp.asarray([2], jnp.int32))), rtol=1e-6)
+
+
+def test_generate_drafts_the_recorded_tree_and_tree_0_a_chain(dense, tmp_path, monkeypatch):
+    """The API: a drafter recorded with ``auto`` over a tree (``dflash_jax.tree`` in its
+    config.json) drafts that tree by default, its costs kept apart from a chain's; ``tree=0`` drafts
+    a chain, a fixed ``n_max`` a chain unless ``tree`` is given; every output equals plain greedy;
+    bad trees and bad records are named."""
+    import json
+
+    import dflash_jax as dj
+    from dflash_jax import costs
+    from dflash_jax.serve.jobs import ServedModel
+    from dflash_jax.train.export import export_drafter
+
+    monkeypatch.setenv("DFLASH_JAX_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(costs, "STABLE", 100.0)  # the tiny pair's steps take a millisecond: timer noise
+    cfg, params = dense
+    dcfg, dparams = tiny_drafter(cfg, seed=0, block_size=4, layer_ids=(0, 2))
+    target = dj.Target(cfg=cfg, params=params, tokenizer=None, source="tiny-target", eos_ids=())
+    export_drafter(tmp_path / "d", dcfg, dparams, dtype="float32")
+    record = json.loads((tmp_path / "d" / "config.json").read_text())
+    record["dflash_jax"] = dict(n_max="auto", auto_depth=2, tree=3)
+    (tmp_path / "d" / "config.json").write_text(json.dumps(record))
+    drafter = dj.load_drafter(tmp_path / "d", target)
+    assert (drafter.n_max, drafter.auto_depth, drafter.tree) == ("auto", 2, 3)
+    want = dj.generate(target, PROMPTS, 12).output_ids
+    res = dj.generate(target, PROMPTS, 12, drafter=drafter)
+    assert res.output_ids == want and res.stats["tree"] == 3 and res.stats["cost_widths"] == [3] and len(res.stats["widths"]) == 4
+    chain = dj.generate(target, PROMPTS, 12, drafter=drafter, tree=0)
+    assert chain.output_ids == want and chain.stats["tree"] is None and chain.stats["cost_widths"] == [1, 2]
+    kept = sorted(json.loads(f.read_text())["key"].get("tree", 0) for f in (tmp_path / "cache" / "depth_costs").glob("*.json"))
+    assert kept == [0, 3]  # a tree's costs and a chain's, each kept under its own key
+    fixed = dj.generate(target, PROMPTS, 12, drafter=drafter, n_max=3)
+    assert fixed.output_ids == want and fixed.stats["tree"] is None
+    served = ServedModel(target, drafter)
+    assert served.decoding(SamplingConfig(), None).tree == 3 and served.decoding(SamplingConfig(), 2).tree is None
+    assert ServedModel(target, drafter, tree=0).decoding(SamplingConfig(), None).tree is None
+    for kw, match in ((dict(tree=-1), r"^tree \(--tree\): got -1"), (dict(tree=16), r"\[1, 15\]"), (dict(tree=2.0), "got 2.0"),
+                      (dict(tree=3, draft_mode="sample"), "draft_mode='argmax'")):
+        with pytest.raises(DFlashError, match=match):
+            dj.generate(target, PROMPTS, 4, drafter=drafter, **kw)
+    with pytest.raises(DFlashError, match="without a drafter"):
+        dj.generate(target, PROMPTS, 4, tree=3)
+    record["dflash_jax"]["tree"] = 0
+    (tmp_path / "d" / "config.json").write_text(json.dumps(record))
+    with pytest.raises(DFlashError, match=r"config.json: field dflash_jax.tree: got 0 \(expected an integer in \[1, 15\]"):
+        dj.load_drafter(tmp_path / "d", target)

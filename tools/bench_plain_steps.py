@@ -46,21 +46,20 @@ def main(argv=None) -> int:
     from dflash_jax import decode
     from dflash_jax.arguments import default_max_len
     from dflash_jax.costs import NEVER, CostModel, depth_policy
-    from dflash_jax.speculative.depth import MAX_BACKOFF, Calibration, verify_widths
+    from dflash_jax.speculative.depth import MAX_BACKOFF, Calibration
 
     target = dj.load_target()
     drafter = dj.shipped_drafter(target)
     prompts = [dj.encode_prompt(target, t) for t in CHAT_PROMPTS[: args.batch]]
     capacity = default_max_len(prompts, args.max_new_tokens)
-    n = drafter.cfg.block_size - 1
-    widths = verify_widths(n)
-    probe_one = CostModel(step_cost=(tuple(1.0 if w == 1 else 1e6 for w in widths),), plain_cost=(1e-6,), widths=widths)
     rows = jnp.int32(len(prompts))
     prepared, states = {}, {}
     for kind in ("plain", "auto"):
         static, params = setup(target, drafter, kind)
-        if kind == "auto":
-            params = params._replace(depth=depth_policy(drafter.calibration or Calibration.identity(n), probe_one))
+        if kind == "auto":  # every propose verifies the narrowest width and never pays
+            n, widths = static.depth, static.auto_widths
+            probe_one = CostModel(step_cost=(tuple(1.0 if w == widths[0] else 1e6 for w in widths),), plain_cost=(1e-6,), widths=widths)
+            params = params._replace(depth=depth_policy(drafter.calibration or Calibration.identity(n), probe_one, depth=n))
         states["plain" if kind == "plain" else "dflash"] = st = fresh_state(target, static, params, prompts, args, capacity)
         prepared[kind] = (static, params, decode.generate_until.lower(params, st, static, rows).compile())
     # "plain steps only": auto's program from a state whose schedule says plain throughout (no probe at all)

@@ -50,9 +50,12 @@ def setup(target, drafter, config):
         return Decoding(target.cfg, sampling=SamplingConfig()), Params(target.params)
     if not is_auto(config):
         return Decoding(target.cfg, drafter.cfg, SamplingConfig(), n_max=config), Params(target.params, drafter.params)
-    # "auto": over the drafter's recorded auto_depth; "auto@K": over blocks of K tokens (K - 1 drafts)
-    depth = int(config[5:]) - 1 if config.startswith("auto@") else drafter.auto_depth
-    return Decoding(target.cfg, drafter.cfg, SamplingConfig(), n_max="auto", auto_depth=depth), Params(target.params, drafter.params)
+    # "auto": the drafter's default (its recorded auto_depth and tree); "auto@K": over blocks of K tokens (K - 1 drafts)
+    if config == "auto":
+        from dflash_jax.arguments import drafter_decoding
+
+        return drafter_decoding(target.cfg, drafter, SamplingConfig(), n_max="auto", tree=drafter.tree or 0), Params(target.params, drafter.params)
+    return Decoding(target.cfg, drafter.cfg, SamplingConfig(), n_max="auto", auto_depth=int(config[5:]) - 1), Params(target.params, drafter.params)
 
 
 def is_auto(config) -> bool:
@@ -80,17 +83,17 @@ def compile_all(target, drafter, prompts, args, capacity, names=None):
     for config in names or configs(drafter):
         static, params = setup(target, drafter, config)
         if is_auto(config):
-            n = static.depth
+            n, widths = static.depth, static.auto_widths
             calibration = drafter.calibration or Calibration.identity(n)  # depth_policy takes its first n positions
-            params = params._replace(depth=costs.depth_policy(calibration, costs.CostModel.forcing(n, n)))
+            params = params._replace(depth=costs.depth_policy(calibration, costs.CostModel.forcing(widths[-1], widths[-1], widths), depth=n))
         st = fresh_state(target, static, params, prompts, args, capacity)
         rows = jnp.int32(len(prompts))
         loop = decode.generate_until.lower(params, st, static, rows).compile()
         run = lambda p, s, loop=loop, rows=rows: loop(p, s, rows)  # noqa: E731
         if is_auto(config):
             key = costs.cost_key(static, params, len(prompts), (target.source, drafter.source))
-            model = costs.cost_model_for(key, lambda: costs.measure(run, params, st, static), refresh=args.measure_costs)
-            params = params._replace(depth=costs.depth_policy(calibration, model))
+            model = costs.cost_model_for(key, lambda: costs.measure(run, params, st, static), refresh=args.measure_costs, widths=widths)
+            params = params._replace(depth=costs.depth_policy(calibration, model, depth=n))
             out["cost_model"] = model
         out[config] = (static, params, run, loop)
     return out

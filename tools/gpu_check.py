@@ -17,7 +17,9 @@ random weights: speed does not depend on their values) with drafters of their re
   and against the copy bandwidth measured in this run;
 - the same step at several live lengths in one capacity (does it follow the live length?);
 - verify cost: one target pass over B tokens relative to B = 1;
-- DFlash tokens/s against the acceptance rate, with a step of fixed acceptance (``gpu_measure``);
+- DFlash tokens/s against the acceptance rate, with a step of fixed acceptance (``gpu_measure``),
+  for chains and for best-first trees of 7 and 15 nodes (tree verification: what a wider verify pass
+  costs on the device);
 - compile seconds of every program; bf16 and fp32;
 - the oracle tests (transformers parity, losslessness, exact sampling) with pytest on the device.
 
@@ -63,8 +65,8 @@ ORACLE_EXPR = ("full_forward or chunked_prefill_then_decode or no_cache or greed
 @dataclasses.dataclass(frozen=True)
 class Run:
     """One model in one dtype: plain decode from prompts of ``lengths`` tokens, verify passes of
-    ``widths`` tokens and DFlash steps accepting ``accepts`` drafts (capped at n_max), both after
-    ``context`` cached tokens. Runs of one model and dtype share one entry of the results, so a
+    ``widths`` tokens, DFlash steps accepting ``accepts`` drafts (capped at n_max) and tree steps
+    of ``trees`` nodes accepting :data:`TREE_ACCEPT`, all after ``context`` cached tokens. Runs of one model and dtype share one entry of the results, so a
     later run can fill in points when time is left."""
 
     shape: str
@@ -73,6 +75,7 @@ class Run:
     widths: tuple = (1, 16)
     accepts: tuple = ()
     context: int = 1024
+    trees: tuple = ()  # tree verification: steps over best-first trees of these many nodes, accepting TREE_ACCEPT drafts
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,22 +99,24 @@ class Plan:
 
 
 _LEN = (1024, 128, 2048, 3968)
+TREE_ACCEPT = 3  # drafts a tree step accepts: its cost against a chain's of the same acceptance
 PLANS = {
-    "full": Plan(runs=(Run("qwen3-8b", "bfloat16", _LEN, (1, 16, 2, 4, 8), (0, 15, 1, 3, 7)),
-                       Run("smollm2-135m", "bfloat16", _LEN, (1, 16, 2, 4, 8), (0, 7, 1, 3)),
+    "full": Plan(runs=(Run("qwen3-8b", "bfloat16", _LEN, (1, 16, 2, 4, 8), (0, 15, 1, 3, 7), trees=(15, 7)),
+                       Run("smollm2-135m", "bfloat16", _LEN, (1, 16, 2, 4, 8), (0, 7, 1, 3), trees=(7, 15)),
                        Run("laguna-xs-2.1", "bfloat16", _LEN, (1, 16, 2, 4, 8), (0, 15, 1, 3, 7)),
                        Run("qwen3-8b", "float32", (1024,)), Run("smollm2-135m", "float32", (1024,)),
                        Run("qwen3-8b", "bfloat16", widths=(12, 3, 6, 10, 14, 5, 7, 9, 11, 13, 15))),  # B = 1..16 if time is left
                  capacity=4096, steps=64, repeats=5, calls=20, chunk=512, copy_bytes=4 << 30,
                  oracle=(ORACLE_FILES, ORACLE_EXPR), oracle_s=120, budget_s=420),
-    "quick": Plan(runs=(Run("qwen3-8b", "bfloat16", (1024, 1984), (1, 16, 8), (0, 15, 3)),
-                        Run("smollm2-135m", "bfloat16", (1024, 1984), (1, 16), (0, 7, 3)),
+    "quick": Plan(runs=(Run("qwen3-8b", "bfloat16", (1024, 1984), (1, 16, 8), (0, 15, 3), trees=(15,)),
+                        Run("smollm2-135m", "bfloat16", (1024, 1984), (1, 16), (0, 7, 3), trees=(7,)),
                         Run("laguna-xs-2.1", "bfloat16", (1024,), (1, 16), (0, 15)), Run("qwen3-8b", "float32", (1024,))),
                   capacity=2048, steps=32, repeats=3, calls=10, chunk=512, copy_bytes=2 << 30,
                   oracle=(ORACLE_FILES, ORACLE_EXPR), oracle_s=60, budget_s=240),
     # every shape kind, both dtypes, every section and a fill-in run, at toy sizes; a budget that skips nothing
-    "dry-run": Plan(runs=(Run("qwen3-8b", "bfloat16", (64, 200), (1,), (0, 7, 3), 64), Run("laguna-xs-2.1", "bfloat16", (64,), (1,), (7,), 64),
-                          Run("smollm2-135m", "float32", (64,), (1,), (3,), 64), Run("qwen3-8b", "bfloat16", widths=(4,), context=64)),
+    "dry-run": Plan(runs=(Run("qwen3-8b", "bfloat16", (64, 200), (1,), (0, 7, 3), 64, trees=(5,)),
+                          Run("laguna-xs-2.1", "bfloat16", (64,), (1,), (7,), 64),
+                          Run("smollm2-135m", "float32", (64,), (1,), (3,), 64, trees=(3,)), Run("qwen3-8b", "bfloat16", widths=(4,), context=64)),
                     capacity=256, steps=8, repeats=2, calls=3, chunk=32, copy_bytes=64 << 20,
                     oracle=(("tests/test_sampling.py",), "greedy_and_gap"), oracle_s=120, budget_s=900, tiny=True),
 }
@@ -197,6 +202,14 @@ def measure_run(run: Run, plan: Plan, budget: Budget, report: Report, peak_bw: f
             report.save()
         else:
             report.skip(entry, f"DFlash at acceptance {a}")
+    for nodes in run.trees:
+        if plain_ms is None or not budget.fits(2, 10.0):
+            report.skip(entry, f"tree of {nodes} nodes", "time budget" if plain_ms else "no plain decode at the same context")
+            continue
+        gen = Generation(Params(params, dparams), Decoding(cfg, dcfg, tree=nodes), plan.capacity, plan.chunk)
+        _compiled(entry, budget, f"tree {nodes}", gen.compile_s)
+        entry["dflash"].append(dflash_at(gen, run.context, TREE_ACCEPT, plan.steps, plan.repeats, plain_ms))
+        report.save()
 
 
 def _compiled(entry: dict, budget: Budget, prefix: str, compile_s: dict) -> None:

@@ -26,6 +26,7 @@ from dflash_jax.decoding import Decoding, Params
 from dflash_jax.registry import module_for
 from dflash_jax.speculative.commit import commit_block
 from dflash_jax.speculative.propose import propose_fn
+from dflash_jax.speculative.tree import propose_tree_fn, verify_tree_fn
 from dflash_jax.speculative.verify import verify_fn
 
 from gpu_shapes import REPO, kv_bytes_live, weight_bytes_per_token
@@ -35,10 +36,17 @@ def fixed_acceptance_step(params: Params, state, static: Decoding, accept):
     """One DFlash step (propose -> verify -> commit, as :func:`dflash_jax.speculative.step.step_fn`)
     whose verdict accepts exactly ``accept`` drafts per row (``[]`` int32, at most what the block
     allows): the drafter's and the target's passes run as in a real step, so it costs what a real
-    step costs, while the acceptance is scripted (the committed tokens are not the target's)."""
-    drafts, _ = propose_fn(params, state, static)
-    verdict = verify_fn(params, state, static, drafts)
-    a = jnp.minimum(jnp.broadcast_to(jnp.asarray(accept, jnp.int32), verdict.accepted.shape), verdict.n_valid)
+    step costs, while the acceptance is scripted (the committed tokens are not the target's). With
+    ``static.tree`` the step drafts and verifies a best-first tree and moves the accepted path's
+    rows as a tree step does."""
+    if static.tree:
+        tree, _ = propose_tree_fn(params, state, static)
+        verdict = verify_tree_fn(params, state, static, tree)
+    else:
+        drafts, _ = propose_fn(params, state, static)
+        verdict = verify_fn(params, state, static, drafts)
+    a = jnp.minimum(jnp.broadcast_to(jnp.asarray(accept, jnp.int32), verdict.accepted.shape),
+                    jnp.minimum(verdict.n_valid, verdict.tokens.shape[1] - 1))
     return commit_block(params, state, static, verdict._replace(accepted=a))
 
 
@@ -127,7 +135,7 @@ def dflash_at(gen: Generation, live: int, accept: int, steps: int, repeats: int,
     tps = r["tokens"] / r["seconds"]
     return dict(accept=accept, acceptance_rate=accept / gen.static.n_max, tau=r["tokens"] / r["steps"], steps=r["steps"],
                 step_ms=step_ms, step_in_decode_steps=step_ms / plain_step_ms, tokens_per_s=tps,
-                speedup=tps * plain_step_ms / 1e3)
+                speedup=tps * plain_step_ms / 1e3, tree=gen.static.tree)
 
 
 def verify_cost(params, cfg, capacity: int, live: int, width: int, calls: int, repeats: int) -> dict:

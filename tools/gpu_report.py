@@ -78,14 +78,17 @@ def _dflash(results: dict) -> str:
     rows = []
     for r in _runs(results, "dflash"):
         for d in r["dflash"]:
-            rows.append([r["shape"], r["dtype"], r["block_size"] - 1, d["accept"], f"{d['acceptance_rate']:.2f}", f"{d['tau']:.2f}",
+            drafts = f"tree of {d['tree']}" if d.get("tree") else r["block_size"] - 1
+            rows.append([r["shape"], r["dtype"], drafts, d["accept"], f"{d['acceptance_rate']:.2f}", f"{d['tau']:.2f}",
                          f"{d['step_ms']:.3f}", f"{d['step_in_decode_steps']:.2f}", f"{d['tokens_per_s']:.1f}", f"**{d['speedup']:.2f}x**"])
     if not rows:
         return "Not measured."
-    head = ["target", "dtype", "n_max", "accepted/step", "acceptance rate", "tau", "step ms", "step / decode step", "tok/s",
-            "vs plain"]
+    head = ["target", "dtype", "n_max (or tree nodes)", "accepted/step", "acceptance rate", "tau", "step ms", "step / decode step",
+            "tok/s", "vs plain"]
     return (_table(head, rows) + "\n\nDFlash steps of fixed acceptance (the drafter's propose and the target's verify "
-            "run as in a real step; the verdict accepts exactly that many drafts), batch 1, from the headline live length.")
+            "run as in a real step; the verdict accepts exactly that many drafts), batch 1, from the headline live length. "
+            "A tree row drafts a best-first tree of that many nodes over the drafter's whole block and verifies it in one "
+            "pass of nodes + 1 tokens: its step cost against the chain's is what tree verification costs on the device.")
 
 
 def _compile(results: dict) -> str:

@@ -129,7 +129,7 @@ def run_set(target, drafter, name, prompts, batch, args, variants: dict | None =
         for v, fields in variants.items():
             fields = dict(fields)
             calibration = identity if fields.pop("raw", False) else drafter.calibration or identity
-            prepared[v] = (static, params._replace(depth=costs.depth_policy(calibration, prepared["cost_model"], **fields)), run, loop)
+            prepared[v] = (static, params._replace(depth=costs.depth_policy(calibration, prepared["cost_model"], **fields, depth=static.depth)), run, loop)
     else:
         names = configs(drafter)
         prepared = compile_all(target, drafter, prompts[:batch], args, capacity)

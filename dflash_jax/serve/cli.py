@@ -108,8 +108,8 @@ def build_engine(args):
     if target.tokenizer is None:
         raise DFlashError(f"{target.source}: tokenizer", "missing (a server decodes text)", "a target with a tokenizer")
     if drafter is not None:  # the depth is checked now, not at the first request
-        ServedModel(target, drafter, n_max=n_max).decoding(SamplingConfig(), None)
-    model = ServedModel(target, drafter, name=args.served_model_name or Path(target.source).name, n_max=n_max,
+        ServedModel(target, drafter, n_max=n_max, tree=args.tree).decoding(SamplingConfig(), None)
+    model = ServedModel(target, drafter, name=args.served_model_name or Path(target.source).name, n_max=n_max, tree=args.tree,
                         chat_template_kwargs=args.chat_template_kwargs)
     engine = Engine(model, max_batch=args.max_batch, max_len=args.max_len, max_queue=args.max_queue, chunk_size=args.chunk_size,
                     steps_per_round=args.steps_per_round, metrics=Metrics())

@@ -16,7 +16,8 @@ import time
 from typing import Any
 
 from dflash_jax import costs
-from dflash_jax.decoding import AUTO, Decoding, Params
+from dflash_jax.arguments import drafter_decoding
+from dflash_jax.decoding import Decoding, Params
 from dflash_jax.loading import Drafter, Target
 from dflash_jax.sampling import SamplingConfig
 from dflash_jax.speculative.depth import Calibration
@@ -32,6 +33,9 @@ class ServedModel:
       name: the model name clients must send (``--served-model-name``).
       n_max: the default draft depth (``--n-max``; ``None``: the drafter's recorded one, which
         may be ``"auto"``: :meth:`depth_params`).
+      tree: the default tree's nodes (``--tree``; ``0``: a chain; ``None``: the drafter's
+        recorded tree where its recorded depth applies; a request's own ``n_max`` drafts a chain),
+        :func:`~dflash_jax.arguments.drafter_decoding`.
       chat_template_kwargs: template variables every chat request gets (a request's own
         ``chat_template_kwargs`` override them).
     """
@@ -40,6 +44,7 @@ class ServedModel:
     drafter: Drafter | None = None
     name: str = "dflash-jax"
     n_max: int | str | None = None
+    tree: int | None = None
     chat_template_kwargs: dict | None = None
     _costs: dict = dataclasses.field(default_factory=dict, repr=False, compare=False)
 
@@ -63,8 +68,8 @@ class ServedModel:
         """The static decoding set-up of a request (raises DFlashError for a bad ``n_max``)."""
         if self.drafter is None:
             return Decoding(self.target.cfg, None, sampling)
-        depth = n_max if n_max is not None else self.n_max if self.n_max is not None else self.drafter.n_max
-        return Decoding(self.target.cfg, self.drafter.cfg, sampling, "argmax", depth, self.drafter.auto_depth if depth == AUTO else None)
+        depth = n_max if n_max is not None else self.n_max
+        return drafter_decoding(self.target.cfg, self.drafter, sampling, "argmax", depth, self.tree if n_max is None else None)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -19,24 +19,27 @@ import jax.numpy as jnp
 from dflash_jax.decoding import Decoding, Params, check_depth_policy, check_step_inputs
 from dflash_jax.speculative import depth
 from dflash_jax.speculative.commit import commit_block, count_width
-from dflash_jax.speculative.propose import block_positions, propose_fn
+from dflash_jax.speculative.propose import block_positions, draft_logits, propose_fn
+from dflash_jax.speculative.tree import tree_of, verify_tree_fn
 from dflash_jax.speculative.verify import verify_fn
 from dflash_jax.state import DecodeState
 
 
 def step_fn(params: Params, state: DecodeState, static: Decoding) -> DecodeState:
     """One adaptive step (pure): a plain step when the schedule says so, else propose the whole
-    block and verify the width the policy chooses."""
+    block (or tree) and verify the width the policy chooses."""
     plain = state.speculative.plain_left > 0
 
-    def draft(_):
-        return propose_fn(params, state, static)
+    def draft(_):  # a tree's drafter pass only: the tree is built outside the conditional (tree.tree_of)
+        return draft_logits(params, state, static)[0] if static.tree else propose_fn(params, state, static)
 
     def skip(_):  # zeros of the propose's shapes: a plain step verifies the anchor alone
         return jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), jax.eval_shape(draft, None))
 
-    drafts, conf = jax.lax.cond(plain, skip, draft, None)
-    return verify_chosen(params, state, static, drafts, conf, plain)
+    drafted = jax.lax.cond(plain, skip, draft, None)
+    if static.tree:
+        return verify_chosen_tree(params, state, static, *tree_of(params, static, drafted), plain)
+    return verify_chosen(params, state, static, *drafted, plain)
 
 
 def run_one_of(index, fns, operand):
@@ -60,18 +63,42 @@ def verify_chosen(params: Params, state: DecodeState, static: Decoding, drafts, 
       DFlashError: ``params.depth`` missing or not fitting (at trace time).
     """
     n = static.depth
-    check_depth_policy(params.depth, n)
-    running = ~state.done
+    check_depth_policy(params.depth, static)
     _, _, block_len = block_positions(state, n + 1)
-    live = jnp.max(jnp.where(running, state.length, 0))
-    j, pays = depth.choose_width(params.depth, conf, block_len - 1, running, live)
-    widths = (0, *depth.verify_widths(n))  # branch 0: the anchor alone (a plain step)
-    branch = jnp.where(plain, 0, j + 1)
-    w = jnp.asarray(widths, jnp.int32)[branch]
+    expected = depth.expected_tokens(params.depth, conf, block_len - 1)
 
     def verify_k(k, s):
         return commit_block(params, s, static, verify_fn(params, s, static, drafts[:, :k]))
 
+    return _verify_one_width(params, state, static, expected, plain, verify_k)
+
+
+def verify_chosen_tree(params: Params, state: DecodeState, static: Decoding, tree, conf, plain) -> DecodeState:
+    """:func:`verify_chosen` over a best-first tree (``static.tree`` nodes): verifies its first
+    ``w`` nodes, ``w`` one of ``static.auto_widths`` chosen from
+    :func:`~dflash_jax.speculative.depth.tree_expected_tokens`."""
+    check_depth_policy(params.depth, static)
+    _, _, block_len = block_positions(state, static.width)
+    expected = depth.tree_expected_tokens(params.depth, tree, conf, block_len - 1)
+
+    def verify_k(k, s):
+        if k == 0:  # the anchor alone: a plain step
+            return commit_block(params, s, static, verify_fn(params, s, static, jnp.zeros((s.tokens.shape[0], 0), jnp.int32)))
+        return commit_block(params, s, static, verify_tree_fn(params, s, static, tree.first(k)))
+
+    return _verify_one_width(params, state, static, expected, plain, verify_k)
+
+
+def _verify_one_width(params: Params, state: DecodeState, static: Decoding, expected, plain, verify_k) -> DecodeState:
+    """Chooses the width of ``static.auto_widths`` from ``expected [B, m + 1]`` (tokens committed
+    in expectation when ``w`` drafts are verified), runs ``verify_k(w, state)`` for it (``w = 0``:
+    a plain step), counts the width and updates the plain-step schedule."""
+    running = ~state.done
+    live = jnp.max(jnp.where(running, state.length, 0))
+    j, pays = depth.choose_from(params.depth, expected, running, live, static.auto_widths)
+    widths = (0, *static.auto_widths)  # branch 0: the anchor alone (a plain step)
+    branch = jnp.where(plain, 0, j + 1)
+    w = jnp.asarray(widths, jnp.int32)[branch]
     state = run_one_of(branch, [functools.partial(verify_k, k) for k in widths], state)
     ctx = depth.schedule(params.depth, count_width(state.speculative, w, plain), plain, pays)
     return state.replace(speculative=ctx)

@@ -12,6 +12,10 @@ With the measured seconds ``C(w)`` of a step that proposes and verifies ``w`` dr
 (:mod:`dflash_jax.costs`), the batch verifies the width that maximises
 ``sum_b E_b(w) / C(w)`` over its running rows (the DSpark / vLLM adaptive-verification rule).
 
+Under ``tree=N`` the drafter's candidates form a best-first tree of ``N`` nodes
+(:mod:`dflash_jax.speculative.tree`) and the step chooses how many of its first nodes to verify
+(:func:`tree_widths`), from :func:`tree_expected_tokens`, the same way.
+
 The widths to choose from are few (:func:`verify_widths`: blocks of 2, 4, 8, ... tokens and the
 whole block), because each is a target pass compiled into the step: eight widths made the step's
 XLA:CPU executable 26 MB, which took 24 s to read back from the compilation cache on every run
@@ -66,7 +70,8 @@ class DepthPolicy:
       bounds: ``[K]`` int32 upper bounds of the live-length buckets of the cost table,
         ascending (a live length beyond the last uses the last bucket).
       step_cost: ``[K, m]`` float32 seconds of a step that proposes and verifies ``w`` drafts,
-        for the ``m`` widths of :func:`verify_widths`, per bucket.
+        for the ``m`` widths the step chooses from (``Decoding.auto_widths``: :func:`verify_widths`
+        of a chain, :func:`tree_widths` of a tree), per bucket.
       plain_cost: ``[K]`` float32 seconds of a plain step (no propose, one target token).
       max_backoff: ``[]`` int32 the longest run of plain steps between two proposes
         (:data:`MAX_BACKOFF` unless set).
@@ -136,6 +141,20 @@ def verify_widths(n: int) -> tuple[int, ...]:
     return (*widths, n)
 
 
+def tree_widths(nodes: int) -> tuple[int, ...]:
+    """The widths (nodes verified) an adaptive step over a best-first tree of ``nodes`` nodes
+    chooses from: :func:`verify_widths` of ``nodes`` from 3 nodes up (``3``: ``(3,)``; ``7``:
+    ``(3, 7)``; ``15``: ``(3, 7, 15)``; fewer than 3 nodes: the whole tree). A tree of one node is
+    a chain of one draft, and on the held-out prompts of BENCHMARKS.md ("Chains and trees of
+    the same verify width") verifying one node besides the whole tree (or a plain step) gained
+    about 1 % while its target pass made the compiled step a third larger.
+
+    Raises:
+      DFlashError: ``nodes < 1``.
+    """
+    return tuple(w for w in verify_widths(nodes) if w >= min(3, nodes))
+
+
 def acceptance(policy: DepthPolicy, conf: jnp.ndarray) -> jnp.ndarray:
     """Calibrated acceptance predictions ``[B, n]`` of the confidences ``conf [B, n]``."""
     c = jnp.clip(conf.astype(jnp.float32), _EPS, 1.0 - _EPS)
@@ -150,6 +169,31 @@ def expected_tokens(policy: DepthPolicy, conf: jnp.ndarray, n_valid: jnp.ndarray
     return 1.0 + jnp.concatenate([jnp.zeros_like(survival[:, :1]), jnp.cumsum(survival, axis=1)], axis=1)
 
 
+def tree_expected_tokens(policy: DepthPolicy, tree, conf: jnp.ndarray, n_valid: jnp.ndarray) -> jnp.ndarray:
+    """``E_b(w)``, ``[B, N + 1]``: tokens row ``b`` commits in expectation when the first ``w``
+    nodes of a best-first tree (:class:`~dflash_jax.speculative.tree.DraftTree`, ``N`` nodes) are
+    verified, ``w = 0..N``.
+
+    A node at slot ``d`` is the target's token there, its parent accepted, with probability
+    ``a_d`` (the calibrated acceptance of slot ``d``'s top confidence ``conf[:, d]``) when it is
+    the slot's top candidate, else ``(1 - a_d) * p / (1 - conf[:, d])``, its drafter probability
+    ``p`` within the mass the top candidate leaves: the calibration says how often the top
+    candidate is right, and when it is not the target's token falls as the drafter's other
+    candidates do (the probabilities of all of a slot's tokens sum to 1). A node is accepted
+    with the product of these along its path; drafts beyond ``n_valid [B]`` count 0. For a chain
+    (every node a top candidate) this is :func:`expected_tokens`.
+    """
+    a_slot = acceptance(policy, conf)  # [B, n]
+    d = jnp.maximum(tree.depth - 1, 0)
+    a = jnp.take_along_axis(a_slot, d, axis=1)
+    c = jnp.take_along_axis(conf.astype(jnp.float32), d, axis=1)
+    p = jnp.where(tree.rank == 0, a, (1.0 - a) * tree.prob / jnp.maximum(1.0 - c, _EPS))
+    on_path = tree.mask[:, 1:, 1:]  # [B, N, N]: j is i or an ancestor of i
+    survival = jnp.prod(jnp.where(on_path, p[:, None, :], 1.0), axis=2)
+    survival = survival * (tree.alive & (tree.depth <= n_valid[:, None]))
+    return 1.0 + jnp.concatenate([jnp.zeros_like(survival[:, :1]), jnp.cumsum(survival, axis=1)], axis=1)
+
+
 def bucket(policy: DepthPolicy, live: jnp.ndarray) -> jnp.ndarray:
     """The cost bucket ``[]`` int32 of the longest live row ``live`` (tokens)."""
     k = jnp.sum(policy.bounds < live).astype(jnp.int32)
@@ -157,7 +201,7 @@ def bucket(policy: DepthPolicy, live: jnp.ndarray) -> jnp.ndarray:
 
 
 def choose_width(policy: DepthPolicy, conf, n_valid, running, live):
-    """The verify width of the batch and whether drafting pays.
+    """The verify width of the batch and whether drafting pays (a chain of drafts).
 
     Args:
       conf: ``[B, n]`` float32 drafter confidences; n_valid: ``[B]`` int32 drafts that may be
@@ -167,9 +211,17 @@ def choose_width(policy: DepthPolicy, conf, n_valid, running, live):
       of the running rows per second; ``pays``: that rate beats plain decoding's by
       ``policy.pay_margin``.
     """
+    return choose_from(policy, expected_tokens(policy, conf, n_valid), running, live, verify_widths(conf.shape[1]))
+
+
+def choose_from(policy: DepthPolicy, expected, running, live, widths: tuple[int, ...]):
+    """:func:`choose_width` from the expected tokens ``expected [B, m + 1]`` of verifying
+    ``w = 0..m`` drafts (:func:`expected_tokens`, or :func:`tree_expected_tokens` of a tree's
+    first ``w`` nodes): ``(j, pays)`` over the static ``widths`` (the policy's ``step_cost``
+    columns: :func:`verify_widths` of a chain, :func:`tree_widths` of a tree)."""
     k = bucket(policy, live)
-    widths = jnp.asarray(verify_widths(conf.shape[1]), jnp.int32)
-    tokens = jnp.sum(jnp.where(running[:, None], expected_tokens(policy, conf, n_valid), 0.0), axis=0)[widths]
+    widths = jnp.asarray(widths, jnp.int32)
+    tokens = jnp.sum(jnp.where(running[:, None], expected, 0.0), axis=0)[widths]
     rate = tokens / policy.step_cost[k]
     j = jnp.argmax(rate).astype(jnp.int32)
     pays = rate[j] * policy.plain_cost[k] > (1.0 + policy.pay_margin) * jnp.sum(running)

@@ -43,12 +43,17 @@ def propose_fn(params: Params, state: DecodeState, static: Decoding):
     cfg_t, cfg_d, sampling = static.target, static.drafter, static.sampling
     params_d = params.drafter
     lg, positions = draft_logits(params, state, static)
-    conf = 1.0 / jnp.sum(jnp.exp(lg - jnp.max(lg, axis=-1, keepdims=True)), axis=-1)
+    conf = top_confidence(lg)
     if sampling.greedy or static.draft_mode == "argmax":
         return drafter.draft_token_ids(params_d, cfg_d, jnp.argmax(lg, axis=-1)), conf
     ids = params_d["draft_ids"] if cfg_d.draft_vocab_size else None  # the target ids of the columns of lg
     # the mask at position p drafts the token at index p: the target draws that token with the same uniform
     return sample_at(state.rng, positions[:, 1:], lg, sampling, vocab=cfg_t.vocab_size, ids=ids), conf
+
+
+def top_confidence(logits: jnp.ndarray) -> jnp.ndarray:
+    """The top probability ``[B, n]`` float32 of the drafter's logits ``[B, n, V']`` at each slot."""
+    return 1.0 / jnp.sum(jnp.exp(logits - jnp.max(logits, axis=-1, keepdims=True)), axis=-1)
 
 
 def draft_logits(params: Params, state: DecodeState, static: Decoding):

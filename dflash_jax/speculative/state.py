@@ -27,9 +27,10 @@ class SpeculativeState:
       accepted: ``[B]`` int32 draft tokens accepted and kept.
       accepted_per_position: ``[B, n]`` int32 steps in which draft position ``i + 1`` was
         accepted and kept (``n``: the drafted depth, ``Decoding.depth``).
-      widths: ``[n + 1]`` int32 batch steps that proposed and verified ``w`` drafts,
-        ``w = 0..n`` (with a fixed ``n_max`` every step counts at ``n_max``; the other steps of
-        ``DecodeState.steps`` are plain steps).
+      widths: ``[m + 1]`` int32 batch steps that proposed and verified ``w`` drafts (a tree's
+        nodes under ``tree=``), ``w = 0..m`` (``m``: ``Decoding.verify_top``; with a fixed
+        ``n_max`` every step counts at ``m``; the other steps of ``DecodeState.steps`` are plain
+        steps).
       plain_left: ``[]`` int32 plain steps to take before the next propose (``auto``).
       backoff: ``[]`` int32 plain steps that the next propose that does not pay schedules (``auto``).
     """
@@ -50,8 +51,9 @@ class SpeculativeState:
         return self.accepted_per_position.shape[1]
 
 
-def init_speculative_state(cfg: DrafterConfig, batch: int, max_len: int, n_max: int) -> SpeculativeState:
-    """Empty context of ``max_len`` slots and zeroed statistics for ``n_max`` draft positions."""
+def init_speculative_state(cfg: DrafterConfig, batch: int, max_len: int, n_max: int, top: int | None = None) -> SpeculativeState:
+    """Empty context of ``max_len`` slots and zeroed statistics for ``n_max`` draft positions and
+    verifies of up to ``top`` drafts (a tree's nodes; ``None``: ``n_max``)."""
     shape = (cfg.num_hidden_layers, batch, max_len, cfg.num_key_value_heads, cfg.head_dim)
 
     def zeros():  # distinct buffers: the state is donated
@@ -60,6 +62,6 @@ def init_speculative_state(cfg: DrafterConfig, batch: int, max_len: int, n_max: 
     return SpeculativeState(
         ctx_k=jnp.zeros(shape, cfg.dtype), ctx_v=jnp.zeros(shape, cfg.dtype), verify_steps=zeros(),
         drafted=zeros(), accepted=zeros(), accepted_per_position=jnp.zeros((batch, n_max), jnp.int32),
-        widths=jnp.zeros((n_max + 1,), jnp.int32), plain_left=jnp.zeros((), jnp.int32),
+        widths=jnp.zeros(((top or n_max) + 1,), jnp.int32), plain_left=jnp.zeros((), jnp.int32),
         backoff=jnp.ones((), jnp.int32),
     )

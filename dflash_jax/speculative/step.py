@@ -25,12 +25,13 @@ from dflash_jax.state import DecodeState
 def step_fn(params: Params, state: DecodeState, static: Decoding) -> DecodeState:
     """One speculative step: propose a block, verify it, commit (pure, unjitted); under
     ``n_max="auto"`` the adaptive step; with ``static.tree`` a tree of drafts
-    (:mod:`~dflash_jax.speculative.tree`, counted in ``widths`` at the drafted depth)."""
+    (:mod:`~dflash_jax.speculative.tree`, counted in ``widths`` at its nodes)."""
     if static.adaptive:
         return adaptive.step_fn(params, state, static)
     if static.tree:
-        state = commit_block(params, state, static, verify_tree_fn(params, state, static, propose_tree_fn(params, state, static)))
-        return state.replace(speculative=count_width(state.speculative, static.depth, jnp.bool_(False)))
+        tree, _ = propose_tree_fn(params, state, static)
+        state = commit_block(params, state, static, verify_tree_fn(params, state, static, tree))
+        return state.replace(speculative=count_width(state.speculative, static.tree, jnp.bool_(False)))
     drafts, _ = propose_fn(params, state, static)
     return _verify_commit(params, state, static, drafts)
 

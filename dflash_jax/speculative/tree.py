@@ -33,7 +33,7 @@ from dflash_jax.nn.attention import TreeBlock
 from dflash_jax.registry import module_for
 from dflash_jax.sampling import sample_at, top2_gap
 from dflash_jax.speculative.capture import block_capture
-from dflash_jax.speculative.propose import block_positions, draft_logits
+from dflash_jax.speculative.propose import block_positions, draft_logits, top_confidence
 from dflash_jax.speculative.verify import Verdict
 from dflash_jax.state import DecodeState
 
@@ -49,6 +49,9 @@ class DraftTree(NamedTuple):
       alive: ``[B, N]`` bool nodes that were drafted (False only when the lists ran out).
       mask: ``[B, N + 1, N + 1]`` bool over the block: ``mask[b, i, j]``, ``j`` is ``i`` or an
         ancestor of ``i``.
+      prob: ``[B, N]`` float32 the drafter's probability of each node's token at its slot
+        (``None`` for a scripted tree; ``n_max="auto"`` reads it).
+      rank: ``[B, N]`` int32 each node's rank among its slot's candidates (0: the top one).
     """
 
     tokens: jnp.ndarray
@@ -56,6 +59,15 @@ class DraftTree(NamedTuple):
     depth: jnp.ndarray
     alive: jnp.ndarray
     mask: jnp.ndarray
+    prob: jnp.ndarray | None = None
+    rank: jnp.ndarray | None = None
+
+    def first(self, w: int) -> "DraftTree":
+        """The tree of its first ``w`` nodes (static): parents come before children, so it is a
+        tree, and a best-first tree's first ``w`` nodes are the best tree of ``w`` nodes."""
+        cut = lambda x: None if x is None else x[:, :w]  # noqa: E731
+        return DraftTree(tokens=self.tokens[:, :w], parent=self.parent[:, :w], depth=self.depth[:, :w], alive=self.alive[:, :w],
+                         mask=self.mask[:, : w + 1, : w + 1], prob=cut(self.prob), rank=cut(self.rank))
 
     def block(self) -> TreeBlock:
         """The target's view of ``[anchor, nodes]``: depths ``[B, N + 1]`` and the ancestor mask."""
@@ -83,6 +95,8 @@ def build_tree(logits: jnp.ndarray, nodes: int) -> tuple[jnp.ndarray, DraftTree]
     alive = jnp.zeros((b, m), bool).at[:, 0].set(True)
     parent = jnp.zeros((b, m), jnp.int32)
     index = jnp.zeros((b, m), jnp.int32)
+    rank = jnp.zeros((b, m), jnp.int32)
+    prob = jnp.zeros((b, m), jnp.float32)
     mask = jnp.zeros((b, m, m), bool).at[:, 0, 0].set(True)
     for s in range(1, m):  # N small static steps; each adds the best frontier child
         open_ = alive & (depth < n) & (children < k)
@@ -96,11 +110,13 @@ def build_tree(logits: jnp.ndarray, nodes: int) -> tuple[jnp.ndarray, DraftTree]
         score = score.at[:, s].set(cand[rows, u])
         parent = parent.at[:, s].set(u.astype(jnp.int32))
         index = index.at[:, s].set(top_ix[rows, du, ru])
+        rank = rank.at[:, s].set(ru)
+        prob = prob.at[:, s].set(jnp.exp(top_lp[rows, du, ru]))
         alive = alive.at[:, s].set(ok)
         children = children.at[rows, u].add(ok.astype(jnp.int32))
         mask = mask.at[:, s].set(mask[rows, u] | (jnp.arange(m) == s)[None, :])
     tree = DraftTree(tokens=jnp.zeros((b, nodes), jnp.int32), parent=parent[:, 1:], depth=depth[:, 1:],
-                     alive=alive[:, 1:], mask=mask)
+                     alive=alive[:, 1:], mask=mask, prob=prob[:, 1:], rank=rank[:, 1:])
     return index[:, 1:], tree
 
 
@@ -130,18 +146,25 @@ def accept_tree(tree: DraftTree, chosen: jnp.ndarray, valid: jnp.ndarray, n: int
     return a, jnp.where(d[None, :] <= a[:, None], path, d[None, :]).astype(jnp.int32)
 
 
-def propose_tree_fn(params: Params, state: DecodeState, static: Decoding) -> DraftTree:
+def propose_tree_fn(params: Params, state: DecodeState, static: Decoding) -> tuple[DraftTree, jnp.ndarray]:
     """The drafter's pass over each row's block and the best-first tree of ``static.tree`` nodes
     over its ``static.depth`` slots (pure; the state is read only).
 
     Returns:
-      :class:`DraftTree` of ``N = static.tree`` nodes per row, ``tokens`` in target ids (through
-      the drafter's draft vocabulary when it has one).
+      ``(tree, conf)``: the :class:`DraftTree` of ``N = static.tree`` nodes per row, ``tokens`` in
+      target ids (through the drafter's draft vocabulary when it has one), and ``conf [B, n]``
+      float32 the top probability at each slot (as :func:`~dflash_jax.speculative.propose.propose_fn`
+      reports it).
     """
-    cfg_d = static.drafter
-    lg, _ = draft_logits(params, state, static)
-    index, tree = build_tree(lg, static.tree)
-    return tree._replace(tokens=drafter.draft_token_ids(params.drafter, cfg_d, index))
+    return tree_of(params, static, draft_logits(params, state, static)[0])
+
+
+def tree_of(params: Params, static: Decoding, logits: jnp.ndarray) -> tuple[DraftTree, jnp.ndarray]:
+    """:func:`propose_tree_fn` after the drafter's pass, from its ``logits [B, n, V']``. (The
+    adaptive step runs the pass under a conditional and builds the tree outside it: the tree's
+    many small updates cost about 3 ms more per step inside an XLA:CPU conditional.)"""
+    index, tree = build_tree(logits, static.tree)
+    return tree._replace(tokens=drafter.draft_token_ids(params.drafter, static.drafter, index)), top_confidence(logits)
 
 
 def verify_tree_fn(params: Params, state: DecodeState, static: Decoding, tree: DraftTree) -> Verdict:
