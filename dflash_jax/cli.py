@@ -82,7 +82,7 @@ def _stats_line(stats: dict, finish: str) -> str:
     mode = "plain decoding" if stats.get("mode", "plain") == "plain" else f"{stats['mode']} decoding"
     spec = f"tau {stats['tau']:.2f} over {stats['verify_steps']} verify steps | " if "tau" in stats else ""
     if stats.get("tree"):
-        spec += f"tree of {stats['tree']} nodes | "
+        spec += f"tree of {stats['tree']} node{'s' * (stats['tree'] > 1)} | "
     if stats.get("n_max") == "auto":
         spec += f"widths {' '.join(f'{w}:{c}' for w, c in enumerate(stats['widths']) if c)} plain {stats['plain_steps']} | "
     return (

@@ -48,7 +48,7 @@ def add_model_options(p: argparse.ArgumentParser) -> None:
                    help="draft tokens verified per step, or 'auto': each step chooses from the drafter's confidences and "
                    "measured costs (default: the drafter's recorded depth, 'auto' for the shipped drafter)")
     p.add_argument("--tree", type=integer, default=None, metavar="N",
-                   help="verify a best-first tree of N drafted nodes over the drafter's top candidates per step "
+                   help="verify a best-first tree of N drafted nodes (1-15) over the drafter's top candidates per step "
                    "(0: a chain of drafts; default: the drafter's recorded tree with its recorded depth)")
     p.add_argument("--dtype", type=one_of(*DTYPES), metavar=choices_metavar(*DTYPES), default="float32",
                    help="compute dtype (default float32)")
@@ -91,7 +91,8 @@ def load_drafter_for(args, target):
 
 
 def n_max_for(args, drafter) -> int | str | None:
-    """Draft depth from ``--n-max`` / ``--block-size`` (verify width ``n_max + 1``).
+    """Draft depth from ``--n-max`` / ``--block-size`` (verify width ``n_max + 1``); ``--tree``
+    without a drafter is refused here too.
 
     Errors name the option the user gave: ``--block-size`` is checked against the drafter's
     ``block_size`` here (``check_n_max``, inside ``Decoding``, checks the depth it implies
@@ -105,6 +106,8 @@ def n_max_for(args, drafter) -> int | str | None:
         n = args.block_size - 1
     if n is not None and drafter is None:
         raise DFlashError(opt, "given without a drafter", "--draft PATH, or a target with a shipped drafter")
+    if args.tree is not None and drafter is None:
+        raise DFlashError("--tree", "given without a drafter", "--draft PATH, or a target with a shipped drafter")
     if args.block_size is not None and drafter is not None:
         top = drafter.cfg.block_size
         if not 2 <= args.block_size <= top:

@@ -107,7 +107,8 @@ class Decoding:
             raise DFlashError("tree (--tree)", f"got {self.tree!r} without a drafter", "a drafter, or tree=None")
         top = min(MAX_TREE_NODES, getattr(self.target, "max_block", MAX_TREE_NODES + 1) - 1)
         if isinstance(self.tree, bool) or not isinstance(self.tree, numbers.Integral) or not 1 <= self.tree <= top:
-            raise DFlashError("tree (--tree)", f"got {self.tree!r}", f"an integer in [1, {top}] (drafted nodes per step)")
+            raise DFlashError("tree (--tree)", f"got {self.tree!r}", f"an integer in [1, {top}] (drafted nodes per step), or a chain "
+                              "(tree=None here; 0 for generate and --tree)")
         if self.draft_mode != "argmax":
             raise DFlashError("tree (--tree)", f"got tree={self.tree} with draft_mode={self.draft_mode!r}",
                               "draft_mode='argmax' (a tree holds the drafter's top candidates, not samples)")
@@ -135,8 +136,7 @@ class Decoding:
     @property
     def verify_top(self) -> int:
         """The most drafted tokens one verify pass holds: the tree's nodes, else the drafted depth
-        (0 plain). Under ``n_max="auto"`` the widths to choose from are
-        :func:`~dflash_jax.speculative.depth.verify_widths` of it."""
+        (0 plain); the statistics' ``widths`` count steps by up to this many."""
         return self.tree or self.depth
 
     @property

@@ -158,30 +158,23 @@ def generate(
         holding the longest prompt + ``max_new_tokens`` (capped at the target's ``max_position_embeddings``, which
         neither may exceed). A row that fills it finishes with ``"capacity"``.
       chunk_size: prompt tokens per prefill pass (capped, see :func:`~dflash_jax.arguments.effective_chunk_size`).
-      stop_ids: extra token ids that end a row (kept in the output).
+      stop_ids: extra token ids that end a row (kept in the output); ignore_eos: do not stop at EOS.
       stop: stop texts (see :mod:`dflash_jax.api` for how they are applied).
-      ignore_eos: do not stop at the target's EOS ids.
       seed: sampling seed in ``[0, 2**63)``; row ``b`` uses ``fold_in(key(seed), b)`` (:mod:`~dflash_jax.sampling`).
-      on_tokens: streaming callback, called with ``B`` lists of the ids each row committed since
-        the previous call (the first call carries the token from prefill). With it, decoding is
-        stepped from Python (``decode.stream``); without, it runs as one on-device loop.
+      on_tokens: streaming callback, called with ``B`` lists of the ids each row committed since the
+        previous call (the first carries prefill's token); decoding is then stepped from Python.
       drafter: a :class:`~dflash_jax.loading.Drafter` for DFlash speculative decoding (``None``:
-        plain decoding). Stats then add ``tau`` (mean tokens committed per verify step, bonus
-        included), ``verify_steps``, ``accepted_per_position`` (fraction of verify steps in which
-        draft position ``i`` was accepted), ``drafted_tokens`` and ``accepted_tokens``.
+        plain decoding). Stats then add ``tau`` (tokens per verify step, bonus included), ``verify_steps``,
+        ``accepted_per_position``, ``drafted_tokens``, ``accepted_tokens`` and ``tree``.
       n_max: drafted tokens verified per step, or ``"auto"``: each step chooses the width, or a
         plain step, from calibrated confidences and measured costs (:mod:`dflash_jax.speculative.depth`;
         stats add ``widths``, ``plain_steps`` (counted as verify steps) and the costs used). Default: the drafter's recorded
         ``n_max`` (``"auto"`` for the shipped drafter), else its ``block_size - 1``.
       draft_mode: ``"argmax"`` (default) or ``"sample"`` proposals (:class:`dflash_jax.decoding.Decoding`).
-      cost_model: under ``"auto"``: ``None`` (kept on disk for this device, pair, batch and
-        capacity, else measured before the timed decode), ``"refresh"`` or a ``CostModel``.
-      tree: tree verification (:mod:`dflash_jax.speculative.tree`): ``N`` drafts a best-first
-        tree of ``N`` nodes over the drafter's top candidates at each slot and verifies it in
-        one target pass (under ``"auto"`` each step verifies its first 1, 3, 7, ... nodes or
-        takes a plain step); ``0``: a chain of drafts; ``None``: the drafter's recorded tree
-        where its recorded depth applies (:func:`~dflash_jax.arguments.drafter_decoding`).
-        Stats add ``tree``; ``widths`` then counts steps by the nodes verified.
+      cost_model: under ``"auto"``: ``None`` (kept on disk for this device, pair and batch
+        size, else measured before the timed decode), ``"refresh"`` or a ``CostModel``.
+      tree: ``N``: verify a best-first tree of ``N`` drafted nodes per step (:mod:`~dflash_jax.speculative.tree`);
+        ``0``: a chain; ``None``: the drafter's recorded tree (:func:`~dflash_jax.arguments.drafter_decoding`).
     Returns:
       :class:`~dflash_jax.results.GenerationResult`.
     Raises:

@@ -238,6 +238,8 @@ def test_speculative_json_equals_plain_and_reports_acceptance(capsys, hf_dir, dr
     assert st["drafted_tokens"] >= st["accepted_tokens"] >= 0
     short, _ = run_json(capsys, *common, "--draft", draft_dir, "--n-max", 2)
     assert len(short["stats"]["accepted_per_position"]) == 2 and short["output_ids"] == plain_obj["output_ids"]
+    code, out, err = run(capsys, "generate", *common, "--draft", draft_dir, "--tree", 16)
+    assert_one_line_error(code, out, err, "--tree: got 16", "[1, 15]", "0 for generate and --tree")
     tree, _ = run_json(capsys, *common, "--draft", draft_dir, "--n-max", 2, "--tree", 5)  # a tree of 5 nodes, 2 deep
     assert tree["output_ids"] == plain_obj["output_ids"] and tree["stats"]["tree"] == 5 and short["stats"]["tree"] is None
     assert tree["stats"]["widths"][5] == tree["stats"]["verify_steps"] and len(tree["stats"]["accepted_per_position"]) == 2

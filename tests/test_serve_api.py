@@ -55,7 +55,7 @@ def test_chat_streamed_and_whole_equal_generate(serve_tiny, serve_tiny_model):
     assert u.prompt_tokens == len(chat_ids(serve_tiny_model, MESSAGES)) and u.completion_tokens == len(ids)
     assert u.total_tokens == u.prompt_tokens + u.completion_tokens
     spec = r.speculative
-    assert spec["verify_steps"] >= 1 and len(spec["accepted_per_position"]) == 3 and spec["n_max"] == 3
+    assert spec["verify_steps"] >= 1 and len(spec["accepted_per_position"]) == 3 and spec["n_max"] == 3 and spec["tree"] is None
     assert u.completion_tokens_details.accepted_prediction_tokens == spec["accepted_tokens"]
     assert u.completion_tokens_details.rejected_prediction_tokens == spec["drafted_tokens"] - spec["accepted_tokens"]
     assert 0 < spec["drafted_tokens"] <= 3 * spec["verify_steps"]  # a block near the budget drafts fewer

@@ -82,6 +82,7 @@ def test_engine_death_ends_the_command_with_1(serve_tiny_model, monkeypatch, cap
     (["--no-spec", "--n-max", "2"], "error: --n-max: conflicts with --no-spec"),
     (["--max-len", "100000"], "error: --max-len: 100000 exceeds the target's 512 positions"),
     (["--max-batch", "x"], "error: --max-batch: got 'x' (expected an integer)"),
+    (["--tree", "3"], "error: --tree: given without a drafter"),
 ])
 def test_bad_options_are_one_line_errors(serve_tiny_model, capsys, args, line):
     code = cli.main(["serve", "--target", str(serve_tiny_model[0]), *args])

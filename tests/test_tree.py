@@ -340,3 +340,25 @@ def test_generate_drafts_the_recorded_tree_and_tree_0_a_chain(dense, tmp_path, m
     (tmp_path / "d" / "config.json").write_text(json.dumps(record))
     with pytest.raises(DFlashError, match=r"config.json: field dflash_jax.tree: got 0 \(expected an integer in \[1, 15\]"):
         dj.load_drafter(tmp_path / "d", target)
+
+
+def test_continuous_batching_with_trees_answers_as_plain_greedy(dense):
+    """``generate_until`` with a fixed tree and under auto over a tree stops once a row is done;
+    that row, given a new prompt with ``replace_rows`` (its drafter context and statistics swapped
+    with it), and the rows that kept running answer as plain greedy decoding."""
+    from dflash_jax.costs import CostModel, depth_policy
+    from dflash_jax.speculative.depth import Calibration
+
+    (cfg, params), d = dense, tiny_drafter(dense[0], seed=0, block_size=4, layer_ids=(0, 2))
+    want = plain_greedy(dense, [PROMPTS[1], PROMPTS[1], PROMPTS[2]], 20)
+    for static in (Decoding(cfg, d[0], n_max=3, tree=5), Decoding(cfg, d[0], n_max="auto", tree=7)):
+        policy = None
+        if static.adaptive:
+            policy = depth_policy(Calibration((0.0,) * 3, (1.4,) * 3), CostModel(step_cost=((1.3, 1.6),), plain_cost=(1.0,), widths=(3, 7)), depth=3)
+        w = Params(params, d[1], policy)
+        st = decode.prefill(w, decode.init_state(static, PROMPTS, 64, [6, 20, 20]), static, 4)
+        st = decode.generate_until(w, st, static, jnp.int32(1))
+        assert bool(st.done[0]) and outputs(st)[0] == plain_greedy(dense, PROMPTS, 6)[0]
+        fresh = decode.prefill(w, decode.init_state(static, [PROMPTS[1]], 64, 20), static, 4)
+        st = decode.generate(w, decode.replace_rows(st, fresh, jnp.asarray([0], jnp.int32)), static)
+        assert outputs(st) == want, static

@@ -172,5 +172,5 @@ class Batch:
         self.state = release_rows(self.state, jnp.asarray(mask))
 
     def row_stats(self, row: int) -> dict | None:
-        """The speculative statistics of one row (``None`` under plain decoding)."""
-        return spec_stats(self.state, [row]) if self.static.speculative else None
+        """The speculative statistics of one row and the batch's tree (``None`` under plain decoding)."""
+        return dict(spec_stats(self.state, [row]), tree=self.static.tree) if self.static.speculative else None

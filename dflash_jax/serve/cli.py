@@ -18,7 +18,7 @@ from pathlib import Path
 
 from dflash_jax.cli_common import integer, number
 from dflash_jax.cli_model import add_model_options, check_model_options, load_model
-from dflash_jax.errors import DFlashError
+from dflash_jax.errors import DFlashError, option_error
 
 PARSER_TEXT = dict(
     description="Serve a model over an OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions, /v1/models, "
@@ -108,7 +108,11 @@ def build_engine(args):
     if target.tokenizer is None:
         raise DFlashError(f"{target.source}: tokenizer", "missing (a server decodes text)", "a target with a tokenizer")
     if drafter is not None:  # the depth is checked now, not at the first request
-        ServedModel(target, drafter, n_max=n_max, tree=args.tree).decoding(SamplingConfig(), None)
+        try:
+            static = ServedModel(target, drafter, n_max=n_max, tree=args.tree).decoding(SamplingConfig(), None)
+        except DFlashError as e:
+            raise option_error(e) from e
+        why += f"; n_max {static.n_max}" + (f" over a tree of {static.tree} node{'s' * (static.tree > 1)}" if static.tree else "")
     model = ServedModel(target, drafter, name=args.served_model_name or Path(target.source).name, n_max=n_max, tree=args.tree,
                         chat_template_kwargs=args.chat_template_kwargs)
     engine = Engine(model, max_batch=args.max_batch, max_len=args.max_len, max_queue=args.max_queue, chunk_size=args.chunk_size,

@@ -147,6 +147,7 @@ class SpeculativeStats(BaseModel):
     drafted_tokens: int
     accepted_tokens: int
     n_max: int
+    tree: int | None = None
 
 
 class FunctionCall(BaseModel):
