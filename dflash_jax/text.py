@@ -63,7 +63,11 @@ class TextStream:
     Text that might still change is held back: a trailing incomplete UTF-8 sequence (decoded as
     U+FFFD until its last byte arrives) and a tail that could be the start of a stop text. Special
     tokens are skipped. Once a stop text appears, :attr:`stopped` is set and nothing after it is
-    ever emitted.
+    ever emitted. Each id is decoded once, by the tokenizer's incremental decoder
+    (``Tokenizer.decode_stream``, the tokenizers library's ``DecodeStream``), and a stop text is
+    looked for only where it could have appeared since the last step, so a step costs what its
+    new ids cost, not the whole answer (a tokenizer without an incremental decoder decodes the
+    whole answer at each step).
     """
 
     def __init__(self, tokenizer, stop: Sequence[str] = ()):
@@ -72,6 +76,8 @@ class TextStream:
         self.ids: list[int] = []
         self.emitted = 0
         self.stopped = False
+        self._decoder = tokenizer.decode_stream() if hasattr(tokenizer, "decode_stream") else None
+        self._released = ""  # what the incremental decoder released (a prefix of the whole decode)
 
     def text(self) -> str:
         """The full text so far (cut before a stop text)."""
@@ -79,13 +85,22 @@ class TextStream:
         cut = find_stop(text, self.stop)
         return text if cut is None else text[:cut]
 
+    def _decoded(self, new: list[int]) -> str:
+        """The text of every id so far (held-back bytes excepted), after adding ``new``."""
+        if self._decoder is None:
+            return self.tokenizer.decode(self.ids, skip_special_tokens=True)
+        self._released += "".join(self._decoder.step(i) for i in new)
+        return self._released
+
     def feed(self, ids: Sequence[int]) -> str:
         """Adds ids; returns the newly printable text."""
         if self.stopped:
             return ""
-        self.ids.extend(int(i) for i in ids)
-        full = self.tokenizer.decode(self.ids, skip_special_tokens=True)
-        cut = find_stop(full, self.stop)
+        new = [int(i) for i in ids]
+        self.ids.extend(new)
+        full = self._decoded(new)
+        since = max(0, self.emitted - max((len(s) for s in self.stop), default=0))  # earlier, a stop would have been found
+        cut = find_stop(full, self.stop, since)
         if cut is not None:
             self.stopped = True
             out = full[self.emitted : cut]
@@ -113,9 +128,9 @@ class TextStream:
         return out
 
 
-def find_stop(text: str, stop: Sequence[str]) -> int | None:
-    """The index in ``text`` where the earliest stop text starts, or ``None``."""
-    hits = [i for i in (text.find(s) for s in stop if s) if i >= 0]
+def find_stop(text: str, stop: Sequence[str], start: int = 0) -> int | None:
+    """The index in ``text`` where the earliest stop text starts (at ``start`` or later), or ``None``."""
+    hits = [i for i in (text.find(s, start) for s in stop if s) if i >= 0]
     return min(hits) if hits else None
 
 

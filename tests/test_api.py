@@ -182,6 +182,33 @@ def test_text_stream_partial_utf8_and_stop(hf_dir):
     assert s.feed(list(b"abc ST")) + s.feed(list(b"AR")) + s.finish() == "abc STAR"
 
 
+def test_text_stream_releases_what_decoding_everything_at_each_step_releases(hf_dir):
+    """The incremental decoder (each id decoded once) against the oracle of decoding every id so far
+    at each step (a tokenizer without ``decode_stream``): the same text at every step, the same
+    stop, the same rest at the end, over random ids (bytes that never complete, special tokens, stop
+    texts split across steps)."""
+    import random
+
+    tok = dj.load_target(hf_dir).tokenizer
+
+    class WholeDecode:  # the tokenizer without its incremental decoder
+        decode = staticmethod(tok.decode)
+
+    rng = random.Random(0)
+    pieces = [list(b"STOP"), list("é".encode()), list("日本".encode()), [0xE6, 0x97], [0xFF], [257], list(b"\n\n"), list(b"ab")]
+    for trial in range(300):
+        stop = rng.sample(["STOP", "\n\n", "é", "b a"], rng.randint(0, 2))
+        ids = [i for _ in range(rng.randint(1, 12)) for i in (rng.choice(pieces) if rng.random() < 0.5 else [rng.randint(0, 258)])]
+        fast, whole = dj.TextStream(tok, stop), dj.TextStream(WholeDecode(), stop)
+        k = 0
+        while k < len(ids):
+            n = rng.randint(1, 4)
+            assert fast.feed(ids[k : k + n]) == whole.feed(ids[k : k + n]), (trial, ids, stop, k)
+            assert fast.stopped == whole.stopped
+            k += n
+        assert fast.finish() == whole.finish() and fast.text() == whole.text(), (trial, ids, stop)
+
+
 def test_split_stop(hf_dir):
     tok = dj.load_target(hf_dir).tokenizer
     ids, texts = api.split_stop(tok, ["x", "xy", "<|im_end|>"])

@@ -134,6 +134,21 @@ def _write_tok_cache(path: str, tok: "Tokenizer") -> None:
         print(f"dflash_jax: could not write the tokenizer cache {cpath} ({e})", file=sys.stderr)
 
 
+class IncrementalDecoder:
+    """Ids in, text out, one token at a time: ``tokenizers.decoders.DecodeStream`` bound to one
+    tokenizer. Text that a later token could still change (an incomplete UTF-8 sequence) is held
+    back until it is complete; what it releases is always a prefix of the whole decode."""
+
+    def __init__(self, tokenizer):
+        from tokenizers.decoders import DecodeStream
+
+        self._tok, self._stream = tokenizer, DecodeStream(skip_special_tokens=True)
+
+    def step(self, token_id: int) -> str:
+        """The text ``token_id`` completes (``""`` while it is held back)."""
+        return self._stream.step(self._tok, int(token_id)) or ""
+
+
 class Tokenizer:
     """A byte-level BPE tokenizer with special tokens, EOS ids and a chat template.
 
@@ -369,6 +384,11 @@ class Tokenizer:
           skip_special_tokens: drop special (control) tokens from the output.
         """
         return self._tok.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
+
+    def decode_stream(self) -> "IncrementalDecoder":
+        """An incremental decoder of this tokenizer (special tokens skipped): ``step(id)`` returns
+        the text that id completes, each token decoded once (``tokenizers.decoders.DecodeStream``)."""
+        return IncrementalDecoder(self._tok)
 
     def token_to_id(self, token: str) -> int | None:
         """The id of a token text, or ``None``."""
