@@ -233,6 +233,29 @@ def test_the_warm_up_covers_a_jump_between_any_two_batch_sizes(serve_tiny_model)
     assert compiled() == 0
 
 
+def test_a_tree_server_answers_as_generate_and_reports_its_tree(serve_tiny_model):
+    """A server whose default decoding verifies a tree (``ServedModel(tree=5)``, ``--tree 5``):
+    greedy answers equal ``generate``'s, the answer's ``speculative`` stats name the tree, and a
+    request's own ``n_max`` drafts a chain."""
+    from serve_util import serve_in_thread
+
+    from dflash_jax.serve.app import build_app
+    from dflash_jax.serve.engine import Engine
+    from dflash_jax.serve.jobs import ServedModel
+
+    _, target, drafter = serve_tiny_model
+    engine = Engine(ServedModel(target, drafter, name="tiny", n_max=3, tree=5), max_batch=1, max_len=SERVE_MAX_LEN, max_queue=4)
+    url, stop = serve_in_thread(build_app(engine))
+    try:
+        text, _, _ = oracle(serve_tiny_model, chat_ids(serve_tiny_model, MESSAGES), 16)
+        r = client(url).chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=16, temperature=0)
+        assert r.choices[0].message.content == text and r.speculative["tree"] == 5 and r.speculative["verify_steps"] >= 1
+        r = client(url).chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=16, temperature=0, extra_body={"n_max": 2})
+        assert r.choices[0].message.content == text and r.speculative["tree"] is None and r.speculative["n_max"] == 2
+    finally:
+        stop()
+
+
 def test_adaptive_depth_server_measures_before_it_listens(serve_tiny_model, tmp_path, monkeypatch):
     """A server under ``n_max="auto"`` gets the step costs of every batch size it can run before
     it listens (kept under the cache folder); no request, greedy or sampled, alone or together,

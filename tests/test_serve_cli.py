@@ -90,6 +90,24 @@ def test_bad_options_are_one_line_errors(serve_tiny_model, capsys, args, line):
     assert code == 2 and err.startswith(line) and err.count("\n") == 1, err
 
 
+def test_tree_options_name_the_tree_or_the_option(serve_tiny_model, capsys, tmp_path):
+    """``serve --tree``: the start-up line names the default decoding it builds (the tree's nodes
+    and depth), and a tree the target cannot verify is a one-line error naming ``--tree``."""
+    from dflash_jax.serve import cli as serve_cli
+    from dflash_jax.train.export import export_drafter
+
+    folder, _, drafter = serve_tiny_model
+    export_drafter(tmp_path / "d", drafter.cfg, drafter.params, dtype="float32")
+    common = ["serve", "--target", str(folder), "--draft", str(tmp_path / "d"), "--max-len", "256"]
+    _, why = serve_cli.build_engine(cli.build_parser().parse_args([*common, "--n-max", "3", "--tree", "5"]))
+    assert why.endswith("; n_max 3 over a tree of 5 nodes"), why
+    _, why = serve_cli.build_engine(cli.build_parser().parse_args([*common, "--n-max", "3"]))
+    assert why.endswith("; n_max 3"), why
+    code = cli.main([*common, "--tree", "16"])
+    err = capsys.readouterr().err
+    assert code == 2 and err.startswith("error: --tree: got 16 (expected an integer in [1, 15]") and err.count("\n") == 1, err
+
+
 @pytest.mark.slow
 def test_default_pair_end_to_end():
     """The embedded SmolLM2-135M with its shipped drafter: DFlash answers, streamed and whole, equal
