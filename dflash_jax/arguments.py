@@ -14,6 +14,7 @@ from dflash_jax.decoding import AUTO, Decoding, Params
 from dflash_jax.errors import DFlashError
 from dflash_jax.loading import Drafter, Target
 from dflash_jax.prefill import check_chunk_size
+from dflash_jax.sampling import SamplingConfig
 from dflash_jax.speculative.depth import Calibration
 from dflash_jax.text import str_list, split_stop
 
@@ -33,6 +34,7 @@ class Request:
     stop_ids: tuple[int, ...]
     stop_texts: tuple[str, ...]
     seed: int
+    sampling: SamplingConfig
     static: Decoding
     params: Params
     calibration: Calibration | None = None
@@ -159,7 +161,7 @@ def _check_cost_model(cost_model, static: Decoding) -> None:
         raise DFlashError("cost_model", f"got {cost_model!r}", "None (kept or measured), 'refresh' (measure again) or a CostModel")
 
 
-def drafter_decoding(target_cfg, drafter: Drafter, sampling, draft_mode: str = "argmax", n_max=None, tree=None) -> Decoding:
+def drafter_decoding(target_cfg, drafter: Drafter, draft_mode: str = "argmax", n_max=None, tree=None) -> Decoding:
     """The :class:`~dflash_jax.decoding.Decoding` of a generation with ``drafter``: ``n_max=None``
     takes the drafter's recorded depth (``"auto"`` with its ``auto_depth`` for the shipped
     drafter); ``tree=None`` takes its recorded tree (:attr:`~dflash_jax.loading.Drafter.tree`)
@@ -175,7 +177,7 @@ def drafter_decoding(target_cfg, drafter: Drafter, sampling, draft_mode: str = "
     depth = drafter.n_max if n_max is None else n_max
     if tree is None:
         tree = drafter.tree if n_max is None and draft_mode == "argmax" else None
-    return Decoding(target_cfg, drafter.cfg, sampling, draft_mode, depth, drafter.auto_depth if depth == AUTO else None, int(tree) if tree else None)
+    return Decoding(target_cfg, drafter.cfg, draft_mode, depth, drafter.auto_depth if depth == AUTO else None, int(tree) if tree else None)
 
 
 def check_request(target, prompts, max_new_tokens, sampling, max_len, chunk_size, stop_ids, stop, ignore_eos, seed, on_tokens,
@@ -190,6 +192,8 @@ def check_request(target, prompts, max_new_tokens, sampling, max_len, chunk_size
     if not _is_int(max_new_tokens) or max_new_tokens < 1:
         raise DFlashError("max_new_tokens (--max-new-tokens)", f"got {max_new_tokens!r}", "an integer >= 1")
     check_chunk_size(chunk_size)
+    if not isinstance(sampling, SamplingConfig):
+        raise DFlashError("sampling", f"got {type(sampling).__name__}", "a SamplingConfig, e.g. SamplingConfig(temperature=0.7)")
     if not _is_int(seed):  # the range is checked by decode.init_state (which also takes a PRNG key)
         raise DFlashError("seed (--seed)", f"got {seed!r}", "an integer in [0, 2**63)")
     if drafter is not None and not isinstance(drafter, Drafter):
@@ -201,9 +205,9 @@ def check_request(target, prompts, max_new_tokens, sampling, max_len, chunk_size
     if drafter is None:
         if tree is not None:
             raise DFlashError("tree (--tree)", f"got {tree!r} without a drafter", "a drafter, or tree=None")
-        static, params = Decoding(target.cfg, None, sampling, draft_mode, n_max), Params(target.params)
+        static, params = Decoding(target.cfg, None, draft_mode, n_max), Params(target.params)
     else:
-        static, params = drafter_decoding(target.cfg, drafter, sampling, draft_mode, n_max, tree), Params(target.params, drafter.params)
+        static, params = drafter_decoding(target.cfg, drafter, draft_mode, n_max, tree), Params(target.params, drafter.params)
     _check_cost_model(cost_model, static)
     calibration = None
     if static.adaptive:  # a policy of the right shapes for compiling; the driver sets its costs before prefill
@@ -213,5 +217,5 @@ def check_request(target, prompts, max_new_tokens, sampling, max_len, chunk_size
     # a budget beyond the capacity never applies; capping it keeps it within int32
     return Request(prompts=prompts, max_new_tokens=min(int(max_new_tokens), max_len), max_len=max_len,
                    chunk_size=effective_chunk_size(chunk_size, max(len(p) for p in prompts)), stop_ids=tuple(stops),
-                   stop_texts=tuple(stop_texts), seed=int(seed), static=static, params=params, calibration=calibration,
+                   stop_texts=tuple(stop_texts), seed=int(seed), sampling=sampling, static=static, params=params, calibration=calibration,
                    cost_model=cost_model)

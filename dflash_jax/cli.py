@@ -14,6 +14,7 @@ errors (unknown options, values of the wrong type) exit with code 2 and one line
 from __future__ import annotations
 
 import argparse
+import io
 import json
 import os
 import sys
@@ -72,6 +73,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--prompt-ids", type=_prompt_ids, default=None, metavar="1,2,3", help="token ids instead of a text prompt")
     g.add_argument("--debug", action="store_true", help="show tracebacks on errors")
     g.add_argument("--json", action="store_true", help="print one JSON object (no streaming)")
+    g.add_argument("--coordinator", metavar="HOST:PORT", default=None,
+                   help="run as one of several processes (jax.distributed) whose process 0 listens here; with --mesh over "
+                   "every process's devices; process 0 prints")
+    g.add_argument("--num-processes", type=integer, default=None, metavar="N", help="processes in the group (with --coordinator)")
+    g.add_argument("--process-id", type=integer, default=None, metavar="I", help="this process's index in [0, N) (with --coordinator)")
     serve_cli.add_arguments(sub.add_parser("serve", help="serve a model over an OpenAI-compatible API (dflash-jax serve --help)",
                                            **serve_cli.PARSER_TEXT))
     train_cli.add_arguments(sub.add_parser("train", help="train a DFlash drafter (dflash-jax train --help)", **train_cli.PARSER_TEXT))
@@ -182,12 +188,16 @@ def _generate(args) -> int:
     from dflash_jax import progress
     from dflash_jax.sampling import SamplingConfig
 
+    from dflash_jax import distributed
+
+    distributed.initialize(args.coordinator, args.num_processes, args.process_id)  # before anything else uses JAX
     _check_options(args)
-    progress.verbose(sys.stderr.isatty())  # loading and compile times (DFLASH_JAX_PROGRESS=1/0: always/never)
+    leader = distributed.is_leader()
+    progress.verbose(sys.stderr.isatty() and leader)  # loading and compile times (DFLASH_JAX_PROGRESS=1/0: always/never)
     sampling = SamplingConfig(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
     target, drafter, n_max, why = load_model(args)
     prompt_ids = _prompt(args, target)
-    out = sys.stdout
+    out = sys.stdout if leader else io.StringIO()  # every process runs the same steps; process 0 prints
     stream, on_tokens = (None, None) if args.json else _streamer(target.tokenizer, args.stop, out)
     budget = _budget(args, target, prompt_ids)
     res = _run_generate(args, target, prompt_ids, max_new_tokens=budget, sampling=sampling, max_len=args.max_len,
@@ -204,8 +214,9 @@ def _generate(args) -> int:
             out.write(stream.finish())
         out.write("\n")
         out.flush()
-        print(_stats_line(res.stats, res.finish_reason[0]) + f" | {why}", file=sys.stderr, flush=True)
-        if res.finish_reason[0] == "length" and not args.ignore_eos:
+        if leader:
+            print(_stats_line(res.stats, res.finish_reason[0]) + f" | {why}", file=sys.stderr, flush=True)
+        if leader and res.finish_reason[0] == "length" and not args.ignore_eos:
             print(f"note: the answer was cut by the new-token budget ({budget} tokens); "
                   f"--max-new-tokens {2 * budget} lets it run longer", file=sys.stderr, flush=True)
     return 0

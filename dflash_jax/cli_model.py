@@ -1,7 +1,7 @@
 """The model options ``dflash-jax generate`` and ``dflash-jax serve`` share, and loading what they name.
 
 :func:`add_model_options` adds ``--target``, ``--draft``, ``--no-spec``, ``--block-size``,
-``--n-max``, ``--tree``, ``--dtype`` and ``--chat-template-kwargs``; :func:`check_model_options` refuses
+``--n-max``, ``--tree``, ``--dtype``, ``--chat-template-kwargs`` and ``--mesh``; :func:`check_model_options` refuses
 values and combinations before anything loads; :func:`load_model` loads the target and the drafter
 (``--draft``, else the one shipped for the target) and resolves the draft depth.
 """
@@ -54,6 +54,9 @@ def add_model_options(p: argparse.ArgumentParser) -> None:
                    help="compute dtype (default float32)")
     p.add_argument("--chat-template-kwargs", type=json_object, default=None, metavar="JSON",
                    help='extra chat-template variables, e.g. \'{"enable_thinking": false}\'')
+    p.add_argument("--mesh", metavar="AXES", default=None,
+                   help="lay the model and the decode rows out on a device mesh, e.g. data=2,model=2 (rows over data, heads "
+                   "and MLP over model, experts over expert; default: one device)")
 
 
 def check_model_options(args) -> None:
@@ -66,6 +69,10 @@ def check_model_options(args) -> None:
         raise DFlashError("--block-size", "given with --n-max auto (which verifies up to the drafter's whole block)", "one of them")
     if args.tree is not None and args.tree < 0:
         raise DFlashError("--tree", f"got {args.tree}", "an integer >= 0 (0: a chain of drafts)")
+    if args.mesh is not None:
+        from dflash_jax.sharding import parse_mesh
+
+        parse_mesh(args.mesh)  # the axes and the device count, before anything loads
     for opt, given in (("--n-max", args.n_max is not None), ("--block-size", args.block_size is not None), ("--draft", args.draft is not None),
                        ("--tree", args.tree is not None)):
         if args.no_spec and given:
@@ -120,6 +127,10 @@ def load_model(args):
     :func:`check_model_options`); ``why`` says which decoding runs and why."""
     from dflash_jax.loading import load_target
 
-    target = load_target(args.target, dtype=args.dtype)
+    from dflash_jax.sharding import describe
+
+    target = load_target(args.target, dtype=args.dtype, mesh=args.mesh)
     drafter, why = load_drafter_for(args, target)
+    if target.mesh is not None:
+        why += f"; mesh {describe(target.mesh)}"
     return target, drafter, n_max_for(args, drafter), why

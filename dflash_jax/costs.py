@@ -31,7 +31,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dflash_jax import progress
+from dflash_jax import distributed, progress
 from dflash_jax.decoding import Decoding, Params
 from dflash_jax.errors import DFlashError
 from dflash_jax.io.files import write_text
@@ -271,10 +271,18 @@ def adaptive_params(params: Params, static: Decoding, calibration: Calibration, 
     when it is a :class:`CostModel`, else the one kept for ``key`` (:func:`cost_key`) or measured
     with ``run`` (:func:`measure`; ``"refresh"``: measured again) on copies of
     :func:`probe_state` of ``state`` (a state of ``run``'s shapes, prefilled or not). The
-    generation's driver and the serving engine both call it before they prefill a prompt."""
+    generation's driver and the serving engine both call it before they prefill a prompt. Across
+    processes (:mod:`dflash_jax.distributed`) all measure or none does, and all take process 0's
+    numbers."""
     if not isinstance(cost_model, CostModel):
         measure_now = lambda: measure(run, params, probe_state(state), static)  # noqa: E731
-        cost_model = cost_model_for(key, measure_now, refresh=cost_model == "refresh", widths=static.auto_widths)
+        refresh = cost_model == "refresh"
+        if jax.process_count() > 1:  # every process measures (the runs are collective), or none does
+            refresh = refresh or not distributed.everywhere(load_cached(key, static.auto_widths) is not None)
+        cost_model = cost_model_for(key, measure_now, refresh=refresh, widths=static.auto_widths)
+        if jax.process_count() > 1:  # one policy for every process: process 0's numbers
+            step, plain = distributed.leaders((np.asarray(cost_model.step_cost), np.asarray(cost_model.plain_cost)))
+            cost_model = dataclasses.replace(cost_model, step_cost=tuple(map(tuple, step.tolist())), plain_cost=tuple(plain.tolist()))
     return params._replace(depth=depth_policy(calibration, cost_model, depth=static.depth)), cost_model
 
 

@@ -3,7 +3,7 @@
 Every step has the signature ``f(params, state, static, ...)``: a
 :class:`~dflash_jax.decoding.Params` pytree (target and drafter weights), the
 :class:`~dflash_jax.state.DecodeState` carry and a :class:`~dflash_jax.decoding.Decoding` (static:
-configs, sampling, draft mode, depth). With a drafter a step is a DFlash step
+configs, draft mode, depth; each row's sampling settings are in the state). With a drafter a step is a DFlash step
 (:mod:`dflash_jax.speculative`), else one plain target pass. The jitted steps donate the state.
 ``generate`` runs the whole loop on device with ``lax.while_loop``; ``stream`` steps from Python
 and yields tokens as they are committed. ``generate_until`` and ``replace_rows`` make continuous
@@ -21,10 +21,11 @@ import numpy as np
 
 from dflash_jax.axes import flat_axes
 from dflash_jax.decoding import Decoding, Params, check_step_inputs
+from dflash_jax.distributed import fetch
 from dflash_jax.errors import DFlashError
 from dflash_jax.registry import module_for
 from dflash_jax.prefill import compile_prefill, finish_prefill, prefill, prefill_chunk  # noqa: F401  (part of this API)
-from dflash_jax.sampling import row_keys, sample_at, top2_gap
+from dflash_jax.sampling import RowSampling, SamplingConfig, row_keys, sample_at, top2_gap
 from dflash_jax.speculative import step as speculative_step
 from dflash_jax.speculative.state import init_speculative_state
 from dflash_jax.state import RUNNING, DecodeState, commit
@@ -51,8 +52,9 @@ def init_state(
     prompts: Sequence[Sequence[int]],
     max_len: int,
     max_new_tokens: int | Sequence[int],
-    stop_ids: Sequence[int] = (),
+    stop_ids: Sequence[int] | Sequence[Sequence[int]] = (),
     seed: int | jax.Array | Sequence[int] = 0,
+    sampling: SamplingConfig | Sequence[SamplingConfig] = SamplingConfig(),
 ) -> DecodeState:
     """A fresh decode state holding the prompts, with an empty target cache of ``max_len`` slots
     (and, when ``static`` has a drafter, an empty drafter context and zeroed statistics).
@@ -62,12 +64,15 @@ def init_state(
       prompts: ``B`` lists of token ids (lengths may differ).
       max_len: capacity in tokens per row (prompt + generated).
       max_new_tokens: new-token budget, one int for all rows or one per row.
-      stop_ids: token ids that end a row (EOS included by the caller).
+      stop_ids: token ids that end a row (EOS included by the caller), the same for every row,
+        or one list per prompt.
       seed: an int seed or a PRNG key (row ``b`` samples with ``fold_in(key, b)``), or one int
         seed per prompt (:func:`~dflash_jax.sampling.row_keys`).
+      sampling: a :class:`~dflash_jax.sampling.SamplingConfig` for every row (default greedy),
+        or one per prompt (:class:`~dflash_jax.sampling.RowSampling`).
     Raises:
       DFlashError: a prompt that leaves no room for one new token within ``max_len``; a budget
-        below 1; a seed that is none of these.
+        below 1; stop ids, a seed or sampling settings that are none of these.
     """
     check_step_inputs(None, None, static)
     toks, lens = pad_prompts(prompts)
@@ -81,7 +86,7 @@ def init_state(
     max_new = np.broadcast_to(np.asarray(max_new_tokens, np.int32), (b,)).copy()
     if (max_new < 1).any():
         raise DFlashError("max_new_tokens (--max-new-tokens)", f"got {int(max_new.min())}", "an integer >= 1")
-    stops = np.asarray(list(stop_ids) or [-1], np.int32)
+    stops = _stop_rows(stop_ids, b)
     return DecodeState(
         tokens=jnp.asarray(tokens),
         length=jnp.asarray(lens),
@@ -89,8 +94,32 @@ def init_state(
         max_new=jnp.asarray(max_new),
         stop_ids=jnp.asarray(stops),
         rng=row_keys(seed, b),
+        sampling=RowSampling.of(sampling, b),
         **_empty_buffers(static, b, max_len),
     )
+
+
+def _stop_rows(stop_ids, rows: int) -> np.ndarray:
+    """``[rows, n]`` int32 stop ids (``-1`` pads) from one list for all rows or one per row
+    (DFlashError naming ``stop_ids`` otherwise)."""
+    how = "a list of integer token ids, or one such list per prompt"
+
+    def ids(x) -> list[int]:
+        arr = None if isinstance(x, (str, bytes)) else np.asarray(x)
+        if arr is None or arr.ndim != 1 or (arr.size and not np.issubdtype(arr.dtype, np.integer)):
+            raise DFlashError("stop_ids", f"got {stop_ids!r}", how)
+        return [int(i) for i in arr]
+
+    if isinstance(stop_ids, (str, bytes)) or not hasattr(stop_ids, "__len__"):
+        raise DFlashError("stop_ids", f"got {stop_ids!r}", how)
+    per_row = any(np.ndim(x) > 0 or isinstance(x, (list, tuple)) for x in stop_ids)
+    lists = [ids(x) for x in stop_ids] if per_row else [ids(list(stop_ids))] * rows
+    if len(lists) != rows:
+        raise DFlashError("stop_ids", f"got {len(lists)} lists for {rows} prompts", "one list per prompt, or one for all")
+    out = np.full((rows, max(1, max(len(x) for x in lists))), -1, np.int32)
+    for i, x in enumerate(lists):
+        out[i, : len(x)] = x
+    return out
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1, 2))
@@ -112,7 +141,7 @@ def plain_step_fn(params: Params, state: DecodeState, static: Decoding) -> Decod
     tok = jnp.take_along_axis(state.tokens, pos[:, None], axis=1)
     hidden, cache, _ = mod.forward_hidden(params.target, cfg, tok, pos[:, None], state.cache)
     logits = mod.lm_head(params.target, cfg, hidden[:, 0])
-    nxt = sample_at(state.rng, state.length[:, None], logits[:, None], static.sampling)[:, 0]
+    nxt = sample_at(state.rng, state.length[:, None], logits[:, None], state.sampling)[:, 0]
     state = state.replace(cache=cache, steps=state.steps + 1)
     return commit(state, nxt[:, None], jnp.ones((b,), jnp.int32), top2_gap(logits)[:, None])
 
@@ -127,7 +156,7 @@ def decode_step_fn(params: Params, state: DecodeState, static: Decoding) -> Deco
     return plain_step_fn(params, state, static)
 
 
-decode_step = jax.jit(decode_step_fn, static_argnames=("static",), donate_argnames=("state",))
+decode_step = jax.jit(decode_step_fn, static_argnames=("static",), donate_argnames=("state",), keep_unused=True)
 decode_step.__doc__ = "Jitted :func:`decode_step_fn` (state donated)."
 
 
@@ -156,7 +185,7 @@ def steps_until(step, state: DecodeState, min_done, max_steps=None) -> DecodeSta
     return jax.lax.while_loop(cond, step, state)
 
 
-@functools.partial(jax.jit, static_argnames=("static",), donate_argnames=("state",))
+@functools.partial(jax.jit, static_argnames=("static",), donate_argnames=("state",), keep_unused=True)
 def generate_until(params: Params, state: DecodeState, static: Decoding, min_done, max_steps=None) -> DecodeState:
     """Decodes until at least ``min_done`` rows are done (or all are), on device.
 
@@ -190,7 +219,8 @@ def replace_rows(state: DecodeState, fresh: DecodeState, rows) -> DecodeState:
     Every array whose declared axes (:func:`dflash_jax.axes.axes_field`) include ``"batch"``
     (tokens, lengths, budgets, finish codes, gaps, every cache array and a speculative state's
     drafter context and statistics) takes ``fresh``'s row ``j`` at row
-    ``rows[j]`` (its PRNG key too); the rest (stop ids, step counter) stays ``state``'s. ``fresh`` is
+    ``rows[j]`` (its PRNG key, sampling settings and stop ids too); the rest (the step counter)
+    stays ``state``'s. ``fresh`` is
     typically a prefilled :func:`init_state` of the new prompts with the same capacity.
 
     Args:
@@ -228,9 +258,9 @@ def stream(params: Params, state: DecodeState, static: Decoding, step=None) -> I
     :func:`decode_step`.
     """
     step = step or (lambda s: decode_step(params, s, static))
-    length = np.asarray(jax.device_get(state.prompt_len))
+    length = np.asarray(fetch(state.prompt_len))
     while True:
-        tokens, new_len, finish = jax.device_get((state.tokens, state.length, state.finish))
+        tokens, new_len, finish = fetch((state.tokens, state.length, state.finish))
         done = finish != RUNNING  # on the host: no device op per step
         counts = new_len - length
         k = int(counts.max()) if counts.size else 0

@@ -15,7 +15,7 @@ from typing import Any, NamedTuple
 from dflash_jax.config import DrafterConfig, check_drafter_fits
 from dflash_jax.errors import DFlashError
 from dflash_jax.registry import family_of
-from dflash_jax.sampling import SamplingConfig
+from dflash_jax.sampling import SamplingConfig  # only to name it in an error
 
 DRAFT_MODES = ("argmax", "sample")
 AUTO = "auto"
@@ -43,10 +43,10 @@ class Decoding:
       target: the target config (``TargetConfig`` or ``LagunaConfig``).
       drafter: a :class:`~dflash_jax.config.DrafterConfig` for DFlash speculative decoding, or
         ``None`` for plain decoding.
-      sampling: :class:`~dflash_jax.sampling.SamplingConfig` (default greedy).
       draft_mode: ``"argmax"`` (propose the drafter's argmax; default, docs/specs/dflash.md 2.2)
-        or ``"sample"`` (draw each draft from the warped drafter distribution with the uniform
-        the target's token at its position is drawn with, :mod:`dflash_jax.sampling`).
+        or ``"sample"`` (draw each draft from the drafter's distribution warped by the row's
+        sampling settings, with the uniform the target's token at its position is drawn with,
+        :mod:`dflash_jax.sampling`; a greedy row proposes the argmax).
       n_max: drafted tokens verified per block, in ``[1, block_size - 1]``; ``None`` resolves to
         ``block_size - 1`` with a drafter (and must stay ``None`` without one). ``"auto"``: the
         drafter drafts ``auto_depth`` tokens and every step chooses, on device, how many of
@@ -63,24 +63,27 @@ class Decoding:
         ``draft_mode="argmax"``. Under ``n_max="auto"`` the tree is ``auto_depth`` deep and every
         step chooses how many of its first nodes to verify (the first ``w`` nodes of a best-first
         tree are the best tree of ``w`` nodes), or a plain step.
+    The sampling settings are not here: they are each row's, in the decode state
+    (:func:`dflash_jax.decode.init_state`'s ``sampling``), so one compiled step serves any mix.
+
     Raises:
       DFlashError: a drafter that does not fit the target, a bad ``n_max``, ``auto_depth`` or
-        ``draft_mode``, a ``sampling`` that is not a :class:`SamplingConfig`, ``n_max`` without a
+        ``draft_mode`` (a ``SamplingConfig`` in its place names ``init_state``), ``n_max`` without a
         drafter or ``auto_depth`` without ``n_max="auto"``, a bad ``tree`` or one that does not go
         with the other settings.
     """
 
     target: Any
     drafter: Any = None
-    sampling: SamplingConfig = SamplingConfig()
     draft_mode: str = "argmax"
     n_max: int | str | None = None
     auto_depth: int | None = None
     tree: int | None = None
 
     def __post_init__(self):
-        if not isinstance(self.sampling, SamplingConfig):
-            raise DFlashError("sampling", f"got {type(self.sampling).__name__}", "a SamplingConfig, e.g. SamplingConfig(temperature=0.7)")
+        if isinstance(self.draft_mode, SamplingConfig):
+            raise DFlashError("draft_mode", f"got {self.draft_mode!r}", "'argmax' or 'sample'; sampling settings are the rows': "
+                              "decode.init_state(..., sampling=SamplingConfig(...))")
         family_of(self.target)  # a registered target config (DFlashError naming the types otherwise)
         if self.drafter is not None and not isinstance(self.drafter, DrafterConfig):
             raise DFlashError("drafter", f"got {type(self.drafter).__name__}", "a DrafterConfig (Drafter.cfg) or None")

@@ -17,8 +17,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dflash_jax import costs, decode, executables, progress
+from dflash_jax import costs, decode, executables, progress, sharding
 from dflash_jax.arguments import Request, check_request
+from dflash_jax.distributed import fetch
 from dflash_jax.compile_count import count_cache_hits, count_compilations, count_store_reads
 from dflash_jax.loading import Drafter, Target
 from dflash_jax.prefill import compile_prefill
@@ -122,9 +123,16 @@ def _stream(req: Request, tokenizer, state, run, on_tokens) -> tuple[Any, float]
         c0 = time.perf_counter()
         on_tokens(new)
         callback_s += time.perf_counter() - c0
-        if np.all(forced | (np.asarray(jax.device_get(state.finish)) != RUNNING)):
+        if np.all(forced | (np.asarray(fetch(state.finish)) != RUNNING)):
             break
     return state, callback_s
+
+
+def _initial_state(req: Request, target: Target):
+    """The request's fresh decode state, laid out on the target's mesh when it has one (rows over
+    ``"data"``, cache heads over ``"model"``, like the parameters)."""
+    state = decode.init_state(req.static, req.prompts, req.max_len, req.max_new_tokens, req.stop_ids, req.seed, req.sampling)
+    return state if target.mesh is None else sharding.shard_state(state, target.mesh)
 
 
 def generate(
@@ -184,7 +192,7 @@ def generate(
     """
     req = check_request(target, prompts, max_new_tokens, sampling, max_len, chunk_size, stop_ids, stop, ignore_eos, seed,
                         on_tokens, drafter, n_max, draft_mode, cost_model, tree)
-    state = decode.init_state(req.static, req.prompts, req.max_len, req.max_new_tokens, req.stop_ids, req.seed)
+    state = _initial_state(req, target)
     t0 = time.perf_counter()
     prefill_c, run = _compile_reported(req, state, streaming=on_tokens is not None)  # traces shapes only; nothing runs
     compile_s = time.perf_counter() - t0

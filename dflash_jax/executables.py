@@ -187,11 +187,36 @@ def compile(fn, *args, options: dict | None = None):
         path = _path(folder, fn, k)
         compiled = _load(path)
         if compiled is not None:
-            return compiled
+            return _on_mesh(compiled)
     if k is None:
-        return fn.lower(*args).compile(compiler_options=options or None)
+        return _on_mesh(fn.lower(*args).compile(compiler_options=options or None))
     with count_cache_hits() as hits, _not_kept_by_jax():
         compiled = fn.lower(*args).compile(compiler_options={**FRESH, **options})
     if hits() == 0:
         _save(path, compiled)
-    return compiled
+    return _on_mesh(compiled)
+
+
+def _on_mesh(compiled):
+    """``compiled``, or on a device mesh a function that first moves each array argument to the
+    sharding the program was compiled for: a program's outputs (the state after a prefill chunk)
+    may come laid out otherwise than the next program's inputs were when it was compiled, and a
+    compiled program, unlike ``jax.jit``, takes its own shardings only. (The function must keep
+    its unused arguments, ``jax.jit(..., keep_unused=True)``: the shardings then name every one.)"""
+    want = compiled.input_shardings[0]
+    if all(len(sh.device_set) == 1 for sh in jax.tree_util.tree_leaves(want)):
+        return compiled
+
+    def call(*args):
+        moved = [x if _placed_as(x, sh) else jax.device_put(x, sh) for x, sh in zip(jax.tree_util.tree_leaves(args), jax.tree_util.tree_leaves(want))]
+        return compiled(*jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(args), moved))
+
+    return call
+
+
+def _placed_as(x, sharding) -> bool:
+    """Whether ``x`` is laid out as ``sharding`` says (PRNG key arrays, whose compiled sharding
+    describes their key data, are left as they are)."""
+    if not hasattr(x, "sharding") or jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+        return True
+    return x.sharding.is_equivalent_to(sharding, x.ndim)

@@ -25,6 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from dflash_jax.distributed import fetch
 from dflash_jax.nn import layouts
 
 PREFIX = "f32-sha256:"
@@ -42,7 +43,7 @@ def _values(part, start: int, step: int) -> np.ndarray:
     them read in place, or a few strided ones picked on the device (no whole-leaf transfer)."""
     if step == 1 or isinstance(part, np.ndarray):
         return np.ascontiguousarray(np.asarray(part).reshape(-1)[start::step], np.float32)
-    return np.asarray(jax.device_get(jnp.ravel(part)[start::step]), np.float32)
+    return np.asarray(fetch(jnp.ravel(part)[start::step]), np.float32)
 
 
 def tree_fingerprint(tree, prefix: bytes = b"", samples: int | None = None, digits: int = 16) -> str:

@@ -17,13 +17,14 @@ import jax
 import jax.numpy as jnp
 
 from dflash_jax import draft_vocab as dv
-from dflash_jax import progress, registry
+from dflash_jax import progress, registry, sharding
 from dflash_jax.config import TargetConfig, read_json
 from dflash_jax.errors import DFlashError
 from dflash_jax.fingerprint import weights_fingerprint
 from dflash_jax.io import gguf_cache, gguf_file
 from dflash_jax.io.tokenizer import Tokenizer
 from dflash_jax.models import dense
+from dflash_jax.models import drafter as drafter_model
 from dflash_jax.nn import layouts
 from dflash_jax.speculative.depth import Calibration
 
@@ -46,6 +47,8 @@ class Target:
       fingerprint: the fingerprint of the weights (:mod:`dflash_jax.fingerprint`) when it came
         for free (a GGUF's float32 cache records it); ``None``: computed when needed
         (:func:`fingerprint_of`).
+      mesh: the :class:`jax.sharding.Mesh` its parameters are laid out on (and its drafter's,
+        and every decode state's), or ``None``: one device.
     """
 
     cfg: TargetConfig
@@ -54,6 +57,7 @@ class Target:
     source: str = ""
     eos_ids: tuple[int, ...] = ()
     fingerprint: str | None = None
+    mesh: Any = None
 
 
 LAYER_LAYOUTS = ("auto", "stacked", "per_layer")
@@ -67,7 +71,7 @@ def _per_layer(layers: str) -> bool:
     return layers == "per_layer" or (layers == "auto" and jax.default_backend() == "cpu")
 
 
-def load_target(path: str | os.PathLike | None = None, dtype: str = "float32", layers: str = "auto") -> Target:
+def load_target(path: str | os.PathLike | None = None, dtype: str = "float32", layers: str = "auto", mesh=None) -> Target:
     """Loads a target model with its tokenizer.
 
     Args:
@@ -82,6 +86,11 @@ def load_target(path: str | os.PathLike | None = None, dtype: str = "float32", l
         backend, stacked elsewhere). Same values and outputs either way; Laguna targets are always
         stacked. On the CPU backend a dense target also holds the ``[out, in]`` copies of
         :data:`dflash_jax.nn.layouts.CPU_KINDS` for passes of several rows.
+      mesh: ``None`` (one device), a :class:`jax.sharding.Mesh` or ``"data=D,model=M,expert=E"``
+        (:func:`dflash_jax.sharding.parse_mesh`): the parameters are laid out on it by their
+        logical axes (:mod:`dflash_jax.sharding`: heads, MLP width and vocabulary split over
+        ``model``, experts over ``expert``), and so are a drafter loaded for it and the decode
+        states of :func:`dflash_jax.generate` and the server (rows over ``data``).
     Returns:
       :class:`Target`.
     Raises:
@@ -91,12 +100,13 @@ def load_target(path: str | os.PathLike | None = None, dtype: str = "float32", l
     if str(dtype) not in DTYPES:
         raise DFlashError("dtype (--dtype)", f"unsupported value {dtype!r}", f"one of {', '.join(DTYPES)}")
     per_layer = _per_layer(layers)
+    mesh = None if mesh is None else sharding.parse_mesh(mesh)
     if path is None:
         from dflash_jax.assets import default_target_path
 
         p = default_target_path()
         try:
-            return load_target(p, dtype=dtype, layers=layers)
+            return load_target(p, dtype=dtype, layers=layers, mesh=mesh)
         except DFlashError as e:  # a damaged cached copy (e.g. an interrupted extraction)
             hint = f"delete {p} so that it is fetched again"
             raise DFlashError(e.where, e.what, f"{e.expected}; the cached default model looks damaged: {hint}" if e.expected else hint) from e
@@ -112,9 +122,18 @@ def load_target(path: str | os.PathLike | None = None, dtype: str = "float32", l
         params = with_output_head(jax.device_put(params))
         if registry.family_of(cfg).per_layer and jax.default_backend() == "cpu":  # dense targets on XLA:CPU
             params = layouts.with_wide_layouts(params, layouts.CPU_KINDS, tied=cfg.tie_word_embeddings)
+        if mesh is not None:
+            params = sharding.shard_params(params, _axes(registry.module_for(cfg), cfg, params), mesh)
     info = gguf_cache.cache_info(str(p)) if p.is_file() else None
     return Target(cfg=cfg, params=params, tokenizer=tok, source=str(p), eos_ids=eos,
-                  fingerprint=None if info is None else info.get("fingerprint"))
+                  fingerprint=None if info is None else info.get("fingerprint"), mesh=mesh)
+
+
+def _axes(module, cfg, params) -> dict:
+    """``module.param_axes`` of ``params``' layout (per-layer decoder layers or stacked)."""
+    if isinstance(params.get("layers"), (tuple, list)):
+        return module.param_axes(cfg, per_layer=True)
+    return module.param_axes(cfg)
 
 
 def _read_target(p: Path, dtype: str):
@@ -193,6 +212,8 @@ def load_drafter(path: str | os.PathLike, target: Target, dtype: str | None = No
       layers: layout of the draft layers, as :func:`load_target`'s ``layers`` (``"auto"``: per
         layer on the CPU backend, where a scan copied both layers' weights, about 28 MB, in every
         propose); Laguna drafters are always stacked.
+    The parameters are laid out on the target's mesh when it has one (:attr:`Target.mesh`).
+
     Raises:
       DFlashError: a missing path, bad config fields, tensors, or a drafter that does not fit
         the target (the message names the file and field); an unsupported layout.
@@ -216,6 +237,8 @@ def load_drafter(path: str | os.PathLike, target: Target, dtype: str | None = No
         raise DFlashError(str(p), "no such folder or .gguf file", "a DFlash drafter checkpoint")
     if per_layer and registry.drafter_kind(cfg.architecture).per_layer:
         params = dense.unstack_layers(params)
+    if target.mesh is not None:
+        params = sharding.shard_params(params, _axes(drafter_model, cfg, params), target.mesh)
     return Drafter(cfg=cfg, params=params, source=str(p), n_max=n_max, calibration=calibration, auto_depth=auto_depth, tree=tree)
 
 

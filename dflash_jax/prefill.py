@@ -16,6 +16,7 @@ import jax.numpy as jnp
 
 from dflash_jax import executables
 from dflash_jax.decoding import Decoding, Params, check_step_inputs
+from dflash_jax.distributed import fetch
 from dflash_jax.errors import DFlashError
 from dflash_jax.registry import module_for
 from dflash_jax.sampling import sample_at, top2_gap
@@ -69,14 +70,15 @@ def prefill_chunk_fn(params: Params, state: DecodeState, static: Decoding, logit
     return state, logits_acc
 
 
-prefill_chunk = jax.jit(prefill_chunk_fn, static_argnames=("static", "chunk_size"), donate_argnames=("state", "logits_acc"))
-prefill_chunk.__doc__ = "Jitted :func:`prefill_chunk_fn` (state and accumulator donated; ``start`` traced: one compile)."
+prefill_chunk = jax.jit(prefill_chunk_fn, static_argnames=("static", "chunk_size"), donate_argnames=("state", "logits_acc"), keep_unused=True)
+prefill_chunk.__doc__ = ("Jitted :func:`prefill_chunk_fn` (state and accumulator donated; ``start`` traced: one compile; every "
+                         "argument kept, used or not, so that a compiled chunk names a sharding for each: :mod:`dflash_jax.executables`).")
 
 
 @functools.partial(jax.jit, static_argnames=("static",), donate_argnames=("state",))
 def finish_prefill(state: DecodeState, static: Decoding, logits_acc) -> DecodeState:
     """Samples each row's first new token from its last prompt row's logits and commits it."""
-    first = sample_at(state.rng, state.length[:, None], logits_acc[:, None], static.sampling)[:, 0]
+    first = sample_at(state.rng, state.length[:, None], logits_acc[:, None], state.sampling)[:, 0]
     return commit(state, first[:, None], jnp.ones_like(first), top2_gap(logits_acc)[:, None])
 
 
@@ -114,7 +116,7 @@ def prefill(params: Params, state: DecodeState, static: Decoding, chunk_size: in
     check_step_inputs(params, state, static)
     chunk_size = check_chunk_size(chunk_size)
     if max_prompt_len is None:
-        max_prompt_len = int(jax.device_get(state.prompt_len).max())
+        max_prompt_len = int(fetch(state.prompt_len).max())
     if compiled is None:
         compiled = (lambda p, s, a, t: prefill_chunk(p, s, static, a, t, chunk_size), lambda s, a: finish_prefill(s, static, a))
     chunk, finish = compiled

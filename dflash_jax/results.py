@@ -5,9 +5,9 @@ from __future__ import annotations
 import dataclasses
 from typing import Mapping, Sequence
 
-import jax
 import numpy as np
 
+from dflash_jax.distributed import fetch
 from dflash_jax.state import FINISH_REASONS
 from dflash_jax.text import cut_at_stop_text, find_stop
 
@@ -64,9 +64,9 @@ def spec_stats(state, rows: Sequence[int] | None = None, n_max=None) -> dict:
     """
     sp = state.speculative  # the statistics only: the drafter context stays on device
     fields = (sp.verify_steps, sp.accepted_per_position, sp.drafted, sp.accepted, state.length, state.prompt_len, sp.widths)
-    verify, per_pos, drafted, accepted, length, prompt_len, widths = jax.device_get(fields)
+    verify, per_pos, drafted, accepted, length, prompt_len, widths = fetch(fields)
     committed = np.maximum(length - prompt_len - 1, 0)  # DecodeState.committed, on the host: no program per batch size
-    passes = total = int(jax.device_get(state.steps))
+    passes = total = int(fetch(state.steps))
     if rows is not None:
         idx = np.asarray(rows, np.int64)
         verify, per_pos, drafted, accepted, committed = (a[idx] for a in (verify, per_pos, drafted, accepted, committed))
@@ -86,7 +86,7 @@ def spec_stats(state, rows: Sequence[int] | None = None, n_max=None) -> dict:
 
 def _rows(tokenizer, state, batch: int, stop_texts: Sequence[str]):
     """Per row ``(ids, gaps, finish reason, text or None)``, cut at the first stop text."""
-    tokens, plen, length, finish, gaps = jax.device_get((state.tokens, state.prompt_len, state.length, state.finish, state.gaps))
+    tokens, plen, length, finish, gaps = fetch((state.tokens, state.prompt_len, state.length, state.finish, state.gaps))
     for b in range(batch):
         ids = [int(t) for t in tokens[b, plen[b] : length[b]]]
         g = [float(x) for x in gaps[b, plen[b] : length[b]]]
@@ -117,7 +117,7 @@ def build_result(target, prompts: list[list[int]], state, stop_texts: Sequence[s
     """
     batch = len(prompts)
     out_ids, out_gaps, reasons, texts = (list(x) for x in zip(*_rows(target.tokenizer, state, batch, stop_texts)))
-    plen, length, steps = jax.device_get((state.prompt_len, state.length, state.steps))
+    plen, length, steps = fetch((state.prompt_len, state.length, state.steps))
     generated = int(np.sum(length - plen))  # before any stop-text cut: what the loop produced
     decode_tokens = generated - batch  # each row's first token comes from prefill
     prefill_s, decode_s = float(timings["prefill_time_s"]), float(timings["decode_time_s"])

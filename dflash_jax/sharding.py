@@ -19,6 +19,7 @@ later ones are replicated over it.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterator, Mapping
 from typing import Any, Sequence
 
@@ -98,6 +99,39 @@ DEFAULT_RULES = ShardingRules(
 """Data parallel over rows, tensor parallel over heads / MLP width / vocabulary (and each expert's
 MLP width), expert parallel over experts; ``layers``, ``embed``, ``seq``, ``head_dim``,
 ``features``, ``gate``, ``captures`` are replicated."""
+
+
+def parse_mesh(spec) -> Mesh:
+    """The mesh of ``spec``: a :class:`~jax.sharding.Mesh` (returned as it is) or a text
+    ``"data=D,model=M,expert=E"`` (any of the three, each once; the others 1) over
+    ``jax.devices()`` (:func:`make_mesh`).
+
+    Raises:
+      DFlashError: naming ``mesh (--mesh)``: another type, an unknown axis, a size that is not an
+        integer >= 1, or more devices than there are.
+    """
+    if isinstance(spec, Mesh):
+        return spec
+    where, how = "mesh (--mesh)", f"axis=size pairs over {', '.join(MESH_AXES)}, e.g. data=2,model=2"
+    if not isinstance(spec, str) or not spec.strip():
+        raise DFlashError(where, f"got {spec!r}", how)
+    sizes: dict[str, int] = {}
+    for part in spec.split(","):
+        name, _, size = part.partition("=")
+        name = name.strip()
+        if name not in MESH_AXES or name in sizes or not size.strip().isdigit() or int(size) < 1:
+            raise DFlashError(where, f"got {spec!r} ({part.strip()!r})", how + " (each axis once, sizes >= 1)")
+        sizes[name] = int(size)
+    try:
+        return make_mesh(**sizes)
+    except DFlashError as e:
+        raise DFlashError(where, e.what, e.expected) from None
+
+
+def describe(mesh: Mesh) -> str:
+    """``"data=2, model=2 over 4 cpu devices"``: the mesh's axes larger than 1 and its devices."""
+    axes = ", ".join(f"{k}={v}" for k, v in mesh.shape.items() if v > 1) or "one device"
+    return f"{axes} over {mesh.size} {mesh.devices.flat[0].platform} devices"
 
 
 def make_mesh(data: int = 1, model: int = 1, expert: int = 1, devices: Sequence[Any] | None = None) -> Mesh:
@@ -222,7 +256,7 @@ def shard_params(params, axes, mesh: Mesh, rules: ShardingRules = DEFAULT_RULES,
     Raises:
       DFlashError: as :func:`tree_shardings`.
     """
-    return jax.device_put(params, param_shardings(params, axes, mesh, rules, strict))
+    return _put(params, param_shardings(params, axes, mesh, rules, strict))
 
 
 # --------------------------------------------------------------------------------------------
@@ -235,8 +269,9 @@ def state_axes(state) -> Any:
     ``[B, S]`` -> ``("batch", "seq")``; per-row vectors ``[B]`` -> ``("batch",)``; target cache
     ``k``/``v`` ``[L, B, S, Hkv, D]`` (Laguna: every ``kv`` pair, ring layers too) and drafter context
     ``ctx_k``/``ctx_v`` ``[Ld, B, S, Hkv, D]`` -> :data:`~dflash_jax.axes.KV_AXES`;
-    ``accepted_per_position`` ``[B, n]`` and Laguna ``ring_pos`` ``[B, R]`` -> ``("batch", None)``;
-    ``rng`` ``[B]`` (row keys) -> ``("batch",)``; ``stop_ids`` and ``steps`` are replicated.
+    ``accepted_per_position`` ``[B, n]``, ``stop_ids`` ``[B, n]`` and Laguna ``ring_pos`` ``[B, R]`` ->
+    ``("batch", None)``; ``rng`` ``[B]`` (row keys) and the ``sampling`` settings ``[B]`` ->
+    ``("batch",)``; ``steps`` is replicated.
 
     Raises:
       DFlashError: an array field without declared axes (names it).
@@ -258,4 +293,22 @@ def state_shardings(state, mesh: Mesh, rules: ShardingRules = DEFAULT_RULES, str
 
 def shard_state(state, mesh: Mesh, rules: ShardingRules = DEFAULT_RULES, strict: bool = False):
     """``state`` placed on ``mesh`` (``jax.device_put`` with :func:`state_shardings`)."""
-    return jax.device_put(state, state_shardings(state, mesh, rules, strict))
+    return _put(state, state_shardings(state, mesh, rules, strict))
+
+
+def _put(tree, shardings):
+    """``jax.device_put(tree, shardings)``; across processes (:mod:`dflash_jax.distributed`)
+    through the host, where each process holds the same values: an array on this process's
+    devices cannot move to devices of another, and a PRNG key array goes as its key data."""
+    if jax.process_count() == 1:
+        return jax.device_put(tree, shardings)
+
+    def one(x, sh):
+        if isinstance(x, jax.Array) and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+            data = np.asarray(jax.random.key_data(x))
+            spec = PartitionSpec(*sh.spec, *([None] * (data.ndim - len(sh.spec))))
+            wrap = functools.partial(jax.random.wrap_key_data, impl=jax.random.key_impl(x))
+            return jax.jit(wrap, out_shardings=sh)(jax.device_put(data, NamedSharding(sh.mesh, spec)))
+        return jax.device_put(np.asarray(x), sh)
+
+    return jax.tree_util.tree_map(one, tree, shardings)

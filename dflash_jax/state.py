@@ -15,6 +15,7 @@ import jax.numpy as jnp
 from dflash_jax import pytree
 from dflash_jax.axes import axes_field
 from dflash_jax.cache import KVCache
+from dflash_jax.sampling import RowSampling
 
 # finish codes, per row
 RUNNING, STOP, LENGTH, CAPACITY = 0, 1, 2, 3
@@ -30,10 +31,11 @@ class DecodeState:
       length: ``[B]`` int32 tokens committed per row (prompt included).
       prompt_len: ``[B]`` int32.
       max_new: ``[B]`` int32 new-token budget per row.
-      stop_ids: ``[n]`` int32 ids that end a row (EOS and stop ids; ``-1`` pads).
+      stop_ids: ``[B, n]`` int32 ids that end each row (EOS and stop ids; ``-1`` pads).
       cache: target :class:`KVCache`; slots ``[0, length - 1)`` are committed between steps.
       rng: ``[B]`` PRNG keys, one per row, never split: the token at index ``t`` of row ``b`` is
         drawn with the uniform of ``fold_in(rng[b], t)`` (:func:`dflash_jax.sampling.sample_at`).
+      sampling: :class:`~dflash_jax.sampling.RowSampling`, each row's temperature, top-k, top-p.
       finish: ``[B]`` int32 finish code (``RUNNING``, ``STOP``, ``LENGTH``, ``CAPACITY``).
       gaps: ``[B, S]`` float32 top-2 logit gap of the target step that chose each token.
       steps: ``[]`` int32 target passes after prefill (decode steps or verify steps).
@@ -45,9 +47,10 @@ class DecodeState:
     length: jnp.ndarray = axes_field("batch")
     prompt_len: jnp.ndarray = axes_field("batch")
     max_new: jnp.ndarray = axes_field("batch")
-    stop_ids: jnp.ndarray = axes_field(None)
+    stop_ids: jnp.ndarray = axes_field("batch", None)
     cache: KVCache  # its own fields declare their axes (as speculative's do)
     rng: jax.Array = axes_field("batch")
+    sampling: RowSampling  # its own fields declare their axes
     finish: jnp.ndarray = axes_field("batch")
     gaps: jnp.ndarray = axes_field("batch", "seq")
     steps: jnp.ndarray = axes_field()
@@ -92,7 +95,7 @@ def commit(state: DecodeState, new: jnp.ndarray, n_new: jnp.ndarray, gaps: jnp.n
     b, k = new.shape
     idx = jnp.arange(k, dtype=jnp.int32)[None, :]
     cand = (idx < n_new[:, None]) & ~state.done[:, None]
-    is_stop = jnp.any(new[:, :, None] == state.stop_ids[None, None, :], axis=-1) & cand
+    is_stop = jnp.any(new[:, :, None] == state.stop_ids[:, None, :], axis=-1) & cand
     first_stop = jnp.where(jnp.any(is_stop, axis=1), jnp.argmax(is_stop, axis=1), k)
     budget = jnp.minimum(state.max_new - state.new_tokens, state.capacity - state.length)
     keep = cand & (idx <= first_stop[:, None]) & (idx < budget[:, None])

@@ -20,11 +20,11 @@ def target():
     return tiny_target("llama", seed=1)
 
 
-def run(target, prompts, n_new, chunk, max_len=48, stop_ids=()):
+def run(target, prompts, n_new, chunk, max_len=48, stop_ids=(), seed=0, sampling=GREEDY):
     params, cfg = target[1], target[0]
-    st = decode.init_state(Decoding(cfg), prompts, max_len, n_new, stop_ids)
-    st = decode.prefill(Params(params), st, Decoding(cfg, sampling=GREEDY), chunk)
-    return decode.generate(Params(params), st, Decoding(cfg, sampling=GREEDY))
+    st = decode.init_state(Decoding(cfg), prompts, max_len, n_new, stop_ids, seed, sampling)
+    st = decode.prefill(Params(params), st, Decoding(cfg), chunk)
+    return decode.generate(Params(params), st, Decoding(cfg))
 
 
 def outputs(st):
@@ -70,9 +70,9 @@ def test_capacity_finish(target):
 def test_stream_yields_same_tokens(target):
     cfg, params = target
     st = decode.init_state(Decoding(cfg), PROMPTS, 48, 7)
-    st = decode.prefill(Params(params), st, Decoding(cfg, sampling=GREEDY), 4)
+    st = decode.prefill(Params(params), st, Decoding(cfg), 4)
     got = [[] for _ in PROMPTS]
-    for _, toks, counts in decode.stream(Params(params), st, Decoding(cfg, sampling=GREEDY)):
+    for _, toks, counts in decode.stream(Params(params), st, Decoding(cfg)):
         for b, c in enumerate(counts):
             got[b] += list(toks[b, :c])
     assert got == [reference_greedy(params, cfg, p, 7) for p in PROMPTS]
@@ -88,9 +88,9 @@ def test_seeded_sampling_is_reproducible_and_varies_with_seed(target):
     s = SamplingConfig(temperature=1.5, top_k=50, top_p=0.95)
 
     def go(seed):
-        st = decode.init_state(Decoding(cfg), PROMPTS, 48, 12, seed=seed)
-        st = decode.prefill(Params(params), st, Decoding(cfg, sampling=s), 4)
-        return outputs(decode.generate(Params(params), st, Decoding(cfg, sampling=s)))
+        st = decode.init_state(Decoding(cfg), PROMPTS, 48, 12, seed=seed, sampling=s)
+        st = decode.prefill(Params(params), st, Decoding(cfg), 4)
+        return outputs(decode.generate(Params(params), st, Decoding(cfg)))
 
     assert go(3) == go(3)
     assert go(3) != go(4)
@@ -124,7 +124,7 @@ def test_per_layer_parameters_give_the_stacked_results():
     plain = outputs(run((cfg, p), PROMPTS, 12, 4))
     assert outputs(run((cfg, per), PROMPTS, 12, 4)) == plain
     dcfg, dp = tiny_drafter(cfg, layer_ids=(0, 2), block_size=4, seed=1)
-    static = Decoding(cfg, dcfg, GREEDY)
+    static = Decoding(cfg, dcfg)
     st = decode.init_state(static, PROMPTS, 48, 12)
     st = decode.generate(Params(per, dp), decode.prefill(Params(per, dp), st, static, 4), static)
     assert outputs(st) == plain  # the stacked layout's DFlash run equals plain decoding in test_spec.py
@@ -137,13 +137,13 @@ def test_continuous_batching_rows_answer_as_alone(target):
     prompts = PROMPTS + [[7, 7, 30], [2, 4, 6, 8, 10]]
     budgets = [3, 9, 12]
     st = decode.init_state(Decoding(cfg), PROMPTS, 48, budgets)
-    st = decode.prefill(Params(params), st, Decoding(cfg, sampling=GREEDY), 4)
-    st = decode.generate_until(Params(params), st, Decoding(cfg, sampling=GREEDY), jnp.int32(1))
+    st = decode.prefill(Params(params), st, Decoding(cfg), 4)
+    st = decode.generate_until(Params(params), st, Decoding(cfg), jnp.int32(1))
     first = outputs(st)
     assert list(jax.device_get(st.done)) == [True, False, False]  # stopped as soon as one row ended
-    fresh = decode.prefill(Params(params), decode.init_state(Decoding(cfg), prompts[3:], 48, [6, 5]), Decoding(cfg, sampling=GREEDY), 4)
+    fresh = decode.prefill(Params(params), decode.init_state(Decoding(cfg), prompts[3:], 48, [6, 5]), Decoding(cfg), 4)
     st = decode.replace_rows(st, fresh, jnp.asarray([0, 2], jnp.int32))
-    st = decode.generate_until(Params(params), st, Decoding(cfg, sampling=GREEDY), jnp.int32(3))
+    st = decode.generate_until(Params(params), st, Decoding(cfg), jnp.int32(3))
     assert all(jax.device_get(st.done))
     got = outputs(st)
     assert first[0] == reference_greedy(params, cfg, PROMPTS[0], 3)
@@ -156,3 +156,56 @@ def test_replace_rows_refuses_a_state_of_another_shape(target):
     st = decode.init_state(Decoding(cfg), PROMPTS, 48, 4)
     with pytest.raises(DFlashError, match=r"replace_rows fresh.*tokens.*\[1, 48\]"):
         decode.replace_rows(st, decode.init_state(Decoding(cfg), [[1, 2]], 40, 4), jnp.asarray([1], jnp.int32))
+
+
+# one greedy row, then rows of each warp: temperature alone, with top-k, with top-p
+MIXED = [GREEDY, SamplingConfig(1.0), SamplingConfig(0.8, top_k=5), SamplingConfig(1.2, top_p=0.9)]
+MIXED_PROMPTS = PROMPTS + [[7, 7, 30]]
+SEEDS = [3, 4, 5, 6]
+
+
+def test_rows_of_one_batch_sample_with_their_own_settings(target):
+    """Sampling settings are each row's (``init_state(sampling=[...])``): in a batch mixing greedy
+    and sampled rows each row commits what its prompt commits alone with its seed and settings,
+    the greedy row the no-cache greedy continuation, and the sampled rows something else. With
+    a drafter (sampled proposals, greedy rows proposing the argmax) the batch commits the same."""
+    from dflash_jax.testing import tiny_drafter
+
+    cfg, params = target
+    batch = outputs(run(target, MIXED_PROMPTS, 10, 4, seed=SEEDS, sampling=MIXED))
+    alone = [outputs(run(target, [p], 10, 4, seed=[k], sampling=s))[0] for p, k, s in zip(MIXED_PROMPTS, SEEDS, MIXED)]
+    greedy = [reference_greedy(params, cfg, p, 10) for p in MIXED_PROMPTS]
+    assert batch == alone
+    assert batch[0] == greedy[0] and all(batch[b] != greedy[b] for b in (1, 2, 3)), "the settings apply"
+    dcfg, dp = tiny_drafter(cfg, layer_ids=(0, 2), block_size=4, seed=1)
+    static = Decoding(cfg, dcfg, "sample")
+    st = decode.init_state(static, MIXED_PROMPTS, 48, 10, seed=SEEDS, sampling=MIXED)
+    assert outputs(decode.generate(Params(params, dp), decode.prefill(Params(params, dp), st, static, 4), static)) == batch
+
+
+def test_each_row_stops_at_its_own_stop_ids(target):
+    """``init_state(stop_ids=[[...], ...])``: each row ends at the first of its own stop ids (lists
+    of different lengths), not at another row's, though it generates them."""
+    cfg, params = target
+    fa, fb, fc = (reference_greedy(params, cfg, p, 12) for p in PROMPTS)
+    stop_a, stop_b = fb[1], fa[4]  # each row's stop id is one the other row generates first
+    assert fa.index(stop_b) < fa.index(stop_a) and fb.index(stop_a) < fb.index(stop_b)
+    st = run(target, PROMPTS, 12, 4, stop_ids=[[stop_a], [stop_b], [fc[6], fc[2]]])
+    assert outputs(st) == [fa[: fa.index(stop_a) + 1], fb[: fb.index(stop_b) + 1], fc[:3]]
+    assert list(jax.device_get(st.finish)) == [STOP] * 3
+    shared = run(target, PROMPTS[:2], 12, 4, stop_ids=[stop_a, stop_b])  # one list for every row
+    assert outputs(shared) == [fa[: fa.index(stop_b) + 1], fb[: fb.index(stop_a) + 1]]
+    with pytest.raises(DFlashError, match="stop_ids.*one list per prompt"):
+        decode.init_state(Decoding(cfg), PROMPTS, 48, 4, [[1], [2]])
+
+
+def test_sampling_settings_belong_to_init_state(target):
+    """A SamplingConfig where ``Decoding`` took it before (third) names draft_mode and init_state;
+    init_state refuses settings that are not one SamplingConfig or one per prompt."""
+    cfg = target[0]
+    with pytest.raises(DFlashError, match="draft_mode") as e:
+        Decoding(cfg, None, SamplingConfig(0.7))
+    assert "init_state" in str(e.value)
+    for bad in ([GREEDY] * 2, {"temperature": 1.0}):
+        with pytest.raises(DFlashError, match="sampling"):
+            decode.init_state(Decoding(cfg), PROMPTS, 48, 4, sampling=bad)

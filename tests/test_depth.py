@@ -51,9 +51,9 @@ def plain_greedy(pair, prompts, n_new, max_len=64):
 
 def run_auto(pair, prompts, n_new, model: CostModel, calibration=None, sampling=dj.SamplingConfig(), seed=0, max_backoff=MAX_BACKOFF):
     cfg, params, dcfg, dparams = pair
-    static = Decoding(cfg, dcfg, sampling, n_max="auto")
+    static = Decoding(cfg, dcfg, n_max="auto")
     weights = Params(params, dparams, depth_policy(calibration or Calibration.identity(N), model, max_backoff=max_backoff))
-    st = decode.prefill(weights, decode.init_state(static, prompts, 64, n_new, seed=seed), static, 4)
+    st = decode.prefill(weights, decode.init_state(static, prompts, 64, n_new, seed=seed, sampling=sampling), static, 4)
     return decode.generate(weights, st, static)
 
 

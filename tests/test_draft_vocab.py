@@ -122,7 +122,7 @@ def _prefilled_and_full_logits(target, d):
     of its next block, computed directly with the drafter."""
     cfg, params = target
     dcfg, dparams = d
-    st = decode.prefill(Params(params, dparams), decode.init_state(Decoding(cfg, dcfg), PROMPTS, 64, 8), Decoding(cfg, dcfg, SamplingConfig()), 4)
+    st = decode.prefill(Params(params, dparams), decode.init_state(Decoding(cfg, dcfg), PROMPTS, 64, 8), Decoding(cfg, dcfg), 4)
     start = np.asarray(st.length) - 1
     w = dcfg.block_size
     anchor = np.asarray(st.tokens)[np.arange(len(PROMPTS)), start]
@@ -146,21 +146,24 @@ def test_argmax_drafts_are_the_best_listed_token(target):
 
 def test_sampled_drafts_are_listed_tokens_drawn_with_the_target_ids_uniform(target):
     """A sampled draft is the inverse-transform draw, with the uniform of the draft's position, from
-    the warped drafter distribution laid out over the target's vocabulary (zero off the list)."""
-    from dflash_jax.sampling import uniform_at
+    the warped drafter distribution laid out over the target's vocabulary (zero off the list); a
+    greedy row of the same batch drafts the best listed token, as a target id."""
+    from dflash_jax.sampling import RowSampling, uniform_at
 
     cfg, params = target
     d = drafter_for(cfg, 4, seed=7)
     st, full = _prefilled_and_full_logits(target, d)
     ids = np.array(SMALL_IDS)
     dcfg, dparams = with_vocab(target, d, ids)
-    drafts, _ = speculative.propose_block(Params(params, dparams), st, Decoding(cfg, dcfg, SamplingConfig(0.7), draft_mode="sample"))
+    st = st.replace(sampling=RowSampling.of([SamplingConfig(0.7)] * (len(PROMPTS) - 1) + [SamplingConfig()], len(PROMPTS)))
+    drafts, _ = speculative.propose_block(Params(params, dparams), st, Decoding(cfg, dcfg, draft_mode="sample"))
     index = np.asarray(st.length)[:, None] + np.arange(full.shape[1])  # the mask at position p drafts the token at index p
     u = np.asarray(uniform_at(st.rng, jnp.asarray(index, jnp.int32)), np.float64)
     z = full[..., ids].astype(np.float64) / 0.7
     q = np.zeros(full.shape)
     q[..., ids] = np.exp(z - z.max(-1, keepdims=True)) / np.exp(z - z.max(-1, keepdims=True)).sum(-1, keepdims=True)
     want = np.sum(np.cumsum(q, axis=-1) <= u[..., None], axis=-1)
+    want[-1] = ids[np.argmax(full[-1][..., ids], axis=-1)]  # the greedy row
     np.testing.assert_array_equal(np.asarray(drafts), want)
     assert set(want.ravel()) <= set(ids.tolist())
 

@@ -16,7 +16,6 @@ from dflash_jax.decoding import Decoding, Params  # noqa: E402
 from dflash_jax.registry import load_hf_drafter as load_drafter  # noqa: E402
 from dflash_jax.io.hf import load_hf_target  # noqa: E402
 from dflash_jax.models import drafter  # noqa: E402
-from dflash_jax.sampling import SamplingConfig  # noqa: E402
 
 H, V, TARGET_LAYERS = 64, 96, 4
 
@@ -124,8 +123,8 @@ def test_same_tokens_and_verify_steps_as_dflash_generate(tmp_path, target, monke
 
     cfg, params = load_drafter(folder, t_cfg)
     st = decode.init_state(Decoding(t_cfg, cfg), [prompt], 64, 40)
-    st = decode.prefill(Params(t_params, params), st, Decoding(t_cfg, cfg, SamplingConfig()), 4)
-    st = decode.generate(Params(t_params, params), st, Decoding(t_cfg, cfg, SamplingConfig()))
+    st = decode.prefill(Params(t_params, params), st, Decoding(t_cfg, cfg), 4)
+    st = decode.generate(Params(t_params, params), st, Decoding(t_cfg, cfg))
     got = list(np.asarray(st.tokens[0, len(prompt) : int(st.length[0])]))
     assert got == want_tokens == free
     assert int(st.speculative.verify_steps[0]) == want_steps

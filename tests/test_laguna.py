@@ -22,7 +22,6 @@ from dflash_jax.io.laguna import load_laguna_target, parameter_count, published_
 from dflash_jax.models import laguna
 from dflash_jax.models.laguna_presets import PUBLISHED
 from dflash_jax.nn.rope import rope_tables, yarn_scale
-from dflash_jax.sampling import SamplingConfig
 from laguna_tiny import PER_ELEMENT, PER_HEAD, recompute_greedy, tiny_laguna, write_config
 
 torch = pytest.importorskip("torch")
@@ -108,11 +107,10 @@ def test_chunked_prefill_then_decode_matches_transformers(pair):
 def test_greedy_decode_equals_no_cache_recompute():
     cfg, params = tiny_laguna(PER_HEAD, seed=2, max_block=2)
     prompt = SEQ[:PROMPT_LEN]  # 13 tokens > window 5, > ring 7
-    g = SamplingConfig()
     want = recompute_greedy(params, cfg, prompt, 10, buf=32)
     for chunk in (4, PROMPT_LEN):
         st = decode.init_state(Decoding(cfg), [prompt], 32, 10)
-        st = decode.generate(Params(params), decode.prefill(Params(params), st, Decoding(cfg, sampling=g), chunk), Decoding(cfg, sampling=g))
+        st = decode.generate(Params(params), decode.prefill(Params(params), st, Decoding(cfg), chunk), Decoding(cfg))
         got = [int(t) for t in np.asarray(st.tokens[0, PROMPT_LEN : int(st.length[0])])]
         assert got == want, chunk
 
@@ -122,12 +120,11 @@ def test_continuous_batching_replaces_ring_rows():
     positions too: a row refilled after the ring has wrapped answers its new prompt exactly as a
     no-cache recomputation, while the other row goes on unchanged."""
     cfg, params = tiny_laguna(PER_HEAD, seed=2, max_block=2)
-    g = SamplingConfig()
     a, b, c = SEQ[:PROMPT_LEN], SEQ[3:9], SEQ[1:12]
-    st = decode.prefill(Params(params), decode.init_state(Decoding(cfg), [a, b], 32, [4, 10]), Decoding(cfg, sampling=g), 4)
-    st = decode.generate_until(Params(params), st, Decoding(cfg, sampling=g), jnp.int32(1))
-    fresh = decode.prefill(Params(params), decode.init_state(Decoding(cfg), [c], 32, 8), Decoding(cfg, sampling=g), 4)
-    st = decode.generate_until(Params(params), decode.replace_rows(st, fresh, jnp.asarray([0], jnp.int32)), Decoding(cfg, sampling=g), jnp.int32(2))
+    st = decode.prefill(Params(params), decode.init_state(Decoding(cfg), [a, b], 32, [4, 10]), Decoding(cfg), 4)
+    st = decode.generate_until(Params(params), st, Decoding(cfg), jnp.int32(1))
+    fresh = decode.prefill(Params(params), decode.init_state(Decoding(cfg), [c], 32, 8), Decoding(cfg), 4)
+    st = decode.generate_until(Params(params), decode.replace_rows(st, fresh, jnp.asarray([0], jnp.int32)), Decoding(cfg), jnp.int32(2))
     toks, length = np.asarray(st.tokens), np.asarray(st.length)
     assert toks[0, len(c) : length[0]].tolist() == recompute_greedy(params, cfg, c, 8, buf=32)
     assert toks[1, len(b) : length[1]].tolist() == recompute_greedy(params, cfg, b, 10, buf=32)

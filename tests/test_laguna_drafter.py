@@ -18,11 +18,9 @@ from dflash_jax.errors import DFlashError
 from dflash_jax.registry import load_hf_drafter as load_drafter
 from dflash_jax.io.laguna_drafter import load_laguna_drafter_gguf
 from dflash_jax.models import drafter, laguna_drafter
-from dflash_jax.sampling import SamplingConfig
 from laguna_tiny import LAGUNA_DRAFTER, PER_HEAD, tiny_laguna, write_config
 
 gguf = pytest.importorskip("gguf")
-GREEDY = SamplingConfig()
 PROMPT = [5, 17, 3, 42, 8, 9, 60, 33, 21, 7, 11, 2, 19, 44, 58, 13]  # 16 > window 5 (target), 6 (drafter)
 
 
@@ -177,7 +175,7 @@ def test_aux_norm_and_context_input_norm_matter(draft):
 def plain_greedy(target, prompt, n_new, max_len=48):
     cfg, params = target
     st = decode.init_state(Decoding(cfg), [prompt], max_len, n_new)
-    st = decode.generate(Params(params), decode.prefill(Params(params), st, Decoding(cfg, sampling=GREEDY), 4), Decoding(cfg, sampling=GREEDY))
+    st = decode.generate(Params(params), decode.prefill(Params(params), st, Decoding(cfg), 4), Decoding(cfg))
     return [int(t) for t in np.asarray(st.tokens[0, len(prompt) : int(st.length[0])])]
 
 
@@ -187,7 +185,7 @@ def test_spec_greedy_lossless(target, draft, chunk):
     dcfg, dparams = draft
     want = plain_greedy(target, PROMPT, 14)
     st = decode.init_state(Decoding(cfg, dcfg), [PROMPT], 48, 14)
-    st = decode.generate(Params(params, dparams), decode.prefill(Params(params, dparams), st, Decoding(cfg, dcfg, GREEDY), chunk), Decoding(cfg, dcfg, GREEDY))
+    st = decode.generate(Params(params, dparams), decode.prefill(Params(params, dparams), st, Decoding(cfg, dcfg), chunk), Decoding(cfg, dcfg))
     assert [int(t) for t in np.asarray(st.tokens[0, len(PROMPT) : int(st.length[0])])] == want
 
 

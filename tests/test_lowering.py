@@ -67,9 +67,9 @@ def decoding(models, name, spec, sampling):
     """``(params, state, static)`` of a plain or speculative (``spec``) decoding of ``PROMPTS``."""
     cfg, p, dcfg, dp = models[name]
     samp, mode = SAMPLINGS[sampling]
-    static = Decoding(cfg, dcfg if spec else None, samp, mode if spec else "argmax")
+    static = Decoding(cfg, dcfg if spec else None, mode if spec else "argmax")
     params = Params(p, dp if spec else None)
-    return params, decode.init_state(static, PROMPTS, 24, 8), static
+    return params, decode.init_state(static, PROMPTS, 24, 8, sampling=samp), static
 
 
 CASES = [(name, spec, samp) for name in ("dense", "laguna") for spec in (False, True) for samp in ("greedy", "sampled")]
@@ -108,10 +108,10 @@ def test_adaptive_depth_steps_lower_for_cuda_and_tpu(models, sampling):
 
     cfg, p, dcfg, dp = models["dense"]
     samp, mode = SAMPLINGS[sampling]
-    static = Decoding(cfg, dcfg, samp, mode, n_max="auto")
+    static = Decoding(cfg, dcfg, mode, n_max="auto")
     n = static.depth
     params = Params(p, dp, depth_policy(Calibration.identity(n), CostModel.forcing(n, n)))
-    state = decode.init_state(static, PROMPTS, 24, 8)
+    state = decode.init_state(static, PROMPTS, 24, 8, sampling=samp)
     drafts, conf = jnp.zeros((len(PROMPTS), n), jnp.int32), jnp.zeros((len(PROMPTS), n), jnp.float32)
     verify_args = (drafts, conf, False)
     for jitted, *args in ((decode.decode_step, params, state, static), (decode.generate_until, params, state, static, jnp.int32(2)),

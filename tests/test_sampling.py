@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from dflash_jax.errors import DFlashError
-from dflash_jax.sampling import SamplingConfig, probabilities, row_keys, sample_at, top2_gap
+from dflash_jax.sampling import RowSampling, SamplingConfig, probabilities, row_keys, sample_at, top2_gap, warp_logits
 
 
 def np_reference(logits, t, k, p):
@@ -103,3 +103,37 @@ def test_the_draw_never_picks_a_token_of_probability_zero(monkeypatch, u, want):
     logits = jnp.asarray([[[0.0, 5.0, 1.0, 4.9, -3.0, 2.0]]])
     got = sampling.sample_at(row_keys(0, 1), jnp.zeros((1, 1), jnp.int32), logits, SamplingConfig(1.0, top_k=2))
     assert int(got[0, 0]) == want
+
+
+ROWS = [SamplingConfig(), SamplingConfig(0.9, top_k=4, top_p=0.8), SamplingConfig(1.3), SamplingConfig(0.7, top_p=0.6)]
+
+
+def test_row_settings_act_as_each_row_s_own_config():
+    """A :class:`RowSampling` mixing a greedy row and rows of each warp gives, row by row, what the
+    row's :class:`SamplingConfig` gives, with the same keys and indices: the same warped
+    logits and probabilities bit for bit, and the same draw at each of 300 positions (over the
+    full vocabulary, and over a draft vocabulary laid out over the target's ids)."""
+    b, t, v = len(ROWS), 300, 12
+    logits = jnp.asarray(np.random.RandomState(1).randn(b, t, v).astype(np.float32) * 2)
+    keys, index = row_keys(7, b), jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+    rows = RowSampling.of(ROWS, b)
+    ids = jnp.asarray([1, 3, 4, 6, 8, 9, 10, 12, 15, 16, 18, 19], jnp.int32)  # a draft vocabulary of a 20-token target
+    mixed = [warp_logits(logits, rows), probabilities(logits, rows), sample_at(keys, index, logits, rows),
+             sample_at(keys, index, logits, rows, vocab=20, ids=ids)]
+    for r, cfg in enumerate(ROWS):  # the whole batch under the row's config (XLA:CPU's softmax rounds by shape)
+        alone = [warp_logits(logits, cfg), probabilities(logits, cfg), sample_at(keys, index, logits, cfg),
+                 sample_at(keys, index, logits, cfg, vocab=20, ids=ids)]
+        for name, m, a in zip(("warp", "probabilities", "draw", "draft-vocabulary draw"), mixed, alone):
+            np.testing.assert_array_equal(np.asarray(m[r]), np.asarray(a[r]), err_msg=f"{name} of row {r}")
+    draws = np.asarray(mixed[2])
+    assert (draws[0] == np.argmax(np.asarray(logits[0]), -1)).all() and len(set(draws[2].tolist())) > 4
+    assert set(np.asarray(mixed[3][0]).tolist()) <= set(np.asarray(ids).tolist())  # greedy row: target ids too
+    assert (np.asarray(mixed[3][0]) == np.asarray(ids)[np.argmax(np.asarray(logits[0]), -1)]).all()
+    np.testing.assert_array_equal(np.asarray(warp_logits(logits, RowSampling.of(SamplingConfig(), b))), np.asarray(logits))
+
+
+def test_row_settings_of_a_wrong_list_are_refused():
+    with pytest.raises(DFlashError, match="sampling: 1 settings for 2 rows"):
+        RowSampling.of([SamplingConfig()], 2)
+    with pytest.raises(DFlashError, match="sampling"):
+        RowSampling.of([SamplingConfig(), 0.7], 2)

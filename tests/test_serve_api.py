@@ -307,6 +307,44 @@ def test_adaptive_depth_server_measures_before_it_listens(serve_tiny_model, tmp_
         stop()
 
 
+def test_greedy_and_sampled_requests_share_one_batch(serve_tiny, serve_tiny_model):
+    """Greedy and sampled requests sent at once (seeds, top-p, top-k, ``ignore_eos`` mixed) are
+    admitted together: each row carries its own settings, so none waits for another kind to drain
+    (under per-kind batches at most one kind ran at a time). Each answers what ``generate`` gives
+    its prompt alone with its settings and seed."""
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    url, engine = serve_tiny
+    asks = [(dict(temperature=0), {}), (dict(temperature=1.0, seed=3), {}), (dict(temperature=0.8, top_p=0.9, seed=4), {"ignore_eos": True}),
+            (dict(temperature=0.7, seed=5), {"top_k": 5, "ignore_eos": True}), (dict(temperature=0), {"ignore_eos": True})]
+    prompts = [[1, 2, 3], [4, 5, 6, 7], [1, 2, 3], [9, 8], [7, 7]]
+    want = []
+    for (kw, extra), prompt in zip(asks, prompts):
+        sampling = dj.SamplingConfig(kw["temperature"], extra.get("top_k", 0), kw.get("top_p", 1.0))
+        want.append(oracle(serve_tiny_model, prompt, 40, sampling=sampling, seed=kw.get("seed", 0), ignore_eos=extra.get("ignore_eos", False))[0])
+    most, done = [0], threading.Event()
+
+    def watch():
+        while not done.is_set():
+            most[0] = max(most[0], engine.counts()[0])
+
+    def ask(i):
+        kw, extra = asks[i]
+        return client(url).completions.create(model="tiny", prompt=prompts[i], max_tokens=40, extra_body=extra, **kw).choices[0].text
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    try:
+        with ThreadPoolExecutor(len(asks)) as pool:
+            got = list(pool.map(ask, range(len(asks))))
+    finally:
+        done.set()
+        watcher.join()
+    assert got == want
+    assert most[0] >= 4, most  # the kinds ran side by side (all five unless one finished before the last was admitted)
+
+
 def test_a_seeded_request_gives_one_text_alone_or_in_a_batch(serve_tiny, serve_tiny_model):
     """A sampled request with a seed answers what ``generate`` samples with that seed, sent alone
     five times or at once with other seeds and prompts (whole and streamed, twice in one batch);

@@ -45,6 +45,7 @@ def finished(url, reason):
     ({"model": "tiny"}, "messages", "missing_required_parameter"),
     (dict(CHAT, n=2), "n", "invalid_value"),
     (dict(CHAT, stop=[""]), "stop", "invalid_value"),
+    (dict(CHAT, stop=["a", "b", "c", "d", "e"]), "stop", "invalid_value"),  # OpenAI's limit: 4
     (dict(CHAT, n_max=9), "n_max", "invalid_value"),
     (dict(CHAT, tool_choice="required", tools=[{"type": "function", "function": {"name": "f"}}]), "tool_choice", "invalid_value"),
     (dict(CHAT, tools=[{"type": "function", "function": {"name": "f"}}]), "tools", "invalid_value"),  # the template takes none

@@ -93,7 +93,8 @@ def test_state_axes_cover_cache_and_context():
     assert ax.tokens == ("batch", "seq") and ax.length == ("batch",) and ax.finish == ("batch",)
     assert ax.cache.k == KV_AXES and ax.speculative.ctx_k == KV_AXES and ax.speculative.ctx_v == KV_AXES
     assert ax.speculative.accepted_per_position == ("batch", None)
-    assert ax.stop_ids == (None,) and ax.steps == ()
+    assert ax.stop_ids == ("batch", None) and ax.steps == ()
+    assert ax.sampling.temperature == ax.sampling.top_k == ax.sampling.top_p == ("batch",)
     # the one-device mesh: everything replicated, placement works (typed PRNG key included)
     placed = shd.shard_state(st, shd.make_mesh())
     assert placed.tokens.sharding.spec == P(None, None)
@@ -167,16 +168,14 @@ _MULTI_DEVICE = textwrap.dedent(
     from dflash_jax.models import dense, drafter
     from dflash_jax import decode
     from dflash_jax.decoding import Decoding, Params
-    from dflash_jax.sampling import SamplingConfig
     from dflash_jax.testing import tiny_drafter, tiny_target
 
     assert len(jax.devices()) == 4, jax.devices()
     cfg, p = tiny_target("qwen3", seed=3, num_attention_heads=4, num_key_value_heads=2)
     dcfg, dp = tiny_drafter(cfg, seed=1, num_attention_heads=4, num_key_value_heads=2)
     prompts = [[5, 9, 17, 3], [40, 2, 7]]
-    greedy = SamplingConfig()
 
-    static = Decoding(cfg, dcfg, greedy)
+    static = Decoding(cfg, dcfg)
 
     def run(p, dp, mesh=None):
         st = decode.init_state(static, prompts, 24, 10)

@@ -45,7 +45,7 @@ def drafter_for(cfg, block_size=4, seed=0, **kw):
 def plain_greedy(target, prompts, n_new, max_len=64, stop_ids=()):
     cfg, params = target
     st = decode.init_state(Decoding(cfg), prompts, max_len, n_new, stop_ids)
-    st = decode.generate(Params(params), decode.prefill(Params(params), st, Decoding(cfg, sampling=GREEDY), 4), Decoding(cfg, sampling=GREEDY))
+    st = decode.generate(Params(params), decode.prefill(Params(params), st, Decoding(cfg), 4), Decoding(cfg))
     return outputs(st)
 
 
@@ -57,10 +57,10 @@ def outputs(st):
 def run_spec(target, d, prompts, n_new, chunk=4, max_len=64, stop_ids=(), n_max=None, sampling=GREEDY, seed=0, mode="argmax"):
     cfg, params = target
     dcfg, dparams = d
-    static, weights = Decoding(cfg, dcfg, sampling, mode, n_max), Params(params, dparams)
+    static, weights = Decoding(cfg, dcfg, mode, n_max), Params(params, dparams)
     if n_max == "auto":
         weights = weights._replace(depth=auto_policy(static.depth))
-    st = decode.init_state(static, prompts, max_len, n_new, stop_ids, seed=seed)
+    st = decode.init_state(static, prompts, max_len, n_new, stop_ids, seed=seed, sampling=sampling)
     return decode.generate(weights, decode.prefill(weights, st, static, chunk), static)
 
 
@@ -80,7 +80,7 @@ def scripted_run(target, d, prompt, n_new, corrupt_at=None, stop_ids=(), max_len
     ref = plain_greedy(target, [prompt], n_new + dcfg.block_size, max_len=max_len)[0]
     full = list(prompt) + ref
     st = decode.init_state(Decoding(cfg, dcfg), [prompt], max_len, n_new, stop_ids)
-    st = decode.prefill(Params(params, dparams), st, Decoding(cfg, dcfg, GREEDY), 3)
+    st = decode.prefill(Params(params, dparams), st, Decoding(cfg, dcfg), 3)
     def verify(s, drafts):
         return speculative.verify_block(Params(params, dparams), s, Decoding(cfg, dcfg), jnp.asarray([drafts], jnp.int32))
 
@@ -152,7 +152,7 @@ def test_bug_capture_offsets_chunk_size_invariance(target, chunk):
 
     def after_prefill(c):
         st = decode.init_state(Decoding(cfg, dcfg), PROMPTS, 64, 12)
-        return decode.prefill(Params(params, dparams), st, Decoding(cfg, dcfg, GREEDY), c)
+        return decode.prefill(Params(params, dparams), st, Decoding(cfg, dcfg), c)
 
     ref, got = after_prefill(13), after_prefill(chunk)
     for b, p in enumerate(PROMPTS):
@@ -162,8 +162,8 @@ def test_bug_capture_offsets_chunk_size_invariance(target, chunk):
     d_ref, _ = speculative.propose_block(Params(params, dparams), ref, Decoding(cfg, dcfg))
     d_got, _ = speculative.propose_block(Params(params, dparams), got, Decoding(cfg, dcfg))
     assert np.array_equal(np.asarray(d_ref), np.asarray(d_got))
-    out = outputs(decode.generate(Params(params, dparams), got, Decoding(cfg, dcfg, GREEDY)))
-    assert out == outputs(decode.generate(Params(params, dparams), ref, Decoding(cfg, dcfg, GREEDY)))
+    out = outputs(decode.generate(Params(params, dparams), got, Decoding(cfg, dcfg)))
+    assert out == outputs(decode.generate(Params(params, dparams), ref, Decoding(cfg, dcfg)))
 
 
 def test_bug_rollback_context_holds_only_committed_rows(target):
@@ -176,7 +176,7 @@ def test_bug_rollback_context_holds_only_committed_rows(target):
     n = int(st.length[0]) - 1
     committed = [int(t) for t in np.asarray(st.tokens[0, :n])]
     fresh = decode.init_state(Decoding(cfg, dcfg), [committed], 40, 1)
-    fresh = decode.prefill(Params(params, dparams), fresh, Decoding(cfg, dcfg, GREEDY), 5)
+    fresh = decode.prefill(Params(params, dparams), fresh, Decoding(cfg, dcfg), 5)
     np.testing.assert_allclose(np.asarray(st.speculative.ctx_k[:, 0, :n]), np.asarray(fresh.speculative.ctx_k[:, 0, :n]), rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(np.asarray(st.speculative.ctx_v[:, 0, :n]), np.asarray(fresh.speculative.ctx_v[:, 0, :n]), rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(np.asarray(st.cache.k[:, 0, :n]), np.asarray(fresh.cache.k[:, 0, :n]), rtol=1e-5, atol=1e-5)
@@ -218,7 +218,7 @@ def test_bug_positions_block_uses_absolute_positions(target):
     cfg, params = target
     dcfg, dparams = drafter_for(cfg, 4, seed=4)
     st = decode.init_state(Decoding(cfg, dcfg), [PROMPTS[2]], 64, 8)
-    st = decode.prefill(Params(params, dparams), st, Decoding(cfg, dcfg, GREEDY), 4)
+    st = decode.prefill(Params(params, dparams), st, Decoding(cfg, dcfg), 4)
     drafts, _ = speculative.propose_block(Params(params, dparams), st, Decoding(cfg, dcfg))
     start = int(st.length[0]) - 1
     block = jnp.asarray([[int(st.tokens[0, start])] + [dcfg.mask_token_id] * 3])
@@ -243,7 +243,7 @@ def test_bug_mask_id_block_is_anchor_then_mask_tokens(target):
     cfg, params = target
     dcfg, dparams = drafter_for(cfg, 4, seed=6)
     st = decode.init_state(Decoding(cfg, dcfg), [PROMPTS[0]], 64, 8)
-    st = decode.prefill(Params(params, dparams), st, Decoding(cfg, dcfg, GREEDY), 4)
+    st = decode.prefill(Params(params, dparams), st, Decoding(cfg, dcfg), 4)
     drafts, _ = speculative.propose_block(Params(params, dparams), st, Decoding(cfg, dcfg))
     start = int(st.length[0]) - 1
     pos = jnp.arange(start, start + 4, dtype=jnp.int32)[None]
@@ -326,8 +326,8 @@ def test_config_fields_set_twice_must_agree_and_layer_ids_be_distinct():
 
 def plain_sampled(target, prompts, n_new, sampling, seed):
     cfg, params = target
-    static = Decoding(cfg, sampling=sampling)
-    st = decode.init_state(static, prompts, 64, n_new, seed=seed)
+    static = Decoding(cfg)
+    st = decode.init_state(static, prompts, 64, n_new, seed=seed, sampling=sampling)
     return outputs(decode.generate(Params(params), decode.prefill(Params(params), st, static, 4), static))
 
 
@@ -458,11 +458,11 @@ def test_replaced_rows_of_a_speculative_state_answer_as_alone(target):
     cfg, params = target
     dcfg, dparams = drafter_for(cfg)
     step = jax.jit(speculative.step_fn, static_argnames=("static",))
-    st = decode.prefill(Params(params, dparams), decode.init_state(Decoding(cfg, dcfg), PROMPTS[:2], 64, 20), Decoding(cfg, dcfg, GREEDY), 4)
+    st = decode.prefill(Params(params, dparams), decode.init_state(Decoding(cfg, dcfg), PROMPTS[:2], 64, 20), Decoding(cfg, dcfg), 4)
     for _ in range(3):
-        st = step(Params(params, dparams), st, Decoding(cfg, dcfg, GREEDY))
-    fresh = decode.prefill(Params(params, dparams), decode.init_state(Decoding(cfg, dcfg), [PROMPTS[2]], 64, 20), Decoding(cfg, dcfg, GREEDY), 4)
-    st = decode.generate(Params(params, dparams), decode.replace_rows(st, fresh, jnp.asarray([0], jnp.int32)), Decoding(cfg, dcfg, GREEDY))
+        st = step(Params(params, dparams), st, Decoding(cfg, dcfg))
+    fresh = decode.prefill(Params(params, dparams), decode.init_state(Decoding(cfg, dcfg), [PROMPTS[2]], 64, 20), Decoding(cfg, dcfg), 4)
+    st = decode.generate(Params(params, dparams), decode.replace_rows(st, fresh, jnp.asarray([0], jnp.int32)), Decoding(cfg, dcfg))
     assert outputs(st) == plain_greedy(target, [PROMPTS[2], PROMPTS[1]], 20)
     assert int(st.committed[0]) == 19  # the first token comes from prefill
 
@@ -472,12 +472,12 @@ def test_speculative_continuous_batching_answers_as_plain_greedy(target):
     ``decode.replace_rows``, and the row that kept running both answer as plain greedy decoding."""
     cfg, params = target
     dcfg, dparams = drafter_for(cfg)
-    st = decode.prefill(Params(params, dparams), decode.init_state(Decoding(cfg, dcfg), PROMPTS[:2], 64, [6, 20]), Decoding(cfg, dcfg, GREEDY), 4)
-    st = decode.generate_until(Params(params, dparams), st, Decoding(cfg, dcfg, GREEDY), jnp.int32(1))
+    st = decode.prefill(Params(params, dparams), decode.init_state(Decoding(cfg, dcfg), PROMPTS[:2], 64, [6, 20]), Decoding(cfg, dcfg), 4)
+    st = decode.generate_until(Params(params, dparams), st, Decoding(cfg, dcfg), jnp.int32(1))
     done, first = jax.device_get(st.done), outputs(st)[0]
     assert done.tolist() == [True, False]  # row 1 was still running when the call returned
     assert first == plain_greedy(target, [PROMPTS[0]], 6)[0]
-    fresh = decode.prefill(Params(params, dparams), decode.init_state(Decoding(cfg, dcfg), [PROMPTS[2]], 64, 20), Decoding(cfg, dcfg, GREEDY), 4)
-    st = decode.generate_until(Params(params, dparams), decode.replace_rows(st, fresh, jnp.asarray([0], jnp.int32)), Decoding(cfg, dcfg, GREEDY), jnp.int32(2))
+    fresh = decode.prefill(Params(params, dparams), decode.init_state(Decoding(cfg, dcfg), [PROMPTS[2]], 64, 20), Decoding(cfg, dcfg), 4)
+    st = decode.generate_until(Params(params, dparams), decode.replace_rows(st, fresh, jnp.asarray([0], jnp.int32)), Decoding(cfg, dcfg), jnp.int32(2))
     assert jax.device_get(st.done).all()
     assert outputs(st) == plain_greedy(target, [PROMPTS[2], PROMPTS[1]], 20)

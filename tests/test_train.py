@@ -262,13 +262,12 @@ def test_bf16_compute_close_to_f32(models):
 def greedy_dataset(t_cfg, t_params, n=12, seed=0):
     """Self-distillation in miniature: the tiny target's greedy continuations of random prompts."""
     from dflash_jax import decode
-    from dflash_jax.sampling import SamplingConfig
 
     rs = np.random.RandomState(seed)
     prompts = [rs.randint(0, 127, rs.randint(3, 7)).tolist() for _ in range(n)]
     st = decode.init_state(Decoding(t_cfg), prompts, 40, 24)
-    st = decode.prefill(Params(t_params), st, Decoding(t_cfg, sampling=SamplingConfig()), 8)
-    st = decode.generate(Params(t_params), st, Decoding(t_cfg, sampling=SamplingConfig()))
+    st = decode.prefill(Params(t_params), st, Decoding(t_cfg), 8)
+    st = decode.generate(Params(t_params), st, Decoding(t_cfg))
     toks, lens = np.asarray(st.tokens), np.asarray(st.length)
     seqs = [toks[i, : lens[i]].tolist() for i in range(n)]
     masks = [[0] * len(p) + [1] * (lens[i] - len(p)) for i, p in enumerate(prompts)]

@@ -37,8 +37,8 @@ def laguna_target():
 
 def run(target, d, prompts, n_new, n_max, tree, chunk=4, max_len=64, stop_ids=(), sampling=SamplingConfig(), seed=0):
     (cfg, params), (dcfg, dparams) = target, d
-    static, w = Decoding(cfg, dcfg, sampling, n_max=n_max, tree=tree), Params(params, dparams)
-    st = decode.init_state(static, prompts, max_len, n_new, stop_ids, seed=seed)
+    static, w = Decoding(cfg, dcfg, n_max=n_max, tree=tree), Params(params, dparams)
+    st = decode.init_state(static, prompts, max_len, n_new, stop_ids, seed=seed, sampling=sampling)
     return decode.generate(w, decode.prefill(w, st, static, chunk), static)
 
 
@@ -193,8 +193,8 @@ def test_a_seeded_row_samples_the_same_tokens_with_a_tree_or_without_a_drafter(d
     d = tiny_drafter(dense[0], seed=2, block_size=4, layer_ids=(0, 2))
     sampling = SamplingConfig(0.7)
     cfg, params = dense
-    s = Decoding(cfg, sampling=sampling)
-    st = decode.init_state(s, PROMPTS, 64, 20, seed=5)
+    s = Decoding(cfg)
+    st = decode.init_state(s, PROMPTS, 64, 20, seed=5, sampling=sampling)
     want = outputs(decode.generate(Params(params), decode.prefill(Params(params), st, s, 4), s))
     assert outputs(run(dense, d, PROMPTS, 20, 3, 6, sampling=sampling, seed=5)) == want
 
@@ -220,10 +220,10 @@ def run_auto_tree(target, d, prompts, n_new, model, tree=7, calibration=None, sa
     from dflash_jax.speculative.depth import Calibration
 
     (cfg, params), (dcfg, dparams) = target, d
-    static = Decoding(cfg, dcfg, sampling, n_max="auto", tree=tree)
+    static = Decoding(cfg, dcfg, n_max="auto", tree=tree)
     policy = depth_policy(calibration or Calibration.identity(static.depth), model, depth=static.depth)
     w = Params(params, dparams, policy)
-    st = decode.init_state(static, prompts, max_len, n_new, seed=seed)
+    st = decode.init_state(static, prompts, max_len, n_new, seed=seed, sampling=sampling)
     return decode.generate(w, decode.prefill(w, st, static, chunk), static)
 
 
@@ -263,8 +263,8 @@ def test_auto_over_a_tree_samples_the_target_s_own_tokens(dense):
     d = tiny_drafter(dense[0], seed=0, block_size=4, layer_ids=(0, 2))
     sampling = SamplingConfig(temperature=0.8, top_k=20)
     cfg, params = dense
-    static, w = Decoding(cfg, sampling=sampling), Params(params)
-    plain = decode.generate(w, decode.prefill(w, decode.init_state(static, PROMPTS, 64, 16, seed=7), static, 4), static)
+    static, w = Decoding(cfg), Params(params)
+    plain = decode.generate(w, decode.prefill(w, decode.init_state(static, PROMPTS, 64, 16, seed=7, sampling=sampling), static, 4), static)
     chooses = CostModel(step_cost=((1.3, 1.6),), plain_cost=(1.0,), widths=(3, 7))
     assert outputs(run_auto_tree(dense, d, PROMPTS, 16, chooses, sampling=sampling, seed=7)) == outputs(plain)
 
@@ -328,8 +328,8 @@ def test_generate_drafts_the_recorded_tree_and_tree_0_a_chain(dense, tmp_path, m
     fixed = dj.generate(target, PROMPTS, 12, drafter=drafter, n_max=3)
     assert fixed.output_ids == want and fixed.stats["tree"] is None
     served = ServedModel(target, drafter)
-    assert served.decoding(SamplingConfig(), None).tree == 3 and served.decoding(SamplingConfig(), 2).tree is None
-    assert ServedModel(target, drafter, tree=0).decoding(SamplingConfig(), None).tree is None
+    assert served.decoding().tree == 3 and served.decoding(2).tree is None
+    assert ServedModel(target, drafter, tree=0).decoding().tree is None
     for kw, match in ((dict(tree=-1), r"^tree \(--tree\): got -1"), (dict(tree=16), r"\[1, 15\]"), (dict(tree=2.0), "got 2.0"),
                       (dict(tree=3, draft_mode="sample"), "draft_mode='argmax'")):
         with pytest.raises(DFlashError, match=match):

@@ -239,7 +239,6 @@ def round_trips(gen: Generate, prompt: str, max_tokens: int, reps: int) -> dict:
 
     from dflash_jax import decode
     from dflash_jax.arguments import default_max_len
-    from dflash_jax.sampling import SamplingConfig
     from dflash_jax.serve.jobs import ServedModel
 
     t = gen.target
@@ -247,7 +246,7 @@ def round_trips(gen: Generate, prompt: str, max_tokens: int, reps: int) -> dict:
     out = {}
     for mode, spec in SPEC.items():
         served = ServedModel(t, gen.drafter if spec else None)  # the server's greedy set-up
-        static, params = served.decoding(SamplingConfig(), None), served.params
+        static, params = served.decoding(), served.params
 
         def once(k):
             s = decode.init_state(static, [ids], default_max_len([ids], max_tokens), max_tokens, tuple(t.eos_ids))

@@ -44,18 +44,17 @@ def configs(drafter) -> list:
 def setup(target, drafter, config):
     """``(static, params)`` of one configuration (``params.depth`` is filled in later for auto)."""
     from dflash_jax.decoding import Decoding, Params
-    from dflash_jax.sampling import SamplingConfig
 
     if config == "plain":
-        return Decoding(target.cfg, sampling=SamplingConfig()), Params(target.params)
+        return Decoding(target.cfg), Params(target.params)
     if not is_auto(config):
-        return Decoding(target.cfg, drafter.cfg, SamplingConfig(), n_max=config), Params(target.params, drafter.params)
+        return Decoding(target.cfg, drafter.cfg, n_max=config), Params(target.params, drafter.params)
     # "auto": the drafter's default (its recorded auto_depth and tree); "auto@K": over blocks of K tokens (K - 1 drafts)
     if config == "auto":
         from dflash_jax.arguments import drafter_decoding
 
-        return drafter_decoding(target.cfg, drafter, SamplingConfig(), n_max="auto", tree=drafter.tree or 0), Params(target.params, drafter.params)
-    return Decoding(target.cfg, drafter.cfg, SamplingConfig(), n_max="auto", auto_depth=int(config[5:]) - 1), Params(target.params, drafter.params)
+        return drafter_decoding(target.cfg, drafter, n_max="auto", tree=drafter.tree or 0), Params(target.params, drafter.params)
+    return Decoding(target.cfg, drafter.cfg, n_max="auto", auto_depth=int(config[5:]) - 1), Params(target.params, drafter.params)
 
 
 def is_auto(config) -> bool:

@@ -356,9 +356,8 @@ def generate_answers(target, ids: list[list[int]], todo: list[int], rows: int, r
 
     from dflash_jax import decode
     from dflash_jax.decoding import Decoding, Params
-    from dflash_jax.sampling import SamplingConfig
 
-    params, static = Params(target.params), Decoding(target.cfg, sampling=SamplingConfig())
+    params, static = Params(target.params), Decoding(target.cfg)
     queue = list(todo)
 
     def prefilled(idx: list[int], n: int):

@@ -1,5 +1,7 @@
 """The device side of the serving engine: ``B`` rows decoded together under one
 :class:`~dflash_jax.decoding.Decoding`, new prompts prefilled in chunks and swapped into free rows.
+Each row keeps its request's sampling settings, seed, stop ids and budget in the state, so any
+mix of requests shares the batch and its compiled steps.
 
 Everything here is a call of the public decode functions: :func:`dflash_jax.decode.init_state`,
 :func:`~dflash_jax.decode.prefill_chunk` / :func:`~dflash_jax.decode.finish_prefill` (one chunk per
@@ -19,11 +21,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dflash_jax import decode
+from dflash_jax import decode, sharding
 from dflash_jax.arguments import effective_chunk_size
 from dflash_jax.axes import flat_axes
 from dflash_jax.decoding import Decoding, Params
+from dflash_jax.distributed import fetch
+from dflash_jax.errors import DFlashError
 from dflash_jax.results import spec_stats
+from dflash_jax.sampling import SamplingConfig
+from dflash_jax.serve import prefix_cache
 from dflash_jax.state import STOP, DecodeState
 
 
@@ -58,6 +64,7 @@ class Prefill:
       rows: the batch rows they will take.
       state: their own fresh state (``R`` rows); ``acc`` the last-prompt-row logits so far.
       start: the next chunk's first position; ``end``: the longest prompt; ``chunk``: chunk size.
+      prompts: the prompts; ``cached``: the leading tokens of each that came from the prefix cache.
     """
 
     rows: list[int]
@@ -66,6 +73,8 @@ class Prefill:
     start: int
     end: int
     chunk: int
+    prompts: list[list[int]]
+    cached: int = 0
 
     @property
     def complete(self) -> bool:
@@ -80,21 +89,30 @@ class Batch:
       static: the decoding set-up every row shares.
       rows: the batch size (``--max-batch``).
       max_len: tokens per row, prompt included (``--max-len``).
-      stop_ids: ids that end a row on device (EOS; none for an ``ignore_eos`` lane).
+      stop_width: the most stop ids a row holds (EOS and a request's single-token stop texts).
       chunk_size: prompt tokens per prefill pass (capped per group by the longest prompt).
       depth_params: under ``n_max="auto"``,
         :meth:`~dflash_jax.serve.jobs.ServedModel.depth_params` (the step's depth policy).
+      prefix: a :class:`~dflash_jax.serve.prefix_cache.PrefixCache` that prompts are restored
+        from and kept in, or ``None`` (also when the target's cache does not support it).
+      mesh: the target's :class:`jax.sharding.Mesh` (every state is laid out on it), or ``None``.
     """
 
-    def __init__(self, params: Params, static: Decoding, rows: int, max_len: int, stop_ids, chunk_size: int, depth_params=None):
+    def __init__(self, params: Params, static: Decoding, rows: int, max_len: int, stop_width: int, chunk_size: int, depth_params=None,
+                 prefix=None, mesh=None):
         self.params, self.static, self.rows, self.max_len, self.chunk_size = params, static, rows, max_len, chunk_size
-        self.stop_ids = tuple(stop_ids) or (-1,)
+        self.stop_width, self.mesh = max(1, stop_width), mesh
         self.state = self._empty(rows)
+        self.prefix = prefix if prefix is not None and prefix_cache.supports(self.state) else None
         self._depth_params, self._step_params = depth_params, {}
 
     def _empty(self, rows: int) -> DecodeState:
-        state = decode.init_state(self.static, [[0]] * rows, self.max_len, 1, self.stop_ids)
-        return release_rows(state, jnp.ones((rows,), bool))
+        state = decode.init_state(self.static, [[0]] * rows, self.max_len, 1, self._stops([()] * rows))
+        return release_rows(self._placed(state), jnp.ones((rows,), bool))
+
+    def _placed(self, state: DecodeState) -> DecodeState:
+        """``state`` laid out on the mesh (rows over ``"data"``), if there is one."""
+        return state if self.mesh is None else sharding.shard_state(state, self.mesh)
 
     def resize(self, rows: int, keep: list[int]) -> None:
         """Makes the batch ``rows`` rows, keeping the rows ``keep`` (as rows ``0..len(keep)-1``
@@ -110,19 +128,37 @@ class Batch:
             state = take_rows(self.state, jnp.asarray(list(keep) + [free] * (rows - len(keep)), jnp.int32))
         self.state, self.rows = state, rows
 
-    def start_prefill(self, rows: list[int], prompts: list[list[int]], max_new: list[int], seeds: list[int]) -> Prefill:
-        """A :class:`Prefill` of ``prompts`` for ``rows``, each prompt sampling with its own seed
-        wherever it lands (raises DFlashError for a bad prompt)."""
-        fresh = decode.init_state(self.static, prompts, self.max_len, max_new, self.stop_ids, list(seeds))
+    def _stops(self, stop_ids: list) -> list[list[int]]:
+        """Each row's stop ids padded with ``-1`` to :attr:`stop_width` (one shape: one program)."""
+        if any(len(s) > self.stop_width for s in stop_ids):
+            raise DFlashError("stop", f"{max(map(len, stop_ids))} stop ids for one row", f"at most {self.stop_width}")
+        return [list(s) + [-1] * (self.stop_width - len(s)) for s in stop_ids]
+
+    def start_prefill(self, rows: list[int], prompts: list[list[int]], max_new: list[int], seeds: list[int],
+                      stop_ids: list | None = None, sampling: list[SamplingConfig] | None = None) -> Prefill:
+        """A :class:`Prefill` of ``prompts`` for ``rows``, each prompt with its own budget, seed,
+        stop ids (default none) and sampling settings (default greedy) wherever it lands
+        (raises DFlashError for a bad prompt). The prefix cache's blocks that every prompt of the
+        group starts with are copied in, and the prefill starts after them."""
+        n = len(prompts)
+        fresh = decode.init_state(self.static, prompts, self.max_len, max_new, self._stops(stop_ids or [()] * n), list(seeds),
+                                  sampling or [SamplingConfig()] * n)
+        fresh = self._placed(fresh)
+        start = min(self.prefix.cached(p) for p in prompts) if self.prefix is not None else 0
+        if start:
+            fresh = self.prefix.restore(fresh, prompts, start)
         end = max(len(p) for p in prompts)
         acc = jnp.zeros((len(prompts), self.static.target.vocab_size), jnp.float32)
-        return Prefill(rows=list(rows), state=fresh, acc=acc, start=0, end=end, chunk=effective_chunk_size(self.chunk_size, end))
+        return Prefill(rows=list(rows), state=fresh, acc=acc, start=start, end=end, chunk=effective_chunk_size(self.chunk_size, end - start),
+                       prompts=[list(p) for p in prompts], cached=start)
 
     def prefill_step(self, p: Prefill) -> None:
         """Runs the next chunk of ``p``; when it was the last, samples the first tokens and swaps
         the group into its rows (``p.complete`` then)."""
         p.state, p.acc = decode.prefill_chunk(self.params, p.state, self.static, p.acc, jnp.int32(p.start), p.chunk)
         p.start += p.chunk
+        if self.prefix is not None:
+            self.prefix.keep(p.state, p.prompts, p.start)
         if not p.complete:
             return
         fresh = decode.finish_prefill(p.state, self.static, p.acc)
@@ -131,12 +167,14 @@ class Batch:
     def warm_up(self) -> None:
         """Runs this batch size's programs once on throwaway rows, so that no request compiles
         them: for each group size a request group can take here (powers of two up to the batch
-        size), a prefill of one-token prompts (the smallest prefill chunk), the swap into the
-        batch and a decode round (under ``n_max="auto"`` after this size's step costs); the rows
+        size), a prefill of one-token prompts (the smallest prefill chunk) with the prefix cache's
+        block copies, the swap into the batch and a decode round (under ``n_max="auto"`` after this size's step costs); the rows
         are freed after. Call it on an idle batch."""
         g = 1
         while g <= self.rows:
             p = self.start_prefill(list(range(g)), [[0]] * g, [1] * g, [0] * g)
+            if self.prefix is not None:  # the block copies of this group size (a block written back as it was)
+                p.state = prefix_cache.put_block(p.state, jnp.int32(0), jnp.int32(0), prefix_cache.take_block(p.state, jnp.int32(0), jnp.int32(0)))
             while not p.complete:
                 self.prefill_step(p)
             self.run(self.rows, 1)
@@ -163,7 +201,7 @@ class Batch:
 
     def read(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """``(tokens [B, S], length [B], finish [B])`` on the host."""
-        return jax.device_get((self.state.tokens, self.state.length, self.state.finish))
+        return fetch((self.state.tokens, self.state.length, self.state.finish))
 
     def release(self, rows: list[int]) -> None:
         """Frees ``rows`` (finished, stopped on the host or cancelled): see :func:`release_rows`."""

@@ -45,6 +45,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--served-model-name", metavar="NAME", default=None,
                    help="the model name clients send (default: the target's file or folder name)")
     p.add_argument("--chunk-size", type=integer, default=256, metavar="N", help="prompt tokens per prefill pass (default 256)")
+    p.add_argument("--prefix-cache-mb", type=number, default=1024, metavar="MB",
+                   help="memory for prefilled prompt blocks reused by later prompts that start with them (default 1024; 0: off)")
     p.add_argument("--steps-per-round", type=integer, default=4, metavar="N",
                    help="decode steps on device per host round trip (default 4)")
     p.add_argument("--shutdown-timeout", type=number, default=30.0, metavar="S",
@@ -92,11 +94,12 @@ def _check(args) -> None:
         raise DFlashError("--port", f"got {args.port}", "an integer in [1, 65535]")
     if not args.shutdown_timeout >= 0:
         raise DFlashError("--shutdown-timeout", f"got {args.shutdown_timeout}", "a number of seconds >= 0")
+    if not args.prefix_cache_mb >= 0:
+        raise DFlashError("--prefix-cache-mb", f"got {args.prefix_cache_mb}", "a number of MiB >= 0 (0: no prefix cache)")
 
 
 def build_engine(args):
     """Loads the model of the options and builds the engine (raises DFlashError for bad input)."""
-    from dflash_jax.sampling import SamplingConfig
     from dflash_jax.serve.engine import Engine
     from dflash_jax.serve.jobs import ServedModel
     from dflash_jax.serve.metrics import Metrics
@@ -109,14 +112,14 @@ def build_engine(args):
         raise DFlashError(f"{target.source}: tokenizer", "missing (a server decodes text)", "a target with a tokenizer")
     if drafter is not None:  # the depth is checked now, not at the first request
         try:
-            static = ServedModel(target, drafter, n_max=n_max, tree=args.tree).decoding(SamplingConfig(), None)
+            static = ServedModel(target, drafter, n_max=n_max, tree=args.tree).decoding()
         except DFlashError as e:
             raise option_error(e) from e
         why += f"; n_max {static.n_max}" + (f" over a tree of {static.tree} node{'s' * (static.tree > 1)}" if static.tree else "")
     model = ServedModel(target, drafter, name=args.served_model_name or Path(target.source).name, n_max=n_max, tree=args.tree,
                         chat_template_kwargs=args.chat_template_kwargs)
     engine = Engine(model, max_batch=args.max_batch, max_len=args.max_len, max_queue=args.max_queue, chunk_size=args.chunk_size,
-                    steps_per_round=args.steps_per_round, metrics=Metrics())
+                    steps_per_round=args.steps_per_round, metrics=Metrics(), prefix_cache_bytes=int(args.prefix_cache_mb * 2**20))
     return engine, why
 
 

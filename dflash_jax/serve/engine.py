@@ -1,12 +1,13 @@
 """The serving engine: one thread owns the device batch and runs continuous batching.
 
 Each round the thread (1) drops cancelled requests, freeing their rows; (2) advances admission:
-queued requests that fit the running batch's decoding set-up (its "lane": sampling, draft depth,
-``ignore_eos``) are prefilled one chunk per round and swapped into free rows
-(:class:`~dflash_jax.serve.batch.Batch`); (3) runs up to ``steps_per_round`` decode steps on
-device (fewer when a row finishes) and hands every request its new text. A request whose lane
-differs from the running batch waits until the batch drains, then the batch switches to it (one
-compile per new lane, cached after).
+queued requests are prefilled one chunk per round and swapped into free rows
+(:class:`~dflash_jax.serve.batch.Batch`), each row with its own sampling settings, seed, stop
+ids and budget (greedy and sampled requests share the batch and its compiled steps); (3) runs up
+to ``steps_per_round`` decode steps on device (fewer when a row finishes) and hands every request
+its new text. Only a request that asks its own draft depth (``n_max``, an extension for
+experiments) runs under another :class:`~dflash_jax.decoding.Decoding`: it waits until the batch
+drains, then the batch switches to it (one compile per set-up, cached after).
 
 A request whose client disconnects is flagged at once (a stream's disconnect, or a task that waits
 for it under a whole answer) and its row is freed at the end of the round in progress: at most
@@ -33,9 +34,9 @@ import numpy as np
 
 from dflash_jax import progress
 from dflash_jax.errors import DFlashError
-from dflash_jax.sampling import SamplingConfig
 from dflash_jax.serve.batch import Batch, Prefill, bucket
-from dflash_jax.serve.jobs import Done, Failed, Job, ServedModel, Text
+from dflash_jax.serve.jobs import MAX_STOPS, Done, Failed, Job, ServedModel, Text
+from dflash_jax.serve.prefix_cache import PrefixCache
 from dflash_jax.state import FINISH_REASONS, RUNNING
 from dflash_jax.text import TextStream, cut_at_stop_text
 
@@ -51,8 +52,8 @@ class NotAccepting(Exception):
 class _Row:
     """Engine-side bookkeeping of a running request: its row, ids read so far and text stream."""
 
-    def __init__(self, job: Job, row: int, tokenizer):
-        self.job, self.row = job, row
+    def __init__(self, job: Job, row: int, tokenizer, cached: int = 0):
+        self.job, self.row, self.cached = job, row, cached
         self.seen = len(job.spec.prompt)
         self.ids: list[int] = []
         self.stream = TextStream(tokenizer, job.spec.stop_texts)
@@ -66,21 +67,23 @@ class Engine:
       max_batch: rows decoded together; max_len: tokens per row; max_queue: waiting requests
         beyond which :meth:`submit` refuses; chunk_size: prompt tokens per prefill pass;
         steps_per_round: decode steps on device per host round trip.
+      prefix_cache_bytes: the prefix cache's budget (:mod:`~dflash_jax.serve.prefix_cache`; 0: off).
       metrics: a :class:`~dflash_jax.serve.metrics.Metrics` or ``None``.
       on_death: called (from the engine thread) with the exception that ended the engine.
     """
 
     def __init__(self, model: ServedModel, max_batch: int = 16, max_len: int = 1024, max_queue: int = 256,
-                 chunk_size: int = 256, steps_per_round: int = 4, metrics=None, on_death=None):
+                 chunk_size: int = 256, steps_per_round: int = 4, metrics=None, on_death=None, prefix_cache_bytes: int = 1 << 30):
         self.model, self.max_batch, self.max_len, self.max_queue = model, max_batch, max_len, max_queue
         self.chunk_size, self.steps_per_round, self.metrics, self.on_death = chunk_size, steps_per_round, metrics, on_death
         self.tokenizer = model.target.tokenizer
+        self.prefix = PrefixCache(prefix_cache_bytes) if prefix_cache_bytes > 0 else None
         self._queue: collections.deque[Job] = collections.deque()
         self._cv = threading.Condition()
         self._rows: list[_Row | None] = []  # one per batch row; the batch grows up to max_batch
         self._reserved: set[int] = set()
         self._batch: Batch | None = None
-        self._lane = None
+        self._static = None  # the running batch's Decoding
         self._prefill: tuple[Prefill, list[Job]] | None = None
         self._stopping = False
         self._deadline: float | None = None
@@ -104,18 +107,18 @@ class Engine:
 
     def warm_up(self) -> None:
         """Gets every batch size ready before the server listens (call it before :meth:`start`):
-        runs the default lane's programs (greedy, the default depth) once at each size of
+        runs the server's programs (its draft depth) once at each size of
         :meth:`batch_sizes` (:meth:`Batch.warm_up <dflash_jax.serve.batch.Batch.warm_up>`) and
-        resizes the batch from each size to each other, so the first requests compile nothing and,
-        under ``n_max="auto"``, the step costs of each size are read from ``depth_costs/`` or
-        measured now (other lanes find them kept: they depend on the batch size, not the
-        sampling). Prompts longer than the smallest prefill chunk, and other lanes (sampling
-        settings, depths), compile their programs when they first come."""
-        static = self.model.decoding(SamplingConfig(), None)
+        resizes the batch from each size to each other, so the first requests compile nothing
+        (greedy or sampled: the settings are the rows') and, under ``n_max="auto"``, the step
+        costs of each size are read from ``depth_costs/`` or measured now. Prompts longer than
+        the smallest prefill chunk, and a request's own ``n_max``, compile their programs when
+        they first come."""
+        static = self.model.decoding()
         sizes = self.batch_sizes()
         what = "compiling" + (" and measuring the step costs" if static.adaptive else "")
         with progress.step(f"{what} for batch sizes {', '.join(map(str, sizes))}", "every batch size is ready"):
-            self._switch_lane((static, False))
+            self._switch(static)
             for rows in sizes:
                 self._batch.resize(rows, [])
                 self._batch.warm_up()
@@ -207,42 +210,49 @@ class Engine:
         if self._prefill is not None:
             group, jobs = self._prefill
             self._batch.prefill_step(group)
+            if self.metrics is not None and self.prefix is not None:
+                self.metrics.prefix_bytes.set(self.prefix.bytes)
+                self.metrics.prefix_blocks.set(len(self.prefix))
             if group.complete:
                 self._prefill = None
                 self._reserved.difference_update(group.rows)
                 for job, row in zip(jobs, group.rows):
-                    self._rows[row] = _Row(job, row, self.tokenizer)
+                    self._rows[row] = _Row(job, row, self.tokenizer, group.cached)
                 self._deliver(self._batch.read())
 
     def _start_group(self) -> None:
-        """Takes the next requests of the running lane (a power-of-two group, at most the rows
+        """Takes the next requests of the running set-up (a power-of-two group, at most the rows
         left) off the queue and starts their prefill, growing the batch to hold them; switches
-        lanes when the batch is idle."""
+        set-ups (a request's own ``n_max``) when the batch is idle."""
         active = sum(r is not None for r in self._rows)
         with self._cv:
             if not self._queue or active >= self.max_batch:
                 return
-            head = self._queue[0].spec.lane
-            if head != self._lane:
+            head = self._queue[0].spec.static
+            if head != self._static:
                 if active:
-                    return  # the running lane drains first
-                self._switch_lane(head)
+                    return  # the running set-up drains first
+                self._switch(head)
             n = 0
-            while n < min(self.max_batch - active, len(self._queue)) and self._queue[n].spec.lane == head:
+            while n < min(self.max_batch - active, len(self._queue)) and self._queue[n].spec.static == head:
                 n += 1
             n = 1 << (n.bit_length() - 1)  # few group sizes: few compiles
             jobs = [self._queue.popleft() for _ in range(n)]
         self._resize(min(self.max_batch, bucket(active + n)))
         rows = [i for i, r in enumerate(self._rows) if r is None][:n]
         try:
-            group = self._batch.start_prefill(rows, [list(j.spec.prompt) for j in jobs], [j.spec.max_new for j in jobs],
-                                              [j.spec.seed for j in jobs])
+            specs = [j.spec for j in jobs]
+            eos = list(self.model.target.eos_ids)
+            group = self._batch.start_prefill(rows, [list(s.prompt) for s in specs], [s.max_new for s in specs], [s.seed for s in specs],
+                                              [([] if s.ignore_eos else eos) + list(s.stop_ids) for s in specs], [s.sampling for s in specs])
         except DFlashError as e:  # a prompt the checks let through: only these requests fail
             for j in jobs:
                 j.post(Failed(str(e), 400))
             return
         self._reserved.update(rows)
         self._prefill = (group, jobs)
+        if self.metrics is not None:
+            self.metrics.prefix_hit_tokens.inc(group.cached * n)
         self._gauges()
 
     def _resize(self, rows: int) -> None:
@@ -258,14 +268,14 @@ class Engine:
             for i, r in enumerate(running):
                 r.row = i
 
-    def _switch_lane(self, lane) -> None:
-        static, ignore_eos = lane
-        eos = tuple(self.model.target.eos_ids)
-        stop_ids = (-1,) * len(eos) if ignore_eos else eos  # same shape: the same compiled steps
+    def _switch(self, static) -> None:
+        """A fresh batch of one row under ``static``: room for EOS and a request's stop ids per row."""
         self._batch = None  # free the old batch's buffers first
-        self._batch = Batch(self.model.params, static, 1, self.max_len, stop_ids, self.chunk_size, self.model.depth_params)
+        stop_width = len(self.model.target.eos_ids) + MAX_STOPS
+        self._batch = Batch(self.model.params, static, 1, self.max_len, stop_width, self.chunk_size, self.model.depth_params, self.prefix,
+                            self.model.target.mesh)
         self._rows = [None]
-        self._lane = lane
+        self._static = static
 
     def _decode(self) -> None:
         """Up to ``steps_per_round`` steps on device (back early when one more row finishes)."""
@@ -294,14 +304,9 @@ class Engine:
         self._end(ended)
 
     def _feed(self, r: _Row, new: np.ndarray) -> bool:
-        """Feeds ``new`` ids to the request's text stream; ``True`` when a stop text or stop id
-        ended it (ids after a stop id are dropped, as ``generate`` drops them)."""
+        """Feeds ``new`` ids to the request's text stream; ``True`` when a stop text ended it
+        (a stop id ends the row on device, as EOS does)."""
         ids = [int(t) for t in new]
-        hit = False
-        for i, t in enumerate(ids):
-            if t in r.job.spec.stop_ids:
-                ids, hit = ids[: i + 1], True
-                break
         if not ids:
             return False
         if r.job.first_token_at is None:
@@ -311,7 +316,7 @@ class Engine:
         r.ids.extend(ids)
         text = r.stream.feed(ids)
         r.job.post(Text(text, len(ids)))
-        return hit or r.stream.stopped
+        return r.stream.stopped
 
     def _done(self, r: _Row, reason: str, stats: bool = True) -> Done:
         """Posts the request's last text; returns its :class:`~dflash_jax.serve.jobs.Done`
@@ -324,7 +329,7 @@ class Engine:
             cut = cut_at_stop_text(self.tokenizer, r.ids, r.job.spec.stop_texts)
             n = n if cut is None else cut
         spec = self._batch.row_stats(r.row) if stats else None
-        done = Done(reason, len(r.job.spec.prompt), n, spec)
+        done = Done(reason, len(r.job.spec.prompt), n, spec, r.cached)
         if self.metrics is not None:
             self.metrics.finished(r.job, done)
         return done

@@ -64,12 +64,17 @@ class ServedModel:
         params, self._costs[name] = costs.adaptive_params(params, static, calibration, run, key, state, self._costs.get(name))
         return params
 
-    def decoding(self, sampling: SamplingConfig, n_max: int | None) -> Decoding:
-        """The static decoding set-up of a request (raises DFlashError for a bad ``n_max``)."""
+    def decoding(self, n_max: int | None = None) -> Decoding:
+        """The static decoding set-up of a request: the server's, or a chain of the request's own
+        ``n_max`` (raises DFlashError for a bad one)."""
         if self.drafter is None:
-            return Decoding(self.target.cfg, None, sampling)
+            return Decoding(self.target.cfg)
         depth = n_max if n_max is not None else self.n_max
-        return drafter_decoding(self.target.cfg, self.drafter, sampling, "argmax", depth, self.tree if n_max is None else None)
+        return drafter_decoding(self.target.cfg, self.drafter, "argmax", depth, self.tree if n_max is None else None)
+
+
+MAX_STOPS = 4
+"""Stop texts per request (OpenAI's limit); a row holds this many stop ids besides EOS."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,25 +84,23 @@ class JobSpec:
     Attributes:
       prompt: prompt token ids.
       max_new: new-token budget (prompt + budget fit the capacity).
-      static: the :class:`~dflash_jax.decoding.Decoding` (sampling, draft depth) it runs under.
+      static: the :class:`~dflash_jax.decoding.Decoding` (draft depth) it runs under: requests
+        share a batch when theirs are equal (the server's, unless a request asks its own ``n_max``).
+      sampling: its temperature, top-k and top-p (its row's own: any mix shares a batch).
       ignore_eos: EOS does not end it.
       stop_texts: stop texts (cut before; checked on the decoded text).
-      stop_ids: single-token stop texts' ids (the row ends at them, as ``generate``'s stop ids).
+      stop_ids: single-token stop texts' ids (its row ends at them on device, as at EOS).
       seed: sampling seed (the request's, else a random one): the row's key wherever it runs.
     """
 
     prompt: tuple[int, ...]
     max_new: int
     static: Decoding
+    sampling: SamplingConfig = SamplingConfig()
     ignore_eos: bool = False
     stop_texts: tuple[str, ...] = ()
     stop_ids: tuple[int, ...] = ()
     seed: int = 0
-
-    @property
-    def lane(self) -> tuple:
-        """Requests with equal lanes can share a batch (same step program and stop ids)."""
-        return (self.static, self.ignore_eos)
 
 
 @dataclasses.dataclass
@@ -111,12 +114,14 @@ class Text:
 @dataclasses.dataclass
 class Done:
     """The request finished: ``finish_reason`` is ``stop`` or ``length`` (``cancelled`` after a
-    cancel); ``speculative`` holds the row's statistics under DFlash."""
+    cancel); ``speculative`` holds the row's statistics under DFlash; ``cached_tokens`` counts the
+    prompt's leading tokens restored from the prefix cache."""
 
     finish_reason: str
     prompt_tokens: int
     completion_tokens: int
     speculative: dict | None = None
+    cached_tokens: int = 0
 
 
 @dataclasses.dataclass

@@ -30,6 +30,10 @@ class Metrics:
                               registry=r)
         self.latency = Histogram("dflash_request_latency_seconds", "from arrival to the last token", buckets=_LATENCY_BUCKETS,
                                  registry=r)
+        self.prefix_hit_tokens = Counter("dflash_prefix_cache_hit_tokens", "prompt tokens restored from the prefix cache "
+                                         "instead of prefilled", registry=r)
+        self.prefix_bytes = Gauge("dflash_prefix_cache_bytes", "bytes of prefilled blocks the prefix cache holds", registry=r)
+        self.prefix_blocks = Gauge("dflash_prefix_cache_blocks", "prefilled blocks the prefix cache holds", registry=r)
         self.engine_alive.set(1)
         self.compilations = Gauge("dflash_xla_compilations", "XLA programs compiled (or read from the persistent compilation cache) "
                                   "by this process; each new batch shape compiles once, stalling the rows meanwhile", registry=r)

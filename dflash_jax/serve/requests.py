@@ -13,7 +13,7 @@ import secrets
 from dflash_jax.errors import DFlashError
 from dflash_jax.sampling import SamplingConfig
 from dflash_jax.serve.errors import APIError, from_dflash
-from dflash_jax.serve.jobs import JobSpec, ServedModel
+from dflash_jax.serve.jobs import MAX_STOPS, JobSpec, ServedModel
 from dflash_jax.serve.reasoning import prompt_opens_reasoning
 from dflash_jax.serve.schemas import ChatCompletionRequest, ChatMessage, CompletionRequest
 from dflash_jax.text import split_stop
@@ -133,15 +133,17 @@ def _spec(model: ServedModel, req, prompt: list[int], max_tokens: int | None, ma
     if req.n_max is not None and model.drafter is None:
         raise APIError(400, "n_max: this server decodes without a drafter (expected no n_max)", "n_max", "invalid_value")
     try:
-        static = model.decoding(sampling, req.n_max)
+        static = model.decoding(req.n_max)
     except DFlashError as e:
         raise from_dflash(e, "n_max") from e
     stops = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
     if any(not s for s in stops):
         raise APIError(400, "stop: empty stop text (expected non-empty strings)", "stop", "invalid_value")
+    if len(stops) > MAX_STOPS:
+        raise APIError(400, f"stop: got {len(stops)} stop texts (expected at most {MAX_STOPS})", "stop", "invalid_value")
     stop_ids, _ = split_stop(model.target.tokenizer, stops) if stops else ([], [])
     return JobSpec(prompt=tuple(prompt), max_new=room if max_tokens is None else max_tokens, static=static,
-                   ignore_eos=req.ignore_eos, stop_texts=tuple(stops), stop_ids=tuple(stop_ids),
+                   sampling=sampling, ignore_eos=req.ignore_eos, stop_texts=tuple(stops), stop_ids=tuple(stop_ids),
                    seed=secrets.randbelow(2**63) if req.seed is None else req.seed)  # no seed: an answer of its own
 
 

@@ -20,8 +20,8 @@ from dflash_jax.serve.reasoning import ReasoningSplitter
 from dflash_jax.serve.requests import ChatOptions
 from dflash_jax.serve.tool_calls import ToolCallParser
 from dflash_jax.serve.schemas import (ChatChoice, ChatCompletion, ChatCompletionChunk, ChunkChoice, Completion, Delta,
-                                      DeltaToolCall, PredictionDetails, ResponseMessage, ResponseToolCall, SpeculativeStats,
-                                      TextChoice, Usage)
+                                      DeltaToolCall, PredictionDetails, PromptDetails, ResponseMessage, ResponseToolCall,
+                                      SpeculativeStats, TextChoice, Usage)
 
 
 class Answer:
@@ -66,11 +66,13 @@ def new_id(prefix: str) -> str:
 
 
 def usage(done: Done) -> Usage:
-    """OpenAI usage; the accepted / rejected prediction tokens are the drafts the target kept or refused."""
+    """OpenAI usage; the cached tokens are the prompt's leading tokens restored from the prefix
+    cache, the accepted / rejected prediction tokens the drafts the target kept or refused."""
     sp = done.speculative or {}
     acc, drafted = sp.get("accepted_tokens", 0), sp.get("drafted_tokens", 0)
     return Usage(prompt_tokens=done.prompt_tokens, completion_tokens=done.completion_tokens,
                  total_tokens=done.prompt_tokens + done.completion_tokens,
+                 prompt_tokens_details=PromptDetails(cached_tokens=done.cached_tokens),
                  completion_tokens_details=PredictionDetails(accepted_prediction_tokens=acc, rejected_prediction_tokens=drafted - acc))
 
 

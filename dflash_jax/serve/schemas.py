@@ -131,10 +131,15 @@ class PredictionDetails(BaseModel):
     rejected_prediction_tokens: int = 0
 
 
+class PromptDetails(BaseModel):
+    cached_tokens: int = 0
+
+
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptDetails = PromptDetails()
     completion_tokens_details: PredictionDetails = PredictionDetails()
 
 

@@ -30,9 +30,10 @@ def propose_fn(params: Params, state: DecodeState, static: Decoding):
     """Drafts ``static.depth`` tokens per row (pure; the state is read only).
 
     ``static.draft_mode`` ``"argmax"`` proposes the drafter's argmax; ``"sample"`` draws each
-    draft from the drafter's distribution warped by the target's ``static.sampling``, with the
-    uniform of the draft's position, the uniform the target's token there is drawn with
-    (:mod:`dflash_jax.sampling`: the two are coupled, what is committed does not change).
+    draft from the drafter's distribution warped by the row's sampling settings
+    (``state.sampling``; a greedy row's draft is the argmax), with the uniform of the draft's
+    position, the uniform the target's token there is drawn with (:mod:`dflash_jax.sampling`:
+    the two are coupled, what is committed does not change).
 
     Returns:
       ``(drafts [B, n] int32 target ids, conf [B, n] float32)``: ``conf`` is the top probability
@@ -40,15 +41,15 @@ def propose_fn(params: Params, state: DecodeState, static: Decoding):
       only, never of a sampled draft (:mod:`dflash_jax.speculative.depth` chooses the verify
       width from it).
     """
-    cfg_t, cfg_d, sampling = static.target, static.drafter, static.sampling
+    cfg_t, cfg_d = static.target, static.drafter
     params_d = params.drafter
     lg, positions = draft_logits(params, state, static)
     conf = top_confidence(lg)
-    if sampling.greedy or static.draft_mode == "argmax":
+    if static.draft_mode == "argmax":
         return drafter.draft_token_ids(params_d, cfg_d, jnp.argmax(lg, axis=-1)), conf
     ids = params_d["draft_ids"] if cfg_d.draft_vocab_size else None  # the target ids of the columns of lg
     # the mask at position p drafts the token at index p: the target draws that token with the same uniform
-    return sample_at(state.rng, positions[:, 1:], lg, sampling, vocab=cfg_t.vocab_size, ids=ids), conf
+    return sample_at(state.rng, positions[:, 1:], lg, state.sampling, vocab=cfg_t.vocab_size, ids=ids), conf
 
 
 def top_confidence(logits: jnp.ndarray) -> jnp.ndarray:

@@ -187,7 +187,7 @@ def verify_tree_fn(params: Params, state: DecodeState, static: Decoding, tree: D
     capture = block_capture(static, start, nodes + 1)
     hidden, cache, capture = mod.forward_hidden(params.target, cfg_t, block, positions, state.cache, capture, tree=blk)
     logits = mod.lm_head(params.target, cfg_t, hidden)
-    chosen = sample_at(state.rng, start[:, None] + blk.depth + 1, logits, static.sampling)
+    chosen = sample_at(state.rng, start[:, None] + blk.depth + 1, logits, state.sampling)
     valid = tree.alive & (tree.depth < block_len[:, None]) & (positions[:, 1:] < state.capacity)
     deepest = min(n, nodes)  # no path is longer; the capture holds nodes + 1 rows
     a, path = accept_tree(tree, chosen, valid, deepest)

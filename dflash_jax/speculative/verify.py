@@ -80,7 +80,7 @@ def verify_fn(params: Params, state: DecodeState, static: Decoding, drafts) -> V
     hidden, cache, capture = mod.forward_hidden(params.target, cfg_t, block, positions, state.cache, capture)
     logits = mod.lm_head(params.target, cfg_t, hidden)
     n_valid = block_len - 1
-    a, bonus = accept(drafts, sample_at(state.rng, positions + 1, logits, static.sampling), n_valid)
+    a, bonus = accept(drafts, sample_at(state.rng, positions + 1, logits, state.sampling), n_valid)
     k = jnp.arange(width, dtype=jnp.int32)[None, :]
     drafts_pad = jnp.pad(drafts, ((0, 0), (0, 1)))
     tokens = jnp.where(k < a[:, None], drafts_pad, bonus[:, None])

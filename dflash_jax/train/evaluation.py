@@ -42,15 +42,13 @@ def evaluate_tau(
     """
     from dflash_jax import decode
     from dflash_jax.decoding import Decoding, Params
-    from dflash_jax.sampling import SamplingConfig
-
     cfg32 = cfg.with_dtype("float32")
     p32 = jax.tree_util.tree_map(lambda a: jnp.asarray(a, jnp.float32), params)
     if draft_ids is not None:
         cfg32, p32 = draft_vocab.attach(cfg32, p32, target_params, draft_ids)
     t0 = time.time()
     max_len = max(len(p) for p in prompts) + int(max_new_tokens)
-    static, weights = Decoding(target_cfg, cfg32, SamplingConfig(), n_max=n_max), Params(target_params, p32)
+    static, weights = Decoding(target_cfg, cfg32, n_max=n_max), Params(target_params, p32)
     st = decode.init_state(static, [list(p) for p in prompts], max_len, int(max_new_tokens), stop_ids, 0)
     st = decode.generate(weights, decode.prefill(weights, st, static, chunk_size), static)
     s = jax.device_get(st.speculative)

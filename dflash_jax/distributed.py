@@ -1,0 +1,83 @@
+"""Several processes, one program: JAX's multi-controller runtime under the command line and the API.
+
+Every process runs the same program over one global mesh (``jax.distributed``): the mesh of
+:func:`dflash_jax.sharding.parse_mesh` spans every process's devices, the parameters and the
+decode state are laid out on it, and each jitted step runs on all of them at once. What this
+module adds: :func:`initialize` joins the group (the names of ``jax.distributed.initialize``; on
+a GPU or TPU cluster JAX finds what is omitted), :func:`fetch` reads arrays on the host whatever
+their layout (rows on another process's devices are gathered, so every process calls it at the
+same point of the program), and :func:`is_leader` says which process prints.
+"""
+
+from __future__ import annotations
+
+import jax
+
+from dflash_jax.errors import DFlashError
+
+
+def initialize(coordinator: str | None = None, num_processes: int | None = None, process_id: int | None = None) -> bool:
+    """Joins the process group when any of the three is given (``--coordinator HOST:PORT``,
+    ``--num-processes N``, ``--process-id I``); returns whether it did. Call it before anything
+    else uses JAX. On the CPU backend the processes' collectives run over gloo.
+
+    Raises:
+      DFlashError: a coordinator that is not ``HOST:PORT``, a count below 1 or an id outside
+        ``[0, N)`` (naming the option), or a group that could not be joined.
+    """
+    if coordinator is None and num_processes is None and process_id is None:
+        return False
+    if coordinator is not None and (":" not in coordinator or not coordinator.rsplit(":", 1)[1].isdigit()):
+        raise DFlashError("--coordinator", f"got {coordinator!r}", "HOST:PORT of process 0, e.g. 127.0.0.1:1234")
+    if num_processes is not None and num_processes < 1:
+        raise DFlashError("--num-processes", f"got {num_processes}", "an integer >= 1")
+    if process_id is not None and not 0 <= process_id < (num_processes or process_id + 1):
+        raise DFlashError("--process-id", f"got {process_id}", f"an integer in [0, {num_processes})")
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    try:
+        jax.distributed.initialize(coordinator_address=coordinator, num_processes=num_processes, process_id=process_id)
+    except (RuntimeError, ValueError) as e:
+        raise DFlashError("--coordinator", f"could not join the group of processes ({e})",
+                          "every process started with the same --coordinator and --num-processes and its own --process-id") from e
+    return True
+
+
+def is_leader() -> bool:
+    """Whether this is process 0 (the one that prints and, for a server, listens)."""
+    return jax.process_index() == 0
+
+
+def fetch(tree):
+    """``jax.device_get(tree)``, with every array split over devices of other processes gathered
+    first (``multihost_utils.process_allgather``): a collective, so every process calls it at the
+    same point. One process: ``jax.device_get`` itself."""
+    if jax.process_count() == 1:
+        return jax.device_get(tree)
+    from jax.experimental import multihost_utils
+
+    def one(x):
+        if isinstance(x, jax.Array) and not x.is_fully_addressable and not x.is_fully_replicated:
+            return multihost_utils.process_allgather(x, tiled=True)
+        return x
+
+    return jax.device_get(jax.tree_util.tree_map(one, tree))
+
+
+def everywhere(flag: bool) -> bool:
+    """Whether ``flag`` holds on every process (a collective; ``flag`` itself with one process)."""
+    if jax.process_count() == 1:
+        return bool(flag)
+    import numpy as np
+    from jax.experimental import multihost_utils
+
+    return bool(np.all(multihost_utils.process_allgather(np.asarray(bool(flag)))))
+
+
+def leaders(tree):
+    """Process 0's values of ``tree`` (numpy arrays, the same shapes on every process), on every
+    process (a collective; ``tree`` itself with one process)."""
+    if jax.process_count() == 1:
+        return tree
+    from jax.experimental import multihost_utils
+
+    return multihost_utils.broadcast_one_to_all(tree)

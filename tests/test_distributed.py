@@ -1,0 +1,97 @@
+"""Two processes, one program (dflash_jax/distributed.py): ``generate`` through the API and the
+command line on a ``data=2,model=2`` mesh over 2 processes x 2 CPU devices on loopback (JAX's
+multi-controller runtime, gloo collectives) answers as one device does (float32, greedy; plain and
+DFlash). Oracle: the same generations in this process, on one device.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import textwrap
+
+import jax
+import pytest
+
+import dflash_jax as dj
+from dflash_jax.cli import main
+from dflash_jax.loading import Drafter
+from dflash_jax.testing import tiny_drafter
+
+PROMPTS = [[5, 9, 17, 3, 40, 2], [40, 2, 7], [1, 2, 3, 4], [9, 9]]
+
+_WORKER = textwrap.dedent(
+    """
+    import contextlib, io, json, sys
+    sys.path.insert(0, "tests")
+    pid, port, folder = int(sys.argv[1]), sys.argv[2], sys.argv[3]
+    from dflash_jax import distributed
+    assert distributed.initialize(f"127.0.0.1:{port}", 2, pid)
+    import jax
+    jax.config.update("jax_default_matmul_precision", "highest")
+    import dflash_jax as dj
+    from dflash_jax import sharding
+    from dflash_jax.cli import main
+    from dflash_jax.loading import Drafter
+    from dflash_jax.models import drafter as drafter_model
+    from dflash_jax.testing import tiny_drafter
+
+    assert len(jax.devices()) == 4 and len(jax.local_devices()) == 2
+    meshed = dj.load_target(folder, mesh="data=2,model=2")
+    cfg, params = tiny_drafter(meshed.cfg, seed=3, layer_ids=(0, 1), block_size=4)
+    d = Drafter(cfg=cfg, params=sharding.shard_params(params, drafter_model.param_axes(cfg), meshed.mesh), source="tiny")
+    out = {}
+    for name, kw in (("plain", {}), ("dflash", dict(drafter=d, n_max=3))):
+        out[name] = dj.generate(meshed, PROMPTS, max_new_tokens=24, ignore_eos=True, **kw).output_ids
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        assert main(["generate", "--prompt-ids", "5,9,17", "--target", folder, "--no-spec", "--max-new-tokens", "12", "--json",
+                     "--mesh", "data=2,model=2"]) == 0
+    out["cli"] = json.loads(buf.getvalue())["output_ids"] if buf.getvalue() else None  # process 0 prints
+    print("RESULT", json.dumps(out), flush=True)
+    """
+)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.slow
+def test_two_processes_answer_as_one_device(tmp_path):
+    import tiny_hf
+
+    folder = str(tiny_hf.make_tiny_hf(tmp_path / "tiny"))
+    with jax.default_matmul_precision("highest"):
+        one = dj.load_target(folder)
+        cfg, params = tiny_drafter(one.cfg, seed=3, layer_ids=(0, 1), block_size=4)
+        d = Drafter(cfg=cfg, params=params, source="tiny")
+        want = {name: dj.generate(one, PROMPTS, max_new_tokens=24, ignore_eos=True, **kw).output_ids
+                for name, kw in (("plain", {}), ("dflash", dict(drafter=d, n_max=3)))}
+        want["cli"] = dj.generate(one, [[5, 9, 17]], max_new_tokens=12).output_ids[0]
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=2")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    script = f"PROMPTS = {PROMPTS!r}\n" + _WORKER
+    port = str(_free_port())
+    procs = [subprocess.Popen([sys.executable, "-c", script, str(i), port, folder], cwd=root, env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for i in range(2)]
+    outs = [p.communicate(timeout=600) for p in procs]
+    for p, (out, err) in zip(procs, outs):
+        assert p.returncode == 0, out[-2000:] + err[-6000:]
+    got = [json.loads(next(line for line in out.splitlines() if line.startswith("RESULT"))[7:]) for out, _ in outs]
+    assert got[0] == want
+    assert {k: v for k, v in got[1].items() if k != "cli"} == {k: v for k, v in want.items() if k != "cli"} and got[1]["cli"] is None
+
+
+@pytest.mark.parametrize("argv,option", [(["--coordinator", "nohost"], "--coordinator"),
+                                         (["--coordinator", "127.0.0.1:1", "--num-processes", "0"], "--num-processes"),
+                                         (["--coordinator", "127.0.0.1:1", "--num-processes", "2", "--process-id", "2"], "--process-id")])
+def test_bad_process_options_are_refused_before_joining(capsys, argv, option):
+    assert main(["generate", "hi", *argv]) == 2
+    err = capsys.readouterr().err
+    assert f"error: {option}:" in err, err

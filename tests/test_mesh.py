@@ -1,0 +1,93 @@
+"""A device mesh from the API, the command line and the server (issue: beyond one device).
+
+Oracle: the same generation on one device. The mesh runs in a subprocess with 4 CPU devices
+(``XLA_FLAGS=--xla_force_host_platform_device_count=4``): ``load_target(mesh="data=2,model=2")``
+lays the parameters out by their logical axes, ``generate`` and the server lay their decode
+states out on it, and every answer is the one-device answer (float32, greedy; plain and DFlash).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from dflash_jax.cli import main
+
+_SCRIPT = textwrap.dedent(
+    """
+    import contextlib, io, json, sys, tempfile, pathlib
+    sys.path.insert(0, "tests")
+    import jax
+    jax.config.update("jax_default_matmul_precision", "highest")
+    import openai
+    import tiny_hf
+    from serve_util import serve_in_thread
+    import dflash_jax as dj
+    from dflash_jax import sharding
+    from dflash_jax.cli import main
+    from dflash_jax.loading import Drafter
+    from dflash_jax.models import drafter as drafter_model
+    from dflash_jax.serve.app import build_app
+    from dflash_jax.serve.engine import Engine
+    from dflash_jax.serve.jobs import ServedModel
+    from dflash_jax.testing import tiny_drafter
+
+    assert len(jax.devices()) == 4, jax.devices()
+    folder = tiny_hf.make_tiny_hf(pathlib.Path(tempfile.mkdtemp()))
+    one, meshed = dj.load_target(folder), dj.load_target(folder, mesh="data=2,model=2")
+    wq = meshed.params["layers"][0]["wq"]
+    assert wq.sharding.shard_shape(wq.shape) == (wq.shape[0], wq.shape[1] // 2), wq.sharding
+    cfg, params = tiny_drafter(one.cfg, seed=3, layer_ids=(0, 1), block_size=4)
+    drafters = (Drafter(cfg=cfg, params=params, source="tiny"),
+                Drafter(cfg=cfg, params=sharding.shard_params(params, drafter_model.param_axes(cfg), meshed.mesh), source="tiny"))
+    prompts = [[5, 9, 17, 3, 40, 2], [40, 2, 7], [1, 2, 3, 4], [9, 9]]
+    for spec in (False, True):
+        kw = dict(n_max=3) if spec else {}
+        a = dj.generate(one, prompts, max_new_tokens=24, drafter=drafters[0] if spec else None, ignore_eos=True, **kw)
+        b = dj.generate(meshed, prompts, max_new_tokens=24, drafter=drafters[1] if spec else None, ignore_eos=True, **kw)
+        assert a.output_ids == b.output_ids, (spec, a.output_ids, b.output_ids)
+        if spec:
+            assert {k: a.stats[k] for k in ("drafted_tokens", "accepted_tokens")} == {k: b.stats[k] for k in ("drafted_tokens", "accepted_tokens")}
+
+    def cli(*extra):
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out):
+            assert main(["generate", "hello", "--target", str(folder), "--no-spec", "--max-new-tokens", "12", "--json", *extra]) == 0
+        return json.loads(out.getvalue())["output_ids"]
+
+    assert cli("--mesh", "data=2,model=2") == cli()
+
+    want = dj.generate(one, [[1, 2, 3]], max_new_tokens=16, drafter=drafters[0], n_max=3, ignore_eos=True).texts[0]
+    engine = Engine(ServedModel(meshed, drafters[1], name="tiny", n_max=3), max_batch=2, max_len=128)
+    url, stop = serve_in_thread(build_app(engine))
+    try:
+        c = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=300)
+        got = c.completions.create(model="tiny", prompt=[1, 2, 3], max_tokens=16, temperature=0, extra_body={"ignore_eos": True})
+        assert got.choices[0].text == want, (got.choices[0].text, want)
+        assert engine._batch.state.cache.k.sharding.mesh.shape["model"] == 2
+    finally:
+        stop()
+    print("OK")
+    """
+)
+
+
+@pytest.mark.slow
+def test_generate_the_cli_and_the_server_on_a_mesh_answer_as_on_one_device():
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=4")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    r = subprocess.run([sys.executable, "-c", _SCRIPT], cwd=root, env=env, capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-6000:]
+    assert "OK" in r.stdout
+
+
+@pytest.mark.parametrize("spec,what", [("data=2", "2 devices asked for, 1 available"), ("rows=2", "'rows=2'"),
+                                       ("data=0", "'data=0'"), ("data=2,data=1", "'data=1'"), ("", "got ''")])
+def test_a_bad_mesh_is_refused_before_anything_loads(capsys, spec, what):
+    assert main(["generate", "hi", "--mesh", spec]) == 2
+    err = capsys.readouterr().err
+    assert "--mesh" in err and what in err, err
