@@ -100,3 +100,18 @@ def serve_scripted():
     url, stop = serve_in_thread(build_app(engine))
     yield url, engine
     stop()
+
+
+def run_on_cpu_devices(script: str, devices: int = 4, timeout: float = 900) -> str:
+    """Runs ``script`` (``python -c``) from the repository root in a process with ``devices`` CPU
+    devices; asserts that it exits 0 and prints ``OK``; returns its stdout."""
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    r = subprocess.run([sys.executable, "-c", script], cwd=root, env=env, capture_output=True, text=True, timeout=timeout)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-6000:]
+    assert "OK" in r.stdout
+    return r.stdout

@@ -57,8 +57,10 @@ def test_dry_run_measures_every_section(dry_run):
     o = res["oracle_tests"]
     assert o["passed"] >= 1 and o["failed"] == 0 and not o["timed_out"], o
     assert (out / "oracle_tests.log").read_text().count(" PASSED") == o["passed"]
+    m = res["mesh"]
+    assert m["runs"] and m["same_tokens"] and m["error"] is None and m["devices"] == 1, m
     md = (out / "gpu_check.md").read_text(encoding="utf-8")
-    for heading in ("Oracle tests on the device", "Decode step and HBM bandwidth", "Decode step against live length", "Verify cost",
+    for heading in ("Oracle tests on the device", "Mesh", "Decode step and HBM bandwidth", "Decode step against live length", "Verify cost",
                     "DFlash tokens/s against acceptance", "Compile times"):
         assert f"### {heading}" in md and f"### {heading}" in stdout
     assert "Skipped" not in md

@@ -8,12 +8,10 @@ states out on it, and every answer is the one-device answer (float32, greedy; pl
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
+from conftest import run_on_cpu_devices
 
 from dflash_jax.cli import main
 
@@ -78,11 +76,7 @@ _SCRIPT = textwrap.dedent(
 
 @pytest.mark.slow
 def test_generate_the_cli_and_the_server_on_a_mesh_answer_as_on_one_device():
-    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=4")
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    r = subprocess.run([sys.executable, "-c", _SCRIPT], cwd=root, env=env, capture_output=True, text=True, timeout=900)
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-6000:]
-    assert "OK" in r.stdout
+    run_on_cpu_devices(_SCRIPT, 4)
 
 
 @pytest.mark.parametrize("spec,what", [("data=2", "2 devices asked for, 1 available"), ("rows=2", "'rows=2'"),

@@ -5,19 +5,17 @@ subprocess with ``--xla_force_host_platform_device_count=4``. Its oracle is the 
 with unsharded params and state: greedy tokens must match exactly.
 """
 
-import os
-import subprocess
-import sys
 import textwrap
 
 import jax
 import pytest
+from conftest import run_on_cpu_devices
 from jax.sharding import AbstractMesh, PartitionSpec as P
 
 from dflash_jax import decode
 from dflash_jax import sharding as shd
 from dflash_jax.cache import KV_AXES
-from dflash_jax.decoding import Decoding, Params
+from dflash_jax.decoding import Decoding
 from dflash_jax.errors import DFlashError
 from dflash_jax.models import dense, drafter
 from dflash_jax.testing import tiny_drafter, tiny_drafter_config, tiny_target, tiny_target_config
@@ -209,8 +207,4 @@ _MULTI_DEVICE = textwrap.dedent(
 
 @pytest.mark.slow
 def test_sharded_spec_generate_matches_unsharded():
-    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=4")
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    r = subprocess.run([sys.executable, "-c", _MULTI_DEVICE], cwd=root, env=env, capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-6000:]
-    assert "OK" in r.stdout
+    run_on_cpu_devices(_MULTI_DEVICE, 4, timeout=300)

@@ -21,7 +21,9 @@ random weights: speed does not depend on their values) with drafters of their re
   for chains and for best-first trees of 7 and 15 nodes (tree verification: what a wider verify pass
   costs on the device);
 - compile seconds of every program; bf16 and fp32;
-- the oracle tests (transformers parity, losslessness, exact sampling) with pytest on the device.
+- the oracle tests (transformers parity, losslessness, exact sampling) with pytest on the device;
+- whether the mesh path lowers and runs on the devices found (``--mesh``: a tiny model on a mesh of
+  every device, its tokens against one device's).
 
 The run keeps to a time budget: sections are done in priority order, and one that would not fit
 in what is left is skipped and named in the output. Results are rewritten after every section, so
@@ -51,7 +53,7 @@ import jax  # noqa: E402
 
 from benchlib import machine, write_section  # noqa: E402
 from dflash_jax.decoding import Decoding, Params  # noqa: E402
-from gpu_measure import Generation, clocked, copy_bandwidth, decode_at, dflash_at, oracle_tests, verify_cost  # noqa: E402
+from gpu_measure import Generation, clocked, copy_bandwidth, decode_at, dflash_at, mesh_check, oracle_tests, verify_cost  # noqa: E402
 from gpu_report import markdown  # noqa: E402
 from gpu_shapes import configs, random_models, tree_bytes  # noqa: E402
 
@@ -247,6 +249,8 @@ def check(plan: Plan, mode: str, out: Path, argv) -> dict:
     results["oracle_tests"] = oracle_tests(files, expr, min(plan.oracle_s, budget.left() / 3), jax.default_backend(),
                                            out / "oracle_tests.log")
     print(f"oracle tests: {results['oracle_tests']['passed']} passed, {results['oracle_tests']['failed']} failed", file=sys.stderr)
+    results["mesh"] = mesh_check()
+    print(f"mesh: {results['mesh']}", file=sys.stderr)
     results["copy_bandwidth"] = copy_bandwidth(plan.copy_bytes, plan.repeats)
     peak = H200_COPY_BW if gpu else results["copy_bandwidth"]["bytes_per_s"]
     results["peak_bytes_per_s"] = peak

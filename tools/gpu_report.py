@@ -97,6 +97,16 @@ def _compile(results: dict) -> str:
     return _table(["target", "dtype", "random weights s", "compile s (lowering included)"], rows) if rows else "Not measured."
 
 
+def _mesh(results: dict) -> str:
+    m = results.get("mesh")
+    if not m:
+        return "Not run."
+    if m.get("error"):
+        return f"A mesh over {m['devices']} device(s) failed: `{m['error']}`."
+    same = "the same tokens as one device" if m["same_tokens"] else "**other tokens than one device**"
+    return f"`generate` (plain and DFlash, greedy, a tiny model) on a mesh of {m['mesh']} runs and gives {same} ({m['seconds']:.1f} s)."
+
+
 def _oracle(results: dict) -> str:
     o = results.get("oracle_tests")
     if not o:
@@ -123,6 +133,7 @@ def markdown(results: dict) -> str:
         f"real shapes (`tools/gpu_shapes.py`), batch 1, capacity {params.get('capacity', '?')}, the on-device decode loop "
         "compiled ahead of time as `generate` does; each figure is the median of several runs after a warm-up.",
         "### Oracle tests on the device", _oracle(results),
+        "### Mesh", _mesh(results),
         "### Decode step and HBM bandwidth", _decode(results),
         "### Decode step against live length", _scaling(results),
         "### Verify cost", _verify(results),
