@@ -209,7 +209,8 @@ def main(argv=None) -> None:
     logs.mkdir(parents=True, exist_ok=True)
     m = machine()
     command = "python tools/bench_workloads.py " + " ".join(argv if argv is not None else sys.argv[1:])
-    lines = [f"{datetime.date.today()}, {m['cpu']} ({m['cores']} cores), JAX {m['jax']}; `{command}`; `dflash-jax serve` with its "
+    lines = ["### Serving workloads: mixed requests and prefix reuse (`tools/bench_workloads.py`)", "",
+             f"{datetime.date.today()}, {m['cpu']} ({m['cores']} cores), JAX {m['jax']}; `{command}`; `dflash-jax serve` with its "
              "defaults (the embedded default pair, DFlash) unless said.", ""]
     work = args.workloads.split(",")
     if "mixed" in work:
