@@ -83,9 +83,12 @@ def init_state(
     b = toks.shape[0]
     tokens = np.zeros((b, max_len), np.int32)
     tokens[:, : toks.shape[1]] = toks
-    max_new = np.broadcast_to(np.asarray(max_new_tokens, np.int32), (b,)).copy()
-    if (max_new < 1).any():
-        raise DFlashError("max_new_tokens (--max-new-tokens)", f"got {int(max_new.min())}", "an integer >= 1")
+    max_new = np.asarray(max_new_tokens)
+    if max_new.ndim > 1 or (max_new.ndim == 1 and max_new.shape[0] != b) or not np.issubdtype(max_new.dtype, np.integer) \
+            or (max_new < 1).any() or (max_new >= 2**31).any():
+        raise DFlashError("max_new_tokens (--max-new-tokens)", f"got {max_new_tokens!r}",
+                          f"an integer in [1, 2**31), or one per prompt ({b})")
+    max_new = np.broadcast_to(max_new.astype(np.int32), (b,)).copy()
     stops = _stop_rows(stop_ids, b)
     return DecodeState(
         tokens=jnp.asarray(tokens),
@@ -102,11 +105,11 @@ def init_state(
 def _stop_rows(stop_ids, rows: int) -> np.ndarray:
     """``[rows, n]`` int32 stop ids (``-1`` pads) from one list for all rows or one per row
     (DFlashError naming ``stop_ids`` otherwise)."""
-    how = "a list of integer token ids, or one such list per prompt"
+    how = "a list of token ids (integers >= 0; -1 pads), or one such list per prompt"
 
     def ids(x) -> list[int]:
         arr = None if isinstance(x, (str, bytes)) else np.asarray(x)
-        if arr is None or arr.ndim != 1 or (arr.size and not np.issubdtype(arr.dtype, np.integer)):
+        if arr is None or arr.ndim != 1 or (arr.size and (not np.issubdtype(arr.dtype, np.integer) or arr.min() < -1 or arr.max() >= 2**31)):
             raise DFlashError("stop_ids", f"got {stop_ids!r}", how)
         return [int(i) for i in arr]
 

@@ -11,15 +11,26 @@ same point of the program), and :func:`is_leader` says which process prints.
 
 from __future__ import annotations
 
+import os
+import sys
+
 import jax
 
 from dflash_jax.errors import DFlashError
+
+JOIN_TIMEOUT_S = 120
+"""Seconds a process waits for the others to join (JAX's default, 300, looked like a hang)."""
+HEARTBEAT_TIMEOUT_S = 30
+"""Seconds without a heartbeat after which JAX's coordination service ends the group (a process
+that died takes the others down with an error instead of leaving them blocked)."""
 
 
 def initialize(coordinator: str | None = None, num_processes: int | None = None, process_id: int | None = None) -> bool:
     """Joins the process group when any of the three is given (``--coordinator HOST:PORT``,
     ``--num-processes N``, ``--process-id I``); returns whether it did. Call it before anything
-    else uses JAX. On the CPU backend the processes' collectives run over gloo.
+    else uses JAX. On the CPU backend the processes' collectives run over gloo. It says on stderr
+    what it waits for: a process waits :data:`JOIN_TIMEOUT_S` for the others (then JAX ends it),
+    and one that dies later ends the group after :data:`HEARTBEAT_TIMEOUT_S`.
 
     Raises:
       DFlashError: a coordinator that is not ``HOST:PORT``, a count below 1 or an id outside
@@ -34,12 +45,27 @@ def initialize(coordinator: str | None = None, num_processes: int | None = None,
     if process_id is not None and not 0 <= process_id < (num_processes or process_id + 1):
         raise DFlashError("--process-id", f"got {process_id}", f"an integer in [0, {num_processes})")
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    _native_output_to_stderr()
+    who = f"process {process_id if process_id is not None else '?'} of {num_processes or '?'}"
+    print(f"dflash_jax: joining {who} at {coordinator or 'the cluster coordinator'} (waits up to {JOIN_TIMEOUT_S} s for the others)",
+          file=sys.stderr, flush=True)
     try:
-        jax.distributed.initialize(coordinator_address=coordinator, num_processes=num_processes, process_id=process_id)
+        jax.distributed.initialize(coordinator_address=coordinator, num_processes=num_processes, process_id=process_id,
+                                   initialization_timeout=JOIN_TIMEOUT_S, heartbeat_timeout_seconds=HEARTBEAT_TIMEOUT_S)
     except (RuntimeError, ValueError) as e:
         raise DFlashError("--coordinator", f"could not join the group of processes ({e})",
                           "every process started with the same --coordinator and --num-processes and its own --process-id") from e
     return True
+
+
+def _native_output_to_stderr() -> None:
+    """Points file descriptor 1 at stderr and Python's ``sys.stdout`` at the original stdout:
+    the collectives' native library prints a line for each group it connects
+    (``[Gloo] Rank 0 is connected to 1 peer ranks``) on stdout, which would break ``--json``."""
+    sys.stdout.flush()
+    out = os.dup(1)
+    os.dup2(2, 1)
+    sys.stdout = os.fdopen(out, "w", buffering=1, encoding=sys.stdout.encoding or "utf-8")
 
 
 def is_leader() -> bool:

@@ -63,8 +63,8 @@ class SamplingConfig:
             raise DFlashError("--top-k", f"got {self.top_k!r}", "an integer >= 0")
         if self.temperature < 0:
             raise DFlashError("--temperature", f"got {self.temperature}", "a value >= 0")
-        if self.top_k < 0:
-            raise DFlashError("--top-k", f"got {self.top_k}", "an integer >= 0")
+        if not 0 <= self.top_k < 2**31:
+            raise DFlashError("--top-k", f"got {self.top_k}", "an integer in [0, 2**31) (0: off)")
         if not 0.0 < self.top_p <= 1.0:
             raise DFlashError("--top-p", f"got {self.top_p}", "a value in (0, 1]")
 

@@ -209,3 +209,14 @@ def test_sampling_settings_belong_to_init_state(target):
     for bad in ([GREEDY] * 2, {"temperature": 1.0}):
         with pytest.raises(DFlashError, match="sampling"):
             decode.init_state(Decoding(cfg), PROMPTS, 48, 4, sampling=bad)
+
+
+@pytest.mark.parametrize("kw", [dict(max_new_tokens=2**40), dict(max_new_tokens=[4]), dict(max_new_tokens=4.5),
+                                dict(stop_ids=[10**12]), dict(stop_ids=[-5])])
+def test_init_state_refuses_values_beyond_int32_or_of_the_wrong_shape(kw):
+    """Each names its argument (an int32 overflow once escaped as a bare OverflowError)."""
+    cfg, _ = tiny_target("qwen3")
+    with pytest.raises(DFlashError, match=next(iter(kw))):
+        decode.init_state(Decoding(cfg), [[1, 2], [3]], 16, **{"max_new_tokens": 4, **kw})
+    with pytest.raises(DFlashError, match="--top-k"):
+        SamplingConfig(top_k=2**31)

@@ -83,6 +83,7 @@ def test_two_processes_answer_as_one_device(tmp_path):
     outs = [p.communicate(timeout=600) for p in procs]
     for p, (out, err) in zip(procs, outs):
         assert p.returncode == 0, out[-2000:] + err[-6000:]
+        assert "[Gloo]" not in out and "joining process" in err  # the collectives' lines go to stderr: stdout stays parseable
     got = [json.loads(next(line for line in out.splitlines() if line.startswith("RESULT"))[7:]) for out, _ in outs]
     assert got[0] == want
     assert {k: v for k, v in got[1].items() if k != "cli"} == {k: v for k, v in want.items() if k != "cli"} and got[1]["cli"] is None
@@ -95,3 +96,33 @@ def test_bad_process_options_are_refused_before_joining(capsys, argv, option):
     assert main(["generate", "hi", *argv]) == 2
     err = capsys.readouterr().err
     assert f"error: {option}:" in err, err
+
+
+_DIES = textwrap.dedent(
+    """
+    import os, sys, time
+    pid, port = int(sys.argv[1]), sys.argv[2]
+    from dflash_jax import distributed
+    distributed.initialize(f"127.0.0.1:{port}", 2, pid)
+    import numpy as np
+    from jax.experimental import multihost_utils
+    if pid == 1:
+        os._exit(3)  # dies after joining
+    time.sleep(2)
+    multihost_utils.process_allgather(np.arange(3))  # a collective the dead process never joins
+    print("NOT REACHED", flush=True)
+    """
+)
+
+
+@pytest.mark.slow
+def test_a_process_that_dies_ends_the_group_with_an_error_not_a_hang():
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    port = str(_free_port())
+    procs = [subprocess.Popen([sys.executable, "-c", _DIES, str(i), port], cwd=root, env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for i in range(2)]
+    (out, err), _ = procs[0].communicate(timeout=240), procs[1].communicate(timeout=240)
+    assert procs[1].returncode == 3
+    assert procs[0].returncode != 0 and "NOT REACHED" not in out
+    assert "stopped sending heartbeats" in err, err[-3000:]

@@ -26,7 +26,7 @@ def prefilled(model, prompt, prefix, rows=(0,)):
     _, target, drafter = model
     static = Decoding(target.cfg, drafter.cfg, n_max=3)
     batch = Batch(Params(target.params, drafter.params), static, 1, SERVE_MAX_LEN, 2, 64, prefix=prefix)
-    p = batch.start_prefill(list(rows), [prompt], [12], [0], [[-5]], [dj.SamplingConfig()])
+    p = batch.start_prefill(list(rows), [prompt], [12], [0], [[10**6]], [dj.SamplingConfig()])
     while not p.complete:
         batch.prefill_step(p)
     return batch, p
@@ -106,7 +106,7 @@ def test_a_second_request_sharing_a_prompt_reuses_its_blocks(serve_tiny, serve_t
         assert engine.metrics.prefix_hit_tokens._value.get() - before == 2 * BLOCK
 
 
-@pytest.mark.parametrize("mb", ["-1", "nan"])
+@pytest.mark.parametrize("mb", ["-1", "nan", "inf"])
 def test_serve_refuses_a_negative_prefix_budget(mb):
     from dflash_jax.cli import main
 

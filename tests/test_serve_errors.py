@@ -46,6 +46,7 @@ def finished(url, reason):
     (dict(CHAT, n=2), "n", "invalid_value"),
     (dict(CHAT, stop=[""]), "stop", "invalid_value"),
     (dict(CHAT, stop=["a", "b", "c", "d", "e"]), "stop", "invalid_value"),  # OpenAI's limit: 4
+    (dict(CHAT, top_k=2**31), "top_k", "invalid_value"),  # beyond int32: once a dead engine
     (dict(CHAT, n_max=9), "n_max", "invalid_value"),
     (dict(CHAT, tool_choice="required", tools=[{"type": "function", "function": {"name": "f"}}]), "tool_choice", "invalid_value"),
     (dict(CHAT, tools=[{"type": "function", "function": {"name": "f"}}]), "tools", "invalid_value"),  # the template takes none

@@ -94,7 +94,7 @@ def _check(args) -> None:
         raise DFlashError("--port", f"got {args.port}", "an integer in [1, 65535]")
     if not args.shutdown_timeout >= 0:
         raise DFlashError("--shutdown-timeout", f"got {args.shutdown_timeout}", "a number of seconds >= 0")
-    if not args.prefix_cache_mb >= 0:
+    if not 0 <= args.prefix_cache_mb < 2**40:
         raise DFlashError("--prefix-cache-mb", f"got {args.prefix_cache_mb}", "a number of MiB >= 0 (0: no prefix cache)")
 
 

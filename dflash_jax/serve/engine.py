@@ -245,9 +245,10 @@ class Engine:
             eos = list(self.model.target.eos_ids)
             group = self._batch.start_prefill(rows, [list(s.prompt) for s in specs], [s.max_new for s in specs], [s.seed for s in specs],
                                               [([] if s.ignore_eos else eos) + list(s.stop_ids) for s in specs], [s.sampling for s in specs])
-        except DFlashError as e:  # a prompt the checks let through: only these requests fail
+        except Exception as e:  # a request the checks let through: only these requests fail, the engine goes on
+            traceback.print_exception(type(e), e, e.__traceback__)
             for j in jobs:
-                j.post(Failed(str(e), 400))
+                j.post(Failed(str(e), 400) if isinstance(e, DFlashError) else Failed(f"{type(e).__name__}: {e}", 500))
             return
         self._reserved.update(rows)
         self._prefill = (group, jobs)

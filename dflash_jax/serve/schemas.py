@@ -84,7 +84,7 @@ class _Sampling(BaseModel):
     max_tokens: StrictInt | None = Field(default=None, ge=1)
     temperature: Number | None = Field(default=None, ge=0, le=2)
     top_p: Number | None = Field(default=None, gt=0, le=1)
-    top_k: StrictInt | None = Field(default=None, ge=0)
+    top_k: StrictInt | None = Field(default=None, ge=0, lt=2**31)
     seed: StrictInt | None = Field(default=None, ge=0, lt=2**63)
     stop: StrictStr | list[StrictStr] | None = None
     stream: StrictBool = False
