@@ -55,6 +55,9 @@ def initialize(coordinator: str | None = None, num_processes: int | None = None,
     except (RuntimeError, ValueError) as e:
         raise DFlashError("--coordinator", f"could not join the group of processes ({e})",
                           "every process started with the same --coordinator and --num-processes and its own --process-id") from e
+    if num_processes is not None and jax.process_count() != num_processes:  # the coordinator's count decides
+        raise DFlashError("--num-processes", f"{num_processes} here, but the group at {coordinator} has {jax.process_count()}",
+                          "the same --num-processes on every process")
     return True
 
 

@@ -126,3 +126,32 @@ def test_a_process_that_dies_ends_the_group_with_an_error_not_a_hang():
     assert procs[1].returncode == 3
     assert procs[0].returncode != 0 and "NOT REACHED" not in out
     assert "stopped sending heartbeats" in err, err[-3000:]
+
+
+_JOIN = textwrap.dedent(
+    """
+    import sys
+    from dflash_jax import distributed
+    from dflash_jax.errors import DFlashError
+    pid, port, n = int(sys.argv[1]), sys.argv[2], int(sys.argv[3])
+    try:
+        distributed.initialize(f"127.0.0.1:{port}", n, pid)
+    except DFlashError as e:
+        print("REFUSED", e, flush=True)
+        sys.exit(2)
+    print("JOINED", flush=True)
+    """
+)
+
+
+@pytest.mark.slow
+def test_a_process_told_another_process_count_is_refused():
+    """Process 1 says 3 processes where process 0 (the coordinator) said 2: process 1 stops with an
+    error naming --num-processes (it used to run on silently)."""
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    port = str(_free_port())
+    procs = [subprocess.Popen([sys.executable, "-c", _JOIN, str(i), port, n], cwd=root, env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for i, n in ((0, "2"), (1, "3"))]
+    outs = [p.communicate(timeout=240) for p in procs]
+    assert procs[1].returncode == 2 and "REFUSED --num-processes: 3 here, but the group" in outs[1][0], outs[1]
