@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import textwrap
 
 import jax
 import pytest
+from serve_util import free_port
 
 import dflash_jax as dj
 from dflash_jax.cli import main
@@ -56,12 +56,6 @@ _WORKER = textwrap.dedent(
 )
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.slow
 def test_two_processes_answer_as_one_device(tmp_path):
     import tiny_hf
@@ -77,7 +71,7 @@ def test_two_processes_answer_as_one_device(tmp_path):
     env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=2")
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     script = f"PROMPTS = {PROMPTS!r}\n" + _WORKER
-    port = str(_free_port())
+    port = str(free_port())
     procs = [subprocess.Popen([sys.executable, "-c", script, str(i), port, folder], cwd=root, env=env, stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True) for i in range(2)]
     outs = [p.communicate(timeout=600) for p in procs]
@@ -119,7 +113,7 @@ _DIES = textwrap.dedent(
 def test_a_process_that_dies_ends_the_group_with_an_error_not_a_hang():
     env = dict(os.environ, JAX_PLATFORMS="cpu")
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    port = str(_free_port())
+    port = str(free_port())
     procs = [subprocess.Popen([sys.executable, "-c", _DIES, str(i), port], cwd=root, env=env, stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True) for i in range(2)]
     (out, err), _ = procs[0].communicate(timeout=240), procs[1].communicate(timeout=240)
@@ -150,7 +144,7 @@ def test_a_process_told_another_process_count_is_refused():
     error naming --num-processes (it used to run on silently)."""
     env = dict(os.environ, JAX_PLATFORMS="cpu")
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    port = str(_free_port())
+    port = str(free_port())
     procs = [subprocess.Popen([sys.executable, "-c", _JOIN, str(i), port, n], cwd=root, env=env, stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True) for i, n in ((0, "2"), (1, "3"))]
     outs = [p.communicate(timeout=240) for p in procs]

@@ -53,7 +53,11 @@ def supports(state: DecodeState) -> bool:
 
 @functools.partial(jax.jit, static_argnames=("size",))
 def take_block(state: DecodeState, row, start, size: int = BLOCK) -> tuple:
-    """The rows ``[start, start + size)`` of row ``row`` of every array of :func:`_block_leaves`."""
+    """One block of one row: for every array of :func:`_block_leaves` (the target cache's K/V,
+    ``[L, B, S, Hkv, D]``, and the drafter context, ``[Ld, B, S, Hkv, D]``), its positions
+    ``[start, start + size)`` of row ``row`` (``[]`` int32 each), the batch axis dropped
+    (``[L, size, Hkv, D]``, the array's dtype). Positions past the capacity are clamped by
+    ``dynamic_slice``: callers take whole blocks inside a prompt."""
     flat = jax.tree_util.tree_leaves(state)
     return tuple(jnp.squeeze(jax.lax.dynamic_slice_in_dim(jax.lax.dynamic_slice_in_dim(flat[i], row, 1, b), start, size, s), b)
                  for i, b, s in _block_leaves(state))
@@ -61,7 +65,9 @@ def take_block(state: DecodeState, row, start, size: int = BLOCK) -> tuple:
 
 @functools.partial(jax.jit, donate_argnames=("state",))
 def put_block(state: DecodeState, row, start, block: tuple) -> DecodeState:
-    """``state`` with :func:`take_block`'s ``block`` written back at row ``row``, positions from ``start``."""
+    """``state`` (donated) with a :func:`take_block` ``block`` written into row ``row`` at positions
+    ``[start, start + size)`` (``[]`` int32 each) of every array of :func:`_block_leaves`, cast
+    to each array's dtype; everything else unchanged."""
     flat, tdef = jax.tree_util.tree_flatten(state)
     for (i, b, s), x in zip(_block_leaves(state), block):
         index = [jnp.int32(0)] * flat[i].ndim
