@@ -21,7 +21,7 @@ import sys
 import traceback
 from typing import Callable, Sequence
 
-from dflash_jax.cli_common import Parser, UsageError, int_list, integer, number, one_line
+from dflash_jax.cli_common import Parser, UsageError, add_process_options, int_list, integer, number, one_line
 from dflash_jax.cli_model import add_model_options, check_model_options, load_model
 from dflash_jax.serve import cli as serve_cli
 from dflash_jax.train import cli as train_cli
@@ -73,11 +73,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--prompt-ids", type=_prompt_ids, default=None, metavar="1,2,3", help="token ids instead of a text prompt")
     g.add_argument("--debug", action="store_true", help="show tracebacks on errors")
     g.add_argument("--json", action="store_true", help="print one JSON object (no streaming)")
-    g.add_argument("--coordinator", metavar="HOST:PORT", default=None,
-                   help="run as one of several processes (jax.distributed) whose process 0 listens here; with --mesh over "
-                   "every process's devices; process 0 prints")
-    g.add_argument("--num-processes", type=integer, default=None, metavar="N", help="processes in the group (with --coordinator)")
-    g.add_argument("--process-id", type=integer, default=None, metavar="I", help="this process's index in [0, N) (with --coordinator)")
+    add_process_options(g, "prints")
     serve_cli.add_arguments(sub.add_parser("serve", help="serve a model over an OpenAI-compatible API (dflash-jax serve --help)",
                                            **serve_cli.PARSER_TEXT))
     train_cli.add_arguments(sub.add_parser("train", help="train a DFlash drafter (dflash-jax train --help)", **train_cli.PARSER_TEXT))

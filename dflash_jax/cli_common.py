@@ -60,6 +60,17 @@ def int_list(text: str) -> tuple[int, ...]:
         raise argparse.ArgumentTypeError(f"got {text!r} (expected a comma-separated list of integers, e.g. 1,2,3)") from None
 
 
+def add_process_options(g, what: str) -> None:
+    """``--coordinator HOST:PORT --num-processes N --process-id I``, the names of
+    ``jax.distributed.initialize`` (:func:`dflash_jax.distributed.initialize`); ``what`` says what
+    process 0 does (prints, listens, ...)."""
+    g.add_argument("--coordinator", metavar="HOST:PORT", default=None,
+                   help=f"run as one of several processes (jax.distributed) whose process 0 listens here for the others; with --mesh "
+                   f"over every process's devices; process 0 {what}")
+    g.add_argument("--num-processes", type=integer, default=None, metavar="N", help="processes in the group (with --coordinator)")
+    g.add_argument("--process-id", type=integer, default=None, metavar="I", help="this process's index in [0, N) (with --coordinator)")
+
+
 def extra_message(prog: str, extras: Sequence[str]) -> str:
     """The usage error for arguments no option took."""
     first = extras[0]

@@ -76,6 +76,16 @@ def is_leader() -> bool:
     return jax.process_index() == 0
 
 
+def process_index() -> int:
+    """This process's index in the group (0 alone)."""
+    return jax.process_index()
+
+
+def process_count() -> int:
+    """The processes in the group (1 alone)."""
+    return jax.process_count()
+
+
 def fetch(tree):
     """``jax.device_get(tree)``, with every array split over devices of other processes gathered
     first (``multihost_utils.process_allgather``): a collective, so every process calls it at the
@@ -110,3 +120,76 @@ def leaders(tree):
     from jax.experimental import multihost_utils
 
     return multihost_utils.broadcast_one_to_all(tree)
+
+
+class Broadcast:
+    """Process 0's messages to every other process, in the order sent: the control plane of a
+    group whose process 0 decides what all of them run (a server's schedule, see
+    :mod:`dflash_jax.serve.follow`).
+
+    Messages go through the key-value store of JAX's coordination service (the one every process
+    joined in :func:`initialize`), not through a device collective: nothing is compiled, a message
+    of any size costs one round trip to the coordinator, and a process waiting for the next one
+    uses no device and no CPU however long the wait (a collective would time out under an idle
+    server). Message ``n`` is the key ``NAME/EPOCH/n``; every :data:`EPOCH` messages each process
+    says how far it has read, and process 0 deletes the epochs all have read, so a server running
+    for weeks keeps at most a few epochs in the coordinator's memory. Messages are pickled: they
+    are exchanged between the processes of one program, which all joined the same coordinator.
+
+    Args:
+      name: the channel's key prefix (one channel per name in a group).
+    """
+
+    EPOCH = 256
+
+    def __init__(self, name: str):
+        from jax._src import distributed as jax_distributed  # the coordination service's client (no public accessor)
+
+        self.name, self.sent = name, 0
+        self._client = jax_distributed.global_state.client
+        self._deleted = 0  # epochs below this are gone
+        if self._client is None:
+            raise DFlashError("--coordinator", "not given (a Broadcast needs a group of processes)", "--coordinator, --num-processes, --process-id")
+
+    def send(self, message) -> None:
+        """Sends ``message`` (anything picklable) to every other process (process 0 only)."""
+        import pickle
+
+        self._client.key_value_set_bytes(f"{self.name}/{self.sent // self.EPOCH}/{self.sent}", pickle.dumps(message))
+        self.sent += 1
+        if self.sent % self.EPOCH == 0:
+            self._forget_read()
+
+    def receive(self, poll_s: float = 10.0):
+        """The next message from process 0 (not process 0): waits as long as it takes; a process 0
+        that died ends this process through JAX's heartbeat (:data:`HEARTBEAT_TIMEOUT_S`).
+
+        Raises:
+          DFlashError: the coordination service failed (naming it).
+        """
+        import pickle
+
+        key = f"{self.name}/{self.sent // self.EPOCH}/{self.sent}"
+        while True:
+            try:
+                data = self._client.blocking_key_value_get_bytes(key, int(poll_s * 1000))
+                break
+            except jax.errors.JaxRuntimeError as e:
+                if "DEADLINE_EXCEEDED" not in str(e):
+                    raise DFlashError("--coordinator", f"the group's coordination service failed ({e})", "process 0 running") from e
+        self.sent += 1
+        if self.sent % self.EPOCH == 0:
+            self._client.key_value_set(f"{self.name}/read/{jax.process_index()}", str(self.sent // self.EPOCH), allow_overwrite=True)
+        return pickle.loads(data)
+
+    def _forget_read(self) -> None:
+        """Deletes the epochs every process has read (process 0, once an epoch)."""
+        read = []
+        for p in range(1, jax.process_count()):
+            try:
+                read.append(int(self._client.key_value_try_get(f"{self.name}/read/{p}")))
+            except jax.errors.JaxRuntimeError:  # NOT_FOUND: that process has not finished an epoch yet
+                read.append(0)
+        while self._deleted < min(read, default=self.sent // self.EPOCH):
+            self._client.key_value_delete(f"{self.name}/{self._deleted}")
+            self._deleted += 1

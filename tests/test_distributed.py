@@ -149,3 +149,46 @@ def test_a_process_told_another_process_count_is_refused():
                               stderr=subprocess.PIPE, text=True) for i, n in ((0, "2"), (1, "3"))]
     outs = [p.communicate(timeout=240) for p in procs]
     assert procs[1].returncode == 2 and "REFUSED --num-processes: 3 here, but the group" in outs[1][0], outs[1]
+
+
+_BROADCAST = textwrap.dedent(
+    """
+    import json, sys
+    pid, port = int(sys.argv[1]), sys.argv[2]
+    from dflash_jax import distributed
+    distributed.initialize(f"127.0.0.1:{port}", 2, pid)
+    from jax._src import distributed as jax_distributed
+    channel = distributed.Broadcast("t")
+    channel.EPOCH = 4
+    if pid == 0:
+        for i in range(40):
+            channel.send(("m", i, b"x" * i))
+    else:
+        got = [channel.receive() for _ in range(40)]
+        assert got == [("m", i, b"x" * i) for i in range(40)], got
+    assert distributed.everywhere(True)  # process 1 has read all 40
+    if pid == 0:
+        channel.send("last")
+        channel.send("last")
+        channel.send("last")
+        channel.send("last")  # the 44th: epochs everyone has read are deleted
+        keys = sorted(k for k, _ in jax_distributed.global_state.client.key_value_dir_get_bytes("t/"))
+        print("KEYS", json.dumps(keys), flush=True)
+    else:
+        assert [channel.receive() for _ in range(4)] == ["last"] * 4
+    assert distributed.everywhere(True)
+    """
+)
+
+
+def test_broadcast_delivers_in_order_and_forgets_what_every_process_read():
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    port = str(free_port())
+    procs = [subprocess.Popen([sys.executable, "-c", _BROADCAST, str(i), port], cwd=root, env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for i in range(2)]
+    outs = [p.communicate(timeout=240) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outs
+    keys = json.loads(next(line for line in outs[0][0].splitlines() if line.startswith("KEYS"))[5:])
+    # epochs 0-9 (messages 0-39) are gone, the 4 last messages of epoch 10 stay until read, and each follower's mark
+    assert keys == ["t/10/40", "t/10/41", "t/10/42", "t/10/43", "t/read/1"], keys

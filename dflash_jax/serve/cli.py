@@ -6,6 +6,10 @@ need it; ``/health`` stays open. SIGTERM and SIGINT stop the server gracefully
 ``--shutdown-timeout`` seconds to finish (then they end with an error, streamed ones with a final
 error event), exit code 0. If the engine dies, ``/health`` answers 503, the server stops and the
 command exits with 1.
+
+Several processes (``--coordinator``, ``--num-processes``, ``--process-id``, each process started
+with the same command but its id): process 0 listens and decides the schedule, the others run the
+same device programs (:mod:`~dflash_jax.serve.follow`); a SIGTERM to process 0 stops them all.
 """
 
 from __future__ import annotations
@@ -16,7 +20,7 @@ import signal
 import sys
 from pathlib import Path
 
-from dflash_jax.cli_common import integer, number
+from dflash_jax.cli_common import add_process_options, integer, number
 from dflash_jax.cli_model import add_model_options, check_model_options, load_model
 from dflash_jax.errors import DFlashError, option_error
 
@@ -53,6 +57,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="seconds running requests get to finish on SIGTERM/SIGINT (default 30)")
     p.add_argument("--max-body-bytes", type=integer, default=4 << 20, metavar="N", help="largest request body (default 4 MiB)")
     p.add_argument("--debug", action="store_true", help="show tracebacks on errors")
+    add_process_options(p, "listens on --host/--port and the others follow its schedule")
 
 
 def api_key(args, environ=None) -> str | None:
@@ -98,7 +103,7 @@ def _check(args) -> None:
         raise DFlashError("--prefix-cache-mb", f"got {args.prefix_cache_mb}", "a number of MiB >= 0 (0: no prefix cache)")
 
 
-def build_engine(args):
+def build_engine(args, channel=None):
     """Loads the model of the options and builds the engine (raises DFlashError for bad input)."""
     from dflash_jax.serve.engine import Engine
     from dflash_jax.serve.jobs import ServedModel
@@ -119,20 +124,41 @@ def build_engine(args):
     model = ServedModel(target, drafter, name=args.served_model_name or Path(target.source).name, n_max=n_max, tree=args.tree,
                         chat_template_kwargs=args.chat_template_kwargs)
     engine = Engine(model, max_batch=args.max_batch, max_len=args.max_len, max_queue=args.max_queue, chunk_size=args.chunk_size,
-                    steps_per_round=args.steps_per_round, metrics=Metrics(), prefix_cache_bytes=int(args.prefix_cache_mb * 2**20))
+                    steps_per_round=args.steps_per_round, metrics=Metrics(), prefix_cache_bytes=int(args.prefix_cache_mb * 2**20),
+                    channel=channel)
     return engine, why
 
 
 def run(args) -> int:
-    """Serves until SIGTERM/SIGINT (exit 0) or until the engine dies (exit 1)."""
+    """Serves until SIGTERM/SIGINT (exit 0) or until the engine dies (exit 1); a follower process
+    returns when process 0's engine stops (:func:`~dflash_jax.serve.follow.follow`)."""
+    from dflash_jax import distributed
+    from dflash_jax.serve import follow
+
+    distributed.initialize(args.coordinator, args.num_processes, args.process_id)  # before anything else uses JAX
+    _check(args)
+    key = api_key(args)
+    channel = distributed.Broadcast("dflash_jax/serve") if distributed.process_count() > 1 else None
+    engine, why = build_engine(args, channel if distributed.is_leader() else None)
+    if channel is not None:
+        follow.handshake(channel, args)
+        if not distributed.is_leader():
+            return follow.follow(engine, channel)
+    try:
+        return _listen(args, engine, key, why)
+    finally:
+        if channel is not None:  # the followers stop with the engine
+            engine.stop(0)
+            channel.send(("stop", (engine.error is None,)))
+
+
+def _listen(args, engine, key, why) -> int:
+    """Runs uvicorn around ``engine`` until a signal or the engine's death (:func:`run`)."""
     import uvicorn
 
     from dflash_jax.serve.app import build_app
     from dflash_jax.serve.shutdown import DrainingServer
 
-    _check(args)
-    key = api_key(args)
-    engine, why = build_engine(args)
     app = build_app(engine, api_key=key, max_body_bytes=args.max_body_bytes, shutdown_timeout=args.shutdown_timeout)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level="info", timeout_graceful_shutdown=args.shutdown_timeout)
     server = DrainingServer(config, engine, args.shutdown_timeout)

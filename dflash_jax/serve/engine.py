@@ -35,6 +35,7 @@ import numpy as np
 from dflash_jax import progress
 from dflash_jax.errors import DFlashError
 from dflash_jax.serve.batch import Batch, Prefill, bucket
+from dflash_jax.serve.follow import Mirrored
 from dflash_jax.serve.jobs import MAX_STOPS, Done, Failed, Job, ServedModel, Text
 from dflash_jax.serve.prefix_cache import PrefixCache
 from dflash_jax.state import FINISH_REASONS, RUNNING
@@ -70,13 +71,16 @@ class Engine:
       prefix_cache_bytes: the prefix cache's budget (:mod:`~dflash_jax.serve.prefix_cache`; 0: off).
       metrics: a :class:`~dflash_jax.serve.metrics.Metrics` or ``None``.
       on_death: called (from the engine thread) with the exception that ended the engine.
+      channel: with several processes, process 0's :class:`~dflash_jax.distributed.Broadcast` to
+        the followers (:mod:`~dflash_jax.serve.follow`): the batch's device calls are sent on it.
     """
 
     def __init__(self, model: ServedModel, max_batch: int = 16, max_len: int = 1024, max_queue: int = 256,
-                 chunk_size: int = 256, steps_per_round: int = 4, metrics=None, on_death=None, prefix_cache_bytes: int = 1 << 30):
+                 chunk_size: int = 256, steps_per_round: int = 4, metrics=None, on_death=None, prefix_cache_bytes: int = 1 << 30,
+                 channel=None):
         self.model, self.max_batch, self.max_len, self.max_queue = model, max_batch, max_len, max_queue
         self.chunk_size, self.steps_per_round, self.metrics, self.on_death = chunk_size, steps_per_round, metrics, on_death
-        self.tokenizer = model.target.tokenizer
+        self.tokenizer, self.channel = model.target.tokenizer, channel
         self.prefix = PrefixCache(prefix_cache_bytes) if prefix_cache_bytes > 0 else None
         self._queue: collections.deque[Job] = collections.deque()
         self._cv = threading.Condition()
@@ -270,13 +274,21 @@ class Engine:
                 r.row = i
 
     def _switch(self, static) -> None:
-        """A fresh batch of one row under ``static``: room for EOS and a request's stop ids per row."""
+        """A fresh batch of one row under ``static`` (:meth:`new_batch`)."""
         self._batch = None  # free the old batch's buffers first
-        stop_width = len(self.model.target.eos_ids) + MAX_STOPS
-        self._batch = Batch(self.model.params, static, 1, self.max_len, stop_width, self.chunk_size, self.model.depth_params, self.prefix,
-                            self.model.target.mesh)
+        if self.channel is not None:
+            self.channel.send(("switch", (static,)))
+        self._batch = self.new_batch(static)
         self._rows = [None]
         self._static = static
+
+    def new_batch(self, static) -> Batch:
+        """A batch of one free row under ``static``, with room for EOS and a request's stop ids per
+        row (:class:`~dflash_jax.serve.follow.Mirrored` when the engine has a ``channel``)."""
+        stop_width = len(self.model.target.eos_ids) + MAX_STOPS
+        batch = Batch(self.model.params, static, 1, self.max_len, stop_width, self.chunk_size, self.model.depth_params, self.prefix,
+                      self.model.target.mesh)
+        return batch if self.channel is None else Mirrored(batch, self.channel)
 
     def _decode(self) -> None:
         """Up to ``steps_per_round`` steps on device (back early when one more row finishes)."""
