@@ -190,5 +190,5 @@ def test_broadcast_delivers_in_order_and_forgets_what_every_process_read():
     outs = [p.communicate(timeout=240) for p in procs]
     assert [p.returncode for p in procs] == [0, 0], outs
     keys = json.loads(next(line for line in outs[0][0].splitlines() if line.startswith("KEYS"))[5:])
-    # epochs 0-9 (messages 0-39) are gone, the 4 last messages of epoch 10 stay until read, and each follower's mark
-    assert keys == ["t/10/40", "t/10/41", "t/10/42", "t/10/43", "t/read/1"], keys
+    # epochs 0-9 (messages 0-39) are gone; epoch 10 too if process 1 had read it when the 44th went out; the follower's mark stays
+    assert keys in (["t/10/40", "t/10/41", "t/10/42", "t/10/43", "t/read/1"], ["t/read/1"]), keys
