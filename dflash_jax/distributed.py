@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import sys
+import warnings
 
 import jax
 
@@ -27,7 +28,9 @@ that died takes the others down with an error instead of leaving them blocked)."
 
 def initialize(coordinator: str | None = None, num_processes: int | None = None, process_id: int | None = None) -> bool:
     """Joins the process group when any of the three is given (``--coordinator HOST:PORT``,
-    ``--num-processes N``, ``--process-id I``); returns whether it did. Call it before anything
+    ``--num-processes N``, ``--process-id I``), or when none is but a cluster manager runs this
+    program as one of several processes (SLURM's ``srun -n 2``, ``mpirun``, a TPU pod: JAX reads
+    the three from it); returns whether it did. Call it before anything
     else uses JAX. On the CPU backend the processes' collectives run over gloo. It says on stderr
     what it waits for: a process waits :data:`JOIN_TIMEOUT_S` for the others (then JAX ends it),
     and one that dies later ends the group after :data:`HEARTBEAT_TIMEOUT_S`.
@@ -37,7 +40,11 @@ def initialize(coordinator: str | None = None, num_processes: int | None = None,
         ``[0, N)`` (naming the option), or a group that could not be joined.
     """
     if coordinator is None and num_processes is None and process_id is None:
-        return False
+        cluster = _cluster_of_several()
+        if cluster is None:
+            return False
+        print(f"dflash_jax: {cluster} found: joining its processes (--coordinator, --num-processes, --process-id from it)",
+              file=sys.stderr, flush=True)
     if coordinator is not None and (":" not in coordinator or not coordinator.rsplit(":", 1)[1].isdigit()):
         raise DFlashError("--coordinator", f"got {coordinator!r}", "HOST:PORT of process 0, e.g. 127.0.0.1:1234")
     if num_processes is not None and num_processes < 1:
@@ -59,6 +66,21 @@ def initialize(coordinator: str | None = None, num_processes: int | None = None,
         raise DFlashError("--num-processes", f"{num_processes} here, but the group at {coordinator} has {jax.process_count()}",
                           "the same --num-processes on every process")
     return True
+
+
+def _cluster_of_several() -> str | None:
+    """The name of the cluster manager JAX detects from the environment (SLURM, Open MPI, a TPU
+    pod, Kubernetes), when it runs this program as one of several processes; ``None`` otherwise
+    (one process, or no manager: nothing to join)."""
+    from jax._src import clusters  # JAX's own detection (what jax.distributed.initialize() uses); no public accessor
+
+    try:
+        with warnings.catch_warnings():  # Kubernetes without its client package warns: not ours to say
+            warnings.simplefilter("ignore")
+            env = next((c for c in clusters.ClusterEnv._cluster_types if not c.opt_in_only_method and c.is_env_present()), None)
+            return None if env is None or env.get_process_count() < 2 else env.__name__
+    except Exception:  # a manager's variables half set, or its metadata server unreachable: run as one process
+        return None
 
 
 def _native_output_to_stderr() -> None:

@@ -192,3 +192,23 @@ def test_broadcast_delivers_in_order_and_forgets_what_every_process_read():
     keys = json.loads(next(line for line in outs[0][0].splitlines() if line.startswith("KEYS"))[5:])
     # epochs 0-9 (messages 0-39) are gone; epoch 10 too if process 1 had read it when the 44th went out; the follower's mark stays
     assert keys in (["t/10/40", "t/10/41", "t/10/42", "t/10/43", "t/read/1"], ["t/read/1"]), keys
+
+
+@pytest.mark.slow
+def test_processes_started_by_a_cluster_manager_join_without_options(tmp_path):
+    """Under SLURM (``srun -n 2`` sets these variables) ``generate`` with no process options joins
+    the group JAX detects, and answers as one process does."""
+    import tiny_hf
+
+    folder = str(tiny_hf.make_tiny_hf(tmp_path / "tiny"))
+    want = dj.generate(dj.load_target(folder), [[5, 9, 17]], max_new_tokens=8, ignore_eos=True).output_ids[0]
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    slurm = dict(SLURM_JOB_ID="4242", SLURM_STEP_NODELIST="localhost", SLURM_NTASKS="2", JAX_COORDINATOR_PORT=str(free_port()))
+    procs = [subprocess.Popen([sys.executable, "-m", "dflash_jax", "generate", "--prompt-ids", "5,9,17", "--target", folder, "--no-spec",
+                               "--max-new-tokens", "8", "--ignore-eos", "--json", "--mesh", "data=2"], cwd=root,
+                              env=dict(os.environ, JAX_PLATFORMS="cpu", SLURM_PROCID=str(i), SLURM_LOCALID=str(i), **slurm),
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(2)]
+    outs = [p.communicate(timeout=240) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outs
+    assert all("SlurmCluster found: joining its processes" in err for _, err in outs), outs
+    assert json.loads(outs[0][0])["output_ids"] == want and outs[1][0] == ""
