@@ -182,6 +182,7 @@ def _run_generate(args, target, prompt_ids, **kwargs):
 
 def _generate(args) -> int:
     from dflash_jax import progress
+    from dflash_jax.errors import DFlashError, option_error
     from dflash_jax.sampling import SamplingConfig
 
     from dflash_jax import distributed
@@ -190,7 +191,10 @@ def _generate(args) -> int:
     _check_options(args)
     leader = distributed.is_leader()
     progress.verbose(sys.stderr.isatty() and leader)  # loading and compile times (DFLASH_JAX_PROGRESS=1/0: always/never)
-    sampling = SamplingConfig(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
+    try:
+        sampling = SamplingConfig(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
+    except DFlashError as e:
+        raise option_error(e) from e
     target, drafter, n_max, why = load_model(args)
     prompt_ids = _prompt(args, target)
     out = sys.stdout if leader else io.StringIO()  # every process runs the same steps; process 0 prints

@@ -58,15 +58,15 @@ class SamplingConfig:
         for name in ("temperature", "top_p"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, numbers.Real) or not math.isfinite(v):
-                raise DFlashError("--" + name.replace("_", "-"), f"got {v!r}", "a finite number")
+                raise DFlashError(f"{name} (--{name.replace('_', '-')})", f"got {v!r}", "a finite number")
         if isinstance(self.top_k, bool) or not isinstance(self.top_k, numbers.Integral):
-            raise DFlashError("--top-k", f"got {self.top_k!r}", "an integer >= 0")
+            raise DFlashError("top_k (--top-k)", f"got {self.top_k!r}", "an integer >= 0")
         if self.temperature < 0:
-            raise DFlashError("--temperature", f"got {self.temperature}", "a value >= 0")
+            raise DFlashError("temperature (--temperature)", f"got {self.temperature}", "a value >= 0")
         if not 0 <= self.top_k < 2**31:
-            raise DFlashError("--top-k", f"got {self.top_k}", "an integer in [0, 2**31) (0: off)")
+            raise DFlashError("top_k (--top-k)", f"got {self.top_k}", "an integer in [0, 2**31) (0: off)")
         if not 0.0 < self.top_p <= 1.0:
-            raise DFlashError("--top-p", f"got {self.top_p}", "a value in (0, 1]")
+            raise DFlashError("top_p (--top-p)", f"got {self.top_p}", "a value in (0, 1]")
 
     @property
     def greedy(self) -> bool:

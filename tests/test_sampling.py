@@ -85,7 +85,8 @@ def test_bad_settings_name_the_option(kw, opt):
 def test_non_finite_and_mistyped_values_are_refused(kw, opt):
     with pytest.raises(DFlashError) as e:
         SamplingConfig(**kw)
-    assert str(e.value).startswith(opt + ": ") and "(expected " in str(e.value)
+    # the API's argument, then the command line's option (which the command line reports alone)
+    assert str(e.value).startswith(f"{opt[2:].replace('-', '_')} ({opt}): ") and "(expected " in str(e.value)
 
 
 def test_numpy_scalars_are_accepted():
