@@ -210,5 +210,8 @@ class Batch:
         self.state = release_rows(self.state, jnp.asarray(mask))
 
     def row_stats(self, row: int) -> dict | None:
-        """The speculative statistics of one row and the batch's tree (``None`` under plain decoding)."""
-        return dict(spec_stats(self.state, [row]), tree=self.static.tree) if self.static.speculative else None
+        """The speculative statistics of one row and the batch's tree (``None`` under plain
+        decoding); ``n_max`` is ``"auto"`` under the adaptive depth, else the drafted depth."""
+        if not self.static.speculative:
+            return None
+        return dict(spec_stats(self.state, [row], n_max="auto" if self.static.adaptive else None), tree=self.static.tree)

@@ -151,7 +151,7 @@ class SpeculativeStats(BaseModel):
     accepted_per_position: list[float]
     drafted_tokens: int
     accepted_tokens: int
-    n_max: int
+    n_max: int | Literal["auto"]
     tree: int | None = None
 
 
