@@ -239,10 +239,9 @@ def train(out_dir: str | os.PathLike, target_params, target_cfg: TargetConfig, c
         (:func:`dflash_jax.sharding.parse_mesh`): the step runs on it (module docstring); with
         several processes every process calls :func:`train` alike.
     Returns:
-      ``(state, summary)``: summary has ``start`` (the step it resumed at, 0 for a new run),
-      ``step``, ``finished`` (bool), ``seconds``,
-      ``tokens_seen``, the last metrics and tau (process 0), and ``draft_ids`` (``[Vd]`` int32 or
-      ``None``). On a mesh the state's arrays are laid out on it.
+      ``(state, summary)``: summary has ``start`` (the step it resumed at, 0 for a new run), ``step``,
+      ``finished`` (bool), ``seconds``, ``tokens_seen``, the last metrics and tau (process 0) and
+      ``draft_ids`` (``[Vd]`` int32 or ``None``). On a mesh the state's arrays are laid out on it.
     Raises:
       DFlashError: settings that differ from the checkpointed run's; a batch size that the
         mesh's ``data`` axis does not divide (naming ``--batch-size`` and ``--mesh``).
@@ -255,10 +254,10 @@ def train(out_dir: str | os.PathLike, target_params, target_cfg: TargetConfig, c
     step_params = target_params if mesh is None else place_target(target_params, target_cfg, mesh)
     ckpt_dir, start = Path(out_dir) / "checkpoints", int(distributed.fetch(state.step))
 
-    def do_eval(step):
+    def do_eval(step):  # every process records the step (the same decisions follow); process 0 measures
         params = state.params if mesh is None else distributed.fetch(state.params)  # a collective: every process
-        if not eval_prompts or not distributed.is_leader():
-            return None
+        if not distributed.is_leader():
+            return run.tau(step, {}) and None
         return run.tau(step, evaluate_tau(target_params, target_cfg, params, cfg, eval_prompts, eval_max_new, stop_ids, draft_ids=draft_ids))
 
     last_tau = run.tau_curve[-1] if run.tau_curve else None
@@ -277,7 +276,8 @@ def train(out_dir: str | os.PathLike, target_params, target_cfg: TargetConfig, c
                     on_step(step, metrics)
                 if eval_every and step % eval_every == 0 and step < tc.steps and eval_prompts:
                     last_tau = do_eval(step)
-                    bar.write(f"step {step}: tau {last_tau['tau']:.3f}" if last_tau else "")
+                    if last_tau:
+                        bar.write(f"step {step}: tau {last_tau['tau']:.3f}")
                 if step == tc.steps:
                     finished = True
                     break
