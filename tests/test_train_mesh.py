@@ -166,3 +166,15 @@ def test_two_processes_resume_from_a_checkpoint_to_the_uninterrupted_parameters(
     assert [(r["loss"], r["tokens_seen"]) for r in logs[1]] == [(r["loss"], r["tokens_seen"]) for r in logs[0]]
     tau = [json.loads((tmp_path / d / "tau_curve.json").read_text()) for d in ("full", "part")]
     assert [r["step"] for r in tau[0]] == [0, 6] and tau[1] == [dict(r, seconds=r2["seconds"]) for r, r2 in zip(tau[0], tau[1])]
+
+
+@pytest.mark.parametrize("argv,what", [(["--mesh", "data=2"], "error: --mesh: "),  # this process has 1 device
+                                       (["--mesh", "rows=2"], "error: --mesh: "),
+                                       (["--coordinator", "nohost"], "error: --coordinator: "),
+                                       (["--coordinator", "127.0.0.1:1", "--num-processes", "2", "--process-id", "2"], "error: --process-id: ")])
+def test_bad_mesh_and_process_options_of_train_are_refused_before_anything_loads(capsys, tmp_path, argv, what):
+    from dflash_jax.train.cli import main
+
+    assert main(["--data", str(tmp_path / "nowhere"), "--out", str(tmp_path / "o"), "--mask-token-id", "16", *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(what) and err.count("\n") == 1, err
