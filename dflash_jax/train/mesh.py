@@ -77,8 +77,9 @@ def place_target(target_params, target_cfg: TargetConfig, mesh: Mesh):
 
 
 def rows_of_process(mesh: Mesh, batch_size: int) -> tuple[int, int]:
-    """``(lo, hi)``: the rows of a ``batch_size``-row batch that this process's devices hold
-    (rows over ``data``); ``(0, batch_size)`` with one process."""
+    """``(lo, hi)``: the span of the rows of a ``batch_size``-row batch that this process's
+    devices hold (rows over ``data``; contiguous for :func:`dflash_jax.sharding.make_mesh`, whose
+    processes own consecutive devices); ``(0, batch_size)`` with one process."""
     sh = NamedSharding(mesh, PartitionSpec("data"))
     spans = [idx[0].indices(batch_size)[:2] for idx in sh.addressable_devices_indices_map((batch_size,)).values()]
     return min(a for a, _ in spans), max(b for _, b in spans)
