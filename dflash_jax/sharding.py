@@ -296,6 +296,12 @@ def shard_state(state, mesh: Mesh, rules: ShardingRules = DEFAULT_RULES, strict:
     return _put(state, state_shardings(state, mesh, rules, strict))
 
 
+def place(tree, shardings):
+    """``tree`` (arrays or numpy arrays, the same values on every process) laid out with
+    ``shardings`` (a tree of :class:`NamedSharding` shaped like it); see :func:`_put`."""
+    return _put(tree, shardings)
+
+
 def _put(tree, shardings):
     """``jax.device_put(tree, shardings)``; across processes (:mod:`dflash_jax.distributed`)
     through the host, where each process holds the same values: an array on this process's

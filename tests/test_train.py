@@ -657,3 +657,42 @@ def test_plot_training_curve_tool(tmp_path, capsys):
         err = capsys.readouterr().err
         assert e.value.code == 2 and f"{bad}: {needle}" in err
     assert not (tmp_path / "d.png").exists()
+
+
+def test_checkpoints_roundtrip_and_an_older_safetensors_checkpoint_still_resumes(tmp_path):
+    """A checkpoint of the earlier writer (safetensors + state.json) is found and restored exactly;
+    the orbax checkpoint written after it restores the same state bit for bit (step, PRNG key,
+    cursor) and, with ``keep=1``, replaces it."""
+    from dflash_jax.io.files import write_safetensors
+    from dflash_jax.testing import tiny_drafter_config, tiny_target_config
+    from dflash_jax.train.checkpoint import load_checkpoint, save_checkpoint
+    from dflash_jax.train.step import TrainState, init_train_state
+
+    d_cfg = tiny_drafter_config(tiny_target_config(), layer_ids=(0, 2), block_size=4)
+    template = init_train_state(d_cfg, TC)
+    bump = lambda tree, k: jax.tree_util.tree_map(lambda x: np.asarray(x) + k, tree)
+    flat = lambda tree: {jax.tree_util.keystr(p, simple=True, separator="."): np.asarray(v)
+                         for p, v in jax.tree_util.tree_flatten_with_path(tree)[0]}
+    old = tmp_path / "checkpoints" / "step_00000007"
+    old.mkdir(parents=True)
+    write_safetensors(old / "params.safetensors", flat(bump(template.params, 1)))
+    write_safetensors(old / "opt_state.safetensors", flat(bump(template.opt_state, 2)))
+    key = jax.random.key(11)
+    (old / "state.json").write_text(json.dumps({"step": 7, "rng": np.asarray(jax.random.key_data(key)).tolist(),
+                                                "rng_impl": str(jax.random.key_impl(key)), "cursor": {"sample": 42}}))
+    assert latest_checkpoint(tmp_path / "checkpoints") == old
+    st, meta = load_checkpoint(old, template)
+    assert int(st.step) == 7 and meta["cursor"] == {"sample": 42}
+    np.testing.assert_array_equal(jax.random.key_data(st.rng), jax.random.key_data(key))
+    for x, y in zip(jax.tree_util.tree_leaves((st.params, st.opt_state)),
+                    jax.tree_util.tree_leaves((bump(template.params, 1), bump(template.opt_state, 2)))):
+        np.testing.assert_array_equal(np.asarray(x), y)
+    st = TrainState(params=st.params, opt_state=st.opt_state, rng=jax.random.split(st.rng)[0], step=st.step + 1)
+    new = save_checkpoint(tmp_path / "checkpoints", st, {"cursor": {"sample": 48}}, keep=1)
+    assert new.name == "step_00000008" and latest_checkpoint(tmp_path / "checkpoints") == new and not old.exists()
+    back, meta = load_checkpoint(new, template)
+    assert int(back.step) == 8 and meta["cursor"] == {"sample": 48} and meta["step"] == 8
+    np.testing.assert_array_equal(jax.random.key_data(back.rng), jax.random.key_data(st.rng))
+    for x, y in zip(jax.tree_util.tree_leaves((back.params, back.opt_state)), jax.tree_util.tree_leaves((st.params, st.opt_state))):
+        assert x.dtype == y.dtype
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))

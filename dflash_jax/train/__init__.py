@@ -9,7 +9,8 @@ Modules:
 * :mod:`dflash_jax.train.data` -- deterministic batches (and the two modules above, re-exported);
 * :mod:`dflash_jax.train.optim` -- training settings, AdamW with warmup and decay;
 * :mod:`dflash_jax.train.step` -- the training state and the jitted step;
-* :mod:`dflash_jax.train.checkpoint` -- exact-resume checkpoints;
+* :mod:`dflash_jax.train.mesh` -- the step on a device mesh, over one process or several;
+* :mod:`dflash_jax.train.checkpoint` -- exact-resume checkpoints (orbax);
 * :mod:`dflash_jax.train.evaluation` -- tau with the speculative loop, the training curve;
 * :mod:`dflash_jax.train.trainer` -- the driver that runs, pauses and resumes a run;
 * :mod:`dflash_jax.train.export` -- writing the z-lab checkpoint layout;

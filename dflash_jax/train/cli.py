@@ -12,6 +12,11 @@ Rerunning the same command resumes from the newest checkpoint in ``--out`` (the 
 be the same); ``--time-limit`` / ``--stop-at`` pause a run so that no single command has to run
 for long. When the last step is done the drafter is exported in the z-lab layout to
 ``--export`` (default ``<out>/drafter``) with ``training_curve.csv`` (tau versus training tokens).
+
+Beyond one device: ``--mesh data=D,model=M`` runs each step on a device mesh (rows of the batch
+over data, the drafter's and the target's heads and MLP over model); with ``--coordinator
+HOST:PORT --num-processes N --process-id I`` every process runs the same command, reads its own
+rows and writes its shards of each checkpoint; process 0 prints, logs and exports.
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ import time
 from pathlib import Path
 
 from dflash_jax import draft_vocab
-from dflash_jax.cli_common import Parser, UsageError, choices_metavar, int_list, integer, number, one_line, one_of
+from dflash_jax.cli_common import Parser, UsageError, add_process_options, choices_metavar, int_list, integer, number, one_line, one_of
 from dflash_jax.errors import DFlashError, option_error
 from dflash_jax.train.optim import COMPUTE_DTYPES, DECAYS
 
@@ -96,6 +101,11 @@ def add_arguments(ap: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--export-dtype", type=one_of(*EXPORT_DTYPES), metavar=choices_metavar(*EXPORT_DTYPES), default="bfloat16",
                    help="dtype of the exported drafter's weights (default bfloat16)")
     g.add_argument("--no-progress", action="store_true", help="no progress bars (feature caching, training) on stderr")
+    g = ap.add_argument_group("devices and processes")
+    g.add_argument("--mesh", metavar="AXES", default=None,
+                   help="train on a device mesh, e.g. data=2 or data=2,model=2 (batch rows over data, heads and MLP width over "
+                   "model; --batch-size a multiple of data; default: one device)")
+    add_process_options(g, "prints and writes the logs and the export")
     return ap
 
 
@@ -212,24 +222,71 @@ def main(argv=None) -> int:
 def run(args, argv) -> int:
     """Trains with parsed ``args`` (``argv``: the arguments as given, recorded with the export);
     returns 0, or 2 after printing a one-line error for bad input."""
+    from dflash_jax import distributed
+
     try:
+        distributed.initialize(args.coordinator, args.num_processes, args.process_id)  # before anything else uses JAX
         return _run(args, argv)
     except DFlashError as e:
         print(f"error: {one_line(option_error(e))}", file=sys.stderr)
         return 2
 
 
+def _features(args, out: Path, ds, target, cfg):
+    """The target-feature cache of ``--features`` / ``<out>/features`` (built when missing or
+    unusable; with several processes process 0 builds it on its own devices while the others
+    wait, then they read it), or ``None`` with ``--no-feature-cache``."""
+    import jax
+
+    from dflash_jax import distributed
+    from dflash_jax.train.features import FeatureCache, target_fingerprint
+
+    if args.no_feature_cache:
+        return None
+    fdir = Path(args.features) if args.features else out / "features"
+    fp = target_fingerprint(target.cfg, target.params)
+
+    def load():
+        try:
+            f = FeatureCache.load(fdir, ds, cfg.target_layer_ids, target=fp)
+            return None if args.labels == "target" and f.next_tokens is None else f
+        except (DFlashError, FileNotFoundError):
+            return None
+
+    features = load()
+    if jax.process_count() > 1 and not distributed.everywhere(features is not None):
+        if distributed.is_leader() and features is None:
+            _build_features(args, fdir, ds, target, cfg)
+        distributed.everywhere(True)  # the others wait for process 0's cache
+        features = load()
+        if features is None:
+            raise DFlashError(str(fdir), "not readable by every process after process 0 built it", "a folder all processes share")
+    elif features is None:
+        features = _build_features(args, fdir, ds, target, cfg)
+    return features
+
+
+def _build_features(args, fdir: Path, ds, target, cfg):
+    from dflash_jax.train.features import cache_features
+
+    return cache_features(target.params, target.cfg, ds, cfg.target_layer_ids, fdir, post_norm_last=cfg.post_norm_last,
+                          next_tokens=args.labels == "target", progress=not args.no_progress)
+
+
 def _run(args, argv) -> int:
-    from dflash_jax.loading import fingerprint_of, load_target
+    from dflash_jax import distributed
+    from dflash_jax.loading import load_target
+    from dflash_jax.sharding import describe, parse_mesh
     from dflash_jax.train.data import Batcher, count_valid_anchors
     from dflash_jax.train.dataset import TokenDataset
-    from dflash_jax.train.features import FeatureCache, cache_features, target_fingerprint
-    from dflash_jax.train.export import export_drafter
-    from dflash_jax.train.evaluation import write_training_curve
+    from dflash_jax.train.mesh import check_batch_size
     from dflash_jax.train.optim import TrainConfig
     from dflash_jax.train.trainer import train
 
-    out = Path(args.out)
+    mesh = None if args.mesh is None else parse_mesh(args.mesh)
+    if mesh is not None:
+        check_batch_size(mesh, args.batch_size)  # before anything loads
+    leader, out = distributed.is_leader(), Path(args.out)
     ds = TokenDataset.load(args.data)  # before the target: a bad --data fails in a moment
     target = load_target(args.target)
     cfg = drafter_config_for(target.cfg, args.layers, args.target_layer_ids, args.mask_token_id, args.block_size,
@@ -238,59 +295,63 @@ def _run(args, argv) -> int:
     if args.init_from and Path(args.init_from).resolve() == export.resolve():
         raise DFlashError("--export", str(export), "a folder other than --init-from's (a rerun would continue other weights)")
     init_params = init_weights(args.init_from, target.cfg, cfg) if args.init_from else None
-    if (ds.tokens == cfg.mask_token_id).any():
+    if leader and (ds.tokens == cfg.mask_token_id).any():
         print(f"warning: the mask token id {cfg.mask_token_id} occurs in the data", file=sys.stderr)
     gamma = args.gamma if args.gamma is not None else default_gamma(cfg.block_size)
     tc = TrainConfig(steps=args.steps, batch_size=args.batch_size, max_len=args.max_len, num_anchors=args.num_anchors, gamma=gamma, draft_vocab=args.draft_vocab,
                      lr=args.lr, warmup_ratio=args.warmup_ratio, decay=args.decay, final_lr_ratio=args.final_lr_ratio,
                      weight_decay=args.weight_decay, grad_clip=args.grad_clip, compute_dtype=args.dtype, seed=args.seed)
-    features = None
-    if not args.no_feature_cache:
-        fdir = Path(args.features) if args.features else out / "features"
-        try:
-            features = FeatureCache.load(fdir, ds, cfg.target_layer_ids, target=target_fingerprint(target.cfg, target.params))
-            if args.labels == "target" and features.next_tokens is None:
-                features = None
-        except (DFlashError, FileNotFoundError):
-            pass
-        if features is None:
-            features = cache_features(target.params, target.cfg, ds, cfg.target_layer_ids, fdir, post_norm_last=cfg.post_norm_last,
-                                      next_tokens=args.labels == "target", progress=not args.no_progress)
-    batcher = Batcher(ds, tc.batch_size, tc.max_len, seed=tc.seed, features=features, labels=args.labels)
-    print(f"data: {len(batcher)} sequences, {int(ds.lengths.sum())} tokens, {count_valid_anchors(ds, tc.max_len)} anchor positions; "
-          f"drafter: {cfg.num_hidden_layers} layers, taps {list(cfg.target_layer_ids)}, block {cfg.block_size}, mask id "
-          f"{cfg.mask_token_id}", file=sys.stderr)
+    batcher = Batcher(ds, tc.batch_size, tc.max_len, seed=tc.seed, features=_features(args, out, ds, target, cfg), labels=args.labels)
+    if leader:
+        print(f"data: {len(batcher)} sequences, {int(ds.lengths.sum())} tokens, {count_valid_anchors(ds, tc.max_len)} anchor positions; "
+              f"drafter: {cfg.num_hidden_layers} layers, taps {list(cfg.target_layer_ids)}, block {cfg.block_size}, mask id "
+              f"{cfg.mask_token_id}" + (f"; mesh {describe(mesh)}" if mesh is not None else ""), file=sys.stderr)
     eval_path = args.eval_prompts or (Path(args.data) / "eval_prompts.json")
     eval_prompts = load_eval_prompts(eval_path, target.tokenizer) if Path(eval_path).is_file() else None
     t0 = time.time()
     state, summary = train(out, target.params, target.cfg, cfg, batcher, tc, eval_prompts=eval_prompts, eval_max_new=args.eval_max_new,
                            eval_every=args.eval_every, stop_ids=target.eos_ids, ckpt_every=args.ckpt_every, keep=args.keep,
                            time_limit=None if args.time_limit is None else args.time_limit * 60.0, stop_at=args.stop_at,
-                           progress=not args.no_progress, init_params=init_params)
+                           progress=not args.no_progress, init_params=init_params, mesh=mesh)
     tau = summary.get("tau") or {}
-    print(f"step {summary['step']}/{tc.steps} ({'finished' if summary['finished'] else 'paused'}); "
-          f"{summary['tokens_seen']} tokens seen; loss {summary['last'].get('loss')}; tau {tau.get('tau')}; "
-          f"{time.time() - t0:.0f}s this run", file=sys.stderr)
+    if leader:
+        resumed = f"; resumed at step {summary['start']}" if summary["start"] else ""
+        print(f"step {summary['step']}/{tc.steps} ({'finished' if summary['finished'] else 'paused'}){resumed}; "
+              f"{summary['tokens_seen']} tokens seen; loss {summary['last'].get('loss')}; tau {tau.get('tau')}; "
+              f"{time.time() - t0:.0f}s this run", file=sys.stderr)
     if summary["finished"]:
-        mask_text = target.tokenizer.decode([cfg.mask_token_id]) if target.tokenizer is not None else None
-        extra = {"dflash_jax": {
-            "trained_with": "dflash-jax train " + " ".join(shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:])),
-            "target": Path(str(target.source)).name, "target_fingerprint": fingerprint_of(target),
-            "mask_token": mask_text, "dataset": ds.fingerprint(),
-            "dataset_sequences": len(batcher), "tokens_seen": summary["tokens_seen"], "steps": summary["step"],
-            "train_seconds": summary["seconds"], "tau_eval": tau.get("tau"), "gamma": gamma,
-        }}
-        if args.init_from:
-            extra["dflash_jax"]["init_from"] = _init_record(args.init_from, init_params)
-        ids = summary["draft_ids"]
-        if ids is not None:
-            extra["dflash_jax"]["draft_vocab"] = {"size": len(ids), "file": draft_vocab.FILE_NAME,
-                                                  "response_coverage": round(draft_vocab.coverage(ids, batcher.flat_labels(), ds.loss_mask), 5)}
-        folder = export_drafter(export, cfg, state.params, args.export_dtype, extra, draft_ids=ids)
-        write_training_curve(out, folder / "training_curve.csv",
-                             before=Path(args.init_from) / "training_curve.csv" if args.init_from else None)
-        print(f"exported the drafter to {folder}", file=sys.stderr)
+        params = distributed.fetch(state.params)  # a collective: every process
+        if leader:
+            _export(args, argv, export, target, cfg, ds, batcher, summary, gamma, init_params, params)
     return 0
+
+
+def _export(args, argv, export: Path, target, cfg, ds, batcher, summary: dict, gamma: float, init_params, params) -> None:
+    """Exports the trained drafter (``params``, host arrays) to ``export`` with its records and
+    training curve."""
+    from dflash_jax.loading import fingerprint_of
+    from dflash_jax.train.evaluation import write_training_curve
+    from dflash_jax.train.export import export_drafter
+
+    tau = summary.get("tau") or {}
+    mask_text = target.tokenizer.decode([cfg.mask_token_id]) if target.tokenizer is not None else None
+    extra = {"dflash_jax": {
+        "trained_with": "dflash-jax train " + " ".join(shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:])),
+        "target": Path(str(target.source)).name, "target_fingerprint": fingerprint_of(target),
+        "mask_token": mask_text, "dataset": ds.fingerprint(),
+        "dataset_sequences": len(batcher), "tokens_seen": summary["tokens_seen"], "steps": summary["step"],
+        "train_seconds": summary["seconds"], "tau_eval": tau.get("tau"), "gamma": gamma,
+    }}
+    if args.init_from:
+        extra["dflash_jax"]["init_from"] = _init_record(args.init_from, init_params)
+    ids = summary["draft_ids"]
+    if ids is not None:
+        extra["dflash_jax"]["draft_vocab"] = {"size": len(ids), "file": draft_vocab.FILE_NAME,
+                                              "response_coverage": round(draft_vocab.coverage(ids, batcher.flat_labels(), ds.loss_mask), 5)}
+    folder = export_drafter(export, cfg, params, args.export_dtype, extra, draft_ids=ids)
+    write_training_curve(args.out, folder / "training_curve.csv",
+                         before=Path(args.init_from) / "training_curve.csv" if args.init_from else None)
+    print(f"exported the drafter to {folder}", file=sys.stderr)
 
 
 if __name__ == "__main__":

@@ -104,17 +104,36 @@ class Batcher:
         g = int(step) * self.batch_size + np.arange(self.batch_size)
         return np.asarray([self._perm(int(x // n))[int(x % n)] for x in g], np.int64)
 
-    def batch(self, step: int) -> dict:
+    def counts(self, step: int) -> tuple[int, int]:
+        """``(tokens, supervised tokens)`` of batch ``step``, all its rows (after truncation to
+        ``max_len``), without building the batch."""
+        tokens = supervised = 0
+        for j in self.sequence_ids(step):
+            m = self.dataset.sequence(int(j))[1][: self.max_len]
+            tokens, supervised = tokens + len(m), supervised + int(np.sum(m, dtype=np.int64))
+        return tokens, supervised
+
+    def batch(self, step: int, rows: tuple[int, int] | None = None) -> dict:
         """Batch ``step`` as numpy arrays (right-padded to ``max_len``).
 
+        Args:
+          rows: ``(lo, hi)``: only rows ``lo:hi`` of the batch (one process's share on a device
+            mesh, :mod:`dflash_jax.train.mesh`); default all ``batch_size`` rows.
         Returns:
           ``tokens [B, S]`` int32, ``loss_mask [B, S]`` float32 (0 on padding), ``lengths [B]``
           int32, ``features [B, S, K*H]`` bfloat16 (zeros on padding) with a cache, and with
           ``labels="target"`` ``labels [B, S]`` int32 (position ``q`` of a row: the target's greedy
-          next token after position ``q - 1``).
+          next token after position ``q - 1``). ``B`` is ``hi - lo`` with ``rows``.
+        Raises:
+          DFlashError: ``rows`` outside ``[0, batch_size]`` or empty.
         """
         ids = self.sequence_ids(step)
-        b, s = self.batch_size, self.max_len
+        if rows is not None:
+            lo, hi = map(int, rows)
+            if not 0 <= lo < hi <= self.batch_size:
+                raise DFlashError("Batcher.batch rows", f"{lo}:{hi}", f"a non-empty range within 0:{self.batch_size}")
+            ids = ids[lo:hi]
+        b, s = len(ids), self.max_len
         toks = np.zeros((b, s), np.int32)
         mask = np.zeros((b, s), np.float32)
         lens = np.zeros((b,), np.int32)

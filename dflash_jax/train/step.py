@@ -83,6 +83,18 @@ def batch_loss(params, cfg: DrafterConfig, target_params, target_cfg: TargetConf
     return objective.dflash_loss(p, c, tp, target_cfg, tokens, mask, feats, anchors, valid, tc.gamma, draft_ids, batch.get("labels"))
 
 
+def apply_step(state: TrainState, target_params, batch: dict, cfg: DrafterConfig, target_cfg: TargetConfig, tc: TrainConfig,
+               draft_ids=None):
+    """The body of :func:`train_step`, not jitted (:mod:`dflash_jax.train.mesh` jits it with the
+    shardings of a device mesh)."""
+    rng, key = jax.random.split(state.rng)
+    (loss, m), grads = jax.value_and_grad(batch_loss, has_aux=True)(state.params, cfg, target_params, target_cfg, tc, batch, key, draft_ids)
+    updates, opt_state = make_optimizer(tc).update(grads, state.opt_state, state.params)
+    params = optax.apply_updates(state.params, updates)
+    metrics = dict(m, loss=loss, grad_norm=_global_norm(grads), lr=lr_schedule(tc)(state.step))
+    return TrainState(params=params, opt_state=opt_state, rng=rng, step=state.step + 1), metrics
+
+
 @functools.partial(jax.jit, static_argnames=("cfg", "target_cfg", "tc"), donate_argnames=("state",))
 def train_step(state: TrainState, target_params, batch: dict, cfg: DrafterConfig, target_cfg: TargetConfig, tc: TrainConfig, draft_ids=None):
     """One optimizer step (jitted; ``state`` donated).
@@ -98,9 +110,4 @@ def train_step(state: TrainState, target_params, batch: dict, cfg: DrafterConfig
       ``(state, metrics)``: metrics are float32 scalars ``loss``, ``acc``, ``accept_len``,
       ``grad_norm``, ``lr``, ``weight_sum``, ``blocks``.
     """
-    rng, key = jax.random.split(state.rng)
-    (loss, m), grads = jax.value_and_grad(batch_loss, has_aux=True)(state.params, cfg, target_params, target_cfg, tc, batch, key, draft_ids)
-    updates, opt_state = make_optimizer(tc).update(grads, state.opt_state, state.params)
-    params = optax.apply_updates(state.params, updates)
-    metrics = dict(m, loss=loss, grad_norm=_global_norm(grads), lr=lr_schedule(tc)(state.step))
-    return TrainState(params=params, opt_state=opt_state, rng=rng, step=state.step + 1), metrics
+    return apply_step(state, target_params, batch, cfg, target_cfg, tc, draft_ids)
