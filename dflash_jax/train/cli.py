@@ -255,9 +255,13 @@ def _features(args, out: Path, ds, target, cfg):
 
     features = load()
     if jax.process_count() > 1 and not distributed.everywhere(features is not None):
-        if distributed.is_leader() and features is None:
-            _build_features(args, fdir, ds, target, cfg)
-        distributed.everywhere(True)  # the others wait for process 0's cache
+        built = distributed.Broadcast("dflash_jax/train/features")  # a wait of any length (a collective would time out)
+        if distributed.is_leader():
+            if features is None:
+                _build_features(args, fdir, ds, target, cfg)
+            built.send(True)
+        else:
+            built.receive()
         features = load()
         if features is None:
             raise DFlashError(str(fdir), "not readable by every process after process 0 built it", "a folder all processes share")

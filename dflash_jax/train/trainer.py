@@ -254,11 +254,17 @@ def train(out_dir: str | os.PathLike, target_params, target_cfg: TargetConfig, c
     step_params = target_params if mesh is None else place_target(target_params, target_cfg, mesh)
     ckpt_dir, start = Path(out_dir) / "checkpoints", int(distributed.fetch(state.step))
 
-    def do_eval(step):  # every process records the step (the same decisions follow); process 0 measures
+    evaluated = distributed.Broadcast("dflash_jax/train/tau") if jax.process_count() > 1 else None
+
+    def do_eval(step):  # every process records the step (the same decisions follow); process 0 measures, the others wait
         params = state.params if mesh is None else distributed.fetch(state.params)  # a collective: every process
         if not distributed.is_leader():
+            evaluated.receive()  # a wait of any length: the next step's collective could time out
             return run.tau(step, {}) and None
-        return run.tau(step, evaluate_tau(target_params, target_cfg, params, cfg, eval_prompts, eval_max_new, stop_ids, draft_ids=draft_ids))
+        tau = run.tau(step, evaluate_tau(target_params, target_cfg, params, cfg, eval_prompts, eval_max_new, stop_ids, draft_ids=draft_ids))
+        if evaluated is not None:
+            evaluated.send(step)
+        return tau
 
     last_tau = run.tau_curve[-1] if run.tau_curve else None
     if start == 0 and not run.tau_curve and eval_prompts:
