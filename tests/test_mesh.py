@@ -85,3 +85,47 @@ def test_a_bad_mesh_is_refused_before_anything_loads(capsys, spec, what):
     assert main(["generate", "hi", "--mesh", spec]) == 2
     err = capsys.readouterr().err
     assert "--mesh" in err and what in err, err
+
+
+_LAGUNA = textwrap.dedent(
+    """
+    import sys
+    sys.path.insert(0, "tests")
+    import jax
+    jax.config.update("jax_default_matmul_precision", "highest")
+    import dflash_jax as dj
+    from dflash_jax import sharding
+    from dflash_jax.loading import Drafter, Target
+    from dflash_jax.models import drafter as drafter_model
+    from dflash_jax.models import laguna
+    from dflash_jax.registry import drafter_config_from_hf
+    from laguna_tiny import LAGUNA_DRAFTER, PER_HEAD, tiny_laguna
+
+    cfg, params = tiny_laguna(PER_HEAD, seed=4, max_block=4)
+    dcfg = drafter_config_from_hf(LAGUNA_DRAFTER)
+    dparams = drafter_model.init_params(dcfg, jax.random.key(7), scale=0.3)
+    mesh = sharding.parse_mesh("data=1,model=2,expert=2")
+    one = Target(cfg=cfg, params=params, source="tiny-laguna", eos_ids=())
+    meshed = Target(cfg=cfg, params=sharding.shard_params(params, laguna.param_axes(cfg), mesh), source="tiny-laguna", eos_ids=(), mesh=mesh)
+    experts = [x for x in jax.tree_util.tree_leaves(meshed.params) if x.ndim >= 3 and x.shape[-3:-2] == (cfg.num_experts,)]
+    assert experts and all(x.sharding.shard_shape(x.shape)[-3] == cfg.num_experts // 2 for x in experts), [x.sharding for x in experts]
+    drafters = (Drafter(cfg=dcfg, params=dparams, source="d"),
+                Drafter(cfg=dcfg, params=sharding.shard_params(dparams, drafter_model.param_axes(dcfg), mesh), source="d"))
+    prompts = [[5, 9, 17, 3, 40, 2, 7, 8], [40, 2, 7]]
+    for spec in (False, True):
+        kw = dict(n_max=3) if spec else {}
+        a = dj.generate(one, prompts, max_new_tokens=20, drafter=drafters[0] if spec else None, ignore_eos=True, chunk_size=4, **kw)
+        b = dj.generate(meshed, prompts, max_new_tokens=20, drafter=drafters[1] if spec else None, ignore_eos=True, chunk_size=4, **kw)
+        assert a.output_ids == b.output_ids, (spec, a.output_ids, b.output_ids)
+        if spec:
+            assert a.stats["accepted_tokens"] == b.stats["accepted_tokens"]
+    print("OK")
+    """
+)
+
+
+@pytest.mark.slow
+def test_laguna_with_experts_and_heads_over_a_mesh_answers_as_on_one_device():
+    """Expert parallel (the MoE layers' experts over ``expert``) and tensor parallel (heads over
+    ``model``) for a Laguna target with its drafter, plain and DFlash, with chunked prefill."""
+    run_on_cpu_devices(_LAGUNA, 4)
