@@ -214,6 +214,26 @@ def _any_process(flag: bool) -> bool:
     return flag if jax.process_count() == 1 else not distributed.everywhere(not flag)
 
 
+def _evaluator(run: _RunLog, mesh, target_params, target_cfg, cfg, eval_prompts, eval_max_new, stop_ids, draft_ids):
+    """``do_eval(step, state) -> tau record``: every process records the step (the same decisions
+    follow) and reads the parameters back (a collective on a mesh); process 0 measures tau while
+    the others wait on a :class:`~dflash_jax.distributed.Broadcast` (a wait of any length: the
+    next step's collective could time out)."""
+    evaluated = distributed.Broadcast("dflash_jax/train/tau") if jax.process_count() > 1 else None
+
+    def do_eval(step: int, state: TrainState):
+        params = state.params if mesh is None else distributed.fetch(state.params)
+        if not distributed.is_leader():
+            evaluated.receive()
+            return run.tau(step, {}) and None
+        tau = run.tau(step, evaluate_tau(target_params, target_cfg, params, cfg, eval_prompts, eval_max_new, stop_ids, draft_ids=draft_ids))
+        if evaluated is not None:
+            evaluated.send(step)
+        return tau
+
+    return do_eval
+
+
 def train(out_dir: str | os.PathLike, target_params, target_cfg: TargetConfig, cfg: DrafterConfig, batcher: Batcher, tc: TrainConfig,
           *, eval_prompts: Sequence[Sequence[int]] | None = None, eval_max_new: int = 64, eval_every: int = 0,
           stop_ids: Sequence[int] = (), ckpt_every: int = 100, keep: int = 3, time_limit: float | None = None,
@@ -254,21 +274,10 @@ def train(out_dir: str | os.PathLike, target_params, target_cfg: TargetConfig, c
     step_params = target_params if mesh is None else place_target(target_params, target_cfg, mesh)
     ckpt_dir, start = Path(out_dir) / "checkpoints", int(distributed.fetch(state.step))
 
-    evaluated = distributed.Broadcast("dflash_jax/train/tau") if jax.process_count() > 1 else None
-
-    def do_eval(step):  # every process records the step (the same decisions follow); process 0 measures, the others wait
-        params = state.params if mesh is None else distributed.fetch(state.params)  # a collective: every process
-        if not distributed.is_leader():
-            evaluated.receive()  # a wait of any length: the next step's collective could time out
-            return run.tau(step, {}) and None
-        tau = run.tau(step, evaluate_tau(target_params, target_cfg, params, cfg, eval_prompts, eval_max_new, stop_ids, draft_ids=draft_ids))
-        if evaluated is not None:
-            evaluated.send(step)
-        return tau
-
+    do_eval = _evaluator(run, mesh, target_params, target_cfg, cfg, eval_prompts, eval_max_new, stop_ids, draft_ids)
     last_tau = run.tau_curve[-1] if run.tau_curve else None
     if start == 0 and not run.tau_curve and eval_prompts:
-        last_tau = do_eval(0)
+        last_tau = do_eval(0, state)
     bar, metrics = _bar(tc, start, progress), {}
     step, finished = start, start >= tc.steps
     with _stop_requests() as stop:
@@ -281,7 +290,7 @@ def train(out_dir: str | os.PathLike, target_params, target_cfg: TargetConfig, c
                 if on_step is not None:
                     on_step(step, metrics)
                 if eval_every and step % eval_every == 0 and step < tc.steps and eval_prompts:
-                    last_tau = do_eval(step)
+                    last_tau = do_eval(step, state)
                     if last_tau:
                         bar.write(f"step {step}: tau {last_tau['tau']:.3f}")
                 if step == tc.steps:
@@ -294,7 +303,7 @@ def train(out_dir: str | os.PathLike, target_params, target_cfg: TargetConfig, c
                     if pause:
                         break
             if finished and eval_prompts and (not run.tau_curve or run.tau_curve[-1]["step"] != step):
-                last_tau = do_eval(step)
+                last_tau = do_eval(step, state)
             if step != start:
                 save_checkpoint(ckpt_dir, state, run.checkpoint_meta(batcher.cursor(step)), keep)
         finally:
