@@ -1,9 +1,9 @@
 """Target families and drafter kinds, keyed by architecture: the one place that knows them.
 
 A :class:`TargetFamily` names a target's Hugging Face ``architectures`` / ``model_type`` and GGUF
-``general.architecture`` values, its config type and parser, its model module (``embed``,
-``forward_hidden``, ``lm_head``, ``init_cache``, ``param_shapes``, ...) and its HF and GGUF
-loaders. A :class:`DrafterKind` names a DFlash drafter ``architectures`` value, its config parser
+``general.architecture`` values, its config type and parser, its model as a
+:class:`~dflash_jax.family.FamilyModel` (the typed contract every caller uses: ``embed``,
+``forward_hidden``, ``lm_head``, ``init_cache``, ``param_axes``, ...) and its HF and GGUF loaders. A :class:`DrafterKind` names a DFlash drafter ``architectures`` value, its config parser
 and its loaders. Every other module asks here (:func:`module_for`, :func:`family_for_hf`,
 :func:`load_hf_target`, :func:`drafter_config_from_hf`, ...); adding a family or a drafter kind is
 one entry in :data:`TARGET_FAMILIES` or :data:`DRAFTER_KINDS`.
@@ -21,6 +21,7 @@ from typing import Any, Callable, Mapping
 
 from dflash_jax import config, config_laguna
 from dflash_jax.errors import DFlashError
+from dflash_jax.family import FamilyModel
 from dflash_jax.io import drafter as io_drafter
 from dflash_jax.io import gguf, gguf_cache, gguf_file, hf, laguna, laguna_drafter, laguna_gguf
 from dflash_jax.models import dense, dflash_drafter
@@ -39,7 +40,8 @@ class TargetFamily:
       hf_model_types: ``config.json`` ``model_type`` values that select it when no entry does.
       gguf_architectures: GGUF ``general.architecture`` values that select it.
       parse_hf: ``(config dict, source) -> cfg``.
-      model: the model module (``embed``, ``forward_hidden``, ``lm_head``, ``init_cache``, ...).
+      model: its :class:`~dflash_jax.family.FamilyModel` (``embed``, ``forward_hidden``, ``lm_head``,
+        ``init_cache``, ...), checked against the contract when the registry is built.
       load_hf: ``(folder, dtype) -> (cfg, params)``.
       load_gguf: ``(path, dtype, use_cache, as_numpy) -> (cfg, params)``.
       gguf_config: ``(path, dtype) -> cfg`` from the GGUF's metadata and tensor list only.
@@ -52,7 +54,7 @@ class TargetFamily:
     hf_model_types: tuple[str, ...]
     gguf_architectures: tuple[str, ...]
     parse_hf: Callable[[Mapping[str, Any], str], Any]
-    model: ModuleType
+    model: FamilyModel
     load_hf: Callable[..., tuple[Any, dict]]
     load_gguf: Callable[..., tuple[Any, dict]]
     gguf_config: Callable[[str, str], Any]
@@ -95,14 +97,14 @@ TARGET_FAMILIES: tuple[TargetFamily, ...] = (
     TargetFamily(
         name="dense", config_type=config.TargetConfig, hf_architectures=tuple(config.HF_ARCHITECTURES),
         hf_model_types=tuple(config.HF_MODEL_TYPES), gguf_architectures=gguf.ARCHITECTURES,
-        parse_hf=config.target_config_from_hf, model=dense, load_hf=hf.load_hf_target,
+        parse_hf=config.target_config_from_hf, model=FamilyModel.of_module(dense), load_hf=hf.load_hf_target,
         load_gguf=lambda path, dtype, use_cache, as_numpy: gguf.load_gguf_target(path, dtype, use_cache=use_cache, as_numpy=as_numpy),
         gguf_config=_gguf_config(gguf.gguf_config), per_layer=True,
     ),
     TargetFamily(
         name="laguna", config_type=config_laguna.LagunaConfig, hf_architectures=("LagunaForCausalLM",),
         hf_model_types=("laguna",), gguf_architectures=(laguna_gguf.ARCH,), parse_hf=config_laguna.laguna_config_from_hf,
-        model=laguna_model, load_hf=laguna.load_laguna_target, load_gguf=_laguna_gguf,
+        model=FamilyModel.of_module(laguna_model), load_hf=laguna.load_laguna_target, load_gguf=_laguna_gguf,
         gguf_config=_gguf_config(laguna_gguf.laguna_gguf_config),
     ),
 )
@@ -133,9 +135,10 @@ def family_of(cfg) -> TargetFamily:
                       f"one of {', '.join(f.config_type.__name__ for f in TARGET_FAMILIES)}")
 
 
-def module_for(cfg) -> ModuleType:
-    """The model module of a target config (``forward_hidden``, ``lm_head``, ``embed``,
-    ``init_cache``; static, resolved at trace time). Raises DFlashError for an unknown type."""
+def module_for(cfg) -> FamilyModel:
+    """The model of a target config (:class:`~dflash_jax.family.FamilyModel`: ``forward_hidden``,
+    ``lm_head``, ``embed``, ``init_cache``, ...; static, resolved at trace time). Raises
+    DFlashError for an unknown type."""
     return family_of(cfg).model
 
 

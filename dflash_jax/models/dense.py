@@ -77,7 +77,7 @@ def unstack_layers(params: Params) -> Params:
     weight; a no-op when already unstacked). The arrays are copies: the stacked ones can be freed.
     Source: the per-step weight copies of ``lax.scan`` on XLA:CPU (BENCHMARKS.md, plain-decoding
     notes)."""
-    if isinstance(params["layers"], (tuple, list)):
+    if P.is_per_layer(params["layers"]):
         return params
     leaves = jax.tree_util.tree_leaves(params["layers"])
     if all(isinstance(a, jax.Array) for a in leaves):  # one program, not one eager slice per leaf and layer
@@ -94,7 +94,7 @@ def stack_layers(params: Params) -> Params:
     """The inverse of :func:`unstack_layers`: ``L`` per-layer leaves ``[...]`` become one ``[L, ...]``
     leaf each (a no-op on stacked parameters). Raises ``ValueError`` from ``jnp.stack`` when the
     layers' shapes differ."""
-    if not isinstance(params["layers"], (tuple, list)):
+    if not P.is_per_layer(params["layers"]):
         return params
     return dict(params, layers=jax.tree_util.tree_map(lambda *a: jnp.stack(a), *params["layers"]))
 
@@ -108,7 +108,7 @@ def run_layers(body, carry, layers, xs):
     a pytree of per-layer inputs with leading axis ``L``; ``layer_xs`` is its slice at ``i``.
     Returns the final carry. Source: the per-step weight copies of ``lax.scan`` on XLA:CPU
     (BENCHMARKS.md, plain-decoding notes) are why the per-layer form exists."""
-    if isinstance(layers, (tuple, list)):
+    if P.is_per_layer(layers):
         layer = jax.jit(body)  # traced once for all layers of one shape (the program still holds L copies)
         for i, lp in enumerate(layers):
             carry = layer(carry, lp, jax.tree_util.tree_map(lambda a, i=i: a[i], xs), jnp.int32(i))
@@ -175,7 +175,7 @@ def forward_hidden(
     positions = positions.astype(jnp.int32)
     n_keys = live_keys(positions, cache.capacity)
     rope_pos, visible = rope_positions(positions, tree), block_visible(positions, tree)
-    x = embed(params, tokens).astype(cfg.dtype)
+    x = embed(params, cfg, tokens).astype(cfg.dtype)
     slot_of = jnp.asarray(captures.slots(capture, n_layers))
     cap = captures.stack(capture, x)
 

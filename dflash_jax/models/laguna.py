@@ -55,6 +55,7 @@ from dflash_jax import pytree
 from dflash_jax.axes import KV_AXES, axes_field
 from dflash_jax.cache import Capture, move_slots, write_layer_rows, write_rows
 from dflash_jax.config_laguna import LagunaConfig
+from dflash_jax.errors import DFlashError
 from dflash_jax.models import capture as captures
 from dflash_jax.models import params as P
 from dflash_jax.models.params import ParamSpec, decoder_layer, stacked
@@ -149,8 +150,14 @@ def param_shapes(cfg: LagunaConfig) -> dict:
     return P.shapes(param_specs(cfg))
 
 
-def param_axes(cfg: LagunaConfig) -> dict:
-    """Logical axis names of every parameter leaf (same tree as :func:`param_shapes`)."""
+def param_axes(cfg: LagunaConfig, per_layer: bool = False) -> dict:
+    """Logical axis names of every parameter leaf (same tree as :func:`param_shapes`).
+
+    Raises:
+      DFlashError: ``per_layer`` (Laguna's layers stay stacked in segments).
+    """
+    if per_layer:
+        raise DFlashError("laguna param_axes(per_layer=True)", "Laguna targets keep stacked layers", "per_layer=False")
     return P.axes(param_specs(cfg))
 
 
@@ -298,7 +305,7 @@ def forward_hidden(
     n_layers = cfg.num_hidden_layers
     capacity = cache.capacity
     positions = positions.astype(jnp.int32)
-    x = embed(params, tokens).astype(cfg.dtype)
+    x = embed(params, cfg, tokens).astype(cfg.dtype)
     real = positions < capacity
     n_keys = live_keys(positions, capacity)
     last = jnp.max(jnp.where(real, positions, -1), axis=1)

@@ -31,6 +31,13 @@ class ParamSpec(NamedTuple):
     init: str = "normal"
 
 
+def is_per_layer(layers) -> bool:
+    """Whether a params tree's decoder ``layers`` are held per layer (a tuple of ``L`` dicts
+    without the layer axis, :func:`dflash_jax.models.dense.unstack_layers`) rather than stacked
+    (one dict of ``[L, ...]`` leaves). The one test of the two layouts every module uses."""
+    return isinstance(layers, (tuple, list))
+
+
 def _is_spec(x) -> bool:
     return isinstance(x, ParamSpec)
 
