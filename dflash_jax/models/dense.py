@@ -1,4 +1,8 @@
-"""Dense decoder targets (Llama incl. SmolLM2 and Llama-3, Qwen2, Qwen3) as pure functions.
+"""Dense decoder targets (Llama incl. SmolLM2 and Llama-3, Mistral, Qwen2, Qwen3) as pure functions.
+
+Mistral's ``sliding_window`` (``TargetConfig.sliding_window``) narrows every layer's attention to
+keys less than the window behind the query (:func:`dflash_jax.nn.attention.windowed`); the cache
+still keeps every position.
 
 Parameter pytree (weights in ``[in, out]`` layout; layers stacked on a leading ``L`` axis and run
 with ``lax.scan``)::
@@ -20,7 +24,8 @@ every scan step (a ``dynamic-slice`` per weight); without those copies plain dec
 SmolLM2-135M ran 1.15x faster (BENCHMARKS.md), so :func:`dflash_jax.api.load_target` unstacks
 on CPU. Both layouts give the same logits.
 
-Source: transformers ``modeling_llama.py``, ``modeling_qwen2.py``, ``modeling_qwen3.py``.
+Source: transformers ``modeling_llama.py``, ``modeling_mistral.py``, ``modeling_qwen2.py``,
+``modeling_qwen3.py``.
 """
 
 from __future__ import annotations
@@ -37,7 +42,7 @@ from dflash_jax.config import TargetConfig
 from dflash_jax.models import capture as captures
 from dflash_jax.models import params as P
 from dflash_jax.models.params import ParamSpec, decoder_layer, stacked
-from dflash_jax.nn.attention import TreeBlock, block_visible, rope_positions
+from dflash_jax.nn.attention import TreeBlock, block_visible, rope_positions, windowed
 from dflash_jax.nn.embedding import embed, lm_head  # noqa: F401 (the model API: shared by every family)
 from dflash_jax.nn.live_attention import cache_attention, live_keys
 from dflash_jax.nn.layer import attention_output, mlp_residual, project_qkv
@@ -175,6 +180,8 @@ def forward_hidden(
     positions = positions.astype(jnp.int32)
     n_keys = live_keys(positions, cache.capacity)
     rope_pos, visible = rope_positions(positions, tree), block_visible(positions, tree)
+    if cfg.sliding_window:
+        visible = windowed(visible, positions, rope_pos, cfg.sliding_window, tree)
     x = embed(params, cfg, tokens).astype(cfg.dtype)
     slot_of = jnp.asarray(captures.slots(capture, n_layers))
     cap = captures.stack(capture, x)
