@@ -19,14 +19,16 @@ import os
 from types import ModuleType
 from typing import Any, Callable, Mapping
 
-from dflash_jax import config, config_laguna
+from dflash_jax import config, config_laguna, config_qwen3_moe
 from dflash_jax.errors import DFlashError
 from dflash_jax.family import FamilyModel
 from dflash_jax.io import drafter as io_drafter
 from dflash_jax.io import gguf, gguf_cache, gguf_file, hf, laguna, laguna_drafter, laguna_gguf
+from dflash_jax.io import qwen3_moe as qwen3_moe_io
 from dflash_jax.models import dense, dflash_drafter
 from dflash_jax.models import laguna as laguna_model
 from dflash_jax.models import laguna_drafter as laguna_drafter_model
+from dflash_jax.models import qwen3_moe as qwen3_moe_model
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,6 +91,13 @@ def _laguna_gguf(path, dtype, use_cache, as_numpy):
     return laguna_gguf.load_laguna_gguf_target(path, dtype, as_numpy=as_numpy)  # no weight cache: converted on the fly
 
 
+def _no_gguf(name: str):
+    """The GGUF loader of a family without one: raises DFlashError naming it."""
+    def refuse(path, *args, **kwargs):
+        raise DFlashError(str(path), f"a {name} GGUF (not supported yet)", "the HF safetensors folder of this model")
+    return refuse
+
+
 def _gguf_config(build):
     return lambda path, dtype: build(gguf_file.open_gguf(path), str(path), dtype)[0]
 
@@ -106,6 +115,12 @@ TARGET_FAMILIES: tuple[TargetFamily, ...] = (
         hf_model_types=("laguna",), gguf_architectures=(laguna_gguf.ARCH,), parse_hf=config_laguna.laguna_config_from_hf,
         model=FamilyModel.of_module(laguna_model), load_hf=laguna.load_laguna_target, load_gguf=_laguna_gguf,
         gguf_config=_gguf_config(laguna_gguf.laguna_gguf_config),
+    ),
+    TargetFamily(
+        name="qwen3_moe", config_type=config_qwen3_moe.Qwen3MoeConfig, hf_architectures=("Qwen3MoeForCausalLM",),
+        hf_model_types=("qwen3_moe",), gguf_architectures=(), parse_hf=config_qwen3_moe.qwen3_moe_config_from_hf,
+        model=FamilyModel.of_module(qwen3_moe_model), load_hf=qwen3_moe_io.load_qwen3_moe_target,
+        load_gguf=_no_gguf("Qwen3-MoE"), gguf_config=_no_gguf("Qwen3-MoE"),
     ),
 )
 

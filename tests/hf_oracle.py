@@ -16,7 +16,8 @@ from dflash_jax.decoding import Decoding, Params
 
 def save_tiny(conf_cls: str, model_cls: str, folder, seed: int = 0, **conf):
     """Builds ``transformers.<model_cls>(<conf_cls>(**conf))`` in float32 with eager attention,
-    its norms moved off 1 (so they matter), saves it to ``folder``; returns the eval model."""
+    its norms moved off 1 and MoE routers (``mlp.gate.weight``) drawn wide (so they matter and
+    experts are chosen without ties), saves it to ``folder``; returns the eval model."""
     torch.manual_seed(seed)
     model = getattr(transformers, model_cls)(getattr(transformers, conf_cls)(**conf, attn_implementation="eager")).eval()
     gen = torch.Generator().manual_seed(seed + 1)
@@ -24,6 +25,8 @@ def save_tiny(conf_cls: str, model_cls: str, folder, seed: int = 0, **conf):
         for name, p in model.named_parameters():
             if "norm" in name:
                 p.copy_(1.0 + 0.2 * torch.randn(p.shape, generator=gen))
+            elif name.endswith("mlp.gate.weight"):
+                p.copy_(0.5 * torch.randn(p.shape, generator=gen))
     model.save_pretrained(folder, safe_serialization=True)
     return model
 

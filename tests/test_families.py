@@ -62,13 +62,14 @@ def test_behaviour_on_a_tiny_config(fam):
     tokens = jnp.asarray(np.random.default_rng(0).integers(0, cfg.vocab_size, (b, t)), jnp.int32)
     pos = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
     assert m.embed(params, cfg, tokens).shape == (b, t, cfg.hidden_size)
-    hidden, cache, _ = m.forward_hidden(params, cfg, tokens, pos, m.init_cache(cfg, b, s))
-    logits, _, _ = m.forward(params, cfg, tokens, pos, m.init_cache(cfg, b, s))
+    hidden, cache, _ = jax.jit(m.forward_hidden, static_argnums=1)(params, cfg, tokens, pos, m.init_cache(cfg, b, s))
+    forward = jax.jit(m.forward, static_argnums=1)
+    logits, _, _ = forward(params, cfg, tokens, pos, m.init_cache(cfg, b, s))
     assert hidden.shape == (b, t, cfg.hidden_size) and logits.shape == (b, t, cfg.vocab_size) and logits.dtype == jnp.float32
     np.testing.assert_allclose(logits, m.lm_head(params, cfg, hidden), rtol=1e-5, atol=1e-5)
     c = m.init_cache(cfg, b, s)
-    first, c, _ = m.forward(params, cfg, tokens[:, :4], pos[:, :4], c)
-    rest, c, _ = m.forward(params, cfg, tokens[:, 4:], pos[:, 4:], c)
+    first, c, _ = forward(params, cfg, tokens[:, :4], pos[:, :4], c)
+    rest, c, _ = forward(params, cfg, tokens[:, 4:], pos[:, 4:], c)
     np.testing.assert_allclose(jnp.concatenate([first, rest], 1), logits, rtol=1e-4, atol=1e-4)
     moved = m.move_rows(cfg, c, pos[:, 4:], pos[:, 4:] + 2)
     assert jax.tree_util.tree_structure(moved) == jax.tree_util.tree_structure(c)
@@ -85,8 +86,12 @@ def test_the_drafter_embeds_and_projects_through_the_family(monkeypatch):
     block, bpos = jnp.asarray([[3, dcfg.mask_token_id, dcfg.mask_token_id, dcfg.mask_token_id]]), 5 + jnp.arange(4, dtype=jnp.int32)[None]
 
     def run(dc):
-        h = drafter.forward(dparams, dc, params, cfg, block, bpos, k, v, jnp.asarray([5]))
-        return h, drafter.logits(dparams, dc, params, cfg, h)
+        @jax.jit
+        def go(dparams, params):
+            h = drafter.forward(dparams, dc, params, cfg, block, bpos, k, v, jnp.asarray([5]))
+            return h, drafter.logits(dparams, dc, params, cfg, h)
+
+        return go(dparams, params)
 
     h_scaled_by_drafter, _ = run(dataclasses.replace(dcfg, input_embedding_scale=3.0))
     model = registry.module_for(cfg)

@@ -212,6 +212,36 @@ class Checkpoint:
         return self.where[name].read(name)
 
 
+class Renamed:
+    """A :class:`Checkpoint` seen through virtual names: ``views[name] = (real name, fn, shape)``
+    where ``fn(array)`` produces the virtual tensor (a fused tensor's slice, say); the ``hidden``
+    real names are not listed; other tensors pass through unchanged. Lets one strict name map
+    (:func:`load_named`) serve several stored layouts."""
+
+    def __init__(self, ckpt: Checkpoint, views: dict, hidden: set):
+        self.ckpt, self.views, self.hidden = ckpt, views, hidden
+        self.files = ckpt.files
+
+    def names(self) -> list[str]:
+        return [n for n in self.ckpt.names() if n not in self.hidden] + list(self.views)
+
+    def file_of(self, name: str) -> str:
+        return self.ckpt.file_of(self.views[name][0] if name in self.views else name)
+
+    def info(self, name: str) -> TensorInfo:
+        if name in self.views:
+            real, _, shape = self.views[name]
+            i = self.ckpt.info(real)
+            return dataclasses.replace(i, shape=tuple(shape))
+        return self.ckpt.info(name)
+
+    def read(self, name: str) -> np.ndarray:
+        if name in self.views:
+            real, fn, _ = self.views[name]
+            return fn(self.ckpt.read(real))
+        return self.ckpt.read(name)
+
+
 # Per-layer tensor names shared by Llama-style decoders: {suffix: (params leaf, transpose)}.
 ATTENTION_NAMES = {
     "input_layernorm.weight": ("attn_norm", False),

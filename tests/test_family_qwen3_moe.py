@@ -1,0 +1,150 @@
+"""The qwen3_moe family against transformers' ``Qwen3MoeForCausalLM`` (tiny random checkpoints saved
+by transformers 5, float32, CPU): config, both expert layouts, logits (one pass and chunked prefill
+plus decode, captured layers), greedy plain and DFlash decoding for one and several prefill chunks,
+and z-lab's ``dflash_generate`` with a drafter that gets blocks accepted (same ids, same verify steps).
+
+Two layer mixes: ``decoder_sparse_step=2`` (dense, sparse, dense, sparse) without
+``norm_topk_prob``, and ``mlp_only_layers=[1]`` with ``norm_topk_prob`` and tied embeddings."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+from dflash_jax.cache import init_capture  # noqa: E402
+from dflash_jax.config_qwen3_moe import Qwen3MoeConfig  # noqa: E402
+from dflash_jax.errors import DFlashError  # noqa: E402
+from dflash_jax.models import qwen3_moe  # noqa: E402
+from dflash_jax.registry import family_for_hf, load_hf_target  # noqa: E402
+from dflash_jax.testing import tiny_drafter  # noqa: E402
+from tests.hf_oracle import hf_greedy, hf_logits, ours_greedy, save_tiny  # noqa: E402
+
+V, TOL = 96, 1e-4
+_COMMON = dict(vocab_size=V, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+               head_dim=16, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, rms_norm_eps=1e-5,
+               initializer_range=0.1, max_position_embeddings=256)
+CASES = {
+    "step2": (dict(decoder_sparse_step=2, norm_topk_prob=False, tie_word_embeddings=False), (False, True, False, True)),
+    "mlp_only": (dict(decoder_sparse_step=1, mlp_only_layers=[1], norm_topk_prob=True, tie_word_embeddings=True), (True, False, True, True)),
+}
+_forward = jax.jit(qwen3_moe.forward, static_argnums=1)
+
+
+def _rel(ours, ref) -> float:
+    ours, ref = np.asarray(ours, np.float64), np.asarray(ref, np.float64)
+    return float(np.max(np.abs(ours - ref)) / np.max(np.abs(ref)))
+
+
+@pytest.fixture(scope="module", params=list(CASES))
+def case(request, tmp_path_factory):
+    extra, sparse = CASES[request.param]
+    folder = tmp_path_factory.mktemp(request.param)
+    model = save_tiny("Qwen3MoeConfig", "Qwen3MoeForCausalLM", folder, seed=3, **_COMMON, **extra)
+    cfg, params = load_hf_target(folder)
+    return request.param, model, cfg, params, sparse, folder
+
+
+def test_config_and_params(case):
+    name, _, cfg, params, sparse, folder = case
+    assert isinstance(cfg, Qwen3MoeConfig) and cfg.sparse_layers == sparse and cfg.num_experts == 8
+    assert cfg.norm_topk_prob == (name == "mlp_only") and ("lm_head" in params) == (name == "step2")
+    shapes = jax.tree_util.tree_map(lambda a: tuple(a.shape), params)
+    assert shapes == jax.tree_util.tree_map(tuple, qwen3_moe.param_shapes(cfg), is_leaf=lambda x: isinstance(x, tuple))
+
+
+def test_logits_and_capture_match_transformers(case):
+    _, model, cfg, params, _, _ = case
+    b, t, chunk = 2, 14, 5
+    tokens = np.random.default_rng(7).integers(0, V, (b, t)).astype(np.int32)
+    want = hf_logits(model, tokens)
+    pos = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+    got, _, _ = _forward(params, cfg, jnp.asarray(tokens), pos, qwen3_moe.init_cache(cfg, b, t + 2))
+    assert _rel(got, want) < TOL
+    with torch.no_grad():
+        hidden = model(torch.from_numpy(tokens).long(), output_hidden_states=True, use_cache=False).hidden_states
+    cache, out = qwen3_moe.init_cache(cfg, b, t + 2), []
+    capture = init_capture((0, 2), b, t, cfg.hidden_size, jnp.float32)
+    for s in range(0, t, chunk):
+        logits, cache, capture = _forward(params, cfg, jnp.asarray(tokens[:, s : s + chunk]), pos[:, s : s + chunk], cache, capture)
+        out.append(logits)
+    assert _rel(jnp.concatenate(out, axis=1), want) < TOL
+    feats = np.asarray(capture.hidden).reshape(b, t, 2, cfg.hidden_size)
+    assert _rel(feats[:, :, 0], hidden[1].numpy()) < TOL and _rel(feats[:, :, 1], hidden[3].numpy()) < TOL
+
+
+@pytest.mark.parametrize("chunk", [32, 3])
+def test_greedy_plain_and_dflash_match_transformers(case, chunk):
+    _, model, cfg, params, _, _ = case
+    prompt, n = [3, 17, 42, 8, 11, 5, 29], 12
+    want = hf_greedy(model, prompt, n)
+    assert ours_greedy(cfg, params, prompt, n, chunk)[0] == want
+    assert ours_greedy(cfg, params, prompt, n, chunk, tiny_drafter(cfg, seed=1, layer_ids=(0, 2), block_size=4))[0] == want
+
+
+def test_fused_expert_layout_loads_the_same(case, tmp_path):
+    """transformers' fused ``mlp.experts.gate_up_proj`` / ``down_proj`` give the same params as the
+    per-expert tensors; one without the other is refused by name."""
+    from safetensors.numpy import load_file, save_file
+
+    _, _, cfg, params, sparse, folder = case
+    tensors = load_file(str(folder / "model.safetensors"))
+    E = cfg.num_experts
+    for i, s in enumerate(sparse):
+        if not s:
+            continue
+        pre = f"model.layers.{i}.mlp.experts."
+        gate, up, down = ([tensors.pop(f"{pre}{e}.{p}.weight") for e in range(E)] for p in ("gate_proj", "up_proj", "down_proj"))
+        tensors[pre + "gate_up_proj"] = np.stack([np.concatenate([g, u]) for g, u in zip(gate, up)])
+        tensors[pre + "down_proj"] = np.stack(down)
+    (tmp_path / "config.json").write_text((folder / "config.json").read_text())
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    _, fused = load_hf_target(tmp_path)
+    assert jax.tree.all(jax.tree.map(lambda a, b: bool((a == b).all()), fused, params))
+    first = sparse.index(True)
+    del tensors[f"model.layers.{first}.mlp.experts.down_proj"]
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    with pytest.raises(DFlashError, match=rf"tensor model\.layers\.{first}\.mlp\.experts\.down_proj.*missing"):
+        load_hf_target(tmp_path)
+
+
+def test_config_fields_named():
+    base = dict(_COMMON, architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe")
+    fam = family_for_hf(base)
+    assert fam.name == "qwen3_moe"
+    with pytest.raises(DFlashError, match="c.json: field mlp_only_layers"):
+        fam.parse_hf(dict(base, mlp_only_layers=[9]), "c.json")
+    with pytest.raises(DFlashError, match="c.json: field num_experts"):
+        fam.parse_hf({k: v for k, v in base.items() if k != "num_experts"}, "c.json")
+    with pytest.raises(DFlashError, match="c.json: field use_sliding_window"):
+        fam.parse_hf(dict(base, use_sliding_window=True), "c.json")
+
+
+def test_same_tokens_and_verify_steps_as_zlab_dflash_generate(case, tmp_path):
+    """z-lab's reference loop on the transformers target and a steered drafter (blocks accepted)
+    gives the tokens and verify steps ours gives on the loaded checkpoints."""
+    name, model, cfg, params, _, _ = case
+    if name != "mlp_only":
+        pytest.skip("one layer mix is enough for the loop")
+    zlab = pytest.importorskip("dflash.model")
+    from dflash_jax.registry import load_hf_drafter
+    from tests.hf_oracle import steer_to, zlab_generate
+
+    prompt, n = [3, 17, 42, 8, 11, 5, 29], 24
+    free = hf_greedy(model, prompt, n)
+    dc = transformers.Qwen3Config(vocab_size=V, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                                  num_key_value_heads=2, head_dim=16, max_position_embeddings=256, rms_norm_eps=1e-6)
+    dc.architectures, dc.num_target_layers = ["DFlashDraftModel"], cfg.num_hidden_layers
+    dc.dflash_config = {"mask_token_id": V - 1, "target_layer_ids": [0, 2], "block_size": 4}
+    torch.manual_seed(2)
+    draft = zlab.DFlashDraftModel(dc).eval()
+    steer_to(draft, model, max(set(free), key=free.count), V - 1)
+    draft.save_pretrained(tmp_path, safe_serialization=True)
+    want, accepted = zlab_generate(zlab, draft, model, prompt, n, block_size=4)
+    assert max(accepted) > 1, "the steered drafter should get some blocks accepted"
+    got, steps = ours_greedy(cfg, params, prompt, n, 4, load_hf_drafter(tmp_path, cfg))
+    assert got == want == free and steps == len(accepted)
