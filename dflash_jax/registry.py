@@ -25,6 +25,7 @@ from dflash_jax.family import FamilyModel
 from dflash_jax.io import drafter as io_drafter
 from dflash_jax.io import gguf, gguf_cache, gguf_file, hf, laguna, laguna_drafter, laguna_gguf
 from dflash_jax.io import qwen3_moe as qwen3_moe_io
+from dflash_jax.io import qwen3_moe_gguf
 from dflash_jax.models import dense, dflash_drafter
 from dflash_jax.models import laguna as laguna_model
 from dflash_jax.models import laguna_drafter as laguna_drafter_model
@@ -91,13 +92,6 @@ def _laguna_gguf(path, dtype, use_cache, as_numpy):
     return laguna_gguf.load_laguna_gguf_target(path, dtype, as_numpy=as_numpy)  # no weight cache: converted on the fly
 
 
-def _no_gguf(name: str):
-    """The GGUF loader of a family without one: raises DFlashError naming it."""
-    def refuse(path, *args, **kwargs):
-        raise DFlashError(str(path), f"a {name} GGUF (not supported yet)", "the HF safetensors folder of this model")
-    return refuse
-
-
 def _gguf_config(build):
     return lambda path, dtype: build(gguf_file.open_gguf(path), str(path), dtype)[0]
 
@@ -118,9 +112,10 @@ TARGET_FAMILIES: tuple[TargetFamily, ...] = (
     ),
     TargetFamily(
         name="qwen3_moe", config_type=config_qwen3_moe.Qwen3MoeConfig, hf_architectures=("Qwen3MoeForCausalLM",),
-        hf_model_types=("qwen3_moe",), gguf_architectures=(), parse_hf=config_qwen3_moe.qwen3_moe_config_from_hf,
+        hf_model_types=("qwen3_moe",), gguf_architectures=(qwen3_moe_gguf.ARCH,), parse_hf=config_qwen3_moe.qwen3_moe_config_from_hf,
         model=FamilyModel.of_module(qwen3_moe_model), load_hf=qwen3_moe_io.load_qwen3_moe_target,
-        load_gguf=_no_gguf("Qwen3-MoE"), gguf_config=_no_gguf("Qwen3-MoE"),
+        load_gguf=lambda path, dtype, use_cache, as_numpy: qwen3_moe_gguf.load_qwen3_moe_gguf_target(path, dtype, as_numpy=as_numpy),
+        gguf_config=_gguf_config(qwen3_moe_gguf.qwen3_moe_gguf_config),
     ),
 )
 

@@ -148,3 +148,56 @@ def test_same_tokens_and_verify_steps_as_zlab_dflash_generate(case, tmp_path):
     assert max(accepted) > 1, "the steered drafter should get some blocks accepted"
     got, steps = ours_greedy(cfg, params, prompt, n, 4, load_hf_drafter(tmp_path, cfg))
     assert got == want == free and steps == len(accepted)
+
+
+def _write_gguf_from_hf(folder, path, cfg_hf: dict) -> None:
+    """A ``qwen3moe`` GGUF of an HF folder as ``convert_hf_to_gguf.py`` lays it out: names from
+    ``gguf-py``'s own ``TensorNameMap`` for the architecture, each layer's experts stacked
+    ``[E, out, in]``, sizes under llama.cpp's metadata keys."""
+    import gguf
+    from safetensors.numpy import load_file
+
+    from tests.tiny_gguf import write_gguf
+
+    tensors, n = load_file(str(folder / "model.safetensors")), cfg_hf["num_hidden_layers"]
+    name_map = gguf.get_tensor_name_map(gguf.MODEL_ARCH.QWEN3MOE, n)
+    for i in range(n):
+        for proj in ("gate_proj", "up_proj", "down_proj"):
+            if f"model.layers.{i}.mlp.experts.0.{proj}.weight" in tensors:  # a sparse layer
+                experts = [tensors.pop(f"model.layers.{i}.mlp.experts.{e}.{proj}.weight") for e in range(cfg_hf["num_experts"])]
+                tensors[f"model.layers.{i}.mlp.experts.{proj}.weight"] = np.stack(experts)
+    dense_map = gguf.get_tensor_name_map(gguf.MODEL_ARCH.QWEN3, n)  # a dense layer's MLP: no qwen3moe name exists
+    out = [(name_map.get_name(k, try_suffixes=(".weight", ".bias")) or dense_map.get_name(k, try_suffixes=(".weight", ".bias")), v, None)
+           for k, v in tensors.items()]
+    kv = {"qwen3moe.embedding_length": cfg_hf["hidden_size"], "qwen3moe.block_count": n,
+          "qwen3moe.feed_forward_length": cfg_hf["intermediate_size"], "qwen3moe.attention.head_count": cfg_hf["num_attention_heads"],
+          "qwen3moe.attention.head_count_kv": cfg_hf["num_key_value_heads"], "qwen3moe.attention.key_length": cfg_hf["head_dim"],
+          "qwen3moe.attention.value_length": cfg_hf["head_dim"], "qwen3moe.attention.layer_norm_rms_epsilon": cfg_hf["rms_norm_eps"],
+          "qwen3moe.rope.freq_base": 10000.0, "qwen3moe.context_length": cfg_hf["max_position_embeddings"],
+          "qwen3moe.expert_count": cfg_hf["num_experts"], "qwen3moe.expert_used_count": cfg_hf["num_experts_per_tok"],
+          "qwen3moe.expert_feed_forward_length": cfg_hf["moe_intermediate_size"]}
+    write_gguf(path, "qwen3moe", kv, out)
+
+
+def test_gguf_loads_what_safetensors_load(tmp_path):
+    """A ``qwen3moe`` GGUF (every layer MoE, top-k renormalised: what llama.cpp's graph runs) loads
+    to the params of the safetensors it came from and to transformers' logits; a dense layer is
+    refused by name."""
+    from dflash_jax.registry import load_gguf_target
+
+    conf = dict(_COMMON, num_hidden_layers=2, decoder_sparse_step=1, norm_topk_prob=True, tie_word_embeddings=False)
+    model = save_tiny("Qwen3MoeConfig", "Qwen3MoeForCausalLM", tmp_path / "hf", seed=5, **conf)
+    cfg, params = load_hf_target(tmp_path / "hf")
+    _write_gguf_from_hf(tmp_path / "hf", tmp_path / "m.gguf", conf)
+    g_cfg, g_params = load_gguf_target(tmp_path / "m.gguf", use_cache=False)
+    assert g_cfg == cfg
+    assert jax.tree.all(jax.tree.map(lambda a, b: bool((a == b).all()), g_params, params))
+    tokens = np.random.default_rng(2).integers(0, V, (1, 9)).astype(np.int32)
+    got, _, _ = _forward(g_params, g_cfg, jnp.asarray(tokens), jnp.arange(9, dtype=jnp.int32)[None], qwen3_moe.init_cache(g_cfg, 1, 9))
+    assert _rel(got, hf_logits(model, tokens)) < TOL
+    dense_layer = dict(conf, mlp_only_layers=[1])
+    save_tiny("Qwen3MoeConfig", "Qwen3MoeForCausalLM", tmp_path / "hf2", seed=5, **dense_layer)
+    _write_gguf_from_hf(tmp_path / "hf2", tmp_path / "d.gguf", dense_layer)
+    with pytest.raises(DFlashError, match=r"tensor blk\.1\.ffn_gate_inp\.weight: missing"):
+        load_gguf_target(tmp_path / "d.gguf", use_cache=False)
+
