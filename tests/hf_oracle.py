@@ -45,11 +45,12 @@ def hf_greedy(model, prompt, n: int) -> list[int]:
     return out[0, len(prompt):].tolist()
 
 
-def ours_greedy(t_cfg, t_params, prompt, n: int, chunk: int, drafter=None, max_len: int = 64):
+def ours_greedy(t_cfg, t_params, prompt, n: int, chunk: int, drafter=None, max_len: int = 64, tree: int | None = None):
     """Our greedy continuation ``(tokens, verify steps or None)``: plain decoding, or DFlash with
-    ``drafter = (cfg, params)``; the prompt prefilled in chunks of ``chunk`` tokens."""
+    ``drafter = (cfg, params)`` (chains, or best-first trees of ``tree`` nodes); the prompt
+    prefilled in chunks of ``chunk`` tokens."""
     d_cfg, d_params = drafter if drafter is not None else (None, None)
-    static, params = Decoding(t_cfg, d_cfg), Params(t_params, d_params)
+    static, params = Decoding(t_cfg, d_cfg, tree=tree), Params(t_params, d_params)
     st = decode.init_state(static, [prompt], max_len, n)
     st = decode.generate(params, decode.prefill(params, st, static, chunk), static)
     toks = [int(t) for t in np.asarray(st.tokens[0, len(prompt): int(st.length[0])])]

@@ -83,7 +83,10 @@ def test_greedy_plain_and_dflash_match_transformers(case, chunk):
     prompt, n = [3, 17, 42, 8, 11, 5, 29], 12
     want = hf_greedy(model, prompt, n)
     assert ours_greedy(cfg, params, prompt, n, chunk)[0] == want
-    assert ours_greedy(cfg, params, prompt, n, chunk, tiny_drafter(cfg, seed=1, layer_ids=(0, 2), block_size=4))[0] == want
+    drafter = tiny_drafter(cfg, seed=1, layer_ids=(0, 2), block_size=4)
+    assert ours_greedy(cfg, params, prompt, n, chunk, drafter)[0] == want
+    if chunk == 3:  # tree verification too (a tree's RoPE positions and mask; its accepted path moved)
+        assert ours_greedy(cfg, params, prompt, n, chunk, drafter, tree=3)[0] == want
 
 
 def test_fused_expert_layout_loads_the_same(case, tmp_path):

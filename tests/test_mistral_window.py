@@ -51,7 +51,10 @@ def test_greedy_plain_and_dflash_match_transformers(mistral, chunk):
     prompt, n = [3, 17, 42, 8, 11, 5, 29, 60, 2], 14
     want = hf_greedy(model, prompt, n)
     assert ours_greedy(cfg, params, prompt, n, chunk)[0] == want
-    assert ours_greedy(cfg, params, prompt, n, chunk, tiny_drafter(cfg, seed=1, layer_ids=(0, 2), block_size=4))[0] == want
+    drafter = tiny_drafter(cfg, seed=1, layer_ids=(0, 2), block_size=4)
+    assert ours_greedy(cfg, params, prompt, n, chunk, drafter)[0] == want
+    if chunk == 3:  # tree verification too (a tree's RoPE positions and mask; its accepted path moved)
+        assert ours_greedy(cfg, params, prompt, n, chunk, drafter, tree=3)[0] == want
 
 
 def test_window_fields():
@@ -62,3 +65,13 @@ def test_window_fields():
         target_config_from_hf(dict(base, sliding_window=-2))
     with pytest.raises(DFlashError, match="config.json: field use_sliding_window"):
         target_config_from_hf(dict(base, architectures=["Qwen2ForCausalLM"], model_type="qwen2", use_sliding_window=True))
+
+
+def test_a_tree_wider_than_the_window_is_refused(mistral):
+    from dflash_jax.nn.attention import TreeBlock
+
+    _, cfg, params = mistral
+    t = WINDOW + 1
+    tree = TreeBlock(depth=jnp.arange(t, dtype=jnp.int32)[None], mask=jnp.tril(jnp.ones((t, t), bool))[None])
+    with pytest.raises(DFlashError, match="tree: 6 tokens in one verify pass.*sliding_window=5"):
+        dense.forward_hidden(params, cfg, jnp.zeros((1, t), jnp.int32), jnp.arange(t, dtype=jnp.int32)[None], dense.init_cache(cfg, 1, 8), tree=tree)

@@ -39,6 +39,7 @@ from jax import lax
 
 from dflash_jax.cache import Capture, KVCache, init_kv_cache, move_slots, write_layer_rows
 from dflash_jax.config import TargetConfig
+from dflash_jax.errors import DFlashError
 from dflash_jax.models import capture as captures
 from dflash_jax.models import params as P
 from dflash_jax.models.params import ParamSpec, decoder_layer, stacked
@@ -173,7 +174,8 @@ def forward_hidden(
     Same contract as :func:`forward` without the LM head, so callers that need only some rows'
     logits (prefill's last row) pay for the head once; ``tree``: the block is a tree of
     candidates (:class:`~dflash_jax.nn.attention.TreeBlock`: RoPE by depth, ancestors visible).
-    Raises :class:`~dflash_jax.errors.DFlashError` for a capture layer id outside the target.
+    Raises :class:`~dflash_jax.errors.DFlashError` for a capture layer id outside the target, or
+    a tree of more tokens than a sliding window (Mistral's ``sliding_window``).
     """
     n_layers = cfg.num_hidden_layers
     inv_freq = inv_frequencies(cfg.rope, cfg.head_dim)
@@ -181,6 +183,8 @@ def forward_hidden(
     n_keys = live_keys(positions, cache.capacity)
     rope_pos, visible = rope_positions(positions, tree), block_visible(positions, tree)
     if cfg.sliding_window:
+        if tree is not None and tree.mask.shape[-1] > cfg.sliding_window:
+            raise DFlashError("tree", f"{tree.mask.shape[-1]} tokens in one verify pass", f"at most sliding_window={cfg.sliding_window}")
         visible = windowed(visible, positions, rope_pos, cfg.sliding_window, tree)
     x = embed(params, cfg, tokens).astype(cfg.dtype)
     slot_of = jnp.asarray(captures.slots(capture, n_layers))
