@@ -19,16 +19,18 @@ import os
 from types import ModuleType
 from typing import Any, Callable, Mapping
 
-from dflash_jax import config, config_laguna, config_qwen3_moe
+from dflash_jax import config, config_gpt_oss, config_laguna, config_qwen3_moe
 from dflash_jax.errors import DFlashError
 from dflash_jax.family import FamilyModel
 from dflash_jax.io import drafter as io_drafter
 from dflash_jax.io import gguf, gguf_cache, gguf_file, hf, laguna, laguna_drafter, laguna_gguf
+from dflash_jax.io import gpt_oss as gpt_oss_io
 from dflash_jax.io import qwen3_moe as qwen3_moe_io
 from dflash_jax.io import qwen3_moe_gguf
 from dflash_jax.models import dense, dflash_drafter
 from dflash_jax.models import laguna as laguna_model
 from dflash_jax.models import laguna_drafter as laguna_drafter_model
+from dflash_jax.models import gpt_oss as gpt_oss_model
 from dflash_jax.models import qwen3_moe as qwen3_moe_model
 
 
@@ -92,6 +94,13 @@ def _laguna_gguf(path, dtype, use_cache, as_numpy):
     return laguna_gguf.load_laguna_gguf_target(path, dtype, as_numpy=as_numpy)  # no weight cache: converted on the fly
 
 
+def _no_gguf(name: str):
+    """The GGUF loader of a family without one yet: raises DFlashError naming it."""
+    def refuse(path, *args, **kwargs):
+        raise DFlashError(str(path), f"a {name} GGUF (not supported yet)", "the HF safetensors folder of this model")
+    return refuse
+
+
 def _gguf_config(build):
     return lambda path, dtype: build(gguf_file.open_gguf(path), str(path), dtype)[0]
 
@@ -116,6 +125,12 @@ TARGET_FAMILIES: tuple[TargetFamily, ...] = (
         model=FamilyModel.of_module(qwen3_moe_model), load_hf=qwen3_moe_io.load_qwen3_moe_target,
         load_gguf=lambda path, dtype, use_cache, as_numpy: qwen3_moe_gguf.load_qwen3_moe_gguf_target(path, dtype, as_numpy=as_numpy),
         gguf_config=_gguf_config(qwen3_moe_gguf.qwen3_moe_gguf_config),
+    ),
+    TargetFamily(
+        name="gpt_oss", config_type=config_gpt_oss.GptOssConfig, hf_architectures=("GptOssForCausalLM",),
+        hf_model_types=("gpt_oss",), gguf_architectures=(), parse_hf=config_gpt_oss.gpt_oss_config_from_hf,
+        model=FamilyModel.of_module(gpt_oss_model), load_hf=gpt_oss_io.load_gpt_oss_target,
+        load_gguf=_no_gguf("gpt-oss"), gguf_config=_no_gguf("gpt-oss"),
     ),
 )
 

@@ -16,8 +16,9 @@ from dflash_jax.decoding import Decoding, Params
 
 def save_tiny(conf_cls: str, model_cls: str, folder, seed: int = 0, **conf):
     """Builds ``transformers.<model_cls>(<conf_cls>(**conf))`` in float32 with eager attention,
-    its norms moved off 1 and MoE routers (``mlp.gate.weight``) drawn wide (so they matter and
-    experts are chosen without ties), saves it to ``folder``; returns the eval model."""
+    its norms moved off 1, biases off 0, MoE routers (``mlp.gate`` / ``mlp.router``) and attention
+    sinks drawn wide (so they matter and experts are chosen without ties), saves it to
+    ``folder``; returns the eval model."""
     torch.manual_seed(seed)
     model = getattr(transformers, model_cls)(getattr(transformers, conf_cls)(**conf, attn_implementation="eager")).eval()
     gen = torch.Generator().manual_seed(seed + 1)
@@ -25,8 +26,10 @@ def save_tiny(conf_cls: str, model_cls: str, folder, seed: int = 0, **conf):
         for name, p in model.named_parameters():
             if "norm" in name:
                 p.copy_(1.0 + 0.2 * torch.randn(p.shape, generator=gen))
-            elif name.endswith("mlp.gate.weight"):
+            elif name.endswith(("mlp.gate.weight", "mlp.router.weight", "sinks")):
                 p.copy_(0.5 * torch.randn(p.shape, generator=gen))
+            elif name.endswith("bias"):
+                p.copy_(0.1 * torch.randn(p.shape, generator=gen))
     model.save_pretrained(folder, safe_serialization=True)
     return model
 
@@ -57,10 +60,14 @@ def ours_greedy(t_cfg, t_params, prompt, n: int, chunk: int, drafter=None, max_l
     return toks, (None if drafter is None else int(st.speculative.verify_steps[0]))
 
 
-def steer_to(draft_model, t_model, token: int, mask_id: int) -> None:
+def steer_to(draft_model, t_model, token: int, mask_id: int, damp: float = 1.0) -> None:
     """Scales a z-lab drafter's final norm so its mask slots favour ``token`` (keeps its attention
-    path), so that blocks get accepted on a target whose greedy output repeats ``token``."""
+    path, its layers' output projections scaled by ``damp`` so the embedding still dominates the
+    residual), so that blocks get accepted on a target whose greedy output repeats ``token``."""
     with torch.no_grad():
+        for layer in draft_model.layers:
+            layer.self_attn.o_proj.weight.mul_(damp)
+            layer.mlp.down_proj.weight.mul_(damp)
         e = t_model.lm_head.weight[token]
         m = t_model.get_input_embeddings().weight[mask_id]
         m = m / m.pow(2).mean().sqrt()
@@ -76,3 +83,26 @@ def zlab_generate(zlab, draft_model, t_model, prompt, n: int, block_size: int):
     finally:
         zlab._cuda_time = saved
     return out.output_ids[0, len(prompt):].tolist(), list(out.acceptance_lengths)
+
+
+def zlab_matches_ours(zlab, t_model, t_cfg, t_params, folder, prompt, n: int, vocab: int, hidden: int) -> list[int]:
+    """z-lab's ``dflash_generate`` on the transformers target with a 2-layer z-lab drafter
+    (layers 0 and 2 captured, block 4) steered to the commonest token of the target's greedy
+    answer, saved to ``folder`` and loaded by us: asserts blocks get accepted and that ours gives
+    the same ids and the same number of verify steps; returns the acceptance lengths."""
+    from dflash_jax.registry import load_hf_drafter
+
+    free = hf_greedy(t_model, prompt, n)
+    dc = transformers.Qwen3Config(vocab_size=vocab, hidden_size=hidden, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                                  num_key_value_heads=2, head_dim=16, max_position_embeddings=256, rms_norm_eps=1e-6)
+    dc.architectures, dc.num_target_layers = ["DFlashDraftModel"], t_cfg.num_hidden_layers
+    dc.dflash_config = {"mask_token_id": vocab - 1, "target_layer_ids": [0, 2], "block_size": 4}
+    torch.manual_seed(2)
+    draft = zlab.DFlashDraftModel(dc).eval()
+    steer_to(draft, t_model, max(set(free), key=free.count), vocab - 1, damp=0.3)
+    draft.save_pretrained(folder, safe_serialization=True)
+    want, accepted = zlab_generate(zlab, draft, t_model, prompt, n, block_size=4)
+    assert max(accepted) > 1, "the steered drafter should get some blocks accepted"
+    got, steps = ours_greedy(t_cfg, t_params, prompt, n, 4, load_hf_drafter(folder, t_cfg))
+    assert got == want == free and steps == len(accepted)
+    return accepted

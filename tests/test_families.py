@@ -23,8 +23,13 @@ _DENSE = dict(architectures=["Qwen3ForCausalLM"], vocab_size=64, hidden_size=32,
 _QWEN3_MOE = dict(_DENSE, architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", num_hidden_layers=3, num_experts=4,
                   num_experts_per_tok=2, moe_intermediate_size=16, decoder_sparse_step=1, mlp_only_layers=[1], norm_topk_prob=True)
 
+_GPT_OSS = dict(_DENSE, architectures=["GptOssForCausalLM"], model_type="gpt_oss", num_hidden_layers=3, num_local_experts=4,
+                num_experts_per_tok=2, intermediate_size=16, sliding_window=3,
+                rope_parameters={"rope_type": "yarn", "factor": 8.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+                                 "original_max_position_embeddings": 16, "rope_theta": 150000.0})
+
 # one tiny HF config.json per family: a family registered without one fails test_every_family_has_a_tiny_config
-TINY_HF = {"dense": _DENSE, "laguna": PER_HEAD, "qwen3_moe": _QWEN3_MOE}
+TINY_HF = {"dense": _DENSE, "laguna": PER_HEAD, "qwen3_moe": _QWEN3_MOE, "gpt_oss": _GPT_OSS}
 
 
 def test_every_family_has_a_tiny_config():

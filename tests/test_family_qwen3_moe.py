@@ -134,23 +134,9 @@ def test_same_tokens_and_verify_steps_as_zlab_dflash_generate(case, tmp_path):
     if name != "mlp_only":
         pytest.skip("one layer mix is enough for the loop")
     zlab = pytest.importorskip("dflash.model")
-    from dflash_jax.registry import load_hf_drafter
-    from tests.hf_oracle import steer_to, zlab_generate
+    from tests.hf_oracle import zlab_matches_ours
 
-    prompt, n = [3, 17, 42, 8, 11, 5, 29], 24
-    free = hf_greedy(model, prompt, n)
-    dc = transformers.Qwen3Config(vocab_size=V, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-                                  num_key_value_heads=2, head_dim=16, max_position_embeddings=256, rms_norm_eps=1e-6)
-    dc.architectures, dc.num_target_layers = ["DFlashDraftModel"], cfg.num_hidden_layers
-    dc.dflash_config = {"mask_token_id": V - 1, "target_layer_ids": [0, 2], "block_size": 4}
-    torch.manual_seed(2)
-    draft = zlab.DFlashDraftModel(dc).eval()
-    steer_to(draft, model, max(set(free), key=free.count), V - 1)
-    draft.save_pretrained(tmp_path, safe_serialization=True)
-    want, accepted = zlab_generate(zlab, draft, model, prompt, n, block_size=4)
-    assert max(accepted) > 1, "the steered drafter should get some blocks accepted"
-    got, steps = ours_greedy(cfg, params, prompt, n, 4, load_hf_drafter(tmp_path, cfg))
-    assert got == want == free and steps == len(accepted)
+    zlab_matches_ours(zlab, model, cfg, params, tmp_path, [3, 17, 42, 8, 11, 5, 29], 24, V, 64)
 
 
 def _write_gguf_from_hf(folder, path, cfg_hf: dict) -> None:
