@@ -190,3 +190,44 @@ def test_gguf_loads_what_safetensors_load(tmp_path):
     with pytest.raises(DFlashError, match=r"tensor blk\.1\.ffn_gate_inp\.weight: missing"):
         load_gguf_target(tmp_path / "d.gguf", use_cache=False)
 
+
+
+_EXPERT_MESH = """
+import jax, numpy as np
+jax.config.update("jax_default_matmul_precision", "highest")
+from dflash_jax import decode, sharding as shd
+from dflash_jax.decoding import Decoding, Params
+from dflash_jax.registry import family_for_hf, module_for
+from dflash_jax.testing import tiny_drafter
+
+hf = dict(architectures=["Qwen3MoeForCausalLM"], vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=4,
+          num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+          decoder_sparse_step=2, norm_topk_prob=True)
+cfg = family_for_hf(hf).parse_hf(hf, "hf")
+m = module_for(cfg)
+p = m.init_params(cfg, jax.random.key(3), 0.3)
+dcfg, dp = tiny_drafter(cfg, seed=1, layer_ids=(0, 2))
+static = Decoding(cfg, dcfg)
+
+def run(p, mesh=None):
+    st = decode.init_state(static, [[5, 9, 17, 3], [40, 2, 7]], 24, 10)
+    st = st if mesh is None else shd.shard_state(st, mesh)
+    return decode.generate(Params(p, dp), decode.prefill(Params(p, dp), st, static, 4), static)
+
+mesh = shd.make_mesh(model=2, expert=2)
+sp = shd.shard_params(p, m.param_axes(cfg), mesh)
+e = sp["seg0_1"]["e_gate"]
+assert e.sharding.shard_shape(e.shape) == (e.shape[0], e.shape[1] // 2, e.shape[2], e.shape[3] // 2), e.sharding
+a, b = run(p), run(sp, mesh)
+assert (np.asarray(a.tokens) == np.asarray(b.tokens)).all() and (np.asarray(a.length) == np.asarray(b.length)).all()
+print("OK")
+"""
+
+
+@pytest.mark.slow
+def test_experts_split_over_the_expert_axis_answer_as_one_device():
+    """``param_axes`` puts experts on the mesh's ``expert`` axis and each expert's width on
+    ``model``: DFlash greedy decoding on 4 CPU devices (expert=2, model=2) gives one device's tokens."""
+    from conftest import run_on_cpu_devices
+
+    run_on_cpu_devices(_EXPERT_MESH, 4, timeout=600)
