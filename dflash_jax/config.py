@@ -61,6 +61,8 @@ class TargetConfig:
     ``qkv_bias``: q/k/v projections carry a bias (Qwen2; Llama/Qwen3 with ``attention_bias``).
     ``o_bias``: the output projection carries a bias (Llama/Qwen3 ``attention_bias``).
     ``qk_norm``: per-head RMSNorm on q and k before RoPE (Qwen3).
+    ``sliding_window``: every layer attends keys less than this many positions back (Mistral's
+    ``sliding_window``; 0 = no window).
     ``dtype``: the compute and parameter dtype name (``"float32"``, ``"bfloat16"``, ``"float16"``).
     """
 
@@ -80,6 +82,7 @@ class TargetConfig:
     mlp_bias: bool = False
     qk_norm: bool = False
     max_position_embeddings: int = 4096
+    sliding_window: int = 0
     dtype: str = "float32"
 
     def __post_init__(self):
@@ -189,6 +192,7 @@ def target_config_from_hf(cfg: Mapping[str, Any], source: str = "config.json") -
         head_dim = hidden // heads
     head_dim = _positive(int(head_dim), "head_dim", source)
     attention_bias = bool(cfg.get("attention_bias", False))
+    window = _sliding_window(cfg, source, family)
     return TargetConfig(
         family=family,
         vocab_size=_positive(_get(cfg, "vocab_size", source, int), "vocab_size", source),
@@ -206,7 +210,26 @@ def target_config_from_hf(cfg: Mapping[str, Any], source: str = "config.json") -
         mlp_bias=bool(cfg.get("mlp_bias", False)),
         qk_norm=family == "qwen3",
         max_position_embeddings=int(cfg.get("max_position_embeddings") or 4096),
+        sliding_window=window,
     )
+
+
+def _sliding_window(cfg: Mapping[str, Any], source: str, family: str) -> int:
+    """Mistral's ``sliding_window`` (0 when null or absent); Qwen2/Qwen3 configs with
+    ``use_sliding_window`` true are refused (their window covers only layers from
+    ``max_window_layers`` on, which the dense family does not model).
+
+    Raises:
+      DFlashError: a non-positive or non-integer window, or ``use_sliding_window`` true.
+    """
+    if family in ("qwen2", "qwen3"):
+        if cfg.get("use_sliding_window"):
+            raise DFlashError(f"{source}: field use_sliding_window", "true (a window on some layers only)", "false")
+        return 0
+    if cfg.get("model_type") != "mistral" and "MistralForCausalLM" not in (cfg.get("architectures") or []):
+        return 0
+    window = _get(cfg, "sliding_window", source, int, 0)
+    return 0 if window == 0 else _positive(window, "sliding_window", source)
 
 
 def read_json(path: str | os.PathLike) -> dict:

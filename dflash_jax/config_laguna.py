@@ -126,7 +126,11 @@ def _pos_int(cfg, key, where, default=dataclasses.MISSING) -> int:
     return int(v)
 
 
-def _rope(sub: Mapping[str, Any], where: str, truncate: bool) -> RopeConfig:
+def rope_from_parameters(sub: Mapping[str, Any], where: str, truncate: bool) -> RopeConfig:
+    """A :class:`RopeConfig` from one ``rope_parameters`` object (``rope_type`` default or yarn,
+    ``rope_theta``, ``partial_rotary_factor``, YaRN's ``factor``, ``original_max_position_embeddings``,
+    ``beta_fast``/``beta_slow``, ``attention_factor``/``mscale``/``mscale_all_dim``); shared with
+    gpt-oss. Raises DFlashError naming ``where`` and the field."""
     if not isinstance(sub, Mapping):
         raise DFlashError(where, f"got {sub!r}", "a rope parameter object")
     kind = sub.get("rope_type", sub.get("type", "default"))
@@ -203,12 +207,12 @@ def _ropes(cfg: Mapping[str, Any], where: str, layer_types: tuple) -> tuple[Rope
         raise DFlashError(f"{where}: field rope_parameters", f"got {rp!r}", "an object")
     truncate = bool(rp.get("truncate", True))
     if "full_attention" not in rp and "sliding_attention" not in rp:
-        rope = _rope(rp, f"{where}: field rope_parameters", truncate)
+        rope = rope_from_parameters(rp, f"{where}: field rope_parameters", truncate)
         return rope, rope
     for t in set(layer_types):
         if t not in rp:
             raise DFlashError(f"{where}: field rope_parameters.{t}", "missing for a layer of that type", "a rope parameter object")
-    subs = {t: _rope(rp[t], f"{where}: field rope_parameters.{t}", truncate) if t in rp else None for t in LAYER_TYPES}
+    subs = {t: rope_from_parameters(rp[t], f"{where}: field rope_parameters.{t}", truncate) if t in rp else None for t in LAYER_TYPES}
     return subs["full_attention"] or subs["sliding_attention"], subs["sliding_attention"] or subs["full_attention"]
 
 

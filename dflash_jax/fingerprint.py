@@ -26,6 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from dflash_jax.distributed import fetch
+from dflash_jax.models.params import is_per_layer
 from dflash_jax.nn import layouts
 
 PREFIX = "f32-sha256:"
@@ -57,7 +58,7 @@ def tree_fingerprint(tree, prefix: bytes = b"", samples: int | None = None, digi
     :mod:`dflash_jax.nn.layouts`. Leaves may be numpy or JAX arrays of any float dtype."""
     tree = layouts.canonical(tree)
     layers = tree.get("layers") if isinstance(tree, dict) else None
-    if isinstance(layers, (tuple, list)):
+    if is_per_layer(layers):
         tree = dict(tree, layers=jax.tree_util.tree_map(lambda *a: _StackedLeaf(a), *layers))
     h = hashlib.sha256(prefix)
     for k, v in jax.tree_util.tree_leaves_with_path(tree):

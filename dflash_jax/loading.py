@@ -25,6 +25,7 @@ from dflash_jax.io import gguf_cache, gguf_file
 from dflash_jax.io.tokenizer import Tokenizer
 from dflash_jax.models import dense
 from dflash_jax.models import drafter as drafter_model
+from dflash_jax.models.params import is_per_layer
 from dflash_jax.nn import layouts
 from dflash_jax.speculative.depth import Calibration
 
@@ -131,7 +132,7 @@ def load_target(path: str | os.PathLike | None = None, dtype: str = "float32", l
 
 def _axes(module, cfg, params) -> dict:
     """``module.param_axes`` of ``params``' layout (per-layer decoder layers or stacked)."""
-    if isinstance(params.get("layers"), (tuple, list)):
+    if is_per_layer(params.get("layers")):
         return module.param_axes(cfg, per_layer=True)
     return module.param_axes(cfg)
 

@@ -1,9 +1,9 @@
 """Target families and drafter kinds, keyed by architecture: the one place that knows them.
 
 A :class:`TargetFamily` names a target's Hugging Face ``architectures`` / ``model_type`` and GGUF
-``general.architecture`` values, its config type and parser, its model module (``embed``,
-``forward_hidden``, ``lm_head``, ``init_cache``, ``param_shapes``, ...) and its HF and GGUF
-loaders. A :class:`DrafterKind` names a DFlash drafter ``architectures`` value, its config parser
+``general.architecture`` values, its config type and parser, its model as a
+:class:`~dflash_jax.family.FamilyModel` (the typed contract every caller uses: ``embed``,
+``forward_hidden``, ``lm_head``, ``init_cache``, ``param_axes``, ...) and its HF and GGUF loaders. A :class:`DrafterKind` names a DFlash drafter ``architectures`` value, its config parser
 and its loaders. Every other module asks here (:func:`module_for`, :func:`family_for_hf`,
 :func:`load_hf_target`, :func:`drafter_config_from_hf`, ...); adding a family or a drafter kind is
 one entry in :data:`TARGET_FAMILIES` or :data:`DRAFTER_KINDS`.
@@ -19,13 +19,19 @@ import os
 from types import ModuleType
 from typing import Any, Callable, Mapping
 
-from dflash_jax import config, config_laguna
+from dflash_jax import config, config_gpt_oss, config_laguna, config_qwen3_moe
 from dflash_jax.errors import DFlashError
+from dflash_jax.family import FamilyModel
 from dflash_jax.io import drafter as io_drafter
 from dflash_jax.io import gguf, gguf_cache, gguf_file, hf, laguna, laguna_drafter, laguna_gguf
+from dflash_jax.io import gpt_oss as gpt_oss_io
+from dflash_jax.io import qwen3_moe as qwen3_moe_io
+from dflash_jax.io import qwen3_moe_gguf
 from dflash_jax.models import dense, dflash_drafter
 from dflash_jax.models import laguna as laguna_model
 from dflash_jax.models import laguna_drafter as laguna_drafter_model
+from dflash_jax.models import gpt_oss as gpt_oss_model
+from dflash_jax.models import qwen3_moe as qwen3_moe_model
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,7 +45,8 @@ class TargetFamily:
       hf_model_types: ``config.json`` ``model_type`` values that select it when no entry does.
       gguf_architectures: GGUF ``general.architecture`` values that select it.
       parse_hf: ``(config dict, source) -> cfg``.
-      model: the model module (``embed``, ``forward_hidden``, ``lm_head``, ``init_cache``, ...).
+      model: its :class:`~dflash_jax.family.FamilyModel` (``embed``, ``forward_hidden``, ``lm_head``,
+        ``init_cache``, ...), checked against the contract when the registry is built.
       load_hf: ``(folder, dtype) -> (cfg, params)``.
       load_gguf: ``(path, dtype, use_cache, as_numpy) -> (cfg, params)``.
       gguf_config: ``(path, dtype) -> cfg`` from the GGUF's metadata and tensor list only.
@@ -52,7 +59,7 @@ class TargetFamily:
     hf_model_types: tuple[str, ...]
     gguf_architectures: tuple[str, ...]
     parse_hf: Callable[[Mapping[str, Any], str], Any]
-    model: ModuleType
+    model: FamilyModel
     load_hf: Callable[..., tuple[Any, dict]]
     load_gguf: Callable[..., tuple[Any, dict]]
     gguf_config: Callable[[str, str], Any]
@@ -87,6 +94,13 @@ def _laguna_gguf(path, dtype, use_cache, as_numpy):
     return laguna_gguf.load_laguna_gguf_target(path, dtype, as_numpy=as_numpy)  # no weight cache: converted on the fly
 
 
+def _no_gguf(name: str):
+    """The GGUF loader of a family without one yet: raises DFlashError naming it."""
+    def refuse(path, *args, **kwargs):
+        raise DFlashError(str(path), f"a {name} GGUF (not supported yet)", "the HF safetensors folder of this model")
+    return refuse
+
+
 def _gguf_config(build):
     return lambda path, dtype: build(gguf_file.open_gguf(path), str(path), dtype)[0]
 
@@ -95,15 +109,28 @@ TARGET_FAMILIES: tuple[TargetFamily, ...] = (
     TargetFamily(
         name="dense", config_type=config.TargetConfig, hf_architectures=tuple(config.HF_ARCHITECTURES),
         hf_model_types=tuple(config.HF_MODEL_TYPES), gguf_architectures=gguf.ARCHITECTURES,
-        parse_hf=config.target_config_from_hf, model=dense, load_hf=hf.load_hf_target,
+        parse_hf=config.target_config_from_hf, model=FamilyModel.of_module(dense), load_hf=hf.load_hf_target,
         load_gguf=lambda path, dtype, use_cache, as_numpy: gguf.load_gguf_target(path, dtype, use_cache=use_cache, as_numpy=as_numpy),
         gguf_config=_gguf_config(gguf.gguf_config), per_layer=True,
     ),
     TargetFamily(
         name="laguna", config_type=config_laguna.LagunaConfig, hf_architectures=("LagunaForCausalLM",),
         hf_model_types=("laguna",), gguf_architectures=(laguna_gguf.ARCH,), parse_hf=config_laguna.laguna_config_from_hf,
-        model=laguna_model, load_hf=laguna.load_laguna_target, load_gguf=_laguna_gguf,
+        model=FamilyModel.of_module(laguna_model), load_hf=laguna.load_laguna_target, load_gguf=_laguna_gguf,
         gguf_config=_gguf_config(laguna_gguf.laguna_gguf_config),
+    ),
+    TargetFamily(
+        name="qwen3_moe", config_type=config_qwen3_moe.Qwen3MoeConfig, hf_architectures=("Qwen3MoeForCausalLM",),
+        hf_model_types=("qwen3_moe",), gguf_architectures=(qwen3_moe_gguf.ARCH,), parse_hf=config_qwen3_moe.qwen3_moe_config_from_hf,
+        model=FamilyModel.of_module(qwen3_moe_model), load_hf=qwen3_moe_io.load_qwen3_moe_target,
+        load_gguf=lambda path, dtype, use_cache, as_numpy: qwen3_moe_gguf.load_qwen3_moe_gguf_target(path, dtype, as_numpy=as_numpy),
+        gguf_config=_gguf_config(qwen3_moe_gguf.qwen3_moe_gguf_config),
+    ),
+    TargetFamily(
+        name="gpt_oss", config_type=config_gpt_oss.GptOssConfig, hf_architectures=("GptOssForCausalLM",),
+        hf_model_types=("gpt_oss",), gguf_architectures=(), parse_hf=config_gpt_oss.gpt_oss_config_from_hf,
+        model=FamilyModel.of_module(gpt_oss_model), load_hf=gpt_oss_io.load_gpt_oss_target,
+        load_gguf=_no_gguf("gpt-oss"), gguf_config=_no_gguf("gpt-oss"),
     ),
 )
 
@@ -133,9 +160,10 @@ def family_of(cfg) -> TargetFamily:
                       f"one of {', '.join(f.config_type.__name__ for f in TARGET_FAMILIES)}")
 
 
-def module_for(cfg) -> ModuleType:
-    """The model module of a target config (``forward_hidden``, ``lm_head``, ``embed``,
-    ``init_cache``; static, resolved at trace time). Raises DFlashError for an unknown type."""
+def module_for(cfg) -> FamilyModel:
+    """The model of a target config (:class:`~dflash_jax.family.FamilyModel`: ``forward_hidden``,
+    ``lm_head``, ``embed``, ``init_cache``, ...; static, resolved at trace time). Raises
+    DFlashError for an unknown type."""
     return family_of(cfg).model
 
 

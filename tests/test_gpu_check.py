@@ -42,7 +42,8 @@ def dry_run(tmp_path_factory):
 def test_dry_run_measures_every_section(dry_run):
     out, res, stdout = dry_run
     runs = {(e["shape"], e["dtype"]): e for e in res["runs"]}
-    assert set(runs) == {("qwen3-8b", "bfloat16"), ("laguna-xs-2.1", "bfloat16"), ("smollm2-135m", "float32")}
+    assert set(runs) == {("qwen3-8b", "bfloat16"), ("laguna-xs-2.1", "bfloat16"), ("smollm2-135m", "float32"),
+                         ("qwen3-coder-30b-a3b", "bfloat16")}
     assert all(not e.get("skipped") for e in runs.values()), [e.get("skipped") for e in runs.values()]
     qwen = runs[("qwen3-8b", "bfloat16")]
     assert [d["live"] for d in qwen["decode"]] == [64, 200]
@@ -125,3 +126,18 @@ def test_the_gpu_plans_fit_their_capacity_and_the_h200(tools):
             if not plan.tiny:
                 target, drafter = jax.eval_shape(lambda: gpu_shapes.random_models(cfg, dcfg))
                 assert gpu_shapes.tree_bytes(target) + gpu_shapes.tree_bytes(drafter) < 0.6 * 139 * 2**30, (name, run)
+
+
+def test_qwen3_coder_30b_a3b_real_shapes(tools):
+    """The Qwen3-Coder-30B-A3B shapes hold its published parameter count (30.5B) and 3.3B active
+    (top-8 of 128 experts), all 48 layers sparse in one segment, experts on the ``experts`` axis."""
+    gpu_shapes = tools[1]
+    cfg, dcfg = gpu_shapes.configs("qwen3-coder-30b-a3b", "bfloat16")
+    assert all(cfg.sparse_layers) and cfg.num_hidden_layers == 48 and cfg.norm_topk_prob and dcfg.hidden_size == cfg.hidden_size
+    target, _ = jax.eval_shape(lambda: gpu_shapes.random_models(cfg, dcfg))
+    assert sorted(target) == ["embed", "lm_head", "norm", "seg0_0"] and target["seg0_0"]["e_gate"].shape == (48, 128, 2048, 768)
+    assert 30.4e9 < gpu_shapes.tree_bytes(target) / 2 < 30.6e9
+    active = gpu_shapes.weight_bytes_per_token(target, cfg) / 2 + cfg.vocab_size * cfg.hidden_size  # plus the embedding table
+    assert 3.2e9 < active < 3.4e9
+    from dflash_jax.registry import module_for
+    assert module_for(cfg).param_axes(cfg)["seg0_0"]["e_up"] == ("layers", "experts", "embed", "expert_mlp")

@@ -10,8 +10,12 @@ that travels to a lent GPU) are replaced by random weights of their exact shapes
 - ``qwen3-8b``: Qwen3-8B with the z-lab ``Qwen3-8B-DFlash-b16`` drafter (docs/specs/dflash.md 1.3).
 - ``laguna-xs-2.1``: Laguna XS-2.1 (256 experts, top-8) with its DFlash drafter
   (:mod:`dflash_jax.models.laguna_presets`).
+- ``qwen3-coder-30b-a3b``: Qwen3-Coder-30B-A3B-Instruct (``Qwen3MoeForCausalLM``: hidden 2048, 48
+  layers all sparse, 32 heads, 4 KV heads, head_dim 128, 128 experts of 768, top-8 renormalised,
+  vocab 151936; its published ``config.json``) with a DFlash drafter of z-lab's Qwen3-8B layout
+  (5 layers, block 16) at hidden 2048 (an assumed drafter shape: speed, not acceptance).
 
-``TINY`` holds the same three kinds at toy sizes for ``--dry-run`` on a CPU.
+``TINY`` holds the same kinds at toy sizes for ``--dry-run`` on a CPU.
 """
 
 from __future__ import annotations
@@ -55,6 +59,14 @@ def _laguna(hidden, layers, heads, kv, head_dim, experts, top_k, moe, window, vo
                intermediate_size=inter, max_position_embeddings=4096)
 
 
+def _qwen3_moe(vocab, hidden, inter, layers, heads, kv, head_dim, experts, top_k, moe, theta=1e7, max_pos=262144):
+    return {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "vocab_size": vocab, "hidden_size": hidden,
+            "intermediate_size": inter, "num_hidden_layers": layers, "num_attention_heads": heads, "num_key_value_heads": kv,
+            "head_dim": head_dim, "num_experts": experts, "num_experts_per_tok": top_k, "moe_intermediate_size": moe,
+            "norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": [], "rope_theta": theta, "rms_norm_eps": 1e-6,
+            "tie_word_embeddings": False, "max_position_embeddings": max_pos}
+
+
 def _laguna_drafter(hidden, layers, heads, kv, head_dim, inter, vocab, ids, n_target, window):
     d = json.loads(json.dumps(DRAFTERS["XS-2.1"]))
     d.update(hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv, head_dim=head_dim,
@@ -74,6 +86,8 @@ REAL = {
     "qwen3-8b": (lambda: _llama(151936, 4096, 12288, 36, 32, 8, 128, 1e6, False, "Qwen3ForCausalLM", 1e-6, 40960),
                  lambda: _dflash(4096, 12288, 5, 32, 8, 128, 151936, 16, 151669, [1, 9, 17, 25, 33], 36, 1e6), 0),
     "laguna-xs-2.1": (lambda: PUBLISHED["XS-2.1"], lambda: DRAFTERS["XS-2.1"], 0),
+    "qwen3-coder-30b-a3b": (lambda: _qwen3_moe(151936, 2048, 6144, 48, 32, 4, 128, 128, 8, 768),
+                            lambda: _dflash(2048, 6144, 5, 32, 4, 128, 151936, 16, 151669, [1, 12, 23, 34, 45], 48, 1e7), 0),
 }
 TINY = {
     "smollm2-135m": (lambda: _llama(512, 64, 128, 4, 4, 2, 16, 100000.0, True),
@@ -82,6 +96,8 @@ TINY = {
                  lambda: _dflash(64, 96, 2, 4, 2, 16, 512, 8, 511, [0, 3], 4, 1e6), 0),
     "laguna-xs-2.1": (lambda: _laguna(64, 5, 4, 2, 16, 8, 2, 32, 32, 512, 128),  # full+dense, sliding+MoE x3, full+MoE
                       lambda: _laguna_drafter(64, 2, 4, 2, 16, 96, 512, [1, 4], 5, 32), 0),
+    "qwen3-coder-30b-a3b": (lambda: _qwen3_moe(512, 64, 128, 4, 4, 2, 16, 8, 2, 32, 1e6, 4096),
+                            lambda: _dflash(64, 96, 2, 4, 2, 16, 512, 8, 511, [0, 3], 4, 1e6), 0),
 }
 
 

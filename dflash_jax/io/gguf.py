@@ -119,12 +119,21 @@ def _check_rows(w: np.ndarray, n_head: int) -> None:
 # ----------------------------------------------------------------------------------- config
 
 
-def _arch_config(reader, path: str) -> tuple[str, dict]:
+def arch_config(reader, path: str, architectures: tuple[str, ...] = ARCHITECTURES) -> tuple[str, dict]:
+    """``(general.architecture, sizes)`` of a llama.cpp decoder GGUF: ``hidden``, ``layers``,
+    ``ffn``, ``heads``, ``kv_heads``, ``head_dim``, ``rot_dim``, ``eps``, ``theta``, ``ctx``,
+    ``scaling``, ``scaling_factor`` (keys ``{arch}.embedding_length``, ... as llama.cpp's
+    ``llama-arch.cpp`` names them). Shared by the dense and Qwen3-MoE GGUF loaders.
+
+    Raises:
+      DFlashError: an architecture not in ``architectures``, or a required key missing or
+        ill-typed (file and key named).
+    """
     arch = metadata(reader, "general.architecture")
     if arch is None:
-        raise DFlashError(f"{path}: metadata general.architecture", "missing", f"one of {ARCHITECTURES}")
-    if arch not in ARCHITECTURES:
-        raise DFlashError(f"{path}: metadata general.architecture", f"unsupported value {arch!r}", f"one of {ARCHITECTURES}")
+        raise DFlashError(f"{path}: metadata general.architecture", "missing", f"one of {architectures}")
+    if arch not in architectures:
+        raise DFlashError(f"{path}: metadata general.architecture", f"unsupported value {arch!r}", f"one of {architectures}")
 
     def req(key: str, types=(int,)):
         value = metadata(reader, f"{arch}.{key}")
@@ -161,7 +170,9 @@ def _arch_config(reader, path: str) -> tuple[str, dict]:
     return arch, meta
 
 
-def _rope(meta: dict, rope_freqs: np.ndarray | None, path: str) -> RopeConfig:
+def rope_config(meta: dict, rope_freqs: np.ndarray | None, path: str) -> RopeConfig:
+    """The :class:`RopeConfig` of :func:`arch_config`'s sizes (and a ``rope_freqs`` tensor: Llama-3 scaling).
+    Raises DFlashError for an unsupported rope scaling."""
     partial = meta["rot_dim"] / meta["head_dim"]
     scaling = meta["scaling"]
     if scaling in (None, "none") and rope_freqs is None:
@@ -193,7 +204,7 @@ def gguf_config(reader, path: str, dtype: str) -> tuple[TargetConfig, dict]:
     Raises:
       DFlashError: as :func:`load_gguf_target` for metadata problems.
     """
-    arch, meta = _arch_config(reader, path)
+    arch, meta = arch_config(reader, path)
     tensors = tensor_table(reader, path)
     vocab = embedding_vocab(reader, tensors, path, f"{arch}.vocab_size")
     rope_freqs = None
@@ -214,7 +225,7 @@ def gguf_config(reader, path: str, dtype: str) -> tuple[TargetConfig, dict]:
         num_key_value_heads=meta["kv_heads"],
         head_dim=meta["head_dim"],
         rms_norm_eps=meta["eps"],
-        rope=_rope(meta, rope_freqs, path),
+        rope=rope_config(meta, rope_freqs, path),
         tie_word_embeddings="output.weight" not in tensors,
         qkv_bias=qkv_bias,
         o_bias=o_bias,

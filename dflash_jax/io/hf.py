@@ -72,17 +72,19 @@ class SafetensorsFile:
         self._handle = _open(self.path)
         self.tensors = _tensor_infos(self.path, self._handle)
 
-    def read(self, name: str) -> np.ndarray:
-        """The tensor ``name`` as a numpy array in its stored float dtype (BF16 as ``ml_dtypes.bfloat16``).
+    def read(self, name: str, raw: bool = False) -> np.ndarray:
+        """The tensor ``name`` as a numpy array in its stored float dtype (BF16 as ``ml_dtypes.bfloat16``;
+        with ``raw`` any stored dtype, e.g. MXFP4's ``U8`` blocks and scales).
 
         Raises:
-          DFlashError: the tensor is absent or stored in a non-float dtype (names file and tensor).
+          DFlashError: the tensor is absent or (without ``raw``) stored in a non-float dtype (names
+            file and tensor).
         """
         where = f"{self.path}: tensor {name}"
         info = self.tensors.get(name)
         if info is None:
             raise DFlashError(where, "missing", "a tensor of that name in this file")
-        if info.dtype not in FLOAT_CODES:
+        if info.dtype not in FLOAT_CODES and not raw:
             raise DFlashError(where, f"unsupported dtype {info.dtype}", "a float dtype: F32, F16, BF16 or F64")
         return self._handle.get_tensor(name)
 
@@ -207,9 +209,44 @@ class Checkpoint:
     def info(self, name: str) -> TensorInfo:
         return self.where[name].tensors[name]
 
-    def read(self, name: str) -> np.ndarray:
-        """The tensor ``name`` in its stored float dtype."""
-        return self.where[name].read(name)
+    def read(self, name: str, raw: bool = False) -> np.ndarray:
+        """The tensor ``name`` in its stored float dtype (any stored dtype with ``raw``)."""
+        return self.where[name].read(name, raw)
+
+
+class Renamed:
+    """A :class:`Checkpoint` seen through virtual names: ``views[name] = (real name, fn, shape)``
+    where ``fn(array)`` produces the virtual tensor (a fused tensor's slice, say); the ``hidden``
+    real names are not listed; other tensors pass through unchanged. Lets one strict name map
+    (:func:`load_named`) serve several stored layouts. A view may read several real tensors
+    (``real`` a tuple: ``fn(*arrays)``, e.g. MXFP4 blocks and scales) and name the dtype code its
+    result has (a fourth entry, e.g. ``"F32"``)."""
+
+    def __init__(self, ckpt: Checkpoint, views: dict, hidden: set):
+        self.ckpt, self.views, self.hidden = ckpt, views, hidden
+        self.files = ckpt.files
+
+    def names(self) -> list[str]:
+        return [n for n in self.ckpt.names() if n not in self.hidden] + list(self.views)
+
+    def _real(self, name: str) -> tuple:
+        real = self.views[name][0]
+        return real if isinstance(real, tuple) else (real,)
+
+    def file_of(self, name: str) -> str:
+        return self.ckpt.file_of(self._real(name)[0] if name in self.views else name)
+
+    def info(self, name: str) -> TensorInfo:
+        if name in self.views:
+            view = self.views[name]
+            i = dataclasses.replace(self.ckpt.info(self._real(name)[0]), shape=tuple(view[2]))
+            return dataclasses.replace(i, dtype=view[3]) if len(view) > 3 else i
+        return self.ckpt.info(name)
+
+    def read(self, name: str, raw: bool = False) -> np.ndarray:
+        if name in self.views:
+            return self.views[name][1](*(self.ckpt.read(r, raw=True) for r in self._real(name)))
+        return self.ckpt.read(name, raw)
 
 
 # Per-layer tensor names shared by Llama-style decoders: {suffix: (params leaf, transpose)}.

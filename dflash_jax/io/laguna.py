@@ -10,7 +10,7 @@ Two name layouts are accepted (``docs/specs/laguna.md`` 4.1):
   ``[E, H, Im]``, ``mlp.gate.e_score_correction_bias``, ``mlp.shared_experts.*``.
 
 The transformers layout is presented to :func:`dflash_jax.io.hf.load_named` as the published
-names through :class:`_Renamed` (each expert a lazy slice of the fused memory-mapped tensor), so
+names through :class:`~dflash_jax.io.hf.Renamed` (each expert a lazy slice of the fused memory-mapped tensor), so
 one strict name map serves both. ``g_proj`` decides per-head vs per-element gating when the
 config's ``gating`` is ``true`` or missing; an explicit contradicting string is an error. A
 ``g_proj`` with a stray singleton axis is squeezed. ``e_score_correction_bias`` stays float32.
@@ -27,7 +27,7 @@ import numpy as np
 from dflash_jax.config import read_json
 from dflash_jax.config_laguna import LagunaConfig, laguna_config_from_hf
 from dflash_jax.errors import DFlashError
-from dflash_jax.io.hf import ATTENTION_NAMES, MLP_NAMES, QK_NORM_NAMES, Checkpoint, TensorInfo, numpy_dtype, load_named
+from dflash_jax.io.hf import ATTENTION_NAMES, MLP_NAMES, QK_NORM_NAMES, Checkpoint, Renamed, numpy_dtype, load_named
 
 _ATTN = {**ATTENTION_NAMES, "self_attn.g_proj.weight": ("wg", True), **QK_NORM_NAMES}
 _DENSE = MLP_NAMES
@@ -85,35 +85,7 @@ def parameter_count(cfg: LagunaConfig) -> int:
     return int(sum(int(np.prod(s)) for s in published_shapes(cfg).values()))
 
 
-class _Renamed:
-    """A :class:`Checkpoint` seen through virtual names: ``views[name] = (real name, fn, shape)``
-    where ``fn(array)`` produces the virtual tensor; other tensors pass through unchanged."""
-
-    def __init__(self, ckpt: Checkpoint, views: dict, hidden: set):
-        self.ckpt, self.views, self.hidden = ckpt, views, hidden
-        self.files = ckpt.files
-
-    def names(self) -> list[str]:
-        return [n for n in self.ckpt.names() if n not in self.hidden] + list(self.views)
-
-    def file_of(self, name: str) -> str:
-        return self.ckpt.file_of(self.views[name][0] if name in self.views else name)
-
-    def info(self, name: str) -> TensorInfo:
-        if name in self.views:
-            real, _, shape = self.views[name]
-            i = self.ckpt.info(real)
-            return dataclasses.replace(i, shape=tuple(shape))
-        return self.ckpt.info(name)
-
-    def read(self, name: str) -> np.ndarray:
-        if name in self.views:
-            real, fn, _ = self.views[name]
-            return fn(self.ckpt.read(real))
-        return self.ckpt.read(name)
-
-
-def _views(cfg: LagunaConfig, ckpt: Checkpoint) -> _Renamed:
+def _views(cfg: LagunaConfig, ckpt: Checkpoint) -> Renamed:
     """Maps the transformers layout (and squeezable ``g_proj`` shapes) onto published names."""
     present = set(ckpt.names())
     views, hidden = {}, set()
@@ -150,7 +122,7 @@ def _views(cfg: LagunaConfig, ckpt: Checkpoint) -> _Renamed:
                 views[f"{pre}mlp.experts.{e}.gate_proj.weight"] = (gu, lambda x, e=e: x[e, :Im], (Im, cfg.hidden_size))
                 views[f"{pre}mlp.experts.{e}.up_proj.weight"] = (gu, lambda x, e=e: x[e, Im:], (Im, cfg.hidden_size))
                 views[f"{pre}mlp.experts.{e}.down_proj.weight"] = (dn, lambda x, e=e: x[e], (cfg.hidden_size, Im))
-    return _Renamed(ckpt, views, hidden)
+    return Renamed(ckpt, views, hidden)
 
 
 def resolve_gating(cfg: LagunaConfig, gate_widths: dict[int, int], where) -> LagunaConfig:

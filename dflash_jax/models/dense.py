@@ -1,4 +1,8 @@
-"""Dense decoder targets (Llama incl. SmolLM2 and Llama-3, Qwen2, Qwen3) as pure functions.
+"""Dense decoder targets (Llama incl. SmolLM2 and Llama-3, Mistral, Qwen2, Qwen3) as pure functions.
+
+Mistral's ``sliding_window`` (``TargetConfig.sliding_window``) narrows every layer's attention to
+keys less than the window behind the query (:func:`dflash_jax.nn.attention.windowed`); the cache
+still keeps every position.
 
 Parameter pytree (weights in ``[in, out]`` layout; layers stacked on a leading ``L`` axis and run
 with ``lax.scan``)::
@@ -20,7 +24,8 @@ every scan step (a ``dynamic-slice`` per weight); without those copies plain dec
 SmolLM2-135M ran 1.15x faster (BENCHMARKS.md), so :func:`dflash_jax.api.load_target` unstacks
 on CPU. Both layouts give the same logits.
 
-Source: transformers ``modeling_llama.py``, ``modeling_qwen2.py``, ``modeling_qwen3.py``.
+Source: transformers ``modeling_llama.py``, ``modeling_mistral.py``, ``modeling_qwen2.py``,
+``modeling_qwen3.py``.
 """
 
 from __future__ import annotations
@@ -34,10 +39,11 @@ from jax import lax
 
 from dflash_jax.cache import Capture, KVCache, init_kv_cache, move_slots, write_layer_rows
 from dflash_jax.config import TargetConfig
+from dflash_jax.errors import DFlashError
 from dflash_jax.models import capture as captures
 from dflash_jax.models import params as P
 from dflash_jax.models.params import ParamSpec, decoder_layer, stacked
-from dflash_jax.nn.attention import TreeBlock, block_visible, rope_positions
+from dflash_jax.nn.attention import TreeBlock, block_visible, rope_positions, windowed
 from dflash_jax.nn.embedding import embed, lm_head  # noqa: F401 (the model API: shared by every family)
 from dflash_jax.nn.live_attention import cache_attention, live_keys
 from dflash_jax.nn.layer import attention_output, mlp_residual, project_qkv
@@ -77,7 +83,7 @@ def unstack_layers(params: Params) -> Params:
     weight; a no-op when already unstacked). The arrays are copies: the stacked ones can be freed.
     Source: the per-step weight copies of ``lax.scan`` on XLA:CPU (BENCHMARKS.md, plain-decoding
     notes)."""
-    if isinstance(params["layers"], (tuple, list)):
+    if P.is_per_layer(params["layers"]):
         return params
     leaves = jax.tree_util.tree_leaves(params["layers"])
     if all(isinstance(a, jax.Array) for a in leaves):  # one program, not one eager slice per leaf and layer
@@ -94,7 +100,7 @@ def stack_layers(params: Params) -> Params:
     """The inverse of :func:`unstack_layers`: ``L`` per-layer leaves ``[...]`` become one ``[L, ...]``
     leaf each (a no-op on stacked parameters). Raises ``ValueError`` from ``jnp.stack`` when the
     layers' shapes differ."""
-    if not isinstance(params["layers"], (tuple, list)):
+    if not P.is_per_layer(params["layers"]):
         return params
     return dict(params, layers=jax.tree_util.tree_map(lambda *a: jnp.stack(a), *params["layers"]))
 
@@ -108,7 +114,7 @@ def run_layers(body, carry, layers, xs):
     a pytree of per-layer inputs with leading axis ``L``; ``layer_xs`` is its slice at ``i``.
     Returns the final carry. Source: the per-step weight copies of ``lax.scan`` on XLA:CPU
     (BENCHMARKS.md, plain-decoding notes) are why the per-layer form exists."""
-    if isinstance(layers, (tuple, list)):
+    if P.is_per_layer(layers):
         layer = jax.jit(body)  # traced once for all layers of one shape (the program still holds L copies)
         for i, lp in enumerate(layers):
             carry = layer(carry, lp, jax.tree_util.tree_map(lambda a, i=i: a[i], xs), jnp.int32(i))
@@ -168,14 +174,19 @@ def forward_hidden(
     Same contract as :func:`forward` without the LM head, so callers that need only some rows'
     logits (prefill's last row) pay for the head once; ``tree``: the block is a tree of
     candidates (:class:`~dflash_jax.nn.attention.TreeBlock`: RoPE by depth, ancestors visible).
-    Raises :class:`~dflash_jax.errors.DFlashError` for a capture layer id outside the target.
+    Raises :class:`~dflash_jax.errors.DFlashError` for a capture layer id outside the target, or
+    a tree of more tokens than a sliding window (Mistral's ``sliding_window``).
     """
     n_layers = cfg.num_hidden_layers
     inv_freq = inv_frequencies(cfg.rope, cfg.head_dim)
     positions = positions.astype(jnp.int32)
     n_keys = live_keys(positions, cache.capacity)
     rope_pos, visible = rope_positions(positions, tree), block_visible(positions, tree)
-    x = embed(params, tokens).astype(cfg.dtype)
+    if cfg.sliding_window:
+        if tree is not None and tree.mask.shape[-1] > cfg.sliding_window:
+            raise DFlashError("tree", f"{tree.mask.shape[-1]} tokens in one verify pass", f"at most sliding_window={cfg.sliding_window}")
+        visible = windowed(visible, positions, rope_pos, cfg.sliding_window, tree)
+    x = embed(params, cfg, tokens).astype(cfg.dtype)
     slot_of = jnp.asarray(captures.slots(capture, n_layers))
     cap = captures.stack(capture, x)
 

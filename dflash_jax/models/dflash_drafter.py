@@ -57,7 +57,7 @@ def context_kv(params: dict, cfg: DrafterConfig, features: jnp.ndarray, position
     """
     lp = params["layers"]
     c = rms_norm(features.astype(cfg.dtype) @ params["fc"], params["hidden_norm"], cfg.rms_norm_eps)
-    if isinstance(lp, (tuple, list)):  # per-layer buffers: project per layer, stack the results
+    if P.is_per_layer(lp):  # per-layer buffers: project per layer, stack the results
         k = jnp.stack([c @ layer["wk"] for layer in lp])
         v = jnp.stack([c @ layer["wv"] for layer in lp])
         lp = {n: jnp.stack([layer[n] for layer in lp]) for n in ("bk", "bv", "k_norm") if n in lp[0]}

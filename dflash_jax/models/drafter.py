@@ -23,7 +23,6 @@ from dflash_jax.config import DrafterConfig, TargetConfig
 from dflash_jax.errors import DFlashError
 from dflash_jax.models import params as P
 from dflash_jax.models.params import ParamSpec
-from dflash_jax.nn import embedding
 
 
 def _model(cfg: DrafterConfig):
@@ -110,22 +109,26 @@ def forward(
         in one pass under the same mask (differentiable: training).
     Returns:
       ``[B, W, H]`` final-normed hidden states; slot ``i`` predicts the token at
-      ``positions[:, i]`` (slot 0 is discarded by callers). The kind's ``forward``.
+      ``positions[:, i]`` (slot 0 is discarded by callers). The kind's ``forward``, on the block
+      embedded by the target's family (:attr:`dflash_jax.family.FamilyModel.embed`: any family
+      scaling applied, as z-lab embeds with the target's ``embed_tokens``).
     """
-    return _model(cfg).forward(params, cfg, target_params, target_cfg, block_tokens, positions, ctx_k, ctx_v, ctx_len, block_len, live_context)
+    embeds = registry.module_for(target_cfg).embed(target_params, target_cfg, block_tokens)
+    return _model(cfg).forward(params, cfg, embeds, positions, ctx_k, ctx_v, ctx_len, block_len, live_context)
 
 
 def logits(params: dict, cfg: DrafterConfig, target_params: dict, target_cfg, hidden: jnp.ndarray) -> jnp.ndarray:
     """Draft logits float32 of final-normed drafter hidden states ``hidden [..., H]``.
 
-    Through the target's LM head (``target_params``, ``target_cfg``), with the drafter's
+    Through the target family's LM head (``target_params``, ``target_cfg``;
+    :attr:`dflash_jax.family.FamilyModel.lm_head`, so any family soft-cap applies), with the drafter's
     ``output_multiplier`` and optional tanh soft-cap (z-lab ``compute_logits``). Returns
     ``[..., V]``, or ``[..., Vd]`` through ``params["draft_head"]`` when ``cfg.draft_vocab_size``
     is set (map indices back to target ids with :func:`draft_token_ids`).
     """
     if cfg.draft_vocab_size:
         return head_logits(cfg, hidden, params["draft_head"])
-    return _finish_logits(cfg, embedding.lm_head(target_params, target_cfg, hidden))
+    return _finish_logits(cfg, registry.module_for(target_cfg).lm_head(target_params, target_cfg, hidden))
 
 
 def head_logits(cfg: DrafterConfig, hidden: jnp.ndarray, head: jnp.ndarray) -> jnp.ndarray:

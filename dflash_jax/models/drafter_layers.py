@@ -20,7 +20,6 @@ import jax.numpy as jnp
 
 from dflash_jax.config import DrafterConfig
 from dflash_jax.models.dense import run_layers
-from dflash_jax.nn import embedding
 from dflash_jax.nn.live_attention import cache_attention
 from dflash_jax.nn.layer import attention_output, mlp_residual, project_qkv, split_heads
 from dflash_jax.nn.norms import rms_norm
@@ -75,21 +74,22 @@ def context_visible(positions, ctx_len, window, slots):
     return (s < ctx_len[:, None, None]) & ((window == 0) | (qpos - s < window))
 
 
-def forward(params_d: dict, cfg_d: DrafterConfig, params_t: dict, cfg_t, block_tokens: jnp.ndarray, positions: jnp.ndarray,
+def forward(params_d: dict, cfg_d: DrafterConfig, embeds: jnp.ndarray, positions: jnp.ndarray,
             ctx_k: jnp.ndarray, ctx_v: jnp.ndarray, ctx_len: jnp.ndarray, block_len: jnp.ndarray | None = None,
             live_context: bool = True) -> jnp.ndarray:
     """One draft pass over a block (contract of :func:`dflash_jax.models.drafter.forward`).
 
-    The block is embedded with the target's embedding times ``cfg_d.input_embedding_scale``;
+    ``embeds [B, W, H]``: the block ``[anchor, MASK, ...]`` embedded by the target's family
+    (:attr:`dflash_jax.family.FamilyModel.embed`); it is multiplied by ``cfg_d.input_embedding_scale``;
     layers run stacked (one scan) or per layer (:func:`dflash_jax.models.dense.run_layers`).
     Returns ``[B, W, H]`` final-normed hidden states in ``cfg_d.dtype``.
     """
-    b, w = block_tokens.shape
+    b, w = embeds.shape[:2]
     if block_len is None:
         block_len = jnp.full((b,), w, jnp.int32)
     D, hq, hkv, eps = cfg_d.head_dim, cfg_d.num_attention_heads, cfg_d.num_key_value_heads, cfg_d.rms_norm_eps
     inv_freq = inv_frequencies(cfg_d.rope, D)
-    x = (embedding.embed(params_t, block_tokens) * cfg_d.input_embedding_scale).astype(cfg_d.dtype)
+    x = (embeds * cfg_d.input_embedding_scale).astype(cfg_d.dtype)
     n_keys = jnp.clip(jnp.max(ctx_len), 1, ctx_k.shape[2]).astype(jnp.int32) if live_context else ctx_k.shape[2]
 
     def body(x, lp, layer_xs, i):

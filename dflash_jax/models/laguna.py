@@ -55,6 +55,7 @@ from dflash_jax import pytree
 from dflash_jax.axes import KV_AXES, axes_field
 from dflash_jax.cache import Capture, move_slots, write_layer_rows, write_rows
 from dflash_jax.config_laguna import LagunaConfig
+from dflash_jax.errors import DFlashError
 from dflash_jax.models import capture as captures
 from dflash_jax.models import params as P
 from dflash_jax.models.params import ParamSpec, decoder_layer, stacked
@@ -62,6 +63,7 @@ from dflash_jax.nn.attention import TreeBlock, block_visible, rope_positions, sw
 from dflash_jax.nn.live_attention import cache_attention, live_keys
 from dflash_jax.nn.embedding import embed, lm_head  # noqa: F401 (the model API: shared by every family)
 from dflash_jax.nn.layer import attention_output, mlp_residual, project_qkv
+from dflash_jax.nn.moe import routed_experts
 from dflash_jax.nn.norms import rms_norm
 from dflash_jax.nn.rope import rope_tables
 
@@ -79,28 +81,9 @@ def layer_signature(cfg: LagunaConfig, i: int) -> tuple:
 
 
 def segments(cfg: LagunaConfig, max_period: int = 8) -> tuple[tuple[int, int, int], ...]:
-    """Splits the layers into ``(first layer, period p, reps)`` runs of a repeated pattern.
-
-    Greedy from the first layer: the pattern length ``p <= max_period`` (repeated at least twice
-    when ``p > 1``) covering the most layers wins, shorter patterns on ties.
-    """
-    sig = [layer_signature(cfg, i) for i in range(cfg.num_hidden_layers)]
-    n, i, out = len(sig), 0, []
-    while i < n:
-        best = (1, 1)
-        r = 1
-        while i + r < n and sig[i + r] == sig[i]:
-            r += 1
-        best = (1, r)
-        for p in range(2, max_period + 1):
-            reps = 0
-            while i + (reps + 1) * p <= n and sig[i + reps * p : i + (reps + 1) * p] == sig[i : i + p]:
-                reps += 1
-            if reps >= 2 and p * reps > best[0] * best[1]:
-                best = (p, reps)
-        out.append((i, best[0], best[1]))
-        i += best[0] * best[1]
-    return tuple(out)
+    """Splits the layers into ``(first layer, period p, reps)`` runs of a repeated pattern of
+    :func:`layer_signature` (:func:`dflash_jax.models.params.repeat_segments`)."""
+    return P.repeat_segments([layer_signature(cfg, i) for i in range(cfg.num_hidden_layers)], max_period)
 
 
 def layer_slot(cfg: LagunaConfig, layer: int) -> tuple[str, int]:
@@ -149,8 +132,14 @@ def param_shapes(cfg: LagunaConfig) -> dict:
     return P.shapes(param_specs(cfg))
 
 
-def param_axes(cfg: LagunaConfig) -> dict:
-    """Logical axis names of every parameter leaf (same tree as :func:`param_shapes`)."""
+def param_axes(cfg: LagunaConfig, per_layer: bool = False) -> dict:
+    """Logical axis names of every parameter leaf (same tree as :func:`param_shapes`).
+
+    Raises:
+      DFlashError: ``per_layer`` (Laguna's layers stay stacked in segments).
+    """
+    if per_layer:
+        raise DFlashError("laguna param_axes(per_layer=True)", "Laguna targets keep stacked layers", "per_layer=False")
     return P.axes(param_specs(cfg))
 
 
@@ -204,12 +193,11 @@ def init_cache(cfg: LagunaConfig, batch: int, capacity: int) -> LagunaCache:
 def moe(cfg: LagunaConfig, lp: dict, h: jnp.ndarray) -> jnp.ndarray:
     """The sparse MoE block on ``h [..., H]`` -> ``[..., H]`` (module docstring).
 
-    Only the chosen experts are computed: the ``N*k`` (token, expert) pairs are sorted by expert
-    and run through ``jax.lax.ragged_dot`` with per-expert group sizes.
+    Only the chosen experts are computed (:func:`dflash_jax.nn.moe.routed_experts`).
     """
     shape = h.shape
     x = h.reshape(-1, shape[-1])
-    k, E = cfg.num_experts_per_tok, cfg.num_experts
+    k = cfg.num_experts_per_tok
     logits = jnp.dot(x.astype(jnp.float32), lp["router"].astype(jnp.float32), preferred_element_type=jnp.float32)
     if cfg.router_softcap > 0:
         logits = jnp.tanh(logits / cfg.router_softcap) * cfg.router_softcap
@@ -217,16 +205,7 @@ def moe(cfg: LagunaConfig, lp: dict, h: jnp.ndarray) -> jnp.ndarray:
     _, idx = lax.top_k(scores + lp["router_bias"].astype(jnp.float32), k)
     w = jnp.take_along_axis(scores, idx, axis=-1)
     w = (w / jnp.sum(w, axis=-1, keepdims=True)).astype(x.dtype)
-    flat_e = idx.reshape(-1)
-    order = jnp.argsort(flat_e, stable=True)
-    tok = order // k
-    sizes = jnp.bincount(flat_e, length=E).astype(jnp.int32)
-    xs = jnp.take(x, tok, axis=0)
-    g = lax.ragged_dot(xs, lp["e_gate"], sizes)
-    u = lax.ragged_dot(xs, lp["e_up"], sizes)
-    y = lax.ragged_dot(jax.nn.silu(g) * u, lp["e_down"], sizes)
-    y = y * jnp.take(w.reshape(-1), order)[:, None]
-    routed = jnp.zeros_like(x).at[tok].add(y.astype(x.dtype))
+    routed = routed_experts(x, idx, w, lp["e_gate"], lp["e_up"], lp["e_down"])
     out = routed * jnp.asarray(cfg.routed_scaling_factor, x.dtype) + swiglu(x, lp["s_gate"], lp["s_up"], lp["s_down"])
     return out.reshape(shape)
 
@@ -298,7 +277,7 @@ def forward_hidden(
     n_layers = cfg.num_hidden_layers
     capacity = cache.capacity
     positions = positions.astype(jnp.int32)
-    x = embed(params, tokens).astype(cfg.dtype)
+    x = embed(params, cfg, tokens).astype(cfg.dtype)
     real = positions < capacity
     n_keys = live_keys(positions, capacity)
     last = jnp.max(jnp.where(real, positions, -1), axis=1)

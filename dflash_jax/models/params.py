@@ -31,6 +31,38 @@ class ParamSpec(NamedTuple):
     init: str = "normal"
 
 
+def is_per_layer(layers) -> bool:
+    """Whether a params tree's decoder ``layers`` are held per layer (a tuple of ``L`` dicts
+    without the layer axis, :func:`dflash_jax.models.dense.unstack_layers`) rather than stacked
+    (one dict of ``[L, ...]`` leaves). The one test of the two layouts every module uses."""
+    return isinstance(layers, (tuple, list))
+
+
+def repeat_segments(sig: list, max_period: int = 8) -> tuple[tuple[int, int, int], ...]:
+    """Splits layers of signatures ``sig`` (layers with equal signatures have parameters of equal
+    shapes) into ``(first layer, period p, reps)`` runs of a repeated pattern, each run one
+    ``lax.scan`` over its repetitions with the pattern unrolled in the body.
+
+    Greedy from the first layer: the pattern length ``p <= max_period`` (repeated at least twice
+    when ``p > 1``) covering the most layers wins, shorter patterns on ties.
+    """
+    n, i, out = len(sig), 0, []
+    while i < n:
+        r = 1
+        while i + r < n and sig[i + r] == sig[i]:
+            r += 1
+        best = (1, r)
+        for p in range(2, max_period + 1):
+            reps = 0
+            while i + (reps + 1) * p <= n and sig[i + reps * p : i + (reps + 1) * p] == sig[i : i + p]:
+                reps += 1
+            if reps >= 2 and p * reps > best[0] * best[1]:
+                best = (p, reps)
+        out.append((i, best[0], best[1]))
+        i += best[0] * best[1]
+    return tuple(out)
+
+
 def _is_spec(x) -> bool:
     return isinstance(x, ParamSpec)
 

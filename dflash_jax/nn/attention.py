@@ -59,6 +59,29 @@ def block_visible(positions: jnp.ndarray, tree: TreeBlock | None):
     return visible
 
 
+def windowed(visible, positions: jnp.ndarray, rope_pos: jnp.ndarray, window: int, tree: TreeBlock | None):
+    """``visible`` (``slots [K] -> [B, T, K] bool``) narrowed to a sliding window: a query sees a
+    key only when ``query position - key position < window`` (transformers'
+    ``sliding_window_overlay``: ``kv_idx > q_idx - sliding_window``; Mistral).
+
+    Args:
+      positions: ``[B, T]`` int32 slots of the block; for a chain the slot is the position.
+      rope_pos: ``[B, T]`` int32 query positions (:func:`rope_positions`: a tree's depth positions).
+      window: static window length (positive).
+      tree: with a :class:`TreeBlock`, keys before the block are windowed against ``rope_pos``
+        and keys inside it (at most ``T - 1`` positions back) are left to ``tree.mask``; so the
+        tree must be shorter than ``window`` (always so for DFlash blocks against real windows).
+    """
+
+    def inner(slots):
+        near = (rope_pos[:, :, None] - slots[None, None, :]) < window
+        if tree is not None:
+            near = near | (slots[None, None, :] >= positions[:, :1, None])
+        return visible(slots) & near
+
+    return inner
+
+
 def swiglu(x: jnp.ndarray, w_gate, w_up, w_down, b_gate=None, b_up=None, b_down=None, *, w_gate_t=None,
            w_up_t=None) -> jnp.ndarray:
     """SwiGLU MLP ``down(silu(x @ gate) * (x @ up))``; weights ``[in, out]``, optional biases;

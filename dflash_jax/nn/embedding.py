@@ -2,7 +2,8 @@
 
 A target's params carry ``embed [V, H]`` and, untied or after
 :func:`dflash_jax.loading.with_output_head`, ``lm_head [H, V]``; the drafters read the target's
-through these functions, so they need no per-family dispatch.
+through the family's :class:`~dflash_jax.family.FamilyModel` (these functions for the families
+that neither scale the embedding nor soft-cap the logits).
 """
 
 from __future__ import annotations
@@ -12,8 +13,9 @@ import jax.numpy as jnp
 from dflash_jax.nn import layouts
 
 
-def embed(params: dict, tokens: jnp.ndarray) -> jnp.ndarray:
-    """``[B, T]`` int32 -> ``[B, T, H]`` rows of ``params["embed"]`` (no scaling)."""
+def embed(params: dict, cfg, tokens: jnp.ndarray) -> jnp.ndarray:
+    """``[B, T]`` int32 -> ``[B, T, H]`` rows of ``params["embed"]`` in its dtype (no scaling;
+    ``cfg`` unused: the family contract, :class:`dflash_jax.family.FamilyModel`)."""
     return jnp.take(params["embed"], tokens, axis=0)
 
 

@@ -24,6 +24,8 @@ import math
 import jax.numpy as jnp
 import numpy as np
 
+from dflash_jax.models.params import is_per_layer
+
 GATE_UP_MIN_ROWS = 2  # gate/up from this many rows (B * T) on use their [out, in] copies
 HEAD_MIN_ROWS = 3  # the LM head from this many rows on uses its [out, in] copy
 KINDS = ("gate_up", "lm_head")
@@ -42,7 +44,7 @@ def _swap(a):
 
 def _each_layer(layers, f):
     """``f`` applied to every layer dict: the per-layer tuple, or the one stacked dict."""
-    return tuple(f(lp) for lp in layers) if isinstance(layers, (tuple, list)) else f(layers)
+    return tuple(f(lp) for lp in layers) if is_per_layer(layers) else f(layers)
 
 
 def with_wide_layouts(params: dict, kinds=KINDS, tied: bool = False) -> dict:
@@ -98,7 +100,7 @@ def with_wide_axes(axes: dict, params: dict) -> dict:
         return dict(la, **{k: la[k[:-2]][:-2] + la[k[:-2]][:-3:-1] for k in ("w_gate_t", "w_up_t") if k in lp and k not in la})
 
     layers, la = params["layers"], axes.get("layers")
-    if isinstance(layers, (tuple, list)) and isinstance(la, (tuple, list)) and len(la) == len(layers):
+    if is_per_layer(layers) and is_per_layer(la) and len(la) == len(layers):
         out["layers"] = tuple(add(lp, a) for lp, a in zip(layers, la))
     elif isinstance(layers, dict) and isinstance(la, dict):
         out["layers"] = add(layers, la)

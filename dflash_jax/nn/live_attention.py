@@ -109,6 +109,7 @@ def cache_attention(
     visible: Callable[[jnp.ndarray], jnp.ndarray],
     extra: Sequence = (),
     key_block: int | None = None,
+    sinks: jnp.ndarray | None = None,
 ) -> jnp.ndarray:
     """Grouped-query attention over the live slots of one layer of a stacked cache, plus optional
     extra key/value parts, under one softmax.
@@ -126,6 +127,9 @@ def cache_attention(
         block, a sliding window's ring and new rows).
       key_block: slots per loop iteration (static; capped at ``S``); default :data:`KEY_BLOCK`,
         read when the function is traced (the test suite lowers it to cross block boundaries).
+      sinks: optional ``[Hq]`` attention-sink logits (gpt-oss): each head's softmax denominator
+        also holds ``exp(sink)`` for a key of zero value (transformers ``modeling_gpt_oss``
+        ``eager_attention_forward``); the online softmax starts from it.
     Returns:
       ``[B, T, Hq, D]`` in ``q.dtype``; a query with no visible key returns zeros. Scale
       ``D ** -0.5``, logits and softmax in float32.
@@ -136,6 +140,9 @@ def cache_attention(
     qg = q.reshape(b, t, hkv, g, d)
     carry = (jnp.full((b, hkv, g, t), -jnp.inf, jnp.float32), jnp.zeros((b, hkv, g, t), jnp.float32),
              jnp.zeros((b, hkv, g, t, d), jnp.float32))
+    if sinks is not None:  # a zero-valued key of logit sink[h]: running max = sink, denominator 1
+        m0 = jnp.broadcast_to(sinks.astype(jnp.float32).reshape(hkv, g)[None, :, :, None], (b, hkv, g, t))
+        carry = (m0, jnp.ones((b, hkv, g, t), jnp.float32), carry[2])
     for k, v, mask in extra:
         carry = _absorb(carry, qg, k, v, mask)
     if isinstance(n_keys, int):  # a static span: one pass, no loop (reverse-mode differentiable)

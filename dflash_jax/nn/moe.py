@@ -1,0 +1,62 @@
+"""Routed experts shared by the MoE families (Laguna, Qwen3-MoE): only the chosen experts run.
+
+The ``N*k`` (token, expert) pairs are sorted by expert and run through ``jax.lax.ragged_dot``
+with per-expert group sizes, then scattered back weighted by their routing weights.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+
+def silu_glu(g: jnp.ndarray, u: jnp.ndarray) -> jnp.ndarray:
+    """The SwiGLU of Qwen3-MoE and Laguna experts: ``silu(g) * u``."""
+    return jax.nn.silu(g) * u
+
+
+def clamped_glu(limit: float, alpha: float):
+    """gpt-oss's clamped SwiGLU ``(clip(u, -limit, limit) + 1) * g' * sigmoid(alpha g')`` with
+    ``g' = min(g, limit)`` (transformers ``GptOssExperts._apply_gate``)."""
+
+    def act(g, u):
+        g = jnp.minimum(g, limit)
+        return (jnp.clip(u, -limit, limit) + 1) * (g * jax.nn.sigmoid(g * alpha))
+
+    return act
+
+
+def routed_experts(x: jnp.ndarray, idx: jnp.ndarray, w: jnp.ndarray, e_gate: jnp.ndarray, e_up: jnp.ndarray,
+                   e_down: jnp.ndarray, *, biases=None, act=silu_glu) -> jnp.ndarray:
+    """``sum_j w[n, j] * expert_{idx[n, j]}(x[n])`` with gated experts
+    ``down(act(x gate + b_gate, x up + b_up)) + b_down``.
+
+    Args:
+      x: ``[N, H]`` tokens.
+      idx: ``[N, k]`` int chosen expert ids in ``[0, E)``.
+      w: ``[N, k]`` routing weights (cast to ``x.dtype`` by the caller).
+      e_gate, e_up: ``[E, H, I]``; e_down: ``[E, I, H]`` (``[in, out]`` per expert).
+      biases: optional ``(b_gate [E, I], b_up [E, I], b_down [E, H])`` (gpt-oss).
+      act: ``(gate, up) -> hidden`` (:func:`silu_glu`; :func:`clamped_glu` for gpt-oss).
+    Returns:
+      ``[N, H]`` in ``x.dtype``. Source: transformers ``Qwen3MoeExperts.forward`` /
+      ``LagunaExperts`` / ``GptOssExperts`` (a loop over hit experts), computed here as one
+      sorted ragged matmul.
+    """
+    k, n_experts = idx.shape[-1], e_gate.shape[0]
+    flat_e = idx.reshape(-1)
+    order = jnp.argsort(flat_e, stable=True)
+    tok = order // k
+    sizes = jnp.bincount(flat_e, length=n_experts).astype(jnp.int32)
+    xs = jnp.take(x, tok, axis=0)
+    g = lax.ragged_dot(xs, e_gate, sizes)
+    u = lax.ragged_dot(xs, e_up, sizes)
+    if biases is not None:
+        row_e = jnp.take(flat_e, order)
+        g, u = g + jnp.take(biases[0], row_e, axis=0), u + jnp.take(biases[1], row_e, axis=0)
+    y = lax.ragged_dot(act(g, u), e_down, sizes)
+    if biases is not None:
+        y = y + jnp.take(biases[2], row_e, axis=0)
+    y = y * jnp.take(w.reshape(-1), order)[:, None]
+    return jnp.zeros_like(x).at[tok].add(y.astype(x.dtype))
