@@ -19,13 +19,15 @@ import os
 from types import ModuleType
 from typing import Any, Callable, Mapping
 
-from dflash_jax import config, config_laguna
+from dflash_jax import config, config_laguna, config_qwen3_5
 from dflash_jax.errors import DFlashError
 from dflash_jax.io import drafter as io_drafter
 from dflash_jax.io import gguf, gguf_cache, gguf_file, hf, laguna, laguna_drafter, laguna_gguf
+from dflash_jax.io import qwen3_5 as io_qwen3_5
 from dflash_jax.models import dense, dflash_drafter
 from dflash_jax.models import laguna as laguna_model
 from dflash_jax.models import laguna_drafter as laguna_drafter_model
+from dflash_jax.models import qwen3_5 as qwen3_5_model
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,6 +89,13 @@ def _laguna_gguf(path, dtype, use_cache, as_numpy):
     return laguna_gguf.load_laguna_gguf_target(path, dtype, as_numpy=as_numpy)  # no weight cache: converted on the fly
 
 
+def _no_gguf(name: str):
+    """A GGUF loader for a family that has none: raises DFlashError naming the file."""
+    def refuse(path, *args):
+        raise DFlashError(str(path), f"a GGUF {name} target is not supported", "a Hugging Face checkpoint folder")
+    return refuse
+
+
 def _gguf_config(build):
     return lambda path, dtype: build(gguf_file.open_gguf(path), str(path), dtype)[0]
 
@@ -104,6 +113,13 @@ TARGET_FAMILIES: tuple[TargetFamily, ...] = (
         hf_model_types=("laguna",), gguf_architectures=(laguna_gguf.ARCH,), parse_hf=config_laguna.laguna_config_from_hf,
         model=laguna_model, load_hf=laguna.load_laguna_target, load_gguf=_laguna_gguf,
         gguf_config=_gguf_config(laguna_gguf.laguna_gguf_config),
+    ),
+    # hybrid (Gated DeltaNet + gated full attention); HF only; verify hooks: models/qwen3_5.py
+    TargetFamily(
+        name="qwen3_5", config_type=config_qwen3_5.Qwen3_5Config, hf_architectures=config_qwen3_5.HF_ARCHITECTURES,
+        hf_model_types=config_qwen3_5.HF_MODEL_TYPES, gguf_architectures=(), parse_hf=config_qwen3_5.qwen3_5_config_from_hf,
+        model=qwen3_5_model, load_hf=io_qwen3_5.load_qwen3_5_target, load_gguf=_no_gguf("qwen3_5"),
+        gguf_config=_no_gguf("qwen3_5"),
     ),
 )
 

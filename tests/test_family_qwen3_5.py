@@ -1,0 +1,182 @@
+"""The Qwen3.5 hybrid target family against transformers' ``Qwen3_5ForCausalLM`` (fp32, tiny random
+checkpoint saved by ``save_pretrained``), and the exactness of its Gated DeltaNet rollback."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from dflash_jax import decode, speculative
+from dflash_jax.config_qwen3_5 import qwen3_5_config_from_hf
+from dflash_jax.decoding import Decoding, Params
+from dflash_jax.errors import DFlashError
+from dflash_jax.models import qwen3_5
+from dflash_jax.registry import load_hf_target
+from dflash_jax.testing import tiny_drafter, verify_scripted
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+if not hasattr(transformers, "Qwen3_5ForCausalLM"):
+    pytest.skip("transformers without Qwen3_5ForCausalLM", allow_module_level=True)
+
+HF = dict(vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+          head_dim=16, linear_conv_kernel_dim=4, linear_key_head_dim=8, linear_value_head_dim=8, linear_num_key_heads=2,
+          linear_num_value_heads=4, layer_types=["linear_attention", "full_attention", "linear_attention", "linear_attention"],
+          rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5})
+SEQ = [5, 17, 3, 42, 8, 9, 60, 33, 21, 7, 11, 2, 19, 44, 58, 13, 25, 31, 23, 70]
+PROMPT = SEQ[:11]
+N_NEW = 14
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    """``(hf model, cfg, params)``: random weights everywhere (norm offsets, decays, gates)."""
+    from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
+
+    conf = Qwen3_5TextConfig(**HF)
+    conf._attn_implementation = "eager"
+    torch.manual_seed(0)
+    model = Qwen3_5ForCausalLM(conf).float().eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("A_log"):
+                p.copy_(torch.log(torch.rand_like(p) * 2 + 0.5))
+            elif "norm" in name:
+                p.copy_(0.2 * torch.randn_like(p) + (1.0 if "linear_attn.norm" in name else 0.0))
+            else:
+                p.copy_(0.3 * torch.randn_like(p))
+    folder = str(tmp_path_factory.mktemp("qwen3_5"))
+    model.save_pretrained(folder)
+    cfg, params = load_hf_target(folder)
+    return model, cfg, params
+
+
+def rel(a, b):
+    return float(np.max(np.abs(np.asarray(a) - b)) / np.max(np.abs(b)))
+
+
+def hf_greedy(model, prompt, n):
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False, min_new_tokens=n)
+    return out[0, len(prompt):].tolist()
+
+
+def run(cfg, params, prompt, n_new, chunk, drafter=None, max_len=48):
+    static = Decoding(cfg, drafter[0] if drafter else None)
+    p = Params(params, drafter[1] if drafter else None)
+    st = decode.prefill(p, decode.init_state(static, [prompt], max_len, n_new), static, chunk)
+    st = decode.generate(p, st, static)
+    return st, [int(t) for t in np.asarray(st.tokens[0, len(prompt) : int(st.length[0])])]
+
+
+def test_config_and_loader(pair):
+    _, cfg, params = pair
+    assert cfg.linear_layers == (0, 2, 3) and cfg.full_layers == (1,) and cfg.rope.partial == 0.5
+    assert params["linear"]["wq"].shape == (3, 32, 16) and params["full"]["wg"].shape == (1, 32, 64)
+    axes = qwen3_5.param_axes(cfg)
+    jax.tree_util.tree_map(lambda s, a: None if len(s) == len(a) else pytest.fail(f"{s} vs {a}"), qwen3_5.param_shapes(cfg), axes,
+                           is_leaf=lambda x: isinstance(x, tuple))
+    with pytest.raises(DFlashError, match="layer_types"):
+        qwen3_5_config_from_hf(dict(HF, layer_types=["linear_attention"] * 3), "c.json")
+    with pytest.raises(DFlashError, match="hidden_act"):
+        qwen3_5_config_from_hf(dict(HF, hidden_act="gelu"), "c.json")
+
+
+def test_forward_matches_transformers_one_and_several_chunks(pair):
+    model, cfg, params = pair
+    with torch.no_grad():
+        ref = model(torch.tensor([SEQ])).logits[0].numpy()
+    step = jax.jit(lambda p, t, pos, c: qwen3_5.forward(p, cfg, t, pos, c))
+    logits, _, _ = step(params, jnp.asarray([SEQ]), jnp.arange(len(SEQ))[None], qwen3_5.init_cache(cfg, 1, 32))
+    assert rel(logits[0], ref) < 1e-4
+    cache, out = qwen3_5.init_cache(cfg, 1, 32), []
+    for s in range(0, len(SEQ), 6):  # chunks of 6, the last one padded past the capacity
+        toks = (SEQ[s : s + 6] + [0] * 6)[:6]
+        pos = [p if p < len(SEQ) else 32 for p in range(s, s + 6)]
+        lg, cache, _ = step(params, jnp.asarray([toks]), jnp.asarray([pos]), cache)
+        out.append(lg[0, : min(6, len(SEQ) - s)])
+    assert rel(jnp.concatenate(out), ref) < 1e-4
+
+
+@pytest.mark.parametrize("chunk", [len(PROMPT), 3])
+def test_plain_greedy_matches_transformers_generate(pair, chunk):
+    model, cfg, params = pair
+    assert run(cfg, params, PROMPT, N_NEW, chunk)[1] == hf_greedy(model, PROMPT, N_NEW)
+
+
+def scripted(pair, corrupt_at, chunk=4):
+    """Verify steps with drafts from the target's own greedy continuation, wrong at ``corrupt_at``."""
+    model, cfg, params = pair
+    d = tiny_drafter(cfg, layer_ids=(0, 2), block_size=5)
+    static, p = Decoding(cfg, d[0]), Params(params, d[1])
+    ref = hf_greedy(model, PROMPT, N_NEW + 5)
+    st = decode.prefill(p, decode.init_state(static, [PROMPT], 48, N_NEW), static, chunk)
+    verify = jax.jit(lambda s, drafts: speculative.verify_block(p, s, static, jnp.asarray([drafts], jnp.int32)))
+    st, accepts = verify_scripted(st, PROMPT + ref, 4, verify, corrupt_at, cfg.vocab_size)
+    return st, accepts, ref
+
+
+@pytest.mark.parametrize("corrupt_at", [1, 3])
+def test_partial_acceptance_rolls_back_exactly(pair, corrupt_at):
+    """Every block is rejected at ``corrupt_at`` (0 < accepted < drafted): the committed tokens are
+    transformers' greedy ones and the committed conv / recurrent states equal those of a plain
+    prefill of the committed tokens."""
+    _, cfg, params = pair
+    st, accepts, ref = scripted(pair, corrupt_at)
+    assert all(a == corrupt_at for a in accepts[:-1]) and 0 < corrupt_at < 4
+    n = int(st.length[0])
+    assert np.asarray(st.tokens[0, len(PROMPT) : n]).tolist() == ref[:N_NEW]
+    fed = np.asarray(st.tokens[0, : n - 1]).tolist()
+    _, cache, _ = qwen3_5.forward(params, cfg, jnp.asarray([fed]), jnp.arange(n - 1)[None], qwen3_5.init_cache(cfg, 1, 48))
+    np.testing.assert_allclose(np.asarray(st.cache.rec), np.asarray(cache.rec), rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(st.cache.conv), np.asarray(cache.conv), rtol=1e-4, atol=1e-5)  # rounding: other pass shapes
+    assert st.cache.block_rec is None and not st.cache.keep_block
+
+
+def test_without_rollback_the_output_differs(pair, monkeypatch):
+    """The same run with the commit keeping the state after the *whole* block (no rollback)
+    departs from transformers: the rollback test above can fail."""
+    real = qwen3_5.commit_block_states
+    monkeypatch.setattr(qwen3_5, "commit_block_states", lambda cfg, cache, kept: real(cfg, cache, jnp.full_like(kept, 5)))
+    jax.clear_caches()
+    try:
+        st, _, ref = scripted(pair, 1)
+        assert np.asarray(st.tokens[0, len(PROMPT) : int(st.length[0])]).tolist() != ref[:N_NEW]
+    finally:
+        monkeypatch.undo()
+        jax.clear_caches()
+
+
+@pytest.mark.parametrize("chunk", [len(PROMPT), 3])
+def test_dflash_greedy_equals_plain(pair, chunk):
+    _, cfg, params = pair
+    d = tiny_drafter(cfg, layer_ids=(0, 3), block_size=4)
+    st, got = run(cfg, params, PROMPT, N_NEW, chunk, drafter=d)
+    assert got == run(cfg, params, PROMPT, N_NEW, len(PROMPT))[1]
+    assert int(st.speculative.verify_steps[0]) > 0
+
+
+def test_tree_refused(pair):
+    _, cfg, _ = pair
+    d = tiny_drafter(cfg, layer_ids=(0, 3), block_size=4)
+    with pytest.raises(DFlashError, match="tree"):
+        Decoding(cfg, d[0], tree=3)
+
+
+def test_continuous_batching_replaces_linear_state_rows(pair):
+    """``decode.replace_rows`` swaps the conv and recurrent states with the rows: a refilled row
+    answers its new prompt as transformers does while the other goes on."""
+    model, cfg, params = pair
+    a, b, c = PROMPT, SEQ[3:9], SEQ[1:12]
+    static, p = Decoding(cfg), Params(params)
+    st = decode.prefill(p, decode.init_state(static, [a, b], 40, [4, 12]), static, 4)
+    st = decode.generate_until(p, st, static, jnp.int32(1))
+    fresh = decode.prefill(p, decode.init_state(static, [c], 40, 8), static, 4)
+    st = decode.generate_until(p, decode.replace_rows(st, fresh, jnp.asarray([0], jnp.int32)), static, jnp.int32(2))
+    toks, length = np.asarray(st.tokens), np.asarray(st.length)
+    assert toks[0, len(c) : length[0]].tolist() == hf_greedy(model, c, 8)
+    assert toks[1, len(b) : length[1]].tolist() == hf_greedy(model, b, 12)
