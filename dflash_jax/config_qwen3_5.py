@@ -142,9 +142,10 @@ def qwen3_5_config_from_hf(cfg: Mapping[str, Any], source: str = "config.json") 
         unknown entries, a ``rope_type`` other than default, ``hidden_act`` other than silu or
         ``attention_bias`` true (messages name ``source`` and the field).
     """
-    where = source
+    where, tied = source, cfg.get("tie_word_embeddings", False)
     if isinstance(cfg.get("text_config"), Mapping):
         cfg, where = cfg["text_config"], f"{source}: text_config"
+        tied = cfg.get("tie_word_embeddings", tied)
     if cfg.get("attention_bias"):
         raise DFlashError(f"{where}: field attention_bias", "true is not supported", "false")
     act = cfg.get("hidden_act", "silu")
@@ -167,6 +168,6 @@ def qwen3_5_config_from_hf(cfg: Mapping[str, Any], source: str = "config.json") 
         linear_num_value_heads=_pos_int(cfg, "linear_num_value_heads", where, 32),
         rms_norm_eps=float(_get(cfg, "rms_norm_eps", where, (int, float), 1e-6)),
         rope=_rope(cfg, where),
-        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        tie_word_embeddings=bool(tied),
         max_position_embeddings=_pos_int(cfg, "max_position_embeddings", where, 32768),
     )

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from dflash_jax import decode, speculative
+from dflash_jax.axes import flat_axes
 from dflash_jax.config_qwen3_5 import qwen3_5_config_from_hf
 from dflash_jax.decoding import Decoding, Params
 from dflash_jax.errors import DFlashError
@@ -33,8 +34,8 @@ N_NEW = 14
 
 
 @pytest.fixture(scope="module")
-def pair(tmp_path_factory):
-    """``(hf model, cfg, params)``: random weights everywhere (norm offsets, decays, gates)."""
+def saved(tmp_path_factory):
+    """``(hf model, folder)``: random weights everywhere (norm offsets, decays, gates)."""
     from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
 
     conf = Qwen3_5TextConfig(**HF)
@@ -51,8 +52,14 @@ def pair(tmp_path_factory):
                 p.copy_(0.3 * torch.randn_like(p))
     folder = str(tmp_path_factory.mktemp("qwen3_5"))
     model.save_pretrained(folder)
-    cfg, params = load_hf_target(folder)
-    return model, cfg, params
+    return model, folder
+
+
+@pytest.fixture(scope="module")
+def pair(saved):
+    """``(hf model, cfg, params)`` of :func:`saved`, loaded by the registry."""
+    cfg, params = load_hf_target(saved[1])
+    return saved[0], cfg, params
 
 
 def rel(a, b):
@@ -84,6 +91,25 @@ def test_config_and_loader(pair):
         qwen3_5_config_from_hf(dict(HF, layer_types=["linear_attention"] * 3), "c.json")
     with pytest.raises(DFlashError, match="hidden_act"):
         qwen3_5_config_from_hf(dict(HF, hidden_act="gelu"), "c.json")
+    st = decode.init_state(Decoding(cfg), [PROMPT], 16, 2)
+    axes = flat_axes(st.cache)  # every cache array declares its axes, each with a batch axis (replace_rows)
+    assert len(axes) == 4 and all("batch" in a for a in axes)
+
+
+def test_public_api_generate_plain_and_dflash(saved):
+    """``dflash_jax.load_target`` + ``generate`` (plain and with a drafter, several prefill chunks)
+    give transformers' greedy tokens; a GGUF-only path is refused by the registry elsewhere."""
+    import dflash_jax as dj
+
+    model, folder = saved
+    target = dj.load_target(folder)
+    want = hf_greedy(model, PROMPT, N_NEW)
+    res = dj.generate(target, [PROMPT], N_NEW, max_len=48, chunk_size=4, ignore_eos=True)
+    assert res.output_ids[0] == want
+    dcfg, dparams = tiny_drafter(target.cfg, layer_ids=(0, 3), block_size=4)
+    res = dj.generate(target, [PROMPT], N_NEW, max_len=48, chunk_size=4, ignore_eos=True,
+                      drafter=dj.Drafter(cfg=dcfg, params=dparams, source="tiny-drafter"))
+    assert res.output_ids[0] == want and res.stats["mode"] == "dflash"
 
 
 def test_forward_matches_transformers_one_and_several_chunks(pair):
@@ -180,3 +206,40 @@ def test_continuous_batching_replaces_linear_state_rows(pair):
     toks, length = np.asarray(st.tokens), np.asarray(st.length)
     assert toks[0, len(c) : length[0]].tolist() == hf_greedy(model, c, 8)
     assert toks[1, len(b) : length[1]].tolist() == hf_greedy(model, b, 12)
+
+
+@pytest.mark.parametrize("width", [1, 3, 0])
+def test_auto_depth_greedy_equals_plain(pair, width):
+    """``n_max="auto"`` (each width one compiled branch of verify + commit, or a plain step:
+    ``width`` 0) keeps the rollback exact."""
+    from dflash_jax.costs import CostModel, depth_policy
+    from dflash_jax.speculative.depth import Calibration
+
+    _, cfg, params = pair
+    dcfg, dparams = tiny_drafter(cfg, layer_ids=(0, 3), block_size=4)
+    model = CostModel.never_pays(3) if width == 0 else CostModel.forcing(3, width)
+    static = Decoding(cfg, dcfg, n_max="auto")
+    weights = Params(params, dparams, depth_policy(Calibration.identity(3), model))
+    st = decode.prefill(weights, decode.init_state(static, [PROMPT], 48, N_NEW), static, 4)
+    st = decode.generate(weights, st, static)
+    assert np.asarray(st.tokens[0, len(PROMPT) : int(st.length[0])]).tolist() == run(cfg, params, PROMPT, N_NEW, 4)[1]
+
+
+def test_conditional_generation_checkpoint_text_part(tmp_path):
+    """A ``Qwen3_5ForConditionalGeneration`` checkpoint (nested ``text_config``, tensors under
+    ``model.language_model.``, vision tensors skipped, multimodal RoPE sections) loads as its text
+    decoder: text-only logits equal transformers'."""
+    from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
+
+    text = dict(HF, rope_parameters=dict(HF["rope_parameters"], mrope_section=[2, 1, 1], mrope_interleaved=True))
+    vision = dict(depth=1, hidden_size=16, intermediate_size=16, num_heads=2, out_hidden_size=32, patch_size=4, num_position_embeddings=16)
+    torch.manual_seed(1)
+    model = Qwen3_5ForConditionalGeneration(Qwen3_5Config(text_config=text, vision_config=vision)).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(torch.log(torch.rand_like(p) * 2 + 0.5) if name.endswith("A_log") else 0.3 * torch.randn_like(p))
+        ref = model(input_ids=torch.tensor([SEQ[:12]])).logits[0].numpy()
+    model.save_pretrained(str(tmp_path))
+    cfg, params = load_hf_target(str(tmp_path))
+    logits, _, _ = qwen3_5.forward(params, cfg, jnp.asarray([SEQ[:12]]), jnp.arange(12)[None], qwen3_5.init_cache(cfg, 1, 16))
+    assert rel(logits[0], ref) < 1e-4
