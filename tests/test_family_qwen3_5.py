@@ -94,6 +94,9 @@ def test_config_and_loader(pair):
     st = decode.init_state(Decoding(cfg), [PROMPT], 16, 2)
     axes = flat_axes(st.cache)  # every cache array declares its axes, each with a batch axis (replace_rows)
     assert len(axes) == 4 and all("batch" in a for a in axes)
+    from dflash_jax.serve import prefix_cache
+
+    assert not prefix_cache.supports(st)  # the server's prefix cache stays off: no K/V per position in linear layers
 
 
 def test_public_api_generate_plain_and_dflash(saved):
@@ -146,26 +149,9 @@ def scripted(pair, corrupt_at, chunk=4):
     return st, accepts, ref
 
 
-@pytest.mark.parametrize("corrupt_at", [1, 3])
-def test_partial_acceptance_rolls_back_exactly(pair, corrupt_at):
-    """Every block is rejected at ``corrupt_at`` (0 < accepted < drafted): the committed tokens are
-    transformers' greedy ones and the committed conv / recurrent states equal those of a plain
-    prefill of the committed tokens."""
-    _, cfg, params = pair
-    st, accepts, ref = scripted(pair, corrupt_at)
-    assert all(a == corrupt_at for a in accepts[:-1]) and 0 < corrupt_at < 4
-    n = int(st.length[0])
-    assert np.asarray(st.tokens[0, len(PROMPT) : n]).tolist() == ref[:N_NEW]
-    fed = np.asarray(st.tokens[0, : n - 1]).tolist()
-    _, cache, _ = qwen3_5.forward(params, cfg, jnp.asarray([fed]), jnp.arange(n - 1)[None], qwen3_5.init_cache(cfg, 1, 48))
-    np.testing.assert_allclose(np.asarray(st.cache.rec), np.asarray(cache.rec), rtol=1e-4, atol=1e-5)
-    np.testing.assert_allclose(np.asarray(st.cache.conv), np.asarray(cache.conv), rtol=1e-4, atol=1e-5)  # rounding: other pass shapes
-    assert st.cache.block_rec is None and not st.cache.keep_block
-
-
 def test_without_rollback_the_output_differs(pair, monkeypatch):
-    """The same run with the commit keeping the state after the *whole* block (no rollback)
-    departs from transformers: the rollback test above can fail."""
+    """The same kind of run with the commit keeping the state after the *whole* block (no
+    rollback) departs from transformers: :func:`test_rows_roll_back_to_their_own_acceptance` can fail."""
     real = qwen3_5.commit_block_states
     monkeypatch.setattr(qwen3_5, "commit_block_states", lambda cfg, cache, kept: real(cfg, cache, jnp.full_like(kept, 5)))
     jax.clear_caches()
@@ -177,8 +163,8 @@ def test_without_rollback_the_output_differs(pair, monkeypatch):
         jax.clear_caches()
 
 
-@pytest.mark.parametrize("chunk", [len(PROMPT), 3])
-def test_dflash_greedy_equals_plain(pair, chunk):
+def test_dflash_greedy_equals_plain(pair, chunk=len(PROMPT)):
+    """One prefill chunk here; several in the public API test and the rollback tests."""
     _, cfg, params = pair
     d = tiny_drafter(cfg, layer_ids=(0, 3), block_size=4)
     st, got = run(cfg, params, PROMPT, N_NEW, chunk, drafter=d)
@@ -243,3 +229,33 @@ def test_conditional_generation_checkpoint_text_part(tmp_path):
     cfg, params = load_hf_target(str(tmp_path))
     logits, _, _ = qwen3_5.forward(params, cfg, jnp.asarray([SEQ[:12]]), jnp.arange(12)[None], qwen3_5.init_cache(cfg, 1, 16))
     assert rel(logits[0], ref) < 1e-4
+
+
+def test_rows_roll_back_to_their_own_acceptance(pair):
+    """Partial acceptance, two rows of one batch: every block of row 0 is rejected at draft 1 and
+    of row 1 at draft 3 (0 < accepted < drafted), so each row keeps the states after its own
+    committed prefix: the tokens are transformers' greedy ones and the committed conv / recurrent
+    states equal those of a plain prefill of the committed tokens (rounding apart)."""
+    model, cfg, params = pair
+    d = tiny_drafter(cfg, layer_ids=(0, 2), block_size=5)
+    static, p = Decoding(cfg, d[0]), Params(params, d[1])
+    prompts, n_new = [PROMPT, SEQ[4:13]], 10
+    full = [list(q) + hf_greedy(model, q, n_new + 5) for q in prompts]
+    st = decode.prefill(p, decode.init_state(static, prompts, 40, n_new), static, 4)
+    verify = jax.jit(lambda s, drafts: speculative.verify_block(p, s, static, drafts))
+    accepted = []
+    while not bool(np.all(np.asarray(st.done))):
+        length = np.asarray(st.length)
+        drafts = np.array([[full[b][min(length[b] + i, len(full[b]) - 1)] for i in range(4)] for b in range(2)], np.int32)
+        drafts[0, 1], drafts[1, 3] = (drafts[0, 1] + 1) % cfg.vocab_size, (drafts[1, 3] + 1) % cfg.vocab_size
+        before = np.asarray(st.speculative.accepted)
+        st = verify(st, jnp.asarray(drafts))
+        accepted.append((np.asarray(st.speculative.accepted) - before).tolist())
+    assert [1, 3] in accepted
+    for b, q in enumerate(prompts):
+        n = int(st.length[b])
+        assert np.asarray(st.tokens[b, len(q) : n]).tolist() == full[b][len(q) : len(q) + n_new]
+        _, cache, _ = qwen3_5.forward(params, cfg, st.tokens[b : b + 1, : n - 1], jnp.arange(n - 1)[None], qwen3_5.init_cache(cfg, 1, 40))
+        np.testing.assert_allclose(np.asarray(st.cache.rec[:, b]), np.asarray(cache.rec[:, 0]), rtol=1e-4, atol=1e-5)
+        np.testing.assert_allclose(np.asarray(st.cache.conv[:, b]), np.asarray(cache.conv[:, 0]), rtol=1e-4, atol=1e-5)
+    assert st.cache.block_rec is None and not st.cache.keep_block  # the stash lives inside one verify only
