@@ -28,6 +28,7 @@ from dflash_jax.errors import DFlashError
 LAYER_TYPES = ("linear_attention", "full_attention")
 HF_ARCHITECTURES = ("Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration")
 HF_MODEL_TYPES = ("qwen3_5_text", "qwen3_5")
+ROLLBACKS = ("states", "replay")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,6 +41,13 @@ class Qwen3_5Config:
     (Gated DeltaNet): ``linear_num_key_heads`` q/k heads of ``linear_key_head_dim``,
     ``linear_num_value_heads`` value heads of ``linear_value_head_dim``, a causal depthwise
     convolution of ``linear_conv_kernel_dim`` taps. ``dtype``: parameter and compute dtype name.
+
+    ``rollback``: how a verify's rejected drafts are kept out of the linear layers' recurrent
+    state (:mod:`dflash_jax.models.qwen3_5`): ``"states"`` keeps the state after every block
+    position (no extra computation; ``Ll * (T + 1) * Hv * dk * dv * 4`` bytes per row during a
+    verify), ``"replay"`` keeps each position's recurrence inputs and reruns the recurrence alone
+    over the committed prefix (``(dk + dv + 2) / (dk * dv)`` of that memory, one more pass of the
+    rank-1 updates). Not a ``config.json`` field: ``cfg.replace(rollback=...)``.
     """
 
     vocab_size: int
@@ -59,9 +67,12 @@ class Qwen3_5Config:
     rope: RopeConfig = RopeConfig(partial=0.25)
     tie_word_embeddings: bool = False
     max_position_embeddings: int = 32768
+    rollback: str = "states"
     dtype: str = "float32"
 
     def __post_init__(self):
+        if self.rollback not in ROLLBACKS:
+            raise DFlashError("config: rollback", f"got {self.rollback!r}", f"one of {ROLLBACKS}")
         if len(self.layer_types) != self.num_hidden_layers:
             raise DFlashError("config: layer_types", f"{len(self.layer_types)} entries", f"{self.num_hidden_layers} (num_hidden_layers)")
         bad = [t for t in self.layer_types if t not in LAYER_TYPES]
@@ -101,6 +112,10 @@ class Qwen3_5Config:
 
     def with_dtype(self, dtype: str) -> "Qwen3_5Config":
         return dataclasses.replace(self, dtype=str(dtype))
+
+    def replace(self, **changes) -> "Qwen3_5Config":
+        """A copy with ``changes`` (checked again)."""
+        return dataclasses.replace(self, **changes)
 
 
 def _pos_int(cfg: Mapping[str, Any], key: str, where: str, default=dataclasses.MISSING) -> int:

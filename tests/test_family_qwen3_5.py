@@ -91,6 +91,8 @@ def test_config_and_loader(pair):
         qwen3_5_config_from_hf(dict(HF, layer_types=["linear_attention"] * 3), "c.json")
     with pytest.raises(DFlashError, match="hidden_act"):
         qwen3_5_config_from_hf(dict(HF, hidden_act="gelu"), "c.json")
+    with pytest.raises(DFlashError, match="rollback"):
+        cfg.replace(rollback="none")
     st = decode.init_state(Decoding(cfg), [PROMPT], 16, 2)
     axes = flat_axes(st.cache)  # every cache array declares its axes, each with a batch axis (replace_rows)
     assert len(axes) == 4 and all("batch" in a for a in axes)
@@ -231,12 +233,15 @@ def test_conditional_generation_checkpoint_text_part(tmp_path):
     assert rel(logits[0], ref) < 1e-4
 
 
-def test_rows_roll_back_to_their_own_acceptance(pair):
+@pytest.mark.parametrize("rollback", ["states", "replay"])
+def test_rows_roll_back_to_their_own_acceptance(pair, rollback):
     """Partial acceptance, two rows of one batch: every block of row 0 is rejected at draft 1 and
     of row 1 at draft 3 (0 < accepted < drafted), so each row keeps the states after its own
     committed prefix: the tokens are transformers' greedy ones and the committed conv / recurrent
-    states equal those of a plain prefill of the committed tokens (rounding apart)."""
+    states equal those of a plain prefill of the committed tokens (rounding apart), with either
+    rollback (``Qwen3_5Config.rollback``)."""
     model, cfg, params = pair
+    cfg = cfg.replace(rollback=rollback)
     d = tiny_drafter(cfg, layer_ids=(0, 2), block_size=5)
     static, p = Decoding(cfg, d[0]), Params(params, d[1])
     prompts, n_new = [PROMPT, SEQ[4:13]], 10
@@ -258,4 +263,4 @@ def test_rows_roll_back_to_their_own_acceptance(pair):
         _, cache, _ = qwen3_5.forward(params, cfg, st.tokens[b : b + 1, : n - 1], jnp.arange(n - 1)[None], qwen3_5.init_cache(cfg, 1, 40))
         np.testing.assert_allclose(np.asarray(st.cache.rec[:, b]), np.asarray(cache.rec[:, 0]), rtol=1e-4, atol=1e-5)
         np.testing.assert_allclose(np.asarray(st.cache.conv[:, b]), np.asarray(cache.conv[:, 0]), rtol=1e-4, atol=1e-5)
-    assert st.cache.block_rec is None and not st.cache.keep_block  # the stash lives inside one verify only
+    assert st.cache.block_rec is None and st.cache.block_inputs is None and not st.cache.keep_block  # one verify only

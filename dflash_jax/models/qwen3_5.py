@@ -34,18 +34,25 @@ Cache (:class:`HybridCache`): full layers a KV cache (slot = position, rollback 
 dense targets); linear layers the conv state (last ``K - 1`` inputs) and the recurrent state
 ``[Hv, dk, dv]`` float32 *after the committed tokens*, which a rejected draft would corrupt.
 
-Rollback design (the hybrid part): **keep the per-position states of the verified block.** A verify
-pass runs the recurrence token by token over ``[anchor, drafts]`` anyway, so the state after every
-position is at hand; :func:`keep_block_states` marks the cache so that :func:`forward_hidden`
-returns the conv window and the recurrent state before and after each block position
-(``block_rec [Ll, B, T + 1, Hv, dk, dv]``), and after the accept rule :func:`commit_block_states`
-keeps, per row, the state after its last fed committed token and drops the rest. Why not replay
-the accepted prefix: a replay is a second target pass (or at least a second recurrence with its
-projections) on the critical path of every step, while keeping the states costs no computation,
-only the memory of ``T + 1`` states per linear layer during one verify (transient: the stash is
-not part of the carried cache between steps). Outside a verify (prefill chunks, plain decoding)
-the pass itself commits the state after each row's last valid position. Tree verification
-(``tree=N``) is refused: the recurrence of a tree of candidates would need one state per branch.
+Rollback design (the hybrid part): **keep the per-position states of the verified block**
+(``cfg.rollback = "states"``, the default). A verify pass runs the recurrence token by token over
+``[anchor, drafts]`` anyway, so the state after every position is at hand: :func:`keep_block_states`
+marks the cache so that :func:`forward_hidden` leaves the committed states alone and stashes the
+conv window and the recurrent state before and after each block position (``block_rec [Ll, B,
+T + 1, Hv, dk, dv]``); after the accept rule :func:`commit_block_states` (called by the generic
+commit with the tokens each row committed) keeps, per row, the state after its last committed
+fed position, and drops the stash (it lives inside one jitted step, never in the carried cache).
+Why not replay the accepted prefix through the model: that is a second target pass on the
+critical path of every step, while keeping the states costs no computation. Its price is memory
+during the verify: ``Ll * (T + 1) * Hv * dk * dv * 4`` bytes per row (Qwen3.5-9B-like shapes,
+24 linear layers of 32 x 128 x 128, block 16: about 3.4 GB per row), so ``cfg.rollback =
+"replay"`` offers the lean variant: stash each position's recurrence inputs ``[k | v | g | beta]``
+(``(dk + dv + 2) / (dk dv)`` of that memory, 13 MB per row there) and rerun the recurrence alone
+(no projection, convolution, attention or MLP) over each row's committed prefix from the state
+before the block. Both are tested to give the same states as a plain prefill of the committed
+tokens. Outside a verify (prefill chunks, plain decoding) the pass itself commits the state
+after each row's last valid position (padding positions leave it unchanged). Tree verification
+(``tree=N``) is refused: a tree of candidates would need one recurrent state per branch.
 """
 
 from __future__ import annotations
@@ -153,9 +160,12 @@ class HybridCache:
         (cfg dtype; ``C`` = :attr:`~dflash_jax.config_qwen3_5.Qwen3_5Config.conv_dim`).
       rec: ``[Ll, B, Hv, dk, dv]`` float32 recurrent state after the committed tokens.
       block_conv: during a verify only, ``[Ll, B, K - 1 + T, C]``: the conv window of the block.
-      block_rec: during a verify only, ``[Ll, B, T + 1, Hv, dk, dv]`` float32: the recurrent
-        state before the block (index 0) and after each of its ``T`` positions.
-      keep_block: static; :func:`forward_hidden` fills ``block_conv`` / ``block_rec`` (set by
+      block_rec: during a verify under ``cfg.rollback == "states"``, ``[Ll, B, T + 1, Hv, dk, dv]``
+        float32: the recurrent state before the block (index 0) and after each of its ``T`` positions.
+      block_inputs: during a verify under ``cfg.rollback == "replay"``, ``[Ll, B, T, Hv, dk + dv + 2]``
+        float32: each position's recurrence inputs ``[k | v | g | beta]`` (the state before the
+        block is ``rec``, unchanged by the pass).
+      keep_block: static; :func:`forward_hidden` fills ``block_conv`` and ``block_rec`` or ``block_inputs`` (set by
         :func:`keep_block_states`, cleared by :func:`commit_block_states`).
     """
 
@@ -165,6 +175,7 @@ class HybridCache:
     rec: jnp.ndarray = axes_field(*LINEAR_STATE_AXES)
     block_conv: Any = axes_field(*CONV_AXES, default=None)
     block_rec: Any = axes_field("layers", "batch", None, "q_heads", None, None, default=None)
+    block_inputs: Any = axes_field("layers", "batch", None, "q_heads", None, default=None)
     keep_block: bool = pytree.field(pytree_node=False, default=False)
 
     @property
@@ -203,20 +214,34 @@ def commit_block_states(cfg: Qwen3_5Config, cache: HybridCache, kept: jnp.ndarra
         return cache
     taps = cfg.linear_conv_kernel_dim
     conv = jax.vmap(lambda w: gdn.conv_state_after(w, kept, taps))(cache.block_conv)
-    rows = jnp.arange(kept.shape[0])
-    rec = cache.block_rec[:, rows, kept]
-    return cache.replace(conv=conv.astype(cache.conv.dtype), rec=rec, block_conv=None, block_rec=None, keep_block=False)
+    if cache.block_rec is not None:  # "states": pick
+        rec = cache.block_rec[:, jnp.arange(kept.shape[0]), kept]
+    else:  # "replay": the recurrence alone over each row's first kept positions, from the state before the block
+        rec = jax.vmap(lambda r, x: _replay(cfg, r, x, kept))(cache.rec, cache.block_inputs)
+    return cache.replace(conv=conv.astype(cache.conv.dtype), rec=rec, block_conv=None, block_rec=None, block_inputs=None,
+                         keep_block=False)
+
+
+def _replay(cfg: Qwen3_5Config, rec, inputs, kept):
+    """One layer's recurrent state ``[B, Hv, dk, dv]`` after the first ``kept[b]`` positions of
+    the stashed ``inputs [B, T, Hv, dk + dv + 2]`` (``[k | v | g | beta]``), from ``rec``."""
+    dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
+    k, v, g, beta = jnp.split(inputs, [dk, dk + dv, dk + dv + 1], axis=-1)
+    valid = jnp.arange(inputs.shape[1], dtype=jnp.int32)[None, :] < kept[:, None]
+    return gdn.gated_delta_scan(k, k, v, g[..., 0], beta[..., 0], rec, valid)[1]
 
 
 # --------------------------------------------------------------------------------------------
 # Layers
 
 
-def _linear_mixer(cfg: Qwen3_5Config, lp: dict, h, conv_state, rec_state, valid, keep: bool):
+def _linear_mixer(cfg: Qwen3_5Config, lp: dict, h, conv_state, rec_state, valid, keep: str):
     """One Gated DeltaNet token mixer on the normed input ``h [B, T, H]`` from the layer's
     ``conv_state [B, K-1, C]`` and ``rec_state [B, Hv, dk, dv]``.
 
-    Returns ``(out [B, T, H], conv window [B, K-1+T, C], final state, states [T, B, ...] or None)``.
+    ``keep``: ``"states"`` also returns the state after each position, ``"replay"`` the recurrence
+    inputs ``[k | v | g | beta]`` of each position, ``""`` neither (the 4th value is then None).
+    Returns ``(out [B, T, H], conv window [B, K-1+T, C], final state, states [T, B, ...] / inputs [B, T, ...] / None)``.
     """
     b, t, _ = h.shape
     hk, hv, dk, dv = cfg.linear_num_key_heads, cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim
@@ -229,7 +254,10 @@ def _linear_mixer(cfg: Qwen3_5Config, lp: dict, h, conv_state, rec_state, valid,
     k = jnp.repeat(gdn.l2_normalize(split_heads(k, hk, dk)), rep, axis=2)
     beta = jax.nn.sigmoid((h @ lp["wb"]).astype(jnp.float32))
     g = -jnp.exp(lp["a_log"].astype(jnp.float32)) * jax.nn.softplus((h @ lp["wa"]).astype(jnp.float32) + lp["dt_bias"].astype(jnp.float32))
-    out, final, states = gdn.gated_delta_scan(q, k, split_heads(v, hv, dv), g, beta, rec_state, valid, keep)
+    v = split_heads(v, hv, dv).astype(jnp.float32)
+    out, final, states = gdn.gated_delta_scan(q, k, v, g, beta, rec_state, valid, keep == "states")
+    if keep == "replay":
+        states = jnp.concatenate([k, v, g[..., None], beta[..., None]], axis=-1)
     z = split_heads(h @ lp["wz"], hv, dv)
     out = gdn.gated_rms_norm(out, lp["gnorm"], z, cfg.rms_norm_eps).reshape(b, t, hv * dv)
     return out @ lp["wo"], window, final, states
@@ -302,10 +330,11 @@ def forward_hidden(
         if kind == "full":
             out, k_all, v_all = _attention_mixer(cfg, lp, h, k_all, v_all, j, positions, inv_freq, n_keys, visible)
         else:
-            out, window, final, states = _linear_mixer(cfg, lp, h, cache.conv[j], cache.rec[j], valid, cache.keep_block)
-            if cache.keep_block:  # the committed states stay; the block's are stashed for the commit
+            keep = cfg.rollback if cache.keep_block else ""
+            out, window, final, states = _linear_mixer(cfg, lp, h, cache.conv[j], cache.rec[j], valid, keep)
+            if keep:  # the committed states stay; the block's are stashed for the commit
                 windows.append(window)
-                stashed.append(jnp.concatenate([cache.rec[j][None], states], axis=0))
+                stashed.append(jnp.concatenate([cache.rec[j][None], states], axis=0) if keep == "states" else states)
                 convs.append(cache.conv[j])
                 recs.append(cache.rec[j])
             else:
@@ -313,15 +342,15 @@ def forward_hidden(
                 recs.append(final)
         x = mlp_residual(lp, x + out, eps)
         cap = captures.keep(capture, cap, x, int(slot_of[i]))
-    cache = _updated(cache, k_all, v_all, convs, recs, windows, stashed)
+    cache = _updated(cache, k_all, v_all, convs, recs, windows, stashed, cfg.rollback)
     final_norm = functools.partial(rms_norm, weight=params["norm"], eps=eps)
     capture = captures.write(capture, cap, positions, n_layers, final_norm, valid=valid)
     return final_norm(x), cache, capture
 
 
-def _updated(cache: HybridCache, k_all, v_all, convs, recs, windows, stashed) -> HybridCache:
+def _updated(cache: HybridCache, k_all, v_all, convs, recs, windows, stashed, rollback: str) -> HybridCache:
     """The cache after a pass: new K/V stacks, the linear states (stacked back over layers) and,
-    when keeping block states, the stash (``block_rec`` moved to ``[Ll, B, T + 1, ...]``)."""
+    when keeping block states, the stash (``block_rec`` moved to ``[Ll, B, T + 1, ...]``, or ``block_inputs``)."""
     conv = jnp.stack(convs) if convs else cache.conv
     rec = jnp.stack(recs) if recs else cache.rec
     cache = cache.replace(k=k_all, v=v_all, conv=conv, rec=rec)
@@ -329,8 +358,10 @@ def _updated(cache: HybridCache, k_all, v_all, convs, recs, windows, stashed) ->
         return cache
     if not windows:  # no linear layer: nothing to roll back
         return cache.replace(keep_block=False)
-    block_rec = jnp.moveaxis(jnp.stack(stashed), 1, 2)  # [Ll, T + 1, B, ...] -> [Ll, B, T + 1, ...]
-    return cache.replace(block_conv=jnp.stack(windows).astype(cache.conv.dtype), block_rec=block_rec)
+    cache = cache.replace(block_conv=jnp.stack(windows).astype(cache.conv.dtype))
+    if rollback == "replay":  # [Ll, B, T, Hv, dk + dv + 2]
+        return cache.replace(block_inputs=jnp.stack(stashed))
+    return cache.replace(block_rec=jnp.moveaxis(jnp.stack(stashed), 1, 2))  # [Ll, T + 1, B, ...] -> [Ll, B, T + 1, ...]
 
 
 def forward(params: Params, cfg: Qwen3_5Config, tokens, positions, cache: HybridCache, capture: Capture | None = None):
