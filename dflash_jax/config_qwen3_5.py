@@ -1,7 +1,8 @@
-"""Static, hashable configuration of the Qwen3.5 hybrid target (``Qwen3_5ForCausalLM``).
+"""Static, hashable configuration of the Qwen3.5 hybrid targets: ``Qwen3_5ForCausalLM`` and its
+sparse sibling ``Qwen3NextForCausalLM`` (``variant`` ``"qwen3_next"``: the same layers with a MoE MLP).
 
-Parsed strictly from HF ``config.json`` (transformers 5.25 ``Qwen3_5TextConfig``, the text part
-only). Every problem raises :class:`~dflash_jax.errors.DFlashError` naming the file and the field.
+Parsed strictly from HF ``config.json`` (transformers 5.25 ``Qwen3_5TextConfig`` / ``Qwen3NextConfig``,
+the text part only). Every problem raises :class:`~dflash_jax.errors.DFlashError` naming the file and the field.
 
 Rules taken from transformers ``configuration_qwen3_5.py`` / ``modeling_qwen3_5.py``:
 
@@ -15,6 +16,10 @@ Rules taken from transformers ``configuration_qwen3_5.py`` / ``modeling_qwen3_5.
 * ``hidden_act`` must be ``silu`` (the MLP, the convolution and the output gate all use it) and
   ``attention_bias`` false (no published model sets it; refused rather than ignored).
 * A nested ``text_config`` (``Qwen3_5ForConditionalGeneration``) is read in place of the top level.
+* Qwen3-Next: every layer's MLP is the MoE (``num_experts``, ``num_experts_per_tok``,
+  ``moe_intermediate_size``, ``shared_expert_intermediate_size``, ``norm_topk_prob``); a
+  ``decoder_sparse_step`` other than 1 or a non-empty ``mlp_only_layers`` (dense and sparse
+  layers mixed, which no published model does) is refused.
 """
 
 from __future__ import annotations
@@ -26,8 +31,9 @@ from dflash_jax.config import RopeConfig, _get
 from dflash_jax.errors import DFlashError
 
 LAYER_TYPES = ("linear_attention", "full_attention")
-HF_ARCHITECTURES = ("Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration")
-HF_MODEL_TYPES = ("qwen3_5_text", "qwen3_5")
+HF_ARCHITECTURES = ("Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration", "Qwen3NextForCausalLM")
+HF_MODEL_TYPES = ("qwen3_5_text", "qwen3_5", "qwen3_next")
+VARIANTS = ("qwen3_5", "qwen3_next")
 ROLLBACKS = ("states", "replay")
 
 
@@ -48,6 +54,11 @@ class Qwen3_5Config:
     verify), ``"replay"`` keeps each position's recurrence inputs and reruns the recurrence alone
     over the committed prefix (``(dk + dv + 2) / (dk * dv)`` of that memory, one more pass of the
     rank-1 updates). Not a ``config.json`` field: ``cfg.replace(rollback=...)``.
+
+    ``variant``: ``"qwen3_5"`` (SwiGLU MLP) or ``"qwen3_next"`` (every MLP a MoE of
+    ``num_experts`` SwiGLU experts of ``moe_intermediate_size``, softmax router, top
+    ``num_experts_per_tok`` renormalised when ``norm_topk_prob``, plus a shared expert of
+    ``shared_expert_intermediate_size`` scaled by a sigmoid gate).
     """
 
     vocab_size: int
@@ -67,10 +78,21 @@ class Qwen3_5Config:
     rope: RopeConfig = RopeConfig(partial=0.25)
     tie_word_embeddings: bool = False
     max_position_embeddings: int = 32768
+    variant: str = "qwen3_5"
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    shared_expert_intermediate_size: int = 0
+    norm_topk_prob: bool = True
     rollback: str = "states"
     dtype: str = "float32"
 
     def __post_init__(self):
+        if self.variant not in VARIANTS:
+            raise DFlashError("config: variant", f"got {self.variant!r}", f"one of {VARIANTS}")
+        if self.variant == "qwen3_next" and not 0 < self.num_experts_per_tok <= self.num_experts:
+            raise DFlashError("config: num_experts_per_tok", f"{self.num_experts_per_tok} of {self.num_experts} experts",
+                              "between 1 and num_experts")
         if self.rollback not in ROLLBACKS:
             raise DFlashError("config: rollback", f"got {self.rollback!r}", f"one of {ROLLBACKS}")
         if len(self.layer_types) != self.num_hidden_layers:
@@ -87,7 +109,12 @@ class Qwen3_5Config:
 
     @property
     def family(self) -> str:
-        return "qwen3_5"
+        return self.variant
+
+    @property
+    def sparse(self) -> bool:
+        """Every layer's MLP is the MoE (Qwen3-Next)."""
+        return self.variant == "qwen3_next"
 
     @property
     def tree_verify(self) -> bool:
@@ -154,9 +181,12 @@ def qwen3_5_config_from_hf(cfg: Mapping[str, Any], source: str = "config.json") 
 
     Raises:
       DFlashError: a missing or ill-typed field, ``layer_types`` of the wrong length or with
-        unknown entries, a ``rope_type`` other than default, ``hidden_act`` other than silu or
-        ``attention_bias`` true (messages name ``source`` and the field).
+        unknown entries, a ``rope_type`` other than default, ``hidden_act`` other than silu,
+        ``attention_bias`` true, or (Qwen3-Next) dense and sparse MLP layers mixed (messages name
+        ``source`` and the field).
     """
+    archs = list(cfg.get("architectures") or [])
+    variant = "qwen3_next" if "Qwen3NextForCausalLM" in archs or cfg.get("model_type") == "qwen3_next" else "qwen3_5"
     where, tied = source, cfg.get("tie_word_embeddings", False)
     if isinstance(cfg.get("text_config"), Mapping):
         cfg, where = cfg["text_config"], f"{source}: text_config"
@@ -185,4 +215,20 @@ def qwen3_5_config_from_hf(cfg: Mapping[str, Any], source: str = "config.json") 
         rope=_rope(cfg, where),
         tie_word_embeddings=bool(tied),
         max_position_embeddings=_pos_int(cfg, "max_position_embeddings", where, 32768),
+        variant=variant,
+        **(_moe(cfg, where) if variant == "qwen3_next" else {}),
     )
+
+
+def _moe(cfg: Mapping[str, Any], where: str) -> dict:
+    """The MoE fields of a Qwen3-Next ``config.json`` (transformers' defaults); refuses mixed
+    dense / sparse layers."""
+    step, dense = _get(cfg, "decoder_sparse_step", where, int, 1), cfg.get("mlp_only_layers") or []
+    if step != 1 or dense:
+        raise DFlashError(f"{where}: field {'decoder_sparse_step' if step != 1 else 'mlp_only_layers'}",
+                          f"got {step if step != 1 else dense!r}: dense and MoE layers mixed are not supported",
+                          "decoder_sparse_step 1 and no mlp_only_layers (every layer a MoE)")
+    return dict(num_experts=_pos_int(cfg, "num_experts", where, 512), num_experts_per_tok=_pos_int(cfg, "num_experts_per_tok", where, 10),
+                moe_intermediate_size=_pos_int(cfg, "moe_intermediate_size", where, 512),
+                shared_expert_intermediate_size=_pos_int(cfg, "shared_expert_intermediate_size", where, 512),
+                norm_topk_prob=bool(_get(cfg, "norm_topk_prob", where, bool, True)))

@@ -264,3 +264,48 @@ def test_rows_roll_back_to_their_own_acceptance(pair, rollback):
         np.testing.assert_allclose(np.asarray(st.cache.rec[:, b]), np.asarray(cache.rec[:, 0]), rtol=1e-4, atol=1e-5)
         np.testing.assert_allclose(np.asarray(st.cache.conv[:, b]), np.asarray(cache.conv[:, 0]), rtol=1e-4, atol=1e-5)
     assert st.cache.block_rec is None and st.cache.block_inputs is None and not st.cache.keep_block  # one verify only
+
+
+@pytest.fixture(scope="module")
+def next_pair(tmp_path_factory):
+    """``(hf model, cfg, params)`` of a tiny random ``Qwen3NextForCausalLM`` (every MLP a MoE of 4
+    experts, top 2, and a gated shared expert), saved and loaded by the registry."""
+    from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
+
+    conf = Qwen3NextConfig(**{k: v for k, v in HF.items() if k != "rope_parameters"}, num_experts=4, num_experts_per_tok=2,
+                           moe_intermediate_size=16, shared_expert_intermediate_size=24)
+    conf._attn_implementation = "eager"
+    torch.manual_seed(2)
+    model = Qwen3NextForCausalLM(conf).float().eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(torch.log(torch.rand_like(p) * 2 + 0.5) if name.endswith("A_log") else 0.3 * torch.randn_like(p))
+    folder = str(tmp_path_factory.mktemp("qwen3_next"))
+    model.save_pretrained(folder)
+    cfg, params = load_hf_target(folder)
+    return model, cfg, params
+
+
+def test_qwen3_next_logits_and_greedy_match_transformers(next_pair):
+    """Qwen3-Next (grouped ``in_proj_qkvz`` / ``in_proj_ba``, MoE MLP): logits of one pass, and
+    plain greedy decoding with several prefill chunks, equal transformers'."""
+    model, cfg, params = next_pair
+    assert cfg.family == "qwen3_next" and params["linear"]["e_gate"].shape == (3, 4, 32, 16) and cfg.rope.partial == 0.25
+    with torch.no_grad():
+        ref = model(torch.tensor([SEQ])).logits[0].numpy()
+    logits, _, _ = qwen3_5.forward(params, cfg, jnp.asarray([SEQ]), jnp.arange(len(SEQ))[None], qwen3_5.init_cache(cfg, 1, 32))
+    assert rel(logits[0], ref) < 1e-4
+    assert run(cfg, params, PROMPT, N_NEW, 3)[1] == hf_greedy(model, PROMPT, N_NEW)
+
+
+def test_qwen3_next_partial_acceptance_rolls_back(next_pair):
+    """DFlash verify on Qwen3-Next with every block rejected at draft 2: transformers' tokens."""
+    model, cfg, params = next_pair
+    d = tiny_drafter(cfg, layer_ids=(0, 2), block_size=5)
+    static, p = Decoding(cfg, d[0]), Params(params, d[1])
+    ref = hf_greedy(model, PROMPT, N_NEW + 5)
+    st = decode.prefill(p, decode.init_state(static, [PROMPT], 48, N_NEW), static, 4)
+    verify = jax.jit(lambda s, drafts: speculative.verify_block(p, s, static, jnp.asarray([drafts], jnp.int32)))
+    st, accepts = verify_scripted(st, PROMPT + ref, 4, verify, 2, cfg.vocab_size)
+    assert all(a == 2 for a in accepts[:-1])
+    assert np.asarray(st.tokens[0, len(PROMPT) : int(st.length[0])]).tolist() == ref[:N_NEW]

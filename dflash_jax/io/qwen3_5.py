@@ -1,5 +1,6 @@
-"""Qwen3.5 hybrid checkpoints (HF safetensors) -> :class:`~dflash_jax.config_qwen3_5.Qwen3_5Config`
-and the params of :mod:`dflash_jax.models.qwen3_5`, read strictly tensor by tensor.
+"""Qwen3.5 and Qwen3-Next hybrid checkpoints (HF safetensors) ->
+:class:`~dflash_jax.config_qwen3_5.Qwen3_5Config` and the params of :mod:`dflash_jax.models.qwen3_5`,
+read strictly tensor by tensor.
 
 Names are transformers' (``save_pretrained`` of ``Qwen3_5ForCausalLM``: ``model.layers.{i}.``;
 a ``Qwen3_5ForConditionalGeneration`` checkpoint's text part under ``model.language_model.``,
@@ -10,6 +11,8 @@ as the params' own tensors to :func:`dflash_jax.io.hf.load_named` (one strict na
 * ``self_attn.q_proj.weight`` ``[Hq * 2D, H]``: per head ``D`` query rows then ``D`` gate rows;
 * ``linear_attn.in_proj_qkv.weight`` ``[2 Hk dk + Hv dv, H]`` and ``linear_attn.conv1d.weight``
   ``[C, 1, K]``: query, key, value channels in that order;
+* Qwen3-Next's ``linear_attn.in_proj_qkvz.weight`` / ``in_proj_ba.weight``: grouped per key
+  head (:func:`_linear_names`); its experts are read by their per-expert names;
 * every ``Qwen3_5RMSNorm`` weight (layer norms, q/k norms, the final norm) is stored as ``w`` and
   applied as ``1 + w``: the params hold ``1 + w`` (computed in float32). The gated norm
   ``linear_attn.norm.weight`` is a plain weight.
@@ -31,11 +34,13 @@ _SKIPPED = re.compile(r"^mtp\.|^model\.visual\.|(^|\.)rotary_emb\.inv_freq$")
 _NORMS = {"input_layernorm.weight": "attn_norm", "post_attention_layernorm.weight": "mlp_norm"}
 _FULL = {"self_attn.k_proj.weight": ("wk", True), "self_attn.v_proj.weight": ("wv", True), "self_attn.o_proj.weight": ("wo", True)}
 _LINEAR = {
-    "linear_attn.in_proj_z.weight": ("wz", True), "linear_attn.in_proj_b.weight": ("wb", True),
-    "linear_attn.in_proj_a.weight": ("wa", True), "linear_attn.A_log": ("a_log", False),
-    "linear_attn.dt_bias": ("dt_bias", False), "linear_attn.norm.weight": ("gnorm", False),
-    "linear_attn.out_proj.weight": ("wo", True),
+    "linear_attn.A_log": ("a_log", False), "linear_attn.dt_bias": ("dt_bias", False),
+    "linear_attn.norm.weight": ("gnorm", False), "linear_attn.out_proj.weight": ("wo", True),
 }
+_QWEN3_5_PROJ = {"linear_attn.in_proj_z.weight": ("wz", True), "linear_attn.in_proj_b.weight": ("wb", True),
+                 "linear_attn.in_proj_a.weight": ("wa", True)}
+_MOE = {"mlp.gate.weight": "router", "mlp.shared_expert.gate_proj.weight": "s_gate", "mlp.shared_expert.up_proj.weight": "s_up",
+        "mlp.shared_expert.down_proj.weight": "s_down", "mlp.shared_expert_gate.weight": "s_router"}
 
 
 def _shift(x: np.ndarray) -> np.ndarray:
@@ -85,12 +90,55 @@ class _Derived:
         return fn(self.ckpt.read(src))
 
 
+def _grouped(groups: int, width: int, lo: int, hi: int) -> Callable[[np.ndarray], np.ndarray]:
+    """Rows ``[lo, hi)`` of each of ``groups`` consecutive blocks of ``width`` rows, concatenated."""
+    return lambda x: x.reshape(groups, width, x.shape[-1])[:, lo:hi].reshape(groups * (hi - lo), x.shape[-1])
+
+
+def _linear_names(cfg: Qwen3_5Config, pre: str, j: int, names: dict, derived: dict) -> None:
+    """Adds the Gated DeltaNet projections of linear layer row ``j`` (prefix ``pre``): Qwen3.5's
+    ``in_proj_qkv`` / ``in_proj_z`` / ``in_proj_b`` / ``in_proj_a``, or Qwen3-Next's
+    ``in_proj_qkvz`` (per key head: ``dk`` q, ``dk`` k, ``r dv`` v, ``r dv`` z rows, ``r = Hv / Hk``)
+    and ``in_proj_ba`` (per key head: ``r`` b rows, ``r`` a rows); the conv weight split in both."""
+    H, hk, dk, dv, K = cfg.hidden_size, cfg.linear_num_key_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim, cfg.linear_conv_kernel_dim
+    kd, vd, r = hk * dk, cfg.linear_num_value_heads * dv, cfg.linear_num_value_heads // hk
+    conv = pre + "linear_attn.conv1d.weight"
+    for leaf, lo, hi in (("q", 0, kd), ("k", kd, 2 * kd), ("v", 2 * kd, 2 * kd + vd)):
+        names[f"{conv}[{leaf}]"] = (("linear", "conv_" + leaf), j, True)
+        derived[f"{conv}[{leaf}]"] = (conv, (cfg.conv_dim, 1, K), _conv_rows(lo, hi), (hi - lo, K))
+    if not cfg.sparse:
+        qkv = pre + "linear_attn.in_proj_qkv.weight"
+        for leaf, lo, hi in (("q", 0, kd), ("k", kd, 2 * kd), ("v", 2 * kd, 2 * kd + vd)):
+            names[f"{qkv}[{leaf}]"] = (("linear", "w" + leaf), j, True)
+            derived[f"{qkv}[{leaf}]"] = (qkv, (cfg.conv_dim, H), _rows(lo, hi), (hi - lo, H))
+        names.update({pre + s: (("linear", leaf), j, t) for s, (leaf, t) in _QWEN3_5_PROJ.items()})
+        return
+    qkvz, ba, w = pre + "linear_attn.in_proj_qkvz.weight", pre + "linear_attn.in_proj_ba.weight", 2 * dk + 2 * r * dv
+    for leaf, lo, hi in (("q", 0, dk), ("k", dk, 2 * dk), ("v", 2 * dk, 2 * dk + r * dv), ("z", 2 * dk + r * dv, w)):
+        names[f"{qkvz}[{leaf}]"] = (("linear", "w" + leaf), j, True)
+        derived[f"{qkvz}[{leaf}]"] = (qkvz, (hk * w, H), _grouped(hk, w, lo, hi), (hk * (hi - lo), H))
+    for leaf, lo, hi in (("b", 0, r), ("a", r, 2 * r)):
+        names[f"{ba}[{leaf}]"] = (("linear", "w" + leaf), j, True)
+        derived[f"{ba}[{leaf}]"] = (ba, (2 * hk * r, H), _grouped(hk, 2 * r, lo, hi), (hk * r, H))
+
+
+def _mlp_names(cfg: Qwen3_5Config, pre: str, kind: str, j: int, names: dict) -> None:
+    """Adds the MLP tensors of row ``j`` of ``kind``: the SwiGLU's, or Qwen3-Next's MoE (published
+    per-expert names, what ``save_pretrained`` writes too)."""
+    if not cfg.sparse:
+        names.update({pre + s: ((kind, leaf), j, t) for s, (leaf, t) in MLP_NAMES.items()})
+        return
+    names.update({pre + s: ((kind, leaf), j, True) for s, leaf in _MOE.items()})
+    for e in range(cfg.num_experts):
+        for proj, leaf in (("gate_proj", "e_gate"), ("up_proj", "e_up"), ("down_proj", "e_down")):
+            names[f"{pre}mlp.experts.{e}.{proj}.weight"] = ((kind, leaf), (j, e), True)
+
+
 def checkpoint_names(cfg: Qwen3_5Config, prefix: str = "model.") -> tuple[dict, dict]:
     """``(names, derived)``: ``{tensor name: (pytree path, layer row or None, transpose)}`` for
     :func:`~dflash_jax.io.hf.load_named`, and the :class:`_Derived` entries it reads through
     (module docstring). ``prefix``: ``"model."`` or ``"model.language_model."``."""
     H, nh, D = cfg.hidden_size, cfg.num_attention_heads, cfg.head_dim
-    kd, vd, K = cfg.linear_num_key_heads * cfg.linear_key_head_dim, cfg.linear_num_value_heads * cfg.linear_value_head_dim, cfg.linear_conv_kernel_dim
     names: dict = {prefix + "embed_tokens.weight": (("embed",), None, False), prefix + "norm.weight+1": (("norm",), None, False)}
     derived: dict = {prefix + "norm.weight+1": (prefix + "norm.weight", (H,), _shift, (H,))}
     if not cfg.tie_word_embeddings:
@@ -98,25 +146,21 @@ def checkpoint_names(cfg: Qwen3_5Config, prefix: str = "model.") -> tuple[dict, 
     for kind, layers in (("linear", cfg.linear_layers), ("full", cfg.full_layers)):
         for j, i in enumerate(layers):
             pre = f"{prefix}layers.{i}."
-            per = dict(MLP_NAMES, **(_LINEAR if kind == "linear" else _FULL))
-            names.update({pre + s: ((kind, leaf), j, t) for s, (leaf, t) in per.items()})
+            _mlp_names(cfg, pre, kind, j, names)
             norms = dict(_NORMS, **({} if kind == "linear" else {"self_attn.q_norm.weight": "q_norm", "self_attn.k_norm.weight": "k_norm"}))
             for s, leaf in norms.items():
-                n = (D,) if "_norm" in s and "self_attn" in s else (H,)
+                n = (D,) if "self_attn" in s else (H,)
                 names[pre + s + "+1"] = ((kind, leaf), j, False)
                 derived[pre + s + "+1"] = (pre + s, n, _shift, n)
-            if kind == "full":
-                q = pre + "self_attn.q_proj.weight"
-                for half, leaf in ((0, "wq"), (1, "wg")):
-                    names[f"{q}[{leaf}]"] = ((kind, leaf), j, True)
-                    derived[f"{q}[{leaf}]"] = (q, (2 * nh * D, H), _head_half(nh, D, half), (nh * D, H))
+            if kind == "linear":
+                names.update({pre + s: ((kind, leaf), j, t) for s, (leaf, t) in _LINEAR.items()})
+                _linear_names(cfg, pre, j, names, derived)
                 continue
-            qkv, conv = pre + "linear_attn.in_proj_qkv.weight", pre + "linear_attn.conv1d.weight"
-            for leaf, lo, hi in (("q", 0, kd), ("k", kd, 2 * kd), ("v", 2 * kd, 2 * kd + vd)):
-                names[f"{qkv}[{leaf}]"] = ((kind, "w" + leaf), j, True)
-                derived[f"{qkv}[{leaf}]"] = (qkv, (cfg.conv_dim, H), _rows(lo, hi), (hi - lo, H))
-                names[f"{conv}[{leaf}]"] = ((kind, "conv_" + leaf), j, True)
-                derived[f"{conv}[{leaf}]"] = (conv, (cfg.conv_dim, 1, K), _conv_rows(lo, hi), (hi - lo, K))
+            names.update({pre + s: ((kind, leaf), j, t) for s, (leaf, t) in _FULL.items()})
+            q = pre + "self_attn.q_proj.weight"
+            for half, leaf in ((0, "wq"), (1, "wg")):
+                names[f"{q}[{leaf}]"] = ((kind, leaf), j, True)
+                derived[f"{q}[{leaf}]"] = (q, (2 * nh * D, H), _head_half(nh, D, half), (nh * D, H))
     return names, derived
 
 
@@ -148,4 +192,4 @@ def load_qwen3_5_target(folder: str | os.PathLike, dtype: Any = "float32") -> tu
     def ignorable(n: str) -> bool:
         return bool(_SKIPPED.search(n)) or (cfg.tie_word_embeddings and n == "lm_head.weight")
 
-    return cfg, load_named(view, folder, names, param_shapes(cfg), target, ignorable, "Qwen3.5 target")
+    return cfg, load_named(view, folder, names, param_shapes(cfg), target, ignorable, f"{cfg.family} target")

@@ -1,10 +1,13 @@
-"""The Qwen3.5 hybrid decoder (``Qwen3_5ForCausalLM``, text only) as pure functions.
+"""The Qwen3.5 hybrid decoder (``Qwen3_5ForCausalLM``, text only; ``Qwen3NextForCausalLM``: the same
+with a MoE MLP, :mod:`dflash_jax.nn.moe`) as pure functions.
 
 Same module interface as :mod:`dflash_jax.models.dense` (``param_specs``, ``param_shapes``,
 ``param_axes``, ``init_params``, ``init_cache``, ``embed``, ``lm_head``, ``forward_hidden``,
 ``forward``) plus the two verify hooks below. Source: transformers ``modeling_qwen3_5.py``.
 
-Per layer: ``h = rms(x; attn_norm)``; a token mixer; ``x += mixer(h)``; ``x += SwiGLU(rms(x; mlp_norm))``.
+Per layer: ``h = rms(x; attn_norm)``; a token mixer; ``x += mixer(h)``; ``x += MLP(rms(x; mlp_norm))``
+(SwiGLU; Qwen3-Next: the MoE, leaves ``router``, ``e_gate``/``e_up``/``e_down``, ``s_gate``/``s_up``/
+``s_down``, ``s_router`` in place of ``w_gate``/``w_up``/``w_down``).
 
 * ``full_attention``: ``q, gate = h Wq, h Wg`` (transformers' ``q_proj`` holds, per head, ``D``
   query rows then ``D`` gate rows: the loader splits them), ``k, v``; per-head q/k RMSNorm; RoPE
@@ -76,6 +79,7 @@ from dflash_jax.nn.attention import block_visible
 from dflash_jax.nn.embedding import embed, lm_head  # noqa: F401 (the model API: shared by every family)
 from dflash_jax.nn.layer import mlp_residual, project_qkv, split_heads
 from dflash_jax.nn.live_attention import cache_attention, live_keys
+from dflash_jax.nn.moe import softmax_moe
 from dflash_jax.nn.norms import rms_norm
 from dflash_jax.nn.rope import inv_frequencies
 
@@ -89,12 +93,27 @@ CONV_AXES = ("layers", "batch", None, None)
 # Parameters
 
 
+def _mlp_specs(cfg: Qwen3_5Config, s: dict) -> dict:
+    """``s`` with the MLP leaves: the SwiGLU's (from :func:`~dflash_jax.models.params.decoder_layer`)
+    or, for Qwen3-Next, the MoE's (:func:`dflash_jax.nn.moe.softmax_moe`)."""
+    if not cfg.sparse:
+        return s
+    for name in ("w_gate", "w_up", "w_down"):
+        del s[name]
+    H, E, Im, Is = cfg.hidden_size, cfg.num_experts, cfg.moe_intermediate_size, cfg.shared_expert_intermediate_size
+    s.update(router=ParamSpec((H, E), ("embed", "experts")), e_gate=ParamSpec((E, H, Im), ("experts", "embed", "expert_mlp")),
+             e_up=ParamSpec((E, H, Im), ("experts", "embed", "expert_mlp")), e_down=ParamSpec((E, Im, H), ("experts", "expert_mlp", "embed")),
+             s_gate=ParamSpec((H, Is), ("embed", "mlp")), s_up=ParamSpec((H, Is), ("embed", "mlp")),
+             s_down=ParamSpec((Is, H), ("mlp", "embed")), s_router=ParamSpec((H, 1), ("embed", None)))
+    return s
+
+
 def _linear_specs(cfg: Qwen3_5Config) -> dict:
     """Specs of one Gated DeltaNet layer's leaves (no layer axis)."""
     H, K = cfg.hidden_size, cfg.linear_conv_kernel_dim
     kd = cfg.linear_num_key_heads * cfg.linear_key_head_dim
     vd, hv = cfg.linear_num_value_heads * cfg.linear_value_head_dim, cfg.linear_num_value_heads
-    s = decoder_layer(H, 1, 1, 1, cfg.intermediate_size)
+    s = _mlp_specs(cfg, decoder_layer(H, 1, 1, 1, cfg.intermediate_size))
     for name in ("wq", "wk", "wv", "wo"):
         del s[name]
     s.update(
@@ -113,7 +132,7 @@ def _full_specs(cfg: Qwen3_5Config) -> dict:
     """Specs of one full-attention layer's leaves (no layer axis): the shared decoder layer with
     q/k norms and a per-element output gate ``wg`` split over heads like ``wq``."""
     H, nh, D = cfg.hidden_size, cfg.num_attention_heads, cfg.head_dim
-    s = decoder_layer(H, nh, cfg.num_key_value_heads, D, cfg.intermediate_size, qk_norm=True)
+    s = _mlp_specs(cfg, decoder_layer(H, nh, cfg.num_key_value_heads, D, cfg.intermediate_size, qk_norm=True))
     s["wg"] = ParamSpec((H, nh * D), ("embed", "q_heads"))
     return s
 
@@ -275,6 +294,13 @@ def _attention_mixer(cfg: Qwen3_5Config, lp: dict, h, k_all, v_all, j: int, posi
     return (a * gate) @ lp["wo"], k_all, v_all
 
 
+def _mlp_residual(cfg: Qwen3_5Config, lp: dict, x):
+    """``x + MLP(rms(x; mlp_norm))``: the SwiGLU, or the MoE of Qwen3-Next."""
+    if not cfg.sparse:
+        return mlp_residual(lp, x, cfg.rms_norm_eps)
+    return x + softmax_moe(lp, rms_norm(x, lp["mlp_norm"], cfg.rms_norm_eps), cfg.num_experts_per_tok, cfg.norm_topk_prob)
+
+
 def _layer_params(stack: dict, j: int) -> dict:
     return jax.tree_util.tree_map(lambda a: a[j], stack)
 
@@ -340,7 +366,7 @@ def forward_hidden(
             else:
                 convs.append(gdn.conv_state_after(window, n_valid, cfg.linear_conv_kernel_dim).astype(cache.conv.dtype))
                 recs.append(final)
-        x = mlp_residual(lp, x + out, eps)
+        x = _mlp_residual(cfg, lp, x + out)
         cap = captures.keep(capture, cap, x, int(slot_of[i]))
     cache = _updated(cache, k_all, v_all, convs, recs, windows, stashed, cfg.rollback)
     final_norm = functools.partial(rms_norm, weight=params["norm"], eps=eps)
