@@ -26,7 +26,7 @@ if not hasattr(transformers, "Qwen3_5ForCausalLM"):
 
 HF = dict(vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
           head_dim=16, linear_conv_kernel_dim=4, linear_key_head_dim=8, linear_value_head_dim=8, linear_num_key_heads=2,
-          linear_num_value_heads=4, layer_types=["linear_attention", "full_attention", "linear_attention", "linear_attention"],
+          linear_num_value_heads=4, layer_types=["linear_attention", "full_attention"] * 2,  # period 2: a scan of 2
           rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5})
 SEQ = [5, 17, 3, 42, 8, 9, 60, 33, 21, 7, 11, 2, 19, 44, 58, 13, 25, 31, 23, 70]
 PROMPT = SEQ[:11]
@@ -82,8 +82,8 @@ def run(cfg, params, prompt, n_new, chunk, drafter=None, max_len=48):
 
 def test_config_and_loader(pair):
     _, cfg, params = pair
-    assert cfg.linear_layers == (0, 2, 3) and cfg.full_layers == (1,) and cfg.rope.partial == 0.5
-    assert params["linear"]["wq"].shape == (3, 32, 16) and params["full"]["wg"].shape == (1, 32, 64)
+    assert cfg.linear_layers == (0, 2) and cfg.full_layers == (1, 3) and cfg.rope.partial == 0.5 and qwen3_5.period(cfg) == 2
+    assert params["linear"]["wq"].shape == (2, 32, 16) and params["full"]["wg"].shape == (2, 32, 64)
     axes = qwen3_5.param_axes(cfg)
     jax.tree_util.tree_map(lambda s, a: None if len(s) == len(a) else pytest.fail(f"{s} vs {a}"), qwen3_5.param_shapes(cfg), axes,
                            is_leaf=lambda x: isinstance(x, tuple))
@@ -219,7 +219,8 @@ def test_conditional_generation_checkpoint_text_part(tmp_path):
     decoder: text-only logits equal transformers'."""
     from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
 
-    text = dict(HF, rope_parameters=dict(HF["rope_parameters"], mrope_section=[2, 1, 1], mrope_interleaved=True))
+    text = dict(HF, rope_parameters=dict(HF["rope_parameters"], mrope_section=[2, 1, 1], mrope_interleaved=True),
+                layer_types=["linear_attention", "full_attention", "linear_attention", "linear_attention"])  # no period: one pass unrolled
     vision = dict(depth=1, hidden_size=16, intermediate_size=16, num_heads=2, out_hidden_size=32, patch_size=4, num_position_embeddings=16)
     torch.manual_seed(1)
     model = Qwen3_5ForConditionalGeneration(Qwen3_5Config(text_config=text, vision_config=vision)).eval()
@@ -229,6 +230,7 @@ def test_conditional_generation_checkpoint_text_part(tmp_path):
         ref = model(input_ids=torch.tensor([SEQ[:12]])).logits[0].numpy()
     model.save_pretrained(str(tmp_path))
     cfg, params = load_hf_target(str(tmp_path))
+    assert qwen3_5.period(cfg) == 4
     logits, _, _ = qwen3_5.forward(params, cfg, jnp.asarray([SEQ[:12]]), jnp.arange(12)[None], qwen3_5.init_cache(cfg, 1, 16))
     assert rel(logits[0], ref) < 1e-4
 
@@ -290,7 +292,7 @@ def test_qwen3_next_logits_and_greedy_match_transformers(next_pair):
     """Qwen3-Next (grouped ``in_proj_qkvz`` / ``in_proj_ba``, MoE MLP): logits of one pass, and
     plain greedy decoding with several prefill chunks, equal transformers'."""
     model, cfg, params = next_pair
-    assert cfg.family == "qwen3_next" and params["linear"]["e_gate"].shape == (3, 4, 32, 16) and cfg.rope.partial == 0.25
+    assert cfg.family == "qwen3_next" and params["linear"]["e_gate"].shape == (2, 4, 32, 16) and cfg.rope.partial == 0.25
     with torch.no_grad():
         ref = model(torch.tensor([SEQ])).logits[0].numpy()
     logits, _, _ = qwen3_5.forward(params, cfg, jnp.asarray([SEQ]), jnp.arange(len(SEQ))[None], qwen3_5.init_cache(cfg, 1, 32))

@@ -23,8 +23,8 @@ loader stores ``1 + w``, so the params hold plain weights and :func:`~dflash_jax
 serves (in float32 identical; in bfloat16 ``1 + w`` is rounded once at load).
 
 Parameter pytree (``[in, out]`` weights; ``"linear"`` / ``"full"`` leaves stacked over the
-layers of that type in order, ``Ll`` / ``Lf`` rows; layers run as an unrolled Python loop, so
-compile time grows with the layer count)::
+layers of that type in order, ``Ll`` / ``Lf`` rows; the layers run as one ``lax.scan`` over the
+repetitions of the layer-type pattern, :func:`period`)::
 
     {"embed": [V, H], "norm": [H], "lm_head": [H, V] (absent when tied),
      "linear": {"attn_norm", "mlp_norm": [Ll, H], "wq", "wk": [Ll, H, Hk*dk], "wv", "wz": [Ll, H, Hv*dv],
@@ -65,6 +65,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 
 from dflash_jax import pytree
 from dflash_jax.axes import KV_AXES, axes_field
@@ -344,50 +345,73 @@ def forward_hidden(
     inv_freq = inv_frequencies(cfg.rope, cfg.head_dim)
     n_keys, visible = live_keys(positions, cache.capacity), block_visible(positions, None)
     x = embed(params, tokens).astype(cfg.dtype)
-    slot_of = captures.slots(capture, n_layers)
     cap = captures.stack(capture, x)
-    k_all, v_all = cache.k, cache.v
-    convs, recs, windows, stashed = [], [], [], []
-    lin, full = {i: j for j, i in enumerate(cfg.linear_layers)}, {i: j for j, i in enumerate(cfg.full_layers)}
-    for i in range(n_layers):
-        kind, j = ("linear", lin[i]) if i in lin else ("full", full[i])
-        lp = _layer_params(params[kind], j)
-        h = rms_norm(x, lp["attn_norm"], eps)
-        if kind == "full":
-            out, k_all, v_all = _attention_mixer(cfg, lp, h, k_all, v_all, j, positions, inv_freq, n_keys, visible)
-        else:
-            keep = cfg.rollback if cache.keep_block else ""
-            out, window, final, states = _linear_mixer(cfg, lp, h, cache.conv[j], cache.rec[j], valid, keep)
-            if keep:  # the committed states stay; the block's are stashed for the commit
-                windows.append(window)
-                stashed.append(jnp.concatenate([cache.rec[j][None], states], axis=0) if keep == "states" else states)
-                convs.append(cache.conv[j])
-                recs.append(cache.rec[j])
+    p = period(cfg)
+    reps, pattern, keep = n_layers // p, cfg.layer_types[:p], cfg.rollback if cache.keep_block else ""
+    n_lin, n_full = pattern.count("linear_attention"), pattern.count("full_attention")
+
+    def split(tree, m):  # [L_type, ...] -> [reps, m, ...]: the layers of each repetition of the pattern
+        return jax.tree_util.tree_map(lambda t: t.reshape((reps, m) + t.shape[1:]), tree)
+
+    def body(carry, xs):  # one repetition of the pattern, unrolled; K/V ride in the carry (rows scattered in place)
+        x, cap, k_all, v_all = carry
+        lin_p, full_p, conv, rec, slots, g = xs
+        ys, ja, jf = [], 0, 0
+        for k, kind in enumerate(pattern):
+            if kind == "full_attention":
+                lp = _layer_params(full_p, jf)
+                out, k_all, v_all = _attention_mixer(cfg, lp, rms_norm(x, lp["attn_norm"], eps), k_all, v_all, g * n_full + jf,
+                                                     positions, inv_freq, n_keys, visible)
+                jf += 1
             else:
-                convs.append(gdn.conv_state_after(window, n_valid, cfg.linear_conv_kernel_dim).astype(cache.conv.dtype))
-                recs.append(final)
-        x = _mlp_residual(cfg, lp, x + out)
-        cap = captures.keep(capture, cap, x, int(slot_of[i]))
-    cache = _updated(cache, k_all, v_all, convs, recs, windows, stashed, cfg.rollback)
+                lp = _layer_params(lin_p, ja)
+                out, window, final, states = _linear_mixer(cfg, lp, rms_norm(x, lp["attn_norm"], eps), conv[ja], rec[ja], valid, keep)
+                ys.append(_layer_states(cfg, keep, rec[ja], window, final, states, n_valid))
+                ja += 1
+            x = _mlp_residual(cfg, lp, x + out)
+            cap = captures.keep(capture, cap, x, slots[k])
+        return (x, cap, k_all, v_all), tuple(jnp.stack(z) for z in zip(*ys))
+
+    xs = (split(params["linear"], n_lin), split(params["full"], n_full), split(cache.conv, n_lin), split(cache.rec, n_lin),
+          jnp.asarray(captures.slots(capture, n_layers).reshape(reps, p)), jnp.arange(reps, dtype=jnp.int32))
+    (x, cap, k_all, v_all), ys = lax.scan(body, (x, cap, cache.k, cache.v), xs)
+    cache = _updated(cache.replace(k=k_all, v=v_all), tuple(y.reshape((-1,) + y.shape[2:]) for y in ys), keep)
     final_norm = functools.partial(rms_norm, weight=params["norm"], eps=eps)
     capture = captures.write(capture, cap, positions, n_layers, final_norm, valid=valid)
     return final_norm(x), cache, capture
 
 
-def _updated(cache: HybridCache, k_all, v_all, convs, recs, windows, stashed, rollback: str) -> HybridCache:
-    """The cache after a pass: new K/V stacks, the linear states (stacked back over layers) and,
-    when keeping block states, the stash (``block_rec`` moved to ``[Ll, B, T + 1, ...]``, or ``block_inputs``)."""
-    conv = jnp.stack(convs) if convs else cache.conv
-    rec = jnp.stack(recs) if recs else cache.rec
-    cache = cache.replace(k=k_all, v=v_all, conv=conv, rec=rec)
-    if not cache.keep_block:
-        return cache
-    if not windows:  # no linear layer: nothing to roll back
+def period(cfg: Qwen3_5Config) -> int:
+    """The shortest ``p`` dividing the layer count with ``layer_types[i] == layer_types[i % p]``
+    (Qwen3.5 and Qwen3-Next: 4, three linear layers then a full one; the layer count when the
+    types do not repeat). :func:`forward_hidden` runs one ``lax.scan`` over the repetitions with
+    the ``p`` layers unrolled in its body (one compiled body instead of one per layer)."""
+    n, t = cfg.num_hidden_layers, cfg.layer_types
+    return next(p for p in range(1, n + 1) if n % p == 0 and all(t[i] == t[i % p] for i in range(n)))
+
+
+def _layer_states(cfg: Qwen3_5Config, keep: str, rec, window, final, states, n_valid) -> tuple:
+    """What a linear layer's pass leaves: without ``keep`` its new conv and recurrent states
+    (after each row's last valid position); with it the conv window and the stash (``"states"``:
+    the state before the block then after each position, ``[T + 1, B, ...]``; ``"replay"``: the
+    recurrence inputs ``[B, T, ...]``)."""
+    if not keep:
+        return gdn.conv_state_after(window, n_valid, cfg.linear_conv_kernel_dim), final
+    return window, jnp.concatenate([rec[None], states], axis=0) if keep == "states" else states
+
+
+def _updated(cache: HybridCache, ys: tuple, keep: str) -> HybridCache:
+    """The cache after a pass from the layers' :func:`_layer_states` (stacked over the linear
+    layers): new conv and recurrent states, or (keeping block states) the committed ones
+    unchanged and the stash (``block_rec`` moved to ``[Ll, B, T + 1, ...]``, or ``block_inputs``)."""
+    if not ys:  # no linear layer: nothing to advance or roll back
         return cache.replace(keep_block=False)
-    cache = cache.replace(block_conv=jnp.stack(windows).astype(cache.conv.dtype))
-    if rollback == "replay":  # [Ll, B, T, Hv, dk + dv + 2]
-        return cache.replace(block_inputs=jnp.stack(stashed))
-    return cache.replace(block_rec=jnp.moveaxis(jnp.stack(stashed), 1, 2))  # [Ll, T + 1, B, ...] -> [Ll, B, T + 1, ...]
+    if not keep:
+        return cache.replace(conv=ys[0].astype(cache.conv.dtype), rec=ys[1])
+    cache = cache.replace(block_conv=ys[0].astype(cache.conv.dtype))
+    if keep == "replay":  # [Ll, B, T, Hv, dk + dv + 2]
+        return cache.replace(block_inputs=ys[1])
+    return cache.replace(block_rec=jnp.moveaxis(ys[1], 1, 2))  # [Ll, T + 1, B, ...] -> [Ll, B, T + 1, ...]
 
 
 def forward(params: Params, cfg: Qwen3_5Config, tokens, positions, cache: HybridCache, capture: Capture | None = None):
