@@ -311,3 +311,24 @@ def test_qwen3_next_partial_acceptance_rolls_back(next_pair):
     st, accepts = verify_scripted(st, PROMPT + ref, 4, verify, 2, cfg.vocab_size)
     assert all(a == 2 for a in accepts[:-1])
     assert np.asarray(st.tokens[0, len(PROMPT) : int(st.length[0])]).tolist() == ref[:N_NEW]
+
+
+def test_chunked_delta_rule_equals_the_recurrence():
+    """Prefill's chunked gated delta rule (chunks of 5, a last partial one, a row whose tail is
+    padding) gives the token-by-token recurrence's outputs and final state."""
+    from dflash_jax.nn import gated_deltanet as gdn
+
+    keys = jax.random.split(jax.random.key(0), 6)
+    b, t, h, dk, dv = 2, 13, 3, 8, 6
+    q = gdn.l2_normalize(jax.random.normal(keys[0], (b, t, h, dk))) * dk ** -0.5
+    k = gdn.l2_normalize(jax.random.normal(keys[1], (b, t, h, dk)))
+    v = jax.random.normal(keys[2], (b, t, h, dv))
+    g = -2 * jax.nn.softplus(jax.random.normal(keys[3], (b, t, h)))
+    beta = jax.nn.sigmoid(jax.random.normal(keys[4], (b, t, h)))
+    s0 = jax.random.normal(keys[5], (b, h, dk, dv))
+    valid = jnp.arange(t)[None] < jnp.asarray([[t], [8]])
+    out, final, _ = gdn.gated_delta_scan(q, k, v, g, beta, s0, valid)
+    out_c, final_c, _ = gdn.gated_delta_chunked(q, k, v, g, beta, s0, valid, chunk=5)
+    np.testing.assert_allclose(np.asarray(final_c), np.asarray(final), atol=1e-5)
+    np.testing.assert_allclose(np.where(np.asarray(valid)[..., None, None], np.asarray(out_c), 0),
+                               np.where(np.asarray(valid)[..., None, None], np.asarray(out), 0), atol=1e-5)

@@ -275,7 +275,10 @@ def _linear_mixer(cfg: Qwen3_5Config, lp: dict, h, conv_state, rec_state, valid,
     beta = jax.nn.sigmoid((h @ lp["wb"]).astype(jnp.float32))
     g = -jnp.exp(lp["a_log"].astype(jnp.float32)) * jax.nn.softplus((h @ lp["wa"]).astype(jnp.float32) + lp["dt_bias"].astype(jnp.float32))
     v = split_heads(v, hv, dv).astype(jnp.float32)
-    out, final, states = gdn.gated_delta_scan(q, k, v, g, beta, rec_state, valid, keep == "states")
+    if keep or t == 1:  # decode and verify: token by token (a verify keeps what each position leaves)
+        out, final, states = gdn.gated_delta_scan(q, k, v, g, beta, rec_state, valid, keep == "states")
+    else:  # prefill chunks: the chunked form
+        out, final, states = gdn.gated_delta_chunked(q, k, v, g, beta, rec_state, valid)
     if keep == "replay":
         states = jnp.concatenate([k, v, g[..., None], beta[..., None]], axis=-1)
     z = split_heads(h @ lp["wz"], hv, dv)

@@ -7,10 +7,11 @@ The math of transformers ``modeling_qwen3_5.py`` (``Qwen3_5GatedDeltaNet``,
 * the causal depthwise convolution reads a *window* ``[conv state (K-1 rows) | new inputs]``, so
   a chunk, a verify block and one decode token are the same computation; the state after the
   first ``n`` new inputs is rows ``[n, n + K - 1)`` of that window (:func:`conv_state_after`);
-* the recurrence runs token by token (``lax.scan``) in float32, exactly the recurrent rule, for
-  prefill too: transformers prefills with the chunked rule, equal up to float32 rounding (the
-  oracle tests bound it). The scan costs ``T`` sequential steps of ``[B, Hv, dk, dv]`` work per
-  layer: fine for decode and verify blocks, slower than the chunked form for long prompts;
+* decode steps and verify blocks run the recurrence token by token (:func:`gated_delta_scan`, a
+  ``lax.scan`` in float32, exactly the recurrent rule, and the state after every position is
+  there for a verify to keep); prefill chunks run the chunked form (:func:`gated_delta_chunked`,
+  as transformers prefills: ``T / 64`` sequential steps of matrix products instead of ``T``
+  rank-1 updates), equal up to float32 rounding (the oracle tests bound it);
 * positions flagged invalid (padding past a row's prompt, or past the capacity) leave the state
   unchanged, and the scan can return the state after every position (what a verify keeps so that
   a rejected suffix rolls back exactly).
@@ -87,6 +88,50 @@ def gated_delta_scan(q, k, v, g, beta, state, valid, keep_states: bool = False):
     xs = tuple(jnp.moveaxis(a, 1, 0) for a in (q, k, v, g, beta, valid))
     final, (out, states) = lax.scan(step, state.astype(jnp.float32), xs)
     return jnp.moveaxis(out, 0, 1), final, states
+
+
+def gated_delta_chunked(q, k, v, g, beta, state, valid, chunk: int = 64):
+    """The gated delta rule over chunks of ``chunk`` tokens: same arguments and result as
+    :func:`gated_delta_scan` without ``keep_states`` (``states`` is None), equal up to float32 rounding.
+
+    Within a chunk starting from state ``S0``, with ``c = cumsum(g)`` (``G[t, s] = exp(c_t - c_s)``
+    for ``s <= t``), the values written ``U`` solve the unit lower-triangular system
+    ``(I + A) U = beta v - beta exp(c) k S0`` with ``A[t, s] = beta_t G[t, s] k_t . k_s`` (``s < t``);
+    then ``out = exp(c) q S0 + (G o q k^T) U`` and ``S = exp(c_end) S0 + (G[end] k)^T U``: ``T / chunk``
+    sequential steps of matrix products instead of ``T`` rank-1 updates. Invalid tokens get
+    ``g = 0`` and ``beta = 0``, so they write nothing and decay nothing.
+    Source: the chunked form (UT transform) of transformers ``torch_chunk_gated_delta_rule``.
+    """
+    b, t, h, dk = k.shape
+    c = min(chunk, t)
+    pad = (-t) % c
+    g, beta = jnp.where(valid[..., None], g, 0.0), jnp.where(valid[..., None], beta, 0.0)
+
+    def chunks(x):  # [B, T, H, ...] -> [N, B, H, C, ...]
+        x = jnp.pad(x.astype(jnp.float32), [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2))
+        x = x.reshape((b, -1, c) + x.shape[2:])
+        return jnp.moveaxis(jnp.moveaxis(x, 1, 0), 2, 3)
+
+    q, k, v, g, beta = chunks(q), chunks(k), chunks(v), chunks(g), chunks(beta)
+    cum = jnp.cumsum(g, axis=-1)
+    incl = jnp.tril(jnp.ones((c, c), bool))
+    decay = jnp.exp(jnp.where(incl, cum[..., :, None] - cum[..., None, :], -jnp.inf))
+    a = beta[..., None] * jnp.einsum("...td,...sd->...ts", k, k) * jnp.where(incl & ~jnp.eye(c, dtype=bool), decay, 0.0)
+    rhs = jnp.concatenate([v * beta[..., None], k * (beta * jnp.exp(cum))[..., None]], axis=-1)
+    sol = lax.linalg.triangular_solve(a + jnp.eye(c, dtype=a.dtype), rhs, left_side=True, lower=True, unit_diagonal=True)
+    dv = v.shape[-1]
+    xs = (sol[..., :dv], sol[..., dv:], jnp.einsum("...td,...sd->...ts", q, k) * decay, q * jnp.exp(cum)[..., None],
+          k * jnp.exp(cum[..., -1:] - cum)[..., None], jnp.exp(cum[..., -1]))
+
+    def step(s, x):
+        w, kc, qk, qg, kend, gend = x
+        u = w - jnp.einsum("bhcd,bhde->bhce", kc, s)
+        out = jnp.einsum("bhcd,bhde->bhce", qg, s) + jnp.einsum("bhts,bhse->bhte", qk, u)
+        return s * gend[..., None, None] + jnp.einsum("bhcd,bhce->bhde", kend, u), out
+
+    final, out = lax.scan(step, state.astype(jnp.float32), xs)
+    out = jnp.moveaxis(out, 0, 1).transpose(0, 1, 3, 2, 4).reshape(b, -1, h, dv)
+    return out[:, :t], final, None
 
 
 def gated_rms_norm(x: jnp.ndarray, weight: jnp.ndarray, gate: jnp.ndarray, eps: float) -> jnp.ndarray:
