@@ -1,9 +1,10 @@
-"""The Qwen3.5 hybrid target family against transformers' ``Qwen3_5ForCausalLM`` (fp32, tiny random
-checkpoint saved by ``save_pretrained``), and the exactness of its Gated DeltaNet rollback."""
+"""The Qwen3.5 hybrid target family against transformers' ``Qwen3_5ForCausalLM`` (and
+``Qwen3_5ForConditionalGeneration``'s text part, and ``Qwen3NextForCausalLM``): fp32, tiny random
+checkpoints saved by ``save_pretrained``. Oracles: transformers' logits and greedy ``generate``;
+for the rollback after partial acceptance, the states of a plain prefill of the committed tokens
+(and a run without rollback, which must differ). Mesh and server: test_family_qwen3_5_mesh.py."""
 
 from __future__ import annotations
-
-import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -165,9 +166,10 @@ def test_without_rollback_the_output_differs(pair, monkeypatch):
         jax.clear_caches()
 
 
-def test_dflash_greedy_equals_plain(pair, chunk=len(PROMPT)):
+def test_dflash_greedy_equals_plain(pair):
     """One prefill chunk here; several in the public API test and the rollback tests."""
     _, cfg, params = pair
+    chunk = len(PROMPT)
     d = tiny_drafter(cfg, layer_ids=(0, 3), block_size=4)
     st, got = run(cfg, params, PROMPT, N_NEW, chunk, drafter=d)
     assert got == run(cfg, params, PROMPT, N_NEW, len(PROMPT))[1]

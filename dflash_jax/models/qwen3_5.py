@@ -47,9 +47,9 @@ commit with the tokens each row committed) keeps, per row, the state after its l
 fed position, and drops the stash (it lives inside one jitted step, never in the carried cache).
 Why not replay the accepted prefix through the model: that is a second target pass on the
 critical path of every step, while keeping the states costs no computation. Its price is memory
-during the verify: ``Ll * (T + 1) * Hv * dk * dv * 4`` bytes per row (Qwen3.5-9B-like shapes,
-24 linear layers of 32 x 128 x 128, block 16: about 3.4 GB per row), so ``cfg.rollback =
-"replay"`` offers the lean variant: stash each position's recurrence inputs ``[k | v | g | beta]``
+during the verify: ``Ll * (T + 1) * Hv * dk * dv * 4`` bytes per row (transformers' default
+``Qwen3_5TextConfig``, its "Qwen3.5-9B style": 24 linear layers of 32 value heads of 128 x 128;
+block 16: about 3.4 GB per row), so ``cfg.rollback = "replay"`` offers the lean variant: stash each position's recurrence inputs ``[k | v | g | beta]``
 (``(dk + dv + 2) / (dk dv)`` of that memory, 13 MB per row there) and rerun the recurrence alone
 (no projection, convolution, attention or MLP) over each row's committed prefix from the state
 before the block. Both are tested to give the same states as a plain prefill of the committed

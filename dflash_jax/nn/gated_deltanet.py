@@ -102,7 +102,7 @@ def gated_delta_chunked(q, k, v, g, beta, state, valid, chunk: int = 64):
     ``g = 0`` and ``beta = 0``, so they write nothing and decay nothing.
     Source: the chunked form (UT transform) of transformers ``torch_chunk_gated_delta_rule``.
     """
-    b, t, h, dk = k.shape
+    b, t, h, _ = k.shape
     c = min(chunk, t)
     pad = (-t) % c
     g, beta = jnp.where(valid[..., None], g, 0.0), jnp.where(valid[..., None], beta, 0.0)
