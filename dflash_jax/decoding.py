@@ -108,6 +108,9 @@ class Decoding:
         """Raises DFlashError for a ``tree`` that is not a node count or does not go with the rest."""
         if self.drafter is None:
             raise DFlashError("tree (--tree)", f"got {self.tree!r} without a drafter", "a drafter, or tree=None")
+        if not getattr(self.target, "tree_verify", True):  # recurrent (hybrid) targets: one state per sequence
+            raise DFlashError("tree (--tree)", f"got tree={self.tree} with a {self.target.family} target",
+                              "a chain (tree=None; 0 for generate and --tree): its linear-attention states follow one sequence")
         top = min(MAX_TREE_NODES, getattr(self.target, "max_block", MAX_TREE_NODES + 1) - 1)
         if isinstance(self.tree, bool) or not isinstance(self.tree, numbers.Integral) or not 1 <= self.tree <= top:
             raise DFlashError("tree (--tree)", f"got {self.tree!r}", f"an integer in [1, {top}] (drafted nodes per step), or a chain "

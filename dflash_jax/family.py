@@ -31,7 +31,11 @@ SIGNATURES: dict[str, tuple[str, ...]] = {
     "forward_hidden": ("params", "cfg", "tokens", "positions", "cache", "capture", "tree"),
     "forward": ("params", "cfg", "tokens", "positions", "cache", "capture"),
     "move_rows": ("cfg", "cache", "src", "dst"),
+    "keep_block_states": ("cfg", "cache"),
+    "commit_block_states": ("cfg", "cache", "kept"),
 }
+OPTIONAL = ("keep_block_states", "commit_block_states")
+"""Hooks only a family with recurrent state has (``None`` elsewhere: rollback is the length update)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,6 +60,11 @@ class FamilyModel:
       forward: ``(params, cfg, tokens, positions, cache, capture=None) -> (logits, cache, capture)``.
       move_rows: ``(cfg, cache, src [B, W], dst [B, W]) -> cache`` with K/V of slot ``src`` copied
         to ``dst`` (a verified tree's accepted path).
+      keep_block_states: optional, ``(cfg, cache) -> cache`` marked so that the next
+        ``forward_hidden`` (a verify pass) keeps each block position's recurrent state.
+      commit_block_states: optional, ``(cfg, cache, kept [B] int32) -> cache`` with the recurrent
+        states after the first ``kept[b]`` positions of the verified block (the committed ones).
+        Both come together (:mod:`dflash_jax.models.qwen3_5`) or not at all.
     """
 
     param_specs: Callable[..., Any]
@@ -68,6 +77,8 @@ class FamilyModel:
     forward_hidden: Callable[..., Any]
     forward: Callable[..., Any]
     move_rows: Callable[..., Any]
+    keep_block_states: Callable[..., Any] | None = None
+    commit_block_states: Callable[..., Any] | None = None
 
     @classmethod
     def of_module(cls, module: ModuleType) -> "FamilyModel":
@@ -80,10 +91,15 @@ class FamilyModel:
         fns = {}
         for f in dataclasses.fields(cls):
             fn = getattr(module, f.name, None)
+            if fn is None and f.name in OPTIONAL:
+                continue
             if not callable(fn):
                 raise DFlashError(f"{module.__name__}.{f.name}", "missing", "a function of the family contract")
             check_signature(f.name, fn, module.__name__)
             fns[f.name] = fn
+        if sum(name in fns for name in OPTIONAL) == 1:
+            raise DFlashError(f"{module.__name__}", f"only {next(n for n in OPTIONAL if n in fns)} of the recurrent-state hooks",
+                              f"both of {OPTIONAL} or neither")
         return cls(**fns)
 
 

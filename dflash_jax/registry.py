@@ -19,18 +19,20 @@ import os
 from types import ModuleType
 from typing import Any, Callable, Mapping
 
-from dflash_jax import config, config_gpt_oss, config_laguna, config_qwen3_moe
+from dflash_jax import config, config_gpt_oss, config_laguna, config_qwen3_5, config_qwen3_moe
 from dflash_jax.errors import DFlashError
 from dflash_jax.family import FamilyModel
 from dflash_jax.io import drafter as io_drafter
 from dflash_jax.io import gguf, gguf_cache, gguf_file, hf, laguna, laguna_drafter, laguna_gguf
 from dflash_jax.io import gpt_oss as gpt_oss_io
+from dflash_jax.io import qwen3_5 as qwen3_5_io
 from dflash_jax.io import qwen3_moe as qwen3_moe_io
 from dflash_jax.io import qwen3_moe_gguf
 from dflash_jax.models import dense, dflash_drafter
+from dflash_jax.models import gpt_oss as gpt_oss_model
 from dflash_jax.models import laguna as laguna_model
 from dflash_jax.models import laguna_drafter as laguna_drafter_model
-from dflash_jax.models import gpt_oss as gpt_oss_model
+from dflash_jax.models import qwen3_5 as qwen3_5_model
 from dflash_jax.models import qwen3_moe as qwen3_moe_model
 
 
@@ -131,6 +133,13 @@ TARGET_FAMILIES: tuple[TargetFamily, ...] = (
         hf_model_types=("gpt_oss",), gguf_architectures=(), parse_hf=config_gpt_oss.gpt_oss_config_from_hf,
         model=FamilyModel.of_module(gpt_oss_model), load_hf=gpt_oss_io.load_gpt_oss_target,
         load_gguf=_no_gguf("gpt-oss"), gguf_config=_no_gguf("gpt-oss"),
+    ),
+    # hybrid (Gated DeltaNet + gated full attention) and Qwen3-Next; HF only; the verify hooks: models/qwen3_5.py
+    TargetFamily(
+        name="qwen3_5", config_type=config_qwen3_5.Qwen3_5Config, hf_architectures=config_qwen3_5.HF_ARCHITECTURES,
+        hf_model_types=config_qwen3_5.HF_MODEL_TYPES, gguf_architectures=(), parse_hf=config_qwen3_5.qwen3_5_config_from_hf,
+        model=FamilyModel.of_module(qwen3_5_model), load_hf=qwen3_5_io.load_qwen3_5_target, load_gguf=_no_gguf("qwen3_5"),
+        gguf_config=_no_gguf("qwen3_5"),
     ),
 )
 

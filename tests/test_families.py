@@ -28,8 +28,13 @@ _GPT_OSS = dict(_DENSE, architectures=["GptOssForCausalLM"], model_type="gpt_oss
                 rope_parameters={"rope_type": "yarn", "factor": 8.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
                                  "original_max_position_embeddings": 16, "rope_theta": 150000.0})
 
+_QWEN3_5 = dict(_DENSE, architectures=["Qwen3_5ForCausalLM"], model_type="qwen3_5_text", num_hidden_layers=4, head_dim=16,
+                linear_conv_kernel_dim=4, linear_key_head_dim=8, linear_value_head_dim=8, linear_num_key_heads=2, linear_num_value_heads=4,
+                layer_types=["linear_attention", "full_attention"] * 2,
+                rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5})
+
 # one tiny HF config.json per family: a family registered without one fails test_every_family_has_a_tiny_config
-TINY_HF = {"dense": _DENSE, "laguna": PER_HEAD, "qwen3_moe": _QWEN3_MOE, "gpt_oss": _GPT_OSS}
+TINY_HF = {"dense": _DENSE, "laguna": PER_HEAD, "qwen3_moe": _QWEN3_MOE, "gpt_oss": _GPT_OSS, "qwen3_5": _QWEN3_5}
 
 
 def test_every_family_has_a_tiny_config():
@@ -40,6 +45,9 @@ def test_every_family_has_a_tiny_config():
 def test_signatures(fam):
     assert isinstance(fam.model, family.FamilyModel)
     for f in dataclasses.fields(family.FamilyModel):
+        if getattr(fam.model, f.name) is None:
+            assert f.name in family.OPTIONAL
+            continue
         family.check_signature(f.name, getattr(fam.model, f.name), fam.name)
 
 
@@ -76,6 +84,13 @@ def test_behaviour_on_a_tiny_config(fam):
     first, c, _ = forward(params, cfg, tokens[:, :4], pos[:, :4], c)
     rest, c, _ = forward(params, cfg, tokens[:, 4:], pos[:, 4:], c)
     np.testing.assert_allclose(jnp.concatenate([first, rest], 1), logits, rtol=1e-4, atol=1e-4)
+    if m.keep_block_states is not None:  # a recurrent (hybrid) family: no trees; its verify keeps per-position states
+        with pytest.raises(DFlashError, match="tree"):
+            m.move_rows(cfg, c, pos[:, 4:], pos[:, 4:] + 2)
+        kept = m.commit_block_states(cfg, jax.jit(m.forward_hidden, static_argnums=1)(params, cfg, tokens[:, 4:], pos[:, 4:],
+                                                                                      m.keep_block_states(cfg, c))[1], jnp.asarray([1, 2]))
+        assert jax.tree_util.tree_structure(kept) == jax.tree_util.tree_structure(c)
+        return
     moved = m.move_rows(cfg, c, pos[:, 4:], pos[:, 4:] + 2)
     assert jax.tree_util.tree_structure(moved) == jax.tree_util.tree_structure(c)
 

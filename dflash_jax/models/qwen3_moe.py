@@ -50,7 +50,7 @@ from dflash_jax.nn.attention import TreeBlock, block_visible, rope_positions
 from dflash_jax.nn.embedding import embed, lm_head
 from dflash_jax.nn.layer import attention_output, mlp_residual, project_qkv
 from dflash_jax.nn.live_attention import cache_attention, live_keys
-from dflash_jax.nn.moe import routed_experts
+from dflash_jax.nn.moe import routed_experts, softmax_top_k
 from dflash_jax.nn.norms import rms_norm
 from dflash_jax.nn.rope import inv_frequencies
 
@@ -130,11 +130,7 @@ def moe(cfg: Qwen3MoeConfig, lp: dict, h: jnp.ndarray) -> jnp.ndarray:
     Source: transformers ``Qwen3MoeSparseMoeBlock`` / ``Qwen3MoeTopKRouter``."""
     shape = h.shape
     x = h.reshape(-1, shape[-1])
-    logits = jnp.dot(x, lp["router"].astype(x.dtype))
-    probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
-    w, idx = lax.top_k(probs, cfg.num_experts_per_tok)
-    if cfg.norm_topk_prob:
-        w = w / jnp.sum(w, axis=-1, keepdims=True)
+    w, idx = softmax_top_k(jnp.dot(x, lp["router"].astype(x.dtype)), cfg.num_experts_per_tok, cfg.norm_topk_prob)
     return routed_experts(x, idx, w.astype(x.dtype), lp["e_gate"], lp["e_up"], lp["e_down"]).reshape(shape)
 
 

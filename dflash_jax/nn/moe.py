@@ -1,4 +1,5 @@
-"""Routed experts shared by the MoE families (Laguna, Qwen3-MoE): only the chosen experts run.
+"""Routed experts shared by the MoE families (Laguna, Qwen3-MoE, gpt-oss, Qwen3-Next): only the
+chosen experts run.
 
 The ``N*k`` (token, expert) pairs are sorted by expert and run through ``jax.lax.ragged_dot``
 with per-expert group sizes, then scattered back weighted by their routing weights.
@@ -9,6 +10,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 from jax import lax
+
+from dflash_jax.nn.attention import swiglu
 
 
 def silu_glu(g: jnp.ndarray, u: jnp.ndarray) -> jnp.ndarray:
@@ -60,3 +63,30 @@ def routed_experts(x: jnp.ndarray, idx: jnp.ndarray, w: jnp.ndarray, e_gate: jnp
         y = y + jnp.take(biases[2], row_e, axis=0)
     y = y * jnp.take(w.reshape(-1), order)[:, None]
     return jnp.zeros_like(x).at[tok].add(y.astype(x.dtype))
+
+
+def softmax_top_k(logits: jnp.ndarray, k: int, renormalise: bool) -> tuple[jnp.ndarray, jnp.ndarray]:
+    """The Qwen routers: ``softmax`` over all experts in float32, its top ``k`` (weights
+    renormalised to sum 1 when ``renormalise``: ``norm_topk_prob``). Returns ``(w [N, k] float32,
+    idx [N, k] int32)``. Source: transformers ``Qwen3MoeTopKRouter`` / ``Qwen3NextTopKRouter``."""
+    w, idx = lax.top_k(jax.nn.softmax(logits.astype(jnp.float32), axis=-1), k)
+    return (w / jnp.sum(w, axis=-1, keepdims=True) if renormalise else w), idx
+
+
+def softmax_moe(lp: dict, h: jnp.ndarray, top_k: int, norm_topk: bool) -> jnp.ndarray:
+    """Qwen3-Next's MoE block on ``h [..., H]`` -> ``[..., H]`` in ``h.dtype``: the routed
+    SwiGLU experts (:func:`softmax_top_k`, :func:`routed_experts`) plus a shared SwiGLU expert
+    times ``sigmoid(x Ws)`` (one gate per token).
+
+    Args:
+      lp: ``router [H, E]``, ``e_gate``/``e_up [E, H, Im]``, ``e_down [E, Im, H]``,
+        ``s_gate``/``s_up [H, Is]``, ``s_down [Is, H]``, ``s_router [H, 1]``.
+      h: the normed layer input; top_k: experts per token; norm_topk: renormalise the chosen weights.
+    Source: transformers ``modeling_qwen3_next.py`` ``Qwen3NextSparseMoeBlock``.
+    """
+    shape = h.shape
+    x = h.reshape(-1, shape[-1])
+    w, idx = softmax_top_k(x @ lp["router"], top_k, norm_topk)
+    routed = routed_experts(x, idx, w.astype(x.dtype), lp["e_gate"], lp["e_up"], lp["e_down"])
+    shared = swiglu(x, lp["s_gate"], lp["s_up"], lp["s_down"]) * jax.nn.sigmoid(x @ lp["s_router"])
+    return (routed + shared).reshape(shape)

@@ -2,7 +2,9 @@
 
 Rollback of the rejected drafts is the length update of :func:`dflash_jax.state.commit`: the
 target cache and the drafter context keep no length of their own, and their rows beyond a row's
-committed length stay masked until the next block overwrites them.
+committed length stay masked until the next block overwrites them. A target family with recurrent
+state (Gated DeltaNet, :mod:`dflash_jax.models.qwen3_5`) also has ``commit_block_states``: the
+states after the committed block positions of each row, chosen from those its verify pass kept.
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 
 from dflash_jax.decoding import Decoding, Params
+from dflash_jax.registry import module_for
 from dflash_jax.speculative.capture import absorb_context
 from dflash_jax.speculative.verify import Verdict
 from dflash_jax.state import DecodeState, commit
@@ -24,6 +27,9 @@ def commit_block(params: Params, state: DecodeState, static: Decoding, verdict: 
     before = state.length
     state = commit(state.replace(cache=verdict.cache), verdict.tokens, verdict.accepted + 1, verdict.gaps)
     kept = state.length - before
+    settle = module_for(static.target).commit_block_states  # recurrent families only (verify.py)
+    if settle is not None:
+        state = state.replace(cache=settle(static.target, state.cache, kept))
     ctx = absorb_context(params.drafter, static, state.speculative, verdict.capture)
     acc_kept = jnp.minimum(verdict.accepted, kept)
     pos = jnp.arange(1, ctx.n_max + 1, dtype=jnp.int32)[None, :]  # a verify may cover fewer positions

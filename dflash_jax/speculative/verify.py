@@ -77,7 +77,10 @@ def verify_fn(params: Params, state: DecodeState, static: Decoding, drafts) -> V
     anchor = jnp.take_along_axis(state.tokens, start[:, None], axis=1)
     block = jnp.concatenate([anchor, drafts], axis=1)
     capture = block_capture(static, start, width)
-    hidden, cache, capture = mod.forward_hidden(params.target, cfg_t, block, positions, state.cache, capture)
+    # a family with recurrent state (models/qwen3_5.py) keeps each block position's state for the
+    # commit to choose from; a KV-only family has no such hook (its rollback is the length update)
+    cache = state.cache if mod.keep_block_states is None else mod.keep_block_states(cfg_t, state.cache)
+    hidden, cache, capture = mod.forward_hidden(params.target, cfg_t, block, positions, cache, capture)
     logits = mod.lm_head(params.target, cfg_t, hidden)
     n_valid = block_len - 1
     a, bonus = accept(drafts, sample_at(state.rng, positions + 1, logits, state.sampling), n_valid)
