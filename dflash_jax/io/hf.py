@@ -227,6 +227,7 @@ class Renamed:
         self.files = ckpt.files
 
     def names(self) -> list[str]:
+        """The real names not hidden, then the virtual ones."""
         return [n for n in self.ckpt.names() if n not in self.hidden] + list(self.views)
 
     def _real(self, name: str) -> tuple:
@@ -234,9 +235,11 @@ class Renamed:
         return real if isinstance(real, tuple) else (real,)
 
     def file_of(self, name: str) -> str:
+        """The file holding ``name`` (a view's first real tensor), for messages."""
         return self.ckpt.file_of(self._real(name)[0] if name in self.views else name)
 
     def info(self, name: str) -> TensorInfo:
+        """The :class:`TensorInfo` of ``name``: a view's shape (and dtype code) over its first real tensor's."""
         if name in self.views:
             view = self.views[name]
             i = dataclasses.replace(self.ckpt.info(self._real(name)[0]), shape=tuple(view[2]))
@@ -244,6 +247,7 @@ class Renamed:
         return self.ckpt.info(name)
 
     def read(self, name: str, raw: bool = False) -> np.ndarray:
+        """The tensor ``name``: a view's ``fn`` of its real tensors (read raw), else the stored one."""
         if name in self.views:
             return self.views[name][1](*(self.ckpt.read(r, raw=True) for r in self._real(name)))
         return self.ckpt.read(name, raw)
