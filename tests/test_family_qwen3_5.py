@@ -155,8 +155,19 @@ def scripted(pair, corrupt_at, chunk=4):
 def test_without_rollback_the_output_differs(pair, monkeypatch):
     """The same kind of run with the commit keeping the state after the *whole* block (no
     rollback) departs from transformers: :func:`test_rows_roll_back_to_their_own_acceptance` can fail."""
+    import dataclasses
+
+    from dflash_jax import registry
+
     real = qwen3_5.commit_block_states
-    monkeypatch.setattr(qwen3_5, "commit_block_states", lambda cfg, cache, kept: real(cfg, cache, jnp.full_like(kept, 5)))
+
+    def whole_block(fam):  # the registry holds the family's functions (family.FamilyModel): swap the hook there
+        if fam.name != "qwen3_5":
+            return fam
+        return dataclasses.replace(fam, model=dataclasses.replace(
+            fam.model, commit_block_states=lambda cfg, cache, kept: real(cfg, cache, jnp.full_like(kept, 5))))
+
+    monkeypatch.setattr(registry, "TARGET_FAMILIES", tuple(map(whole_block, registry.TARGET_FAMILIES)))
     jax.clear_caches()
     try:
         st, _, ref = scripted(pair, 1)
