@@ -58,13 +58,9 @@ def segments(cfg: GptOssConfig) -> tuple[tuple[int, int, int], ...]:
 
 
 def layer_slot(cfg: GptOssConfig, layer: int) -> tuple[str, int]:
-    """``(params key "seg{j}_{k}", repetition index)`` holding decoder layer ``layer``.
-    Raises IndexError for a layer outside the model."""
-    for j, (start, p, reps) in enumerate(segments(cfg)):
-        if start <= layer < start + p * reps:
-            r, k = divmod(layer - start, p)
-            return f"seg{j}_{k}", r
-    raise IndexError(layer)
+    """``(params key "seg{j}_{k}", repetition index)`` holding decoder layer ``layer``
+    (:func:`~dflash_jax.models.params.segment_slot`). Raises IndexError for a layer outside the model."""
+    return P.segment_slot(segments(cfg), layer)
 
 
 def _layer_specs(cfg: GptOssConfig) -> dict:

@@ -87,12 +87,9 @@ def segments(cfg: LagunaConfig, max_period: int = 8) -> tuple[tuple[int, int, in
 
 
 def layer_slot(cfg: LagunaConfig, layer: int) -> tuple[str, int]:
-    """``(params key "seg{j}_{k}", repetition index)`` holding decoder layer ``layer``."""
-    for j, (start, p, reps) in enumerate(segments(cfg)):
-        if start <= layer < start + p * reps:
-            r, k = divmod(layer - start, p)
-            return f"seg{j}_{k}", r
-    raise IndexError(layer)
+    """``(params key "seg{j}_{k}", repetition index)`` holding decoder layer ``layer``
+    (:func:`~dflash_jax.models.params.segment_slot`). Raises IndexError for a layer outside the model."""
+    return P.segment_slot(segments(cfg), layer)
 
 
 def _layer_specs(cfg: LagunaConfig, i: int) -> dict:

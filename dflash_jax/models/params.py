@@ -63,6 +63,16 @@ def repeat_segments(sig: list, max_period: int = 8) -> tuple[tuple[int, int, int
     return tuple(out)
 
 
+def segment_slot(segments, layer: int) -> tuple[str, int]:
+    """``(params key "seg{j}_{k}", repetition index)`` holding decoder layer ``layer`` of the
+    :func:`repeat_segments` runs ``segments``. Raises IndexError for a layer outside them."""
+    for j, (start, p, reps) in enumerate(segments):
+        if start <= layer < start + p * reps:
+            r, k = divmod(layer - start, p)
+            return f"seg{j}_{k}", r
+    raise IndexError(layer)
+
+
 def _is_spec(x) -> bool:
     return isinstance(x, ParamSpec)
 
