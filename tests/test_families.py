@@ -16,7 +16,7 @@ from dflash_jax import family, registry
 from dflash_jax.errors import DFlashError
 from dflash_jax.models import drafter
 from dflash_jax.testing import tiny_drafter, tiny_target
-from tests.laguna_tiny import PER_HEAD
+from laguna_tiny import PER_HEAD
 
 _DENSE = dict(architectures=["Qwen3ForCausalLM"], vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
               num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=64)

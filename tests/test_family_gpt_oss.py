@@ -20,7 +20,7 @@ from dflash_jax.io.gpt_oss import dequantize_mxfp4  # noqa: E402
 from dflash_jax.models import gpt_oss  # noqa: E402
 from dflash_jax.registry import load_hf_target  # noqa: E402
 from dflash_jax.testing import tiny_drafter  # noqa: E402
-from tests.hf_oracle import hf_greedy, hf_logits, ours_greedy, save_tiny  # noqa: E402
+from hf_oracle import hf_greedy, hf_logits, ours_greedy, save_tiny  # noqa: E402
 
 V, TOL = 96, 1e-4
 CONF = dict(vocab_size=V, hidden_size=64, intermediate_size=32, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
@@ -136,7 +136,7 @@ def test_same_tokens_and_verify_steps_as_zlab_dflash_generate(target, tmp_path):
     """z-lab's reference loop on the transformers target and a steered drafter (blocks accepted)
     gives the tokens and verify steps ours gives on the loaded checkpoints."""
     zlab = pytest.importorskip("dflash.model")
-    from tests.hf_oracle import zlab_matches_ours
+    from hf_oracle import zlab_matches_ours
 
     model, cfg, params, _ = target
     zlab_matches_ours(zlab, model, cfg, params, tmp_path, [3, 17, 42, 8, 11, 5, 29], 24, V, 64)

@@ -22,7 +22,7 @@ from dflash_jax.errors import DFlashError  # noqa: E402
 from dflash_jax.models import qwen3_moe  # noqa: E402
 from dflash_jax.registry import family_for_hf, load_hf_target  # noqa: E402
 from dflash_jax.testing import tiny_drafter  # noqa: E402
-from tests.hf_oracle import hf_greedy, hf_logits, ours_greedy, save_tiny  # noqa: E402
+from hf_oracle import hf_greedy, hf_logits, ours_greedy, save_tiny  # noqa: E402
 
 V, TOL = 96, 1e-4
 _COMMON = dict(vocab_size=V, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
@@ -136,7 +136,7 @@ def test_same_tokens_and_verify_steps_as_zlab_dflash_generate(case, tmp_path):
     if name != "mlp_only":
         pytest.skip("one layer mix is enough for the loop")
     zlab = pytest.importorskip("dflash.model")
-    from tests.hf_oracle import zlab_matches_ours
+    from hf_oracle import zlab_matches_ours
 
     zlab_matches_ours(zlab, model, cfg, params, tmp_path, [3, 17, 42, 8, 11, 5, 29], 24, V, 64)
 
@@ -148,7 +148,7 @@ def _write_gguf_from_hf(folder, path, cfg_hf: dict) -> None:
     import gguf
     from safetensors.numpy import load_file
 
-    from tests.tiny_gguf import write_gguf
+    from tiny_gguf import write_gguf
 
     tensors, n = load_file(str(folder / "model.safetensors")), cfg_hf["num_hidden_layers"]
     name_map = gguf.get_tensor_name_map(gguf.MODEL_ARCH.QWEN3MOE, n)

@@ -17,7 +17,7 @@ from dflash_jax.errors import DFlashError  # noqa: E402
 from dflash_jax.models import dense  # noqa: E402
 from dflash_jax.registry import load_hf_target  # noqa: E402
 from dflash_jax.testing import tiny_drafter  # noqa: E402
-from tests.hf_oracle import hf_greedy, hf_logits, ours_greedy, save_tiny  # noqa: E402
+from hf_oracle import hf_greedy, hf_logits, ours_greedy, save_tiny  # noqa: E402
 
 WINDOW = 5
 CONF = dict(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
