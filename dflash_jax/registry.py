@@ -27,7 +27,7 @@ from dflash_jax.io import gguf, gguf_cache, gguf_file, hf, laguna, laguna_drafte
 from dflash_jax.io import gpt_oss as gpt_oss_io
 from dflash_jax.io import qwen3_5 as qwen3_5_io
 from dflash_jax.io import qwen3_moe as qwen3_moe_io
-from dflash_jax.io import qwen3_moe_gguf
+from dflash_jax.io import gpt_oss_gguf, qwen3_moe_gguf
 from dflash_jax.models import dense, dflash_drafter
 from dflash_jax.models import gpt_oss as gpt_oss_model
 from dflash_jax.models import laguna as laguna_model
@@ -130,9 +130,10 @@ TARGET_FAMILIES: tuple[TargetFamily, ...] = (
     ),
     TargetFamily(
         name="gpt_oss", config_type=config_gpt_oss.GptOssConfig, hf_architectures=("GptOssForCausalLM",),
-        hf_model_types=("gpt_oss",), gguf_architectures=(), parse_hf=config_gpt_oss.gpt_oss_config_from_hf,
+        hf_model_types=("gpt_oss",), gguf_architectures=(gpt_oss_gguf.ARCH,), parse_hf=config_gpt_oss.gpt_oss_config_from_hf,
         model=FamilyModel.of_module(gpt_oss_model), load_hf=gpt_oss_io.load_gpt_oss_target,
-        load_gguf=_no_gguf("gpt-oss"), gguf_config=_no_gguf("gpt-oss"),
+        load_gguf=lambda path, dtype, use_cache, as_numpy: gpt_oss_gguf.load_gpt_oss_gguf_target(path, dtype, as_numpy=as_numpy),
+        gguf_config=_gguf_config(gpt_oss_gguf.gpt_oss_gguf_config),
     ),
     # hybrid (Gated DeltaNet + gated full attention) and Qwen3-Next; HF only; the verify hooks: models/qwen3_5.py
     TargetFamily(

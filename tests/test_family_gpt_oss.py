@@ -140,3 +140,92 @@ def test_same_tokens_and_verify_steps_as_zlab_dflash_generate(target, tmp_path):
 
     model, cfg, params, _ = target
     zlab_matches_ours(zlab, model, cfg, params, tmp_path, [3, 17, 42, 8, 11, 5, 29], 24, V, 64)
+
+
+def _write_gguf_from_hf(folder, path, conf: dict, **kv_changes) -> None:
+    """A ``gpt-oss`` GGUF of an HF folder (dequantized experts) as llama.cpp's converter lays it
+    out: names from ``gguf-py``'s own ``TensorNameMap``, ``gate_up_proj`` split into its even (gate)
+    and odd (up) columns, experts stacked ``[E, out, in]`` and quantized to MXFP4 by
+    ``gguf.quants.quantize``, sizes under llama.cpp's metadata keys (``kv_changes``: overrides,
+    ``None`` drops a key)."""
+    import gguf
+    from safetensors.numpy import load_file
+
+    from tests.tiny_gguf import write_gguf
+
+    tensors, n, A = load_file(str(folder / "model.safetensors")), conf["num_hidden_layers"], "gpt-oss"
+    for i in range(n):
+        ex = f"model.layers.{i}.mlp.experts."
+        gate_up, gate_up_b = tensors.pop(ex + "gate_up_proj"), tensors.pop(ex + "gate_up_proj_bias")
+        tensors[ex + "gate_proj.weight"], tensors[ex + "up_proj.weight"] = (np.swapaxes(gate_up[..., s::2], 1, 2) for s in (0, 1))
+        tensors[ex + "gate_proj.bias"], tensors[ex + "up_proj.bias"] = gate_up_b[:, 0::2], gate_up_b[:, 1::2]
+        tensors[ex + "down_proj.weight"] = np.swapaxes(tensors.pop(ex + "down_proj"), 1, 2)
+        tensors[ex + "down_proj.bias"] = tensors.pop(ex + "down_proj_bias")
+    name_map, out = gguf.get_tensor_name_map(gguf.MODEL_ARCH.GPT_OSS, n), []
+    for k, v in tensors.items():
+        name = name_map.get_name(k, try_suffixes=(".weight", ".bias"))
+        name = name + ".weight" if name.endswith("attn_sinks") else name
+        out.append((name, v, gguf.GGMLQuantizationType.MXFP4 if name.endswith("_exps.weight") else None))
+    rope = conf["rope_parameters"]
+    kv = {f"{A}.embedding_length": conf["hidden_size"], f"{A}.block_count": n, f"{A}.feed_forward_length": conf["intermediate_size"],
+          f"{A}.attention.head_count": conf["num_attention_heads"], f"{A}.attention.head_count_kv": conf["num_key_value_heads"],
+          f"{A}.attention.key_length": conf["head_dim"], f"{A}.attention.value_length": conf["head_dim"],
+          f"{A}.attention.layer_norm_rms_epsilon": conf["rms_norm_eps"], f"{A}.rope.freq_base": rope["rope_theta"],
+          f"{A}.context_length": conf["max_position_embeddings"], f"{A}.expert_count": conf["num_local_experts"],
+          f"{A}.expert_used_count": conf["num_experts_per_tok"], f"{A}.expert_feed_forward_length": conf["intermediate_size"],
+          f"{A}.attention.sliding_window": conf["sliding_window"], f"{A}.rope.scaling.type": "yarn",
+          f"{A}.rope.scaling.factor": rope["factor"], f"{A}.rope.scaling.original_context_length": rope["original_max_position_embeddings"]}
+    kv.update({f"{A}.{k}": v for k, v in kv_changes.items()})
+    write_gguf(path, A, {k: v for k, v in kv.items() if v is not None}, out)
+
+
+def test_gguf_loads_what_safetensors_load(tmp_path):
+    """A ``gpt-oss`` GGUF with MXFP4 experts (what llama.cpp's graph runs: SwiGLU limit 7, YaRN
+    truncated) loads to the params of the safetensors it came from (expert weights MXFP4 stores
+    exactly) and to transformers' logits; bad metadata is refused naming the key."""
+    import gguf
+
+    from dflash_jax.errors import DFlashError
+    from dflash_jax.registry import load_gguf_target
+
+    conf = dict(CONF, swiglu_limit=7.0, rope_parameters=dict(CONF["rope_parameters"], truncate=True))
+    save_tiny("GptOssConfig", "GptOssForCausalLM", tmp_path / "hf", seed=6, **conf)
+    model = transformers.GptOssForCausalLM.from_pretrained(tmp_path / "hf", attn_implementation="eager").eval()
+    rs = np.random.RandomState(2)
+    with torch.no_grad():  # expert weights on the MXFP4 grid, so quantizing them to MXFP4 is exact
+        for layer in model.model.layers:
+            for proj in ("gate_up_proj", "down_proj"):
+                w = getattr(layer.mlp.experts, proj)
+                E, n_in, n_out = w.shape
+                blocks, scales = rs.randint(0, 256, (E, n_out, n_in // 32, 16)), rs.randint(118, 124, (E, n_out, n_in // 32))
+                w.copy_(torch.from_numpy(np.swapaxes(dequantize_mxfp4(blocks, scales), 1, 2)))
+    model.save_pretrained(tmp_path / "hf", safe_serialization=True)
+    cfg, params = load_hf_target(tmp_path / "hf")
+    _write_gguf_from_hf(tmp_path / "hf", tmp_path / "m.gguf", conf)
+    g_cfg, g_params = load_gguf_target(tmp_path / "m.gguf", use_cache=False)
+    types = {t.name: t.tensor_type.name for t in gguf.GGUFReader(str(tmp_path / "m.gguf")).tensors}
+    assert types["blk.0.ffn_gate_exps.weight"] == types["blk.3.ffn_down_exps.weight"] == "MXFP4"
+    assert g_cfg == cfg
+    assert jax.tree.all(jax.tree.map(lambda a, b: a.dtype == b.dtype and bool((a == b).all()), g_params, params))
+    tokens = np.random.default_rng(2).integers(0, V, (1, 9)).astype(np.int32)
+    got, _, _ = _forward(g_params, g_cfg, jnp.asarray(tokens), jnp.arange(9, dtype=jnp.int32)[None], gpt_oss.init_cache(g_cfg, 1, 9))
+    assert _rel(got, hf_logits(model, tokens)) < TOL
+    for change, key in (({"attention.sliding_window": None}, "attention.sliding_window"),
+                        ({"rope.scaling.type": "linear"}, "rope.scaling.type"), ({"expert_count": None}, "expert_count")):
+        _write_gguf_from_hf(tmp_path / "hf", tmp_path / "bad.gguf", conf, **change)
+        with pytest.raises(DFlashError, match=rf"bad\.gguf: metadata gpt-oss\.{key}"):
+            load_gguf_target(tmp_path / "bad.gguf", use_cache=False)
+
+
+def test_gguf_mxfp4_blocks_are_transformers_mxfp4():
+    """ggml's MXFP4 block (scale byte, then 16 bytes: low nibbles values 0..15, high 16..31) read by
+    ``gguf.quants.dequantize`` equals transformers' MXFP4 blocks repacked the way llama.cpp's
+    converter does (HF: value 2j in byte j's low nibble, 2j+1 in its high nibble)."""
+    import gguf
+
+    rs = np.random.RandomState(3)
+    blocks, scales = rs.randint(0, 256, (3, 8, 2, 16)).astype(np.uint8), rs.randint(0, 256, (3, 8, 2)).astype(np.uint8)
+    codes = np.stack([blocks & 0x0F, blocks >> 4], axis=-1).reshape(3, 8, 2, 32)
+    packed = np.concatenate([scales[..., None], codes[..., :16] | (codes[..., 16:] << 4)], axis=-1).reshape(3 * 8, 2 * 17)
+    got = gguf.quants.dequantize(packed, gguf.GGMLQuantizationType.MXFP4).reshape(3, 8, 64)
+    np.testing.assert_array_equal(got, dequantize_mxfp4(blocks, scales))

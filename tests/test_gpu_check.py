@@ -43,7 +43,7 @@ def test_dry_run_measures_every_section(dry_run):
     out, res, stdout = dry_run
     runs = {(e["shape"], e["dtype"]): e for e in res["runs"]}
     assert set(runs) == {("qwen3-8b", "bfloat16"), ("laguna-xs-2.1", "bfloat16"), ("smollm2-135m", "float32"),
-                         ("qwen3-coder-30b-a3b", "bfloat16")}
+                         ("qwen3-coder-30b-a3b", "bfloat16"), ("gpt-oss-20b", "bfloat16")}
     assert all(not e.get("skipped") for e in runs.values()), [e.get("skipped") for e in runs.values()]
     qwen = runs[("qwen3-8b", "bfloat16")]
     assert [d["live"] for d in qwen["decode"]] == [64, 200]
@@ -141,3 +141,18 @@ def test_qwen3_coder_30b_a3b_real_shapes(tools):
     assert 3.2e9 < active < 3.4e9
     from dflash_jax.registry import module_for
     assert module_for(cfg).param_axes(cfg)["seg0_0"]["e_up"] == ("layers", "experts", "embed", "expert_mlp")
+
+
+def test_gpt_oss_20b_real_shapes(tools):
+    """The gpt-oss-20b shapes hold its published parameter count (20.9B) and 3.6B active per token
+    (top-4 of 32 experts, the unembedding counted, the embedding table not), alternating
+    sliding / full layers as one segment of period 2, YaRN 32 over 4096."""
+    gpu_shapes = tools[1]
+    cfg, dcfg = gpu_shapes.configs("gpt-oss-20b", "bfloat16")
+    assert cfg.layer_types == ("sliding_attention", "full_attention") * 12 and cfg.sliding_window == 128
+    assert cfg.rope.kind == "yarn" and cfg.rope.factor == 32 and cfg.rope.original_max_position_embeddings == 4096
+    assert dcfg.hidden_size == cfg.hidden_size == 2880
+    target, _ = jax.eval_shape(lambda: gpu_shapes.random_models(cfg, dcfg))
+    assert sorted(target) == ["embed", "lm_head", "norm", "seg0_0", "seg0_1"] and target["seg0_1"]["e_down"].shape == (12, 32, 2880, 2880)
+    assert 20.85e9 < gpu_shapes.tree_bytes(target) / 2 < 20.95e9
+    assert 3.55e9 < gpu_shapes.weight_bytes_per_token(target, cfg) / 2 < 3.65e9

@@ -194,3 +194,18 @@ def test_default_model_tokenizer(smollm2):
     prompt = smollm2.apply_chat_template([{"role": "user", "content": "Hi"}])
     assert prompt.startswith("<|im_start|>system\nYou are a helpful AI assistant named SmolLM")
     assert prompt.endswith("<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n")
+
+
+def test_gpt4o_pretokenizer_splits_as_o200k():
+    """llama.cpp's ``gpt-4o`` pre-type (gpt-oss GGUFs): o200k's splits, camel case apart, contractions
+    kept on their word, digits in threes; the same pieces Python's ``regex`` finds with the pattern."""
+    import regex
+    from tokenizers import decoders
+
+    from dflash_jax.io.tokenizer import _GPT4O_REGEX, _pre_tokenizer
+
+    text = "HelloWorld's ÉCOLE 1234567 x\n\n  y//z\r\n don'T 日本語 café!?\n/"
+    pieces = [decoders.ByteLevel().decode([p]) for p, _ in _pre_tokenizer("gpt-4o", "t").pre_tokenize_str(text)]
+    assert pieces == ["Hello", "World's", " ÉCOLE", " ", "123", "456", "7", " x", "\n\n", " ", " y", "//", "z", "\r\n", " don'T",
+                      " 日本語", " café", "!?\n/"]
+    assert pieces == regex.findall(_GPT4O_REGEX, text)

@@ -14,6 +14,11 @@ that travels to a lent GPU) are replaced by random weights of their exact shapes
   layers all sparse, 32 heads, 4 KV heads, head_dim 128, 128 experts of 768, top-8 renormalised,
   vocab 151936; its published ``config.json``) with a DFlash drafter of z-lab's Qwen3-8B layout
   (5 layers, block 16) at hidden 2048 (an assumed drafter shape: speed, not acceptance).
+- ``gpt-oss-20b``: gpt-oss-20b (``GptOssForCausalLM``: hidden 2880, 24 layers alternating sliding
+  (window 128) and full attention, 64 heads, 8 KV heads, head_dim 64, 32 experts of 2880, top-4,
+  vocab 201088, YaRN factor 32 over 4096; its published ``config.json``; experts dequantized from
+  MXFP4 as the loaders do) with a DFlash drafter of z-lab's Qwen3 layout (5 layers, block 16) at
+  hidden 2880 with the target's attention heads (an assumed drafter shape: speed, not acceptance).
 
 ``TINY`` holds the same kinds at toy sizes for ``--dry-run`` on a CPU.
 """
@@ -67,6 +72,17 @@ def _qwen3_moe(vocab, hidden, inter, layers, heads, kv, head_dim, experts, top_k
             "tie_word_embeddings": False, "max_position_embeddings": max_pos}
 
 
+def _gpt_oss(vocab, hidden, inter, layers, heads, kv, head_dim, experts, top_k, window, orig=4096, max_pos=131072):
+    return {"architectures": ["GptOssForCausalLM"], "model_type": "gpt_oss", "vocab_size": vocab, "hidden_size": hidden,
+            "intermediate_size": inter, "num_hidden_layers": layers, "num_attention_heads": heads, "num_key_value_heads": kv,
+            "head_dim": head_dim, "num_local_experts": experts, "num_experts_per_tok": top_k, "sliding_window": window,
+            "layer_types": ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)], "attention_bias": True,
+            "rope_scaling": {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+                             "original_max_position_embeddings": orig},
+            "rope_theta": 150000.0, "rms_norm_eps": 1e-5, "swiglu_limit": 7.0, "tie_word_embeddings": False,
+            "max_position_embeddings": max_pos}
+
+
 def _laguna_drafter(hidden, layers, heads, kv, head_dim, inter, vocab, ids, n_target, window):
     d = json.loads(json.dumps(DRAFTERS["XS-2.1"]))
     d.update(hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv, head_dim=head_dim,
@@ -88,6 +104,8 @@ REAL = {
     "laguna-xs-2.1": (lambda: PUBLISHED["XS-2.1"], lambda: DRAFTERS["XS-2.1"], 0),
     "qwen3-coder-30b-a3b": (lambda: _qwen3_moe(151936, 2048, 6144, 48, 32, 4, 128, 128, 8, 768),
                             lambda: _dflash(2048, 6144, 5, 32, 4, 128, 151936, 16, 151669, [1, 12, 23, 34, 45], 48, 1e7), 0),
+    "gpt-oss-20b": (lambda: _gpt_oss(201088, 2880, 2880, 24, 64, 8, 64, 32, 4, 128),
+                    lambda: _dflash(2880, 7680, 5, 64, 8, 64, 201088, 16, 200017, [1, 6, 11, 16, 21], 24, 150000.0), 0),
 }
 TINY = {
     "smollm2-135m": (lambda: _llama(512, 64, 128, 4, 4, 2, 16, 100000.0, True),
@@ -98,6 +116,8 @@ TINY = {
                       lambda: _laguna_drafter(64, 2, 4, 2, 16, 96, 512, [1, 4], 5, 32), 0),
     "qwen3-coder-30b-a3b": (lambda: _qwen3_moe(512, 64, 128, 4, 4, 2, 16, 8, 2, 32, 1e6, 4096),
                             lambda: _dflash(64, 96, 2, 4, 2, 16, 512, 8, 511, [0, 3], 4, 1e6), 0),
+    "gpt-oss-20b": (lambda: _gpt_oss(512, 64, 32, 4, 4, 2, 16, 8, 2, 32, 16, 4096),
+                    lambda: _dflash(64, 96, 2, 4, 2, 16, 512, 8, 511, [0, 3], 4, 150000.0), 0),
 }
 
 

@@ -5,7 +5,7 @@ Two sources:
 * a GGUF file's ``tokenizer.ggml.*`` metadata (byte-level BPE, ``tokenizer.ggml.model == "gpt2"``):
   :meth:`Tokenizer.from_gguf`; the pre-tokenizer follows ``tokenizer.ggml.pre`` the way
   llama.cpp's ``llama-vocab.cpp`` does (``smollm``/``starcoder``: single digits, then the GPT-2
-  regex; ``gpt2``: the GPT-2 regex; ``llama-bpe``; ``qwen2``). CONTROL tokens become special tokens,
+  regex; ``gpt2``: the GPT-2 regex; ``llama-bpe``; ``qwen2``; ``gpt-4o``). CONTROL tokens become special tokens,
   so ``<|im_start|>`` in a text is one id;
 * a Hugging Face folder (``tokenizer.json`` + ``tokenizer_config.json``): :meth:`Tokenizer.from_hf_folder`.
 
@@ -39,6 +39,10 @@ _LLAMA3_REGEX = (
 _QWEN2_REGEX = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
+_C = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)?"  # o200k (tiktoken's gpt-4o pattern; llama.cpp's "gpt-4o" pre-type: gpt-oss)
+_GPT4O_REGEX = (rf"[^\r\n\p{{L}}\p{{N}}]?[\p{{Lu}}\p{{Lt}}\p{{Lm}}\p{{Lo}}\p{{M}}]*[\p{{Ll}}\p{{Lm}}\p{{Lo}}\p{{M}}]+{_C}|"
+                rf"[^\r\n\p{{L}}\p{{N}}]?[\p{{Lu}}\p{{Lt}}\p{{Lm}}\p{{Lo}}\p{{M}}]+[\p{{Ll}}\p{{Lm}}\p{{Lo}}\p{{M}}]*{_C}|"
+                r"\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+")
 _PRE_DIGITS = ("smollm", "starcoder", "refact", "command-r", "codeshell", "exaone", "minerva")
 _PRE_GPT2 = ("gpt2", "gpt-2", "default", "olmo", "jais", "mpt", "gpt-neox")
 _PRE_LLAMA3 = ("llama-bpe", "llama3", "smaug-bpe", "falcon3", "pixtral")
@@ -55,9 +59,9 @@ def _pre_tokenizer(pre: str | None, where: str):
         )
     if pre in _PRE_GPT2:
         return pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-    regex = _LLAMA3_REGEX if pre in _PRE_LLAMA3 else _QWEN2_REGEX if pre in _PRE_QWEN2 else None
+    regex = {**dict.fromkeys(_PRE_LLAMA3, _LLAMA3_REGEX), **dict.fromkeys(_PRE_QWEN2, _QWEN2_REGEX), "gpt-4o": _GPT4O_REGEX}.get(pre)
     if regex is None:
-        known = sorted(_PRE_DIGITS + _PRE_GPT2 + _PRE_LLAMA3 + _PRE_QWEN2)
+        known = sorted(_PRE_DIGITS + _PRE_GPT2 + _PRE_LLAMA3 + _PRE_QWEN2 + ("gpt-4o",))
         raise DFlashError(f"{where}: metadata tokenizer.ggml.pre", f"unsupported pre-tokenizer {pre!r}", f"one of {known}")
     return pre_tokenizers.Sequence(
         [
