@@ -151,7 +151,7 @@ def _write_gguf_from_hf(folder, path, conf: dict, **kv_changes) -> None:
     import gguf
     from safetensors.numpy import load_file
 
-    from tests.tiny_gguf import write_gguf
+    from tiny_gguf import write_gguf
 
     tensors, n, A = load_file(str(folder / "model.safetensors")), conf["num_hidden_layers"], "gpt-oss"
     for i in range(n):
