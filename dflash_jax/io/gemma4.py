@@ -1,0 +1,67 @@
+"""Gemma 4 text target checkpoints (HF safetensors, ``Gemma4ForCausalLM``) -> :class:`Gemma4Config`
+and the params of :mod:`dflash_jax.models.gemma4`, read tensor by tensor.
+
+Tensor names: transformers 5.25 ``save_pretrained`` of ``Gemma4ForCausalLM`` (``model.`` prefix;
+``model.layers.{i}.layer_scalar`` is a saved buffer of shape ``[1]``).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from dflash_jax.config import read_json
+from dflash_jax.config_gemma4 import Gemma4Config, gemma4_config_from_hf
+from dflash_jax.io.hf import MLP_NAMES, QK_NORM_NAMES, Checkpoint, load_named, numpy_dtype
+
+_LAYER = {
+    "input_layernorm.weight": ("attn_norm", False), "post_attention_layernorm.weight": ("post_attn_norm", False),
+    "pre_feedforward_layernorm.weight": ("mlp_norm", False), "post_feedforward_layernorm.weight": ("post_mlp_norm", False),
+    "self_attn.q_proj.weight": ("wq", True), "self_attn.k_proj.weight": ("wk", True), "self_attn.v_proj.weight": ("wv", True),
+    "self_attn.o_proj.weight": ("wo", True), "layer_scalar": ("scalar", False), **MLP_NAMES, **QK_NORM_NAMES,
+}
+_PER_LAYER_INPUT = {"per_layer_input_gate.weight": ("pl_gate", True), "per_layer_projection.weight": ("pl_out", True),
+                    "post_per_layer_input_norm.weight": ("post_pl_norm", False)}
+
+
+def hf_names(cfg: Gemma4Config) -> dict[str, tuple[tuple[str, ...], None, bool]]:
+    """``{tensor name: (pytree path, None, transpose)}`` of every parameter (module docstring)."""
+    names: dict = {"model.embed_tokens.weight": (("embed",), None, False), "model.norm.weight": (("norm",), None, False)}
+    if not cfg.tie_word_embeddings:
+        names["lm_head.weight"] = (("lm_head",), None, True)
+    if cfg.per_layer_input:
+        names.update({"model.embed_tokens_per_layer.weight": (("embed_pl",), None, False),
+                      "model.per_layer_model_projection.weight": (("pl_proj",), None, True),
+                      "model.per_layer_projection_norm.weight": (("pl_norm",), None, False)})
+    for i in range(cfg.num_hidden_layers):
+        per = dict(_LAYER, **(_PER_LAYER_INPUT if cfg.per_layer_input else {}))
+        for suffix, (leaf, t) in per.items():
+            names[f"model.layers.{i}.{suffix}"] = ((f"layer{i}", leaf), None, t)
+    return names
+
+
+def load_gemma4_target(folder: str | os.PathLike, dtype: Any = "float32") -> tuple[Gemma4Config, dict]:
+    """Loads a Gemma 4 text HF checkpoint folder as ``(Gemma4Config, params)``, one tensor at a time.
+
+    Args:
+      folder: ``config.json`` plus ``model.safetensors`` or a sharded index.
+      dtype: parameter dtype (``"float32"``, ``"bfloat16"``, ``"float16"``).
+    Returns:
+      The config and the params of :mod:`dflash_jax.models.gemma4` (every leaf the shape
+      :func:`dflash_jax.models.gemma4.param_shapes` gives).
+    Raises:
+      DFlashError: bad or unsupported config fields (file and field named), or missing /
+        unexpected / mis-shaped tensors (file and tensor named).
+    Source: transformers ``modeling_gemma4.py`` (``Gemma4ForCausalLM``) parameter names.
+    """
+    from dflash_jax.models import gemma4
+
+    folder = str(folder)
+    target = numpy_dtype(dtype)
+    config_path = os.path.join(folder, "config.json")
+    cfg = gemma4_config_from_hf(read_json(config_path), source=config_path).with_dtype(target.name)
+
+    def ignorable(n: str) -> bool:  # rotary tables, and a tied checkpoint's copy of the embedding
+        return n.endswith("inv_freq") or (cfg.tie_word_embeddings and n == "lm_head.weight")
+
+    return cfg, load_named(Checkpoint(folder), folder, hf_names(cfg), gemma4.param_shapes(cfg), target, ignorable, "Gemma 4 target")

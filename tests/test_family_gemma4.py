@@ -1,0 +1,112 @@
+"""The gemma4 family against transformers' ``Gemma4ForCausalLM`` (a tiny random checkpoint saved by
+transformers 5, float32, CPU): config (and the options refused by name), logits (one pass and
+chunked prefill plus decode, captured layers), greedy plain and DFlash decoding (chains and trees)
+for one and several prefill chunks.
+
+The checkpoint mixes sliding (head 8, window 4) and full layers (head 16, proportional RoPE over a
+quarter of the frequencies), has per-layer inputs, random layer scalars and a final-logit soft-cap
+small enough to bite."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+from dflash_jax.cache import init_capture  # noqa: E402
+from dflash_jax.config_gemma4 import Gemma4Config  # noqa: E402
+from dflash_jax.errors import DFlashError  # noqa: E402
+from dflash_jax.models import gemma4  # noqa: E402
+from dflash_jax.registry import family_for_hf, load_hf_target  # noqa: E402
+from dflash_jax.testing import tiny_drafter  # noqa: E402
+from tests.hf_oracle import hf_greedy, hf_logits, ours_greedy, save_tiny  # noqa: E402
+
+V, TOL = 96, 1e-4
+TYPES = ["sliding_attention", "full_attention", "sliding_attention", "sliding_attention", "full_attention"]
+CONF = dict(vocab_size=V, hidden_size=64, intermediate_size=96, num_hidden_layers=5, num_attention_heads=4, num_key_value_heads=2,
+            head_dim=8, global_head_dim=16, sliding_window=4, layer_types=TYPES, hidden_size_per_layer_input=8,
+            vocab_size_per_layer_input=V, final_logit_softcapping=3.0, rms_norm_eps=1e-6, initializer_range=0.1,
+            max_position_embeddings=256)
+_forward = jax.jit(gemma4.forward, static_argnums=1)
+
+
+def _rel(ours, ref) -> float:
+    ours, ref = np.asarray(ours, np.float64), np.asarray(ref, np.float64)
+    return float(np.max(np.abs(ours - ref)) / np.max(np.abs(ref)))
+
+
+@pytest.fixture(scope="module")
+def case(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("gemma4")
+    model = save_tiny("Gemma4TextConfig", "Gemma4ForCausalLM", folder, seed=3, **CONF)
+    with torch.no_grad():  # the layer scalars are buffers: off 1 too, then saved again
+        for i, layer in enumerate(model.model.layers):
+            layer.layer_scalar.fill_(0.7 + 0.15 * i)
+    model.save_pretrained(folder, safe_serialization=True)
+    cfg, params = load_hf_target(folder)
+    return model, cfg, params, folder
+
+
+def test_config_and_params(case):
+    _, cfg, params, _ = case
+    assert isinstance(cfg, Gemma4Config) and cfg.layer_types == tuple(TYPES)
+    assert cfg.head_dims == (8, 16) and cfg.kv_heads == (2, 2) and cfg.per_layer_input == 8 and cfg.final_logit_softcapping == 3.0
+    assert cfg.ropes[1] == ("proportional", 1e6, 0.25, 1.0) and "lm_head" not in params
+    shapes = jax.tree_util.tree_map(lambda a: tuple(a.shape), params)
+    assert shapes == jax.tree_util.tree_map(tuple, gemma4.param_shapes(cfg), is_leaf=lambda x: isinstance(x, tuple))
+    assert abs(float(params["layer4"]["scalar"][0]) - 1.3) < 1e-6
+
+
+def test_unsupported_options_refused_by_name(case):
+    _, _, _, folder = case
+    import json
+
+    base = json.loads((folder / "config.json").read_text())
+    fam = family_for_hf(base)
+    assert fam.name == "gemma4"
+    for key, value in (("num_kv_shared_layers", 2), ("attention_k_eq_v", True), ("enable_moe_block", True),
+                       ("hidden_activation", "silu")):
+        with pytest.raises(DFlashError, match=f"c.json: field {key}"):
+            fam.parse_hf(dict(base, **{key: value}), "c.json")
+    rope = dict(base["rope_parameters"], full_attention={"rope_type": "yarn", "rope_theta": 1e6, "factor": 2.0})
+    with pytest.raises(DFlashError, match="c.json: field rope_parameters.full_attention.rope_type"):
+        fam.parse_hf(dict(base, rope_parameters=rope), "c.json")
+
+
+def test_logits_and_capture_match_transformers(case):
+    model, cfg, params, _ = case
+    b, t, chunk = 2, 14, 5
+    tokens = np.random.default_rng(7).integers(0, V, (b, t)).astype(np.int32)
+    want = hf_logits(model, tokens)
+    assert np.abs(want).max() > 2.0  # the soft-cap bites
+    pos = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+    got, _, _ = _forward(params, cfg, jnp.asarray(tokens), pos, gemma4.init_cache(cfg, b, t + 2))
+    assert _rel(got, want) < TOL
+    with torch.no_grad():
+        hidden = model(torch.from_numpy(tokens).long(), output_hidden_states=True, use_cache=False).hidden_states
+    cache, out = gemma4.init_cache(cfg, b, t + 2), []
+    capture = init_capture((1, 3), b, t, cfg.hidden_size, jnp.float32)
+    for s in range(0, t, chunk):
+        logits, cache, capture = _forward(params, cfg, jnp.asarray(tokens[:, s : s + chunk]), pos[:, s : s + chunk], cache, capture)
+        out.append(logits)
+    assert _rel(jnp.concatenate(out, axis=1), want) < TOL
+    feats = np.asarray(capture.hidden).reshape(b, t, 2, cfg.hidden_size)
+    assert _rel(feats[:, :, 0], hidden[2].numpy()) < TOL and _rel(feats[:, :, 1], hidden[4].numpy()) < TOL
+
+
+@pytest.mark.parametrize("chunk", [32, 3])
+def test_greedy_plain_and_dflash_match_transformers(case, chunk):
+    """One prefill chunk and chunks of 3 (with trees), plain and DFlash, against transformers' greedy
+    decode past the sliding window."""
+    model, cfg, params, _ = case
+    prompt, n = [3, 17, 42, 8, 11, 5, 29], 12
+    want = hf_greedy(model, prompt, n)
+    assert ours_greedy(cfg, params, prompt, n, chunk)[0] == want
+    drafter = tiny_drafter(cfg, seed=1, layer_ids=(1, 3), block_size=4)
+    assert ours_greedy(cfg, params, prompt, n, chunk, drafter)[0] == want
+    if chunk == 3:  # tree verification too (a tree's RoPE positions, windows and mask; its accepted path moved)
+        assert ours_greedy(cfg, params, prompt, n, chunk, drafter, tree=3)[0] == want
