@@ -70,6 +70,11 @@ class Gemma4Config:
         """The number of layers of type ``kind``."""
         return sum(t == LAYER_TYPES[kind] for t in self.layer_types)
 
+    @property
+    def embedding_scale(self) -> float:
+        """``sqrt(hidden_size)``: the factor :func:`dflash_jax.models.gemma4.embed` applies."""
+        return self.hidden_size ** 0.5
+
     def with_dtype(self, dtype: str) -> "Gemma4Config":
         return dataclasses.replace(self, dtype=str(dtype))
 

@@ -19,7 +19,7 @@ import os
 from types import ModuleType
 from typing import Any, Callable, Mapping
 
-from dflash_jax import config, config_gemma4, config_gpt_oss, config_laguna, config_qwen3_5, config_qwen3_moe
+from dflash_jax import config, config_gemma4, config_gpt_oss, config_laguna, config_qwen3_5, config_qwen3_moe, drafter_knobs
 from dflash_jax.errors import DFlashError
 from dflash_jax.family import FamilyModel
 from dflash_jax.io import drafter as io_drafter
@@ -291,7 +291,9 @@ def load_hf_drafter(folder: str | os.PathLike, target_cfg=None, dtype: str = "fl
     Args:
       folder: the checkpoint folder.
       target_cfg: when given, the drafter is checked against it (hidden size, vocab, captured
-        layer ids, mask id, block size).
+        layer ids, mask id, block size) and a DFlash drafter's ``input_embedding_scale`` /
+        ``final_logit_softcapping`` are restated against the target family's embedding and head
+        (:func:`dflash_jax.drafter_knobs.knobs_through_family`).
       dtype: parameter dtype name.
     Returns:
       The config and the params of the kind's model (:mod:`dflash_jax.models.drafter`,
@@ -308,6 +310,8 @@ def load_hf_drafter(folder: str | os.PathLike, target_cfg=None, dtype: str = "fl
     cfg = drafter_config_from_hf(config.read_json(config_path), config_path).with_dtype(target.name)
     if target_cfg is not None:
         config.check_drafter_fits(cfg, target_cfg, source=config_path)
+        if cfg.architecture == config.DFLASH_DRAFTER:  # z-lab's Gemma knobs, restated against the family
+            cfg = drafter_knobs.knobs_through_family(cfg, target_cfg, config_path)
     return drafter_kind(cfg.architecture).load_hf(folder, cfg, target)
 
 

@@ -110,3 +110,57 @@ def test_greedy_plain_and_dflash_match_transformers(case, chunk):
     assert ours_greedy(cfg, params, prompt, n, chunk, drafter)[0] == want
     if chunk == 3:  # tree verification too (a tree's RoPE positions, windows and mask; its accepted path moved)
         assert ours_greedy(cfg, params, prompt, n, chunk, drafter, tree=3)[0] == want
+
+
+def _draft_logits_match_zlab(zlab, draft, model, cfg, params, d_cfg, d_params, context):
+    """One draft block's logits: z-lab's drafter (raw embedding times its scale, raw head, its cap)
+    against ours (through the family's embed and lm_head)."""
+    from dflash_jax.models import drafter
+
+    c = len(context)
+    block = [context[-1]] + [V - 1] * 3
+    with torch.no_grad():
+        hidden = model(torch.tensor([context]), output_hidden_states=True, use_cache=False).hidden_states
+        ctx = zlab.extract_context_feature(hidden, [1, 3])
+        noise = zlab._raw_input_embeddings(model, torch.tensor([block]), float(draft.config.dflash_config["input_embedding_scale"]))
+        h = draft(position_ids=torch.arange(c + 4)[None], noise_embedding=noise, target_hidden=ctx, use_cache=False)
+        want = draft.compute_logits(h, model.lm_head).numpy()
+    k, v = drafter.context_kv(d_params, d_cfg, jnp.asarray(ctx.numpy()), jnp.arange(c, dtype=jnp.int32)[None])
+    bpos = c + jnp.arange(4, dtype=jnp.int32)[None]
+    h = drafter.forward(d_params, d_cfg, params, cfg, jnp.asarray([block]), bpos, k, v, jnp.asarray([c]))
+    assert _rel(drafter.logits(d_params, d_cfg, params, cfg, h), want) < TOL
+
+
+def test_same_tokens_and_verify_steps_as_zlab_dflash_generate(case, tmp_path):
+    """z-lab's reference loop on the transformers target, with a steered z-lab drafter carrying the
+    Gemma knobs (``input_embedding_scale`` = sqrt(H) on the raw embedding, the target's
+    ``final_logit_softcapping``), gives the tokens and verify steps ours gives on the loaded
+    checkpoints (the knobs restated against the family: applied once, through it)."""
+    zlab = pytest.importorskip("dflash.model")
+    from dflash_jax.registry import load_hf_drafter
+    from tests.hf_oracle import steer_to, zlab_generate
+
+    model, cfg, params, _ = case
+    prompt, n = [3, 17, 42, 8, 11, 5, 29], 16
+    free = hf_greedy(model, prompt, n)
+    dc = transformers.Qwen3Config(vocab_size=V, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                                  num_key_value_heads=2, head_dim=16, max_position_embeddings=256, rms_norm_eps=1e-6)
+    dc.architectures, dc.num_target_layers = ["DFlashDraftModel"], cfg.num_hidden_layers
+    dc.dflash_config = {"mask_token_id": V - 1, "target_layer_ids": [1, 3], "block_size": 4,
+                        "input_embedding_scale": 64 ** 0.5, "final_logit_softcapping": 3.0}
+    torch.manual_seed(2)
+    draft = zlab.DFlashDraftModel(dc).eval()
+    steer_to(draft, model, max(set(free), key=free.count), V - 1, damp=0.3)
+    draft.save_pretrained(tmp_path, safe_serialization=True)
+    want, accepted = zlab_generate(zlab, draft, model, prompt, n, block_size=4)
+    assert max(accepted) > 1, "the steered drafter should get some blocks accepted"
+    d_cfg, d_params = load_hf_drafter(tmp_path, cfg)
+    assert d_cfg.input_embedding_scale == 1.0 and d_cfg.final_logit_softcapping == 0.0  # the family's, applied by it
+    _draft_logits_match_zlab(zlab, draft, model, cfg, params, d_cfg, d_params, prompt[:5])
+    got, steps = ours_greedy(cfg, params, prompt, n, 4, (d_cfg, d_params))
+    assert got == want == free and steps == len(accepted)
+    dc.dflash_config = dict(dc.dflash_config, final_logit_softcapping=None)
+    draft.config = dc
+    draft.save_pretrained(tmp_path, safe_serialization=True)
+    with pytest.raises(DFlashError, match="field dflash_config.final_logit_softcapping"):
+        load_hf_drafter(tmp_path, cfg)
