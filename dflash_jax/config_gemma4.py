@@ -28,7 +28,10 @@ class Gemma4Config:
     ``head_dims`` / ``kv_heads`` / ``ropes``: per layer type, in :data:`LAYER_TYPES` order
     (sliding, full); a rope is ``(rope_type, rope_theta, partial_rotary_factor, factor)``.
     ``per_layer_input``: ``hidden_size_per_layer_input`` (0: no per-layer embeddings), with
-    ``per_layer_vocab`` rows. ``final_logit_softcapping``: 0 for none. ``dtype``: compute and
+    ``per_layer_vocab`` rows. ``final_logit_softcapping``: 0 for none. The last
+    ``num_kv_shared_layers`` layers compute no keys or values: each attends those of the last
+    earlier layer of its type (transformers' ``kv_sharing_modes`` "reuse" / "store"), and with
+    ``use_double_wide_mlp`` has an MLP twice ``intermediate_size`` wide. ``dtype``: compute and
     parameter dtype name.
     """
 
@@ -45,6 +48,8 @@ class Gemma4Config:
     per_layer_input: int = 0
     per_layer_vocab: int = 0
     final_logit_softcapping: float = 0.0
+    num_kv_shared_layers: int = 0
+    use_double_wide_mlp: bool = False
     rms_norm_eps: float = 1e-6
     tie_word_embeddings: bool = True
     max_position_embeddings: int = 131072
@@ -53,6 +58,11 @@ class Gemma4Config:
     def __post_init__(self):
         if len(self.layer_types) != self.num_hidden_layers or any(t not in LAYER_TYPES for t in self.layer_types):
             raise DFlashError("config: layer_types", f"{self.layer_types!r}", f"{self.num_hidden_layers} entries of {LAYER_TYPES}")
+        first = self.num_hidden_layers - self.num_kv_shared_layers
+        if self.num_kv_shared_layers and {t for t in self.layer_types[:first]} != set(self.layer_types):
+            raise DFlashError("config: num_kv_shared_layers", f"{self.num_kv_shared_layers} shared layers, whose types "
+                              f"{sorted(set(self.layer_types[first:]))} not all computed by an earlier layer",
+                              "an earlier layer of every shared layer's type")
         for kv in self.kv_heads:
             if self.num_attention_heads % kv:
                 raise DFlashError("config: num_key_value_heads", f"{kv} does not divide num_attention_heads="
@@ -62,13 +72,24 @@ class Gemma4Config:
         """0 for a sliding layer, 1 for a full one (index into ``head_dims``, ``kv_heads``, ``ropes``)."""
         return LAYER_TYPES.index(self.layer_types[layer])
 
-    def index_in_kind(self, layer: int) -> int:
-        """The layer's index among the layers of its type (its row of that type's KV cache)."""
-        return sum(t == self.layer_types[layer] for t in self.layer_types[:layer])
+    def shares_kv(self, layer: int) -> bool:
+        """Whether the layer reuses an earlier layer's keys and values (computes none)."""
+        return layer >= self.num_hidden_layers - self.num_kv_shared_layers
 
     def count(self, kind: int) -> int:
-        """The number of layers of type ``kind``."""
-        return sum(t == LAYER_TYPES[kind] for t in self.layer_types)
+        """The number of layers of type ``kind`` that compute keys and values (rows of its KV stack)."""
+        return sum(t == LAYER_TYPES[kind] and not self.shares_kv(i) for i, t in enumerate(self.layer_types))
+
+    def kv_row(self, layer: int) -> int:
+        """The layer's row of its type's KV stack: its own, or (KV sharing) the last earlier
+        computing layer's of its type."""
+        if self.shares_kv(layer):
+            return self.count(self.kind(layer)) - 1
+        return sum(t == self.layer_types[layer] for t in self.layer_types[:layer])
+
+    def mlp_size(self, layer: int) -> int:
+        """The layer's MLP width (doubled on KV-sharing layers under ``use_double_wide_mlp``)."""
+        return self.intermediate_size * (2 if self.use_double_wide_mlp and self.shares_kv(layer) else 1)
 
     @property
     def embedding_scale(self) -> float:
@@ -80,8 +101,7 @@ class Gemma4Config:
 
 
 # (field, value it must have): options this implementation does not run, refused by name
-_REFUSED = (("num_kv_shared_layers", 0), ("attention_k_eq_v", False), ("enable_moe_block", False),
-            ("use_double_wide_mlp", False), ("use_bidirectional_attention", None), ("attention_bias", False),
+_REFUSED = (("attention_k_eq_v", False), ("enable_moe_block", False), ("use_bidirectional_attention", None), ("attention_bias", False),
             ("attn_logit_softcapping", None), ("hidden_activation", "gelu_pytorch_tanh"))
 
 
@@ -125,6 +145,13 @@ def _full_layer_sizes(cfg: Mapping[str, Any], types: list, source: str) -> tuple
     return sizes.pop() if sizes else (int(cfg.get("head_dim")), kv)
 
 
+def _kv_shared(cfg: Mapping[str, Any], n_layers: int, source: str) -> int:
+    n = int(_get(cfg, "num_kv_shared_layers", source, int, 0))
+    if not 0 <= n < n_layers:
+        raise DFlashError(f"{source}: field num_kv_shared_layers", f"got {n}", f"in [0, num_hidden_layers={n_layers})")
+    return n
+
+
 def gemma4_config_from_hf(cfg: Mapping[str, Any], source: str = "config.json") -> Gemma4Config:
     """Builds a :class:`Gemma4Config` from a parsed ``config.json`` (``Gemma4TextConfig``; a
     multimodal ``Gemma4Config`` is read through its ``text_config``).
@@ -134,8 +161,7 @@ def gemma4_config_from_hf(cfg: Mapping[str, Any], source: str = "config.json") -
 
     Raises:
       DFlashError: a required field missing or ill-typed, a non-positive size, or an option this
-        implementation does not run: ``num_kv_shared_layers`` > 0 (KV sharing),
-        ``attention_k_eq_v``, ``enable_moe_block``, ``use_double_wide_mlp``,
+        implementation does not run: ``attention_k_eq_v``, ``enable_moe_block``,
         ``use_bidirectional_attention``, ``attention_bias``, ``attn_logit_softcapping``, a
         ``hidden_activation`` other than ``gelu_pytorch_tanh``, a RoPE type other than
         ``default``/``proportional``; names ``source`` and the field.
@@ -164,7 +190,8 @@ def gemma4_config_from_hf(cfg: Mapping[str, Any], source: str = "config.json") -
         kv_heads=(pos("num_key_value_heads"), _positive(full_kv, "num_key_value_heads", source)),
         ropes=tuple(_rope(cfg, t, source) for t in LAYER_TYPES), sliding_window=pos("sliding_window"),
         per_layer_input=ple, per_layer_vocab=pos("vocab_size_per_layer_input") if ple else 0,
-        final_logit_softcapping=float(softcap) if softcap else 0.0,
+        final_logit_softcapping=float(softcap) if softcap else 0.0, num_kv_shared_layers=_kv_shared(cfg, n_layers, source),
+        use_double_wide_mlp=bool(cfg.get("use_double_wide_mlp") or False),
         rms_norm_eps=float(_get(cfg, "rms_norm_eps", source, (int, float), 1e-6)),
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", True)),
         max_position_embeddings=int(cfg.get("max_position_embeddings") or 131072),

@@ -68,7 +68,7 @@ def test_unsupported_options_refused_by_name(case):
     base = json.loads((folder / "config.json").read_text())
     fam = family_for_hf(base)
     assert fam.name == "gemma4"
-    for key, value in (("num_kv_shared_layers", 2), ("attention_k_eq_v", True), ("enable_moe_block", True),
+    for key, value in (("num_kv_shared_layers", 5), ("attention_k_eq_v", True), ("enable_moe_block", True),
                        ("hidden_activation", "silu")):
         with pytest.raises(DFlashError, match=f"c.json: field {key}"):
             fam.parse_hf(dict(base, **{key: value}), "c.json")
@@ -98,18 +98,17 @@ def test_logits_and_capture_match_transformers(case):
     assert _rel(feats[:, :, 0], hidden[2].numpy()) < TOL and _rel(feats[:, :, 1], hidden[4].numpy()) < TOL
 
 
-@pytest.mark.parametrize("chunk", [32, 3])
-def test_greedy_plain_and_dflash_match_transformers(case, chunk):
-    """One prefill chunk and chunks of 3 (with trees), plain and DFlash, against transformers' greedy
-    decode past the sliding window."""
+def test_greedy_plain_and_dflash_match_transformers(case):
+    """One prefill chunk plain and DFlash, chunks of 3 with DFlash trees, against transformers'
+    greedy decode past the sliding window (chunks of 3 plain and DFlash chains: the KV-sharing test)."""
     model, cfg, params, _ = case
     prompt, n = [3, 17, 42, 8, 11, 5, 29], 12
     want = hf_greedy(model, prompt, n)
-    assert ours_greedy(cfg, params, prompt, n, chunk)[0] == want
+    assert ours_greedy(cfg, params, prompt, n, 32)[0] == want
     drafter = tiny_drafter(cfg, seed=1, layer_ids=(1, 3), block_size=4)
-    assert ours_greedy(cfg, params, prompt, n, chunk, drafter)[0] == want
-    if chunk == 3:  # tree verification too (a tree's RoPE positions, windows and mask; its accepted path moved)
-        assert ours_greedy(cfg, params, prompt, n, chunk, drafter, tree=3)[0] == want
+    assert ours_greedy(cfg, params, prompt, n, 32, drafter)[0] == want
+    # tree verification (a tree's RoPE positions, windows and mask; its accepted path moved)
+    assert ours_greedy(cfg, params, prompt, n, 3, drafter, tree=3)[0] == want
 
 
 def _draft_logits_match_zlab(zlab, draft, model, cfg, params, d_cfg, d_params, context):
@@ -164,3 +163,28 @@ def test_same_tokens_and_verify_steps_as_zlab_dflash_generate(case, tmp_path):
     draft.save_pretrained(tmp_path, safe_serialization=True)
     with pytest.raises(DFlashError, match="field dflash_config.final_logit_softcapping"):
         load_hf_drafter(tmp_path, cfg)
+
+
+def test_kv_sharing_and_no_per_layer_inputs_match_transformers(tmp_path):
+    """``num_kv_shared_layers=2`` (layers 3 and 4 attend the keys and values of layers 2 and 1) with
+    double-wide MLPs on those layers, no per-layer inputs, untied head, no soft-cap: logits (one pass
+    and chunked) and greedy plain and DFlash decoding against transformers."""
+    conf = dict(CONF, num_kv_shared_layers=2, use_double_wide_mlp=True, hidden_size_per_layer_input=0, tie_word_embeddings=False,
+                final_logit_softcapping=None)
+    model = save_tiny("Gemma4TextConfig", "Gemma4ForCausalLM", tmp_path, seed=4, **conf)
+    cfg, params = load_hf_target(tmp_path)
+    assert cfg.num_kv_shared_layers == 2 and "wk" not in params["layer3"] and params["layer4"]["w_up"].shape == (64, 192)
+    assert gemma4.init_cache(cfg, 1, 8).k_sliding.shape[0] == 2 and "embed_pl" not in params and "lm_head" in params
+    b, t = 2, 11
+    tokens = np.random.default_rng(8).integers(0, V, (b, t)).astype(np.int32)
+    want = hf_logits(model, tokens)
+    pos = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+    cache, out = gemma4.init_cache(cfg, b, t), []
+    for s in range(0, t, 4):
+        logits, cache, _ = _forward(params, cfg, jnp.asarray(tokens[:, s : s + 4]), pos[:, s : s + 4], cache)
+        out.append(logits)
+    assert _rel(jnp.concatenate(out, axis=1), want) < TOL
+    prompt, n = [3, 17, 42, 8, 11, 5, 29], 10
+    want = hf_greedy(model, prompt, n)
+    assert ours_greedy(cfg, params, prompt, n, 3)[0] == want
+    assert ours_greedy(cfg, params, prompt, n, 3, tiny_drafter(cfg, seed=1, layer_ids=(1, 4), block_size=4))[0] == want

@@ -35,6 +35,8 @@ def hf_names(cfg: Gemma4Config) -> dict[str, tuple[tuple[str, ...], None, bool]]
                       "model.per_layer_projection_norm.weight": (("pl_norm",), None, False)})
     for i in range(cfg.num_hidden_layers):
         per = dict(_LAYER, **(_PER_LAYER_INPUT if cfg.per_layer_input else {}))
+        if cfg.shares_kv(i):  # transformers builds no k/v projections or k norm on a KV-sharing layer
+            per = {k: v for k, v in per.items() if v[0] not in ("wk", "wv", "k_norm")}
         for suffix, (leaf, t) in per.items():
             names[f"model.layers.{i}.{suffix}"] = ((f"layer{i}", leaf), None, t)
     return names

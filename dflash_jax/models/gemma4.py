@@ -24,10 +24,11 @@ reach both through the family. Per-layer inputs (``hidden_size_per_layer_input``
 with ``e`` the scaled embedding.
 
 Covered: the above (sliding/full mix, per-type head sizes and RoPE, q/k/v norms, sandwich norms,
-layer scalars, per-layer inputs, final-logit soft-cap, tied or untied head). Refused by the config
-parser (:func:`~dflash_jax.config_gemma4.gemma4_config_from_hf`): KV sharing
-(``num_kv_shared_layers``), ``attention_k_eq_v``, the MoE block, double-wide MLPs, bidirectional
-attention, attention biases, attention-logit soft-capping.
+layer scalars, per-layer inputs, KV sharing (``num_kv_shared_layers``: the last layers attend the
+keys and values of the last earlier layer of their type, and have no ``wk``/``wv``/``k_norm``),
+double-wide MLPs on those layers, final-logit soft-cap, tied or untied head). Refused by the config
+parser (:func:`~dflash_jax.config_gemma4.gemma4_config_from_hf`): ``attention_k_eq_v``, the MoE
+block, bidirectional attention, attention biases, attention-logit soft-capping.
 
 Layers are held one per key (``"layer{i}"``, no layer axis: sliding and full layers differ in
 shape) and run as an unrolled Python loop. Parameter pytree (``[in, out]`` weights)::
@@ -39,8 +40,8 @@ shape) and run as an unrolled Python loop. Parameter pytree (``[in, out]`` weigh
                   "post_mlp_norm": [H], "scalar": [1]; "pl_gate": [H, P], "pl_out": [P, H],
                   "post_pl_norm": [H] with per-layer inputs}}
 
-The cache (:class:`Gemma4Cache`) holds one dense KV stack per layer type (every position kept; a
-sliding layer masks the keys outside its window).
+The cache (:class:`Gemma4Cache`) holds one dense KV stack per layer type, a row per layer that
+computes keys and values (every position kept; a sliding layer masks the keys outside its window).
 """
 
 from __future__ import annotations
@@ -86,7 +87,9 @@ class Gemma4Cache:
 
 def _layer_specs(cfg: Gemma4Config, i: int) -> dict:
     H, kind = cfg.hidden_size, cfg.kind(i)
-    s = decoder_layer(H, cfg.num_attention_heads, cfg.kv_heads[kind], cfg.head_dims[kind], cfg.intermediate_size, qk_norm=True)
+    s = decoder_layer(H, cfg.num_attention_heads, cfg.kv_heads[kind], cfg.head_dims[kind], cfg.mlp_size(i), qk_norm=True)
+    if cfg.shares_kv(i):  # keys and values of an earlier layer: no projections of its own
+        del s["wk"], s["wv"], s["k_norm"]
     s.update(post_attn_norm=ParamSpec((H,), ("embed",), "norm"), post_mlp_norm=ParamSpec((H,), ("embed",), "norm"),
              scalar=ParamSpec((1,), (None,), "norm"))
     if cfg.per_layer_input:
@@ -191,15 +194,16 @@ def _unit_rms(x: jnp.ndarray, eps: float) -> jnp.ndarray:
 def _layer(cfg: Gemma4Config, i: int, lp: dict, x, kv: list, pli, positions, rope_pos, visible, n_keys):
     """Decoder layer ``i`` on ``x [B, T, H]`` (module docstring); writes its K/V rows into
     ``kv[kind]`` (``[k, v]`` stacks of its type) and attends them. Returns ``x``."""
-    eps, kind, row = cfg.rms_norm_eps, cfg.kind(i), cfg.index_in_kind(i)
+    eps, kind, row = cfg.rms_norm_eps, cfg.kind(i), cfg.kv_row(i)
     d, hq, hkv = cfg.head_dims[kind], cfg.num_attention_heads, cfg.kv_heads[kind]
     freqs = inv_freq(cfg, kind)
     h = rms_norm(x, lp["attn_norm"], eps)
     q = apply_rope(rms_norm(split_heads(h @ lp["wq"], hq, d), lp["q_norm"], eps), rope_pos, freqs)
-    k = apply_rope(rms_norm(split_heads(h @ lp["wk"], hkv, d), lp["k_norm"], eps), rope_pos, freqs)
-    v = _unit_rms(split_heads(h @ lp["wv"], hkv, d), eps)
-    k_all, v_all = write_layer_rows(kv[kind][0], row, k, positions), write_layer_rows(kv[kind][1], row, v, positions)
-    kv[kind] = [k_all, v_all]
+    if not cfg.shares_kv(i):  # a KV-sharing layer attends the rows its type's last computing layer wrote
+        k = apply_rope(rms_norm(split_heads(h @ lp["wk"], hkv, d), lp["k_norm"], eps), rope_pos, freqs)
+        v = _unit_rms(split_heads(h @ lp["wv"], hkv, d), eps)
+        kv[kind] = [write_layer_rows(kv[kind][0], row, k, positions), write_layer_rows(kv[kind][1], row, v, positions)]
+    k_all, v_all = kv[kind]
     q = q * jnp.asarray(d ** 0.5, q.dtype)  # cache_attention scales by D^-1/2; Gemma 4's scale is 1
     a = cache_attention(q, k_all, v_all, row, n_keys, visible[kind])
     b, t = x.shape[:2]
