@@ -153,8 +153,7 @@ def _kv_shared(cfg: Mapping[str, Any], n_layers: int, source: str) -> int:
 
 
 def gemma4_config_from_hf(cfg: Mapping[str, Any], source: str = "config.json") -> Gemma4Config:
-    """Builds a :class:`Gemma4Config` from a parsed ``config.json`` (``Gemma4TextConfig``; a
-    multimodal ``Gemma4Config`` is read through its ``text_config``).
+    """Builds a :class:`Gemma4Config` from a parsed ``config.json`` (``Gemma4TextConfig``).
 
     ``layer_types`` defaults to transformers' pattern (every sixth layer full) and its last
     entry is forced to ``full_attention`` as transformers does.
@@ -166,9 +165,6 @@ def gemma4_config_from_hf(cfg: Mapping[str, Any], source: str = "config.json") -
         ``hidden_activation`` other than ``gelu_pytorch_tanh``, a RoPE type other than
         ``default``/``proportional``; names ``source`` and the field.
     """
-    if isinstance(cfg.get("text_config"), Mapping):
-        cfg, source = cfg["text_config"], f"{source}: text_config"
-
     def pos(key, default=dataclasses.MISSING):
         return _positive(_get(cfg, key, source, int, default), key, source)
 

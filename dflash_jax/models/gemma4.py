@@ -64,7 +64,6 @@ from dflash_jax.nn import embedding
 from dflash_jax.nn.attention import TreeBlock, block_visible, rope_positions, windowed
 from dflash_jax.nn.layer import split_heads
 from dflash_jax.nn.live_attention import cache_attention, live_keys
-from dflash_jax.nn.norms import rms_norm
 from dflash_jax.nn.rope import apply_rope
 
 Params = dict[str, Any]
@@ -181,14 +180,23 @@ def per_layer_inputs(params: Params, cfg: Gemma4Config, tokens: jnp.ndarray, x: 
     Pl, n = cfg.per_layer_input, cfg.num_hidden_layers
     e = params["embed_pl"]
     tok = (jnp.take(e, tokens, axis=0) * jnp.asarray(Pl ** 0.5, e.dtype)).reshape(b, t, n, Pl)
-    proj = (x @ params["pl_proj"]) * jnp.asarray(cfg.hidden_size ** -0.5, x.dtype)
-    proj = rms_norm(proj.reshape(b, t, n, Pl), params["pl_norm"], cfg.rms_norm_eps)
-    return (proj + tok.astype(x.dtype)) * jnp.asarray(2.0 ** -0.5, x.dtype)
+    proj = _scaled(x @ params["pl_proj"], cfg.hidden_size ** -0.5)
+    proj = rms(proj.reshape(b, t, n, Pl), params["pl_norm"], cfg.rms_norm_eps)
+    return _scaled(proj + tok.astype(x.dtype), 2.0 ** -0.5)
 
 
-def _unit_rms(x: jnp.ndarray, eps: float) -> jnp.ndarray:
+def rms(x: jnp.ndarray, weight: jnp.ndarray | None, eps: float) -> jnp.ndarray:
+    """Gemma 4's RMSNorm of the last axis of ``x [..., D]``: ``x * (mean(x^2) + eps)^-1/2`` times
+    ``weight [D]`` (none: ``v_norm``), all in float32, cast to ``x.dtype`` at the end (transformers
+    ``Gemma4RMSNorm``: the weight multiplies before the cast, unlike Llama's)."""
     x32 = x.astype(jnp.float32)
-    return (x32 / jnp.sqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)).astype(x.dtype)
+    y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    return (y if weight is None else y * weight.astype(jnp.float32)).astype(x.dtype)
+
+
+def _scaled(x: jnp.ndarray, factor: float) -> jnp.ndarray:
+    """``x * factor`` computed in float32 (a Python scalar times a tensor in torch), cast back."""
+    return (x.astype(jnp.float32) * factor).astype(x.dtype)
 
 
 def _layer(cfg: Gemma4Config, i: int, lp: dict, x, kv: list, pli, positions, rope_pos, visible, n_keys):
@@ -197,23 +205,23 @@ def _layer(cfg: Gemma4Config, i: int, lp: dict, x, kv: list, pli, positions, rop
     eps, kind, row = cfg.rms_norm_eps, cfg.kind(i), cfg.kv_row(i)
     d, hq, hkv = cfg.head_dims[kind], cfg.num_attention_heads, cfg.kv_heads[kind]
     freqs = inv_freq(cfg, kind)
-    h = rms_norm(x, lp["attn_norm"], eps)
-    q = apply_rope(rms_norm(split_heads(h @ lp["wq"], hq, d), lp["q_norm"], eps), rope_pos, freqs)
+    h = rms(x, lp["attn_norm"], eps)
+    q = apply_rope(rms(split_heads(h @ lp["wq"], hq, d), lp["q_norm"], eps), rope_pos, freqs)
     if not cfg.shares_kv(i):  # a KV-sharing layer attends the rows its type's last computing layer wrote
-        k = apply_rope(rms_norm(split_heads(h @ lp["wk"], hkv, d), lp["k_norm"], eps), rope_pos, freqs)
-        v = _unit_rms(split_heads(h @ lp["wv"], hkv, d), eps)
+        k = apply_rope(rms(split_heads(h @ lp["wk"], hkv, d), lp["k_norm"], eps), rope_pos, freqs)
+        v = rms(split_heads(h @ lp["wv"], hkv, d), None, eps)
         kv[kind] = [write_layer_rows(kv[kind][0], row, k, positions), write_layer_rows(kv[kind][1], row, v, positions)]
     k_all, v_all = kv[kind]
-    q = q * jnp.asarray(d ** 0.5, q.dtype)  # cache_attention scales by D^-1/2; Gemma 4's scale is 1
+    q = _scaled(q, d ** 0.5)  # cache_attention scales by D^-1/2; Gemma 4's scale is 1
     a = cache_attention(q, k_all, v_all, row, n_keys, visible[kind])
     b, t = x.shape[:2]
-    x = x + rms_norm(a.reshape(b, t, hq * d) @ lp["wo"], lp["post_attn_norm"], eps)
-    h = rms_norm(x, lp["mlp_norm"], eps)
+    x = x + rms(a.reshape(b, t, hq * d) @ lp["wo"], lp["post_attn_norm"], eps)
+    h = rms(x, lp["mlp_norm"], eps)
     m = (jax.nn.gelu(h @ lp["w_gate"], approximate=True) * (h @ lp["w_up"])) @ lp["w_down"]
-    x = x + rms_norm(m, lp["post_mlp_norm"], eps)
+    x = x + rms(m, lp["post_mlp_norm"], eps)
     if cfg.per_layer_input:
         g = jax.nn.gelu(x @ lp["pl_gate"], approximate=True) * pli[:, :, i]
-        x = x + rms_norm(g @ lp["pl_out"], lp["post_pl_norm"], eps)
+        x = x + rms(g @ lp["pl_out"], lp["post_pl_norm"], eps)
     return x * lp["scalar"].astype(x.dtype)
 
 
@@ -249,7 +257,7 @@ def forward_hidden(
     for i in range(n_layers):
         x = _layer(cfg, i, params[f"layer{i}"], x, kv, pli, positions, rope_pos, visible, n_keys)
         cap = captures.keep(capture, cap, x, int(slot_of[i]))
-    final_norm = lambda y: rms_norm(y, params["norm"], cfg.rms_norm_eps)  # noqa: E731
+    final_norm = lambda y: rms(y, params["norm"], cfg.rms_norm_eps)  # noqa: E731
     capture = captures.write(capture, cap, positions, n_layers, final_norm)
     return final_norm(x), Gemma4Cache(kv[0][0], kv[0][1], kv[1][0], kv[1][1]), capture
 
