@@ -188,3 +188,41 @@ def test_kv_sharing_and_no_per_layer_inputs_match_transformers(tmp_path):
     want = hf_greedy(model, prompt, n)
     assert ours_greedy(cfg, params, prompt, n, 3)[0] == want
     assert ours_greedy(cfg, params, prompt, n, 3, tiny_drafter(cfg, seed=1, layer_ids=(1, 4), block_size=4))[0] == want
+
+
+_MESH = """
+import jax, numpy as np
+jax.config.update("jax_default_matmul_precision", "highest")
+from dflash_jax import decode, sharding as shd
+from dflash_jax.decoding import Decoding, Params
+from dflash_jax.registry import family_for_hf, module_for
+from dflash_jax.testing import tiny_drafter
+from tests.test_families import TINY_HF
+
+hf = dict(TINY_HF["gemma4"], num_hidden_layers=4, layer_types=["sliding_attention", "full_attention"] * 2, num_kv_shared_layers=2,
+          per_layer_config={"1": {"head_dim": 16}, "3": {"head_dim": 16}})
+cfg = family_for_hf(hf).parse_hf(hf, "hf")
+m = module_for(cfg)
+p = m.init_params(cfg, jax.random.key(3), 0.3)
+dcfg, dp = tiny_drafter(cfg, seed=1, layer_ids=(0, 2))
+static = Decoding(cfg, dcfg)
+
+def run(p, mesh=None):
+    st = decode.init_state(static, [[5, 9, 17, 3], [40, 2, 7]], 32, 12)
+    st = st if mesh is None else shd.shard_state(st, mesh)
+    return decode.generate(Params(p, dp), decode.prefill(Params(p, dp), st, static, 4), static)
+
+mesh = shd.make_mesh(data=2, model=2)
+a, b = run(p), run(shd.shard_params(p, m.param_axes(cfg), mesh), mesh)
+assert (np.asarray(a.tokens) == np.asarray(b.tokens)).all() and (np.asarray(a.length) == np.asarray(b.length)).all()
+print("OK")
+"""
+
+
+@pytest.mark.slow
+def test_a_mesh_answers_as_one_device():
+    """``param_axes`` and the per-type KV cache's axes on a ``data=2, model=2`` mesh (4 CPU devices):
+    DFlash greedy decoding with KV sharing and per-layer inputs gives one device's tokens."""
+    from conftest import run_on_cpu_devices
+
+    run_on_cpu_devices(_MESH, 4, timeout=600)
