@@ -153,7 +153,9 @@ def _kv_shared(cfg: Mapping[str, Any], n_layers: int, source: str) -> int:
 
 
 def gemma4_config_from_hf(cfg: Mapping[str, Any], source: str = "config.json") -> Gemma4Config:
-    """Builds a :class:`Gemma4Config` from a parsed ``config.json`` (``Gemma4TextConfig``).
+    """Builds a :class:`Gemma4Config` from a parsed ``config.json`` (``Gemma4TextConfig``, or a
+    ``Gemma4ForConditionalGeneration``'s nested ``text_config``: its text decoder; a top-level
+    ``tie_word_embeddings`` applies where the text config has none).
 
     ``layer_types`` defaults to transformers' pattern (every sixth layer full) and its last
     entry is forced to ``full_attention`` as transformers does.
@@ -165,6 +167,10 @@ def gemma4_config_from_hf(cfg: Mapping[str, Any], source: str = "config.json") -
         ``hidden_activation`` other than ``gelu_pytorch_tanh``, a RoPE type other than
         ``default``/``proportional``; names ``source`` and the field.
     """
+    if isinstance(cfg.get("text_config"), Mapping):
+        tied = cfg.get("tie_word_embeddings", True)
+        cfg, source = dict({"tie_word_embeddings": tied}, **cfg["text_config"]), f"{source}: text_config"
+
     def pos(key, default=dataclasses.MISSING):
         return _positive(_get(cfg, key, source, int, default), key, source)
 

@@ -143,9 +143,10 @@ TARGET_FAMILIES: tuple[TargetFamily, ...] = (
         model=FamilyModel.of_module(qwen3_5_model), load_hf=qwen3_5_io.load_qwen3_5_target, load_gguf=_no_gguf("qwen3_5"),
         gguf_config=_no_gguf("qwen3_5"),
     ),
-    # Gemma 4 text (sliding/full layers of their own head sizes, per-layer inputs, logit soft-cap); HF only
+    # Gemma 4 text, and Gemma4ForConditionalGeneration's text decoder (sliding/full layers of their own head sizes,
+    # per-layer inputs, KV sharing, logit soft-cap); HF only
     TargetFamily(
-        name="gemma4", config_type=config_gemma4.Gemma4Config, hf_architectures=("Gemma4ForCausalLM",),
+        name="gemma4", config_type=config_gemma4.Gemma4Config, hf_architectures=("Gemma4ForCausalLM", "Gemma4ForConditionalGeneration"),
         hf_model_types=("gemma4_text",), gguf_architectures=(), parse_hf=config_gemma4.gemma4_config_from_hf,
         model=FamilyModel.of_module(gemma4_model), load_hf=gemma4_io.load_gemma4_target, load_gguf=_no_gguf("gemma4"),
         gguf_config=_no_gguf("gemma4"),

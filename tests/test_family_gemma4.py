@@ -226,3 +226,24 @@ def test_a_mesh_answers_as_one_device():
     from conftest import run_on_cpu_devices
 
     run_on_cpu_devices(_MESH, 4, timeout=600)
+
+
+def test_conditional_generation_checkpoint_text_part(tmp_path):
+    """A ``Gemma4ForConditionalGeneration`` checkpoint (nested ``text_config``, tensors under
+    ``model.language_model.``, the vision tower skipped) loads as its text decoder: text-only
+    logits equal transformers'."""
+    text = dict(CONF, num_hidden_layers=2, layer_types=TYPES[:2])
+    vision = dict(hidden_size=16, intermediate_size=16, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2, head_dim=8)
+    torch.manual_seed(5)
+    model = transformers.Gemma4ForConditionalGeneration(transformers.Gemma4Config(text_config=text, vision_config=vision,
+                                                                                  audio_config=None)).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "language_model" in name:
+                p.copy_(1.0 + 0.2 * torch.randn_like(p) if "norm" in name else 0.1 * torch.randn_like(p))
+    model.save_pretrained(str(tmp_path))
+    cfg, params = load_hf_target(tmp_path)
+    assert isinstance(cfg, Gemma4Config) and cfg.num_hidden_layers == 2 and cfg.per_layer_input == 8
+    tokens = np.random.default_rng(3).integers(0, V, (1, 9)).astype(np.int32)
+    got, _, _ = _forward(params, cfg, jnp.asarray(tokens), jnp.arange(9, dtype=jnp.int32)[None], gemma4.init_cache(cfg, 1, 9))
+    assert _rel(got, hf_logits(model, tokens)) < TOL

@@ -2,7 +2,10 @@
 and the params of :mod:`dflash_jax.models.gemma4`, read tensor by tensor.
 
 Tensor names: transformers 5.25 ``save_pretrained`` of ``Gemma4ForCausalLM`` (``model.`` prefix;
-``model.layers.{i}.layer_scalar`` is a saved buffer of shape ``[1]``).
+``model.layers.{i}.layer_scalar`` is a saved buffer of shape ``[1]``), or the text decoder of a
+``Gemma4ForConditionalGeneration`` (``model.language_model.`` prefix; its vision and audio towers
+and embedders, ``model.vision_tower.*``, ``model.audio_tower.*``, ``model.embed_vision.*``,
+``model.embed_audio.*``, skipped).
 """
 
 from __future__ import annotations
@@ -24,21 +27,25 @@ _PER_LAYER_INPUT = {"per_layer_input_gate.weight": ("pl_gate", True), "per_layer
                     "post_per_layer_input_norm.weight": ("post_pl_norm", False)}
 
 
-def hf_names(cfg: Gemma4Config) -> dict[str, tuple[tuple[str, ...], None, bool]]:
-    """``{tensor name: (pytree path, None, transpose)}`` of every parameter (module docstring)."""
-    names: dict = {"model.embed_tokens.weight": (("embed",), None, False), "model.norm.weight": (("norm",), None, False)}
+_MULTIMODAL = ("model.vision_tower.", "model.audio_tower.", "model.embed_vision.", "model.embed_audio.")
+
+
+def hf_names(cfg: Gemma4Config, prefix: str = "model.") -> dict[str, tuple[tuple[str, ...], None, bool]]:
+    """``{tensor name: (pytree path, None, transpose)}`` of every parameter (module docstring);
+    ``prefix``: ``"model."`` or ``"model.language_model."``."""
+    names: dict = {f"{prefix}embed_tokens.weight": (("embed",), None, False), f"{prefix}norm.weight": (("norm",), None, False)}
     if not cfg.tie_word_embeddings:
         names["lm_head.weight"] = (("lm_head",), None, True)
     if cfg.per_layer_input:
-        names.update({"model.embed_tokens_per_layer.weight": (("embed_pl",), None, False),
-                      "model.per_layer_model_projection.weight": (("pl_proj",), None, True),
-                      "model.per_layer_projection_norm.weight": (("pl_norm",), None, False)})
+        names.update({f"{prefix}embed_tokens_per_layer.weight": (("embed_pl",), None, False),
+                      f"{prefix}per_layer_model_projection.weight": (("pl_proj",), None, True),
+                      f"{prefix}per_layer_projection_norm.weight": (("pl_norm",), None, False)})
     for i in range(cfg.num_hidden_layers):
         per = dict(_LAYER, **(_PER_LAYER_INPUT if cfg.per_layer_input else {}))
         if cfg.shares_kv(i):  # transformers builds no k/v projections or k norm on a KV-sharing layer
             per = {k: v for k, v in per.items() if v[0] not in ("wk", "wv", "k_norm")}
         for suffix, (leaf, t) in per.items():
-            names[f"model.layers.{i}.{suffix}"] = ((f"layer{i}", leaf), None, t)
+            names[f"{prefix}layers.{i}.{suffix}"] = ((f"layer{i}", leaf), None, t)
     return names
 
 
@@ -46,7 +53,8 @@ def load_gemma4_target(folder: str | os.PathLike, dtype: Any = "float32") -> tup
     """Loads a Gemma 4 text HF checkpoint folder as ``(Gemma4Config, params)``, one tensor at a time.
 
     Args:
-      folder: ``config.json`` plus ``model.safetensors`` or a sharded index.
+      folder: ``config.json`` plus ``model.safetensors`` or a sharded index (a text model, or a
+        ``Gemma4ForConditionalGeneration``'s text decoder, module docstring).
       dtype: parameter dtype (``"float32"``, ``"bfloat16"``, ``"float16"``).
     Returns:
       The config and the params of :mod:`dflash_jax.models.gemma4` (every leaf the shape
@@ -63,7 +71,10 @@ def load_gemma4_target(folder: str | os.PathLike, dtype: Any = "float32") -> tup
     config_path = os.path.join(folder, "config.json")
     cfg = gemma4_config_from_hf(read_json(config_path), source=config_path).with_dtype(target.name)
 
-    def ignorable(n: str) -> bool:  # rotary tables, and a tied checkpoint's copy of the embedding
-        return n.endswith("inv_freq") or (cfg.tie_word_embeddings and n == "lm_head.weight")
+    ckpt = Checkpoint(folder)
+    prefix = "model.language_model." if any(n.startswith("model.language_model.") for n in ckpt.names()) else "model."
 
-    return cfg, load_named(Checkpoint(folder), folder, hf_names(cfg), gemma4.param_shapes(cfg), target, ignorable, "Gemma 4 target")
+    def ignorable(n: str) -> bool:  # rotary tables, other modalities, and a tied checkpoint's copy of the embedding
+        return n.endswith("inv_freq") or n.startswith(_MULTIMODAL) or (cfg.tie_word_embeddings and n == "lm_head.weight")
+
+    return cfg, load_named(ckpt, folder, hf_names(cfg, prefix), gemma4.param_shapes(cfg), target, ignorable, "Gemma 4 target")
