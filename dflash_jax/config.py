@@ -267,6 +267,10 @@ class DrafterConfig:
 
     ``draft_vocab_size``: 0 drafts over the target's whole vocabulary; ``Vd > 0`` over the
     ``Vd`` ids in the params' ``draft_ids`` (see :mod:`dflash_jax.draft_vocab`).
+
+    ``input_embedding_scale``, ``output_multiplier``, ``final_logit_softcapping`` act on the target
+    family's ``embed`` / ``lm_head`` outputs; a z-lab config's values (relative to the raw
+    embedding and head) are restated so by :func:`dflash_jax.drafter_knobs.knobs_through_family`.
     """
 
     hidden_size: int

@@ -19,16 +19,18 @@ import os
 from types import ModuleType
 from typing import Any, Callable, Mapping
 
-from dflash_jax import config, config_gpt_oss, config_laguna, config_qwen3_5, config_qwen3_moe
+from dflash_jax import config, config_gemma4, config_gpt_oss, config_laguna, config_qwen3_5, config_qwen3_moe, drafter_knobs
 from dflash_jax.errors import DFlashError
 from dflash_jax.family import FamilyModel
 from dflash_jax.io import drafter as io_drafter
 from dflash_jax.io import gguf, gguf_cache, gguf_file, hf, laguna, laguna_drafter, laguna_gguf
+from dflash_jax.io import gemma4 as gemma4_io
 from dflash_jax.io import gpt_oss as gpt_oss_io
 from dflash_jax.io import qwen3_5 as qwen3_5_io
 from dflash_jax.io import qwen3_moe as qwen3_moe_io
 from dflash_jax.io import gpt_oss_gguf, qwen3_moe_gguf
 from dflash_jax.models import dense, dflash_drafter
+from dflash_jax.models import gemma4 as gemma4_model
 from dflash_jax.models import gpt_oss as gpt_oss_model
 from dflash_jax.models import laguna as laguna_model
 from dflash_jax.models import laguna_drafter as laguna_drafter_model
@@ -141,6 +143,14 @@ TARGET_FAMILIES: tuple[TargetFamily, ...] = (
         hf_model_types=config_qwen3_5.HF_MODEL_TYPES, gguf_architectures=(), parse_hf=config_qwen3_5.qwen3_5_config_from_hf,
         model=FamilyModel.of_module(qwen3_5_model), load_hf=qwen3_5_io.load_qwen3_5_target, load_gguf=_no_gguf("qwen3_5"),
         gguf_config=_no_gguf("qwen3_5"),
+    ),
+    # Gemma 4 text, and Gemma4ForConditionalGeneration's text decoder (sliding/full layers of their own head sizes,
+    # per-layer inputs, KV sharing, logit soft-cap); HF only
+    TargetFamily(
+        name="gemma4", config_type=config_gemma4.Gemma4Config, hf_architectures=("Gemma4ForCausalLM", "Gemma4ForConditionalGeneration"),
+        hf_model_types=("gemma4_text",), gguf_architectures=(), parse_hf=config_gemma4.gemma4_config_from_hf,
+        model=FamilyModel.of_module(gemma4_model), load_hf=gemma4_io.load_gemma4_target, load_gguf=_no_gguf("gemma4"),
+        gguf_config=_no_gguf("gemma4"),
     ),
 )
 
@@ -283,7 +293,9 @@ def load_hf_drafter(folder: str | os.PathLike, target_cfg=None, dtype: str = "fl
     Args:
       folder: the checkpoint folder.
       target_cfg: when given, the drafter is checked against it (hidden size, vocab, captured
-        layer ids, mask id, block size).
+        layer ids, mask id, block size) and a DFlash drafter's ``input_embedding_scale`` /
+        ``final_logit_softcapping`` are restated against the target family's embedding and head
+        (:func:`dflash_jax.drafter_knobs.knobs_through_family`).
       dtype: parameter dtype name.
     Returns:
       The config and the params of the kind's model (:mod:`dflash_jax.models.drafter`,
@@ -300,6 +312,8 @@ def load_hf_drafter(folder: str | os.PathLike, target_cfg=None, dtype: str = "fl
     cfg = drafter_config_from_hf(config.read_json(config_path), config_path).with_dtype(target.name)
     if target_cfg is not None:
         config.check_drafter_fits(cfg, target_cfg, source=config_path)
+        if cfg.architecture == config.DFLASH_DRAFTER:  # z-lab's Gemma knobs, restated against the family
+            cfg = drafter_knobs.knobs_through_family(cfg, target_cfg, config_path)
     return drafter_kind(cfg.architecture).load_hf(folder, cfg, target)
 
 

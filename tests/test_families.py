@@ -33,8 +33,14 @@ _QWEN3_5 = dict(_DENSE, architectures=["Qwen3_5ForCausalLM"], model_type="qwen3_
                 layer_types=["linear_attention", "full_attention"] * 2,
                 rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5})
 
+_GEMMA4 = dict(_DENSE, architectures=["Gemma4ForCausalLM"], model_type="gemma4_text", num_hidden_layers=3, sliding_window=3,
+               layer_types=["sliding_attention", "full_attention", "full_attention"], per_layer_config={"1": {"head_dim": 16},
+               "2": {"head_dim": 16}}, hidden_size_per_layer_input=4, vocab_size_per_layer_input=64, final_logit_softcapping=5.0,
+               rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                                "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25, "rope_theta": 1e6}})
+
 # one tiny HF config.json per family: a family registered without one fails test_every_family_has_a_tiny_config
-TINY_HF = {"dense": _DENSE, "laguna": PER_HEAD, "qwen3_moe": _QWEN3_MOE, "gpt_oss": _GPT_OSS, "qwen3_5": _QWEN3_5}
+TINY_HF = {"dense": _DENSE, "laguna": PER_HEAD, "qwen3_moe": _QWEN3_MOE, "gpt_oss": _GPT_OSS, "qwen3_5": _QWEN3_5, "gemma4": _GEMMA4}
 
 
 def test_every_family_has_a_tiny_config():

@@ -1,0 +1,80 @@
+"""Gemma 4 text target checkpoints (HF safetensors, ``Gemma4ForCausalLM``) -> :class:`Gemma4Config`
+and the params of :mod:`dflash_jax.models.gemma4`, read tensor by tensor.
+
+Tensor names: transformers 5.25 ``save_pretrained`` of ``Gemma4ForCausalLM`` (``model.`` prefix;
+``model.layers.{i}.layer_scalar`` is a saved buffer of shape ``[1]``), or the text decoder of a
+``Gemma4ForConditionalGeneration`` (``model.language_model.`` prefix; its vision and audio towers
+and embedders, ``model.vision_tower.*``, ``model.audio_tower.*``, ``model.embed_vision.*``,
+``model.embed_audio.*``, skipped).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from dflash_jax.config import read_json
+from dflash_jax.config_gemma4 import Gemma4Config, gemma4_config_from_hf
+from dflash_jax.io.hf import MLP_NAMES, QK_NORM_NAMES, Checkpoint, load_named, numpy_dtype
+
+_LAYER = {
+    "input_layernorm.weight": ("attn_norm", False), "post_attention_layernorm.weight": ("post_attn_norm", False),
+    "pre_feedforward_layernorm.weight": ("mlp_norm", False), "post_feedforward_layernorm.weight": ("post_mlp_norm", False),
+    "self_attn.q_proj.weight": ("wq", True), "self_attn.k_proj.weight": ("wk", True), "self_attn.v_proj.weight": ("wv", True),
+    "self_attn.o_proj.weight": ("wo", True), "layer_scalar": ("scalar", False), **MLP_NAMES, **QK_NORM_NAMES,
+}
+_PER_LAYER_INPUT = {"per_layer_input_gate.weight": ("pl_gate", True), "per_layer_projection.weight": ("pl_out", True),
+                    "post_per_layer_input_norm.weight": ("post_pl_norm", False)}
+
+
+_MULTIMODAL = ("model.vision_tower.", "model.audio_tower.", "model.embed_vision.", "model.embed_audio.")
+
+
+def hf_names(cfg: Gemma4Config, prefix: str = "model.") -> dict[str, tuple[tuple[str, ...], None, bool]]:
+    """``{tensor name: (pytree path, None, transpose)}`` of every parameter (module docstring);
+    ``prefix``: ``"model."`` or ``"model.language_model."``."""
+    names: dict = {f"{prefix}embed_tokens.weight": (("embed",), None, False), f"{prefix}norm.weight": (("norm",), None, False)}
+    if not cfg.tie_word_embeddings:
+        names["lm_head.weight"] = (("lm_head",), None, True)
+    if cfg.per_layer_input:
+        names.update({f"{prefix}embed_tokens_per_layer.weight": (("embed_pl",), None, False),
+                      f"{prefix}per_layer_model_projection.weight": (("pl_proj",), None, True),
+                      f"{prefix}per_layer_projection_norm.weight": (("pl_norm",), None, False)})
+    for i in range(cfg.num_hidden_layers):
+        per = dict(_LAYER, **(_PER_LAYER_INPUT if cfg.per_layer_input else {}))
+        if cfg.shares_kv(i):  # transformers builds no k/v projections or k norm on a KV-sharing layer
+            per = {k: v for k, v in per.items() if v[0] not in ("wk", "wv", "k_norm")}
+        for suffix, (leaf, t) in per.items():
+            names[f"{prefix}layers.{i}.{suffix}"] = ((f"layer{i}", leaf), None, t)
+    return names
+
+
+def load_gemma4_target(folder: str | os.PathLike, dtype: Any = "float32") -> tuple[Gemma4Config, dict]:
+    """Loads a Gemma 4 text HF checkpoint folder as ``(Gemma4Config, params)``, one tensor at a time.
+
+    Args:
+      folder: ``config.json`` plus ``model.safetensors`` or a sharded index (a text model, or a
+        ``Gemma4ForConditionalGeneration``'s text decoder, module docstring).
+      dtype: parameter dtype (``"float32"``, ``"bfloat16"``, ``"float16"``).
+    Returns:
+      The config and the params of :mod:`dflash_jax.models.gemma4` (every leaf the shape
+      :func:`dflash_jax.models.gemma4.param_shapes` gives).
+    Raises:
+      DFlashError: bad or unsupported config fields (file and field named), or missing /
+        unexpected / mis-shaped tensors (file and tensor named).
+    Source: transformers ``modeling_gemma4.py`` (``Gemma4ForCausalLM``) parameter names.
+    """
+    from dflash_jax.models import gemma4
+
+    folder = str(folder)
+    target = numpy_dtype(dtype)
+    config_path = os.path.join(folder, "config.json")
+    cfg = gemma4_config_from_hf(read_json(config_path), source=config_path).with_dtype(target.name)
+
+    ckpt = Checkpoint(folder)
+    prefix = "model.language_model." if any(n.startswith("model.language_model.") for n in ckpt.names()) else "model."
+
+    def ignorable(n: str) -> bool:  # rotary tables, other modalities, and a tied checkpoint's copy of the embedding
+        return n.endswith("inv_freq") or n.startswith(_MULTIMODAL) or (cfg.tie_word_embeddings and n == "lm_head.weight")
+
+    return cfg, load_named(ckpt, folder, hf_names(cfg, prefix), gemma4.param_shapes(cfg), target, ignorable, "Gemma 4 target")
