@@ -191,13 +191,15 @@ def test_kv_sharing_and_no_per_layer_inputs_match_transformers(tmp_path):
 
 
 _MESH = """
+import sys
+sys.path.insert(0, "tests")
 import jax, numpy as np
 jax.config.update("jax_default_matmul_precision", "highest")
 from dflash_jax import decode, sharding as shd
 from dflash_jax.decoding import Decoding, Params
 from dflash_jax.registry import family_for_hf, module_for
 from dflash_jax.testing import tiny_drafter
-from tests.test_families import TINY_HF
+from test_families import TINY_HF
 
 hf = dict(TINY_HF["gemma4"], num_hidden_layers=4, layer_types=["sliding_attention", "full_attention"] * 2, num_kv_shared_layers=2,
           per_layer_config={"1": {"head_dim": 16}, "3": {"head_dim": 16}})
