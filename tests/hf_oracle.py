@@ -40,6 +40,43 @@ def hf_logits(model, tokens: np.ndarray) -> np.ndarray:
         return model(torch.from_numpy(tokens).long(), use_cache=False).logits.float().numpy()
 
 
+def rel_err(ours, ref) -> float:
+    """``max |ours - ref| / max |ref|`` in float64."""
+    ours, ref = np.asarray(ours, np.float64), np.asarray(ref, np.float64)
+    return float(np.max(np.abs(ours - ref)) / np.max(np.abs(ref)))
+
+
+def check_logits_and_capture(model, cfg, params, module, layer_ids=(0, 2), tol: float = 1e-4, chunk: int = 5) -> np.ndarray:
+    """Our float32 logits of 2 x 14 random tokens equal transformers' (one pass, and prefill
+    chunks of ``chunk`` through the cache), and the hidden states captured after ``layer_ids``
+    equal transformers' ``hidden_states[i + 1]`` (relative error below ``tol``). ``module``: the
+    family's model module. Returns transformers' logits."""
+    import jax
+    import jax.numpy as jnp
+
+    from dflash_jax.cache import init_capture
+
+    forward = jax.jit(module.forward, static_argnums=1)
+    b, t = 2, 14
+    tokens = np.random.default_rng(7).integers(0, cfg.vocab_size, (b, t)).astype(np.int32)
+    want = hf_logits(model, tokens)
+    pos = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+    got, _, _ = forward(params, cfg, jnp.asarray(tokens), pos, module.init_cache(cfg, b, t + 2))
+    assert rel_err(got, want) < tol
+    with torch.no_grad():
+        hidden = model(torch.from_numpy(tokens).long(), output_hidden_states=True, use_cache=False).hidden_states
+    cache, out = module.init_cache(cfg, b, t + 2), []
+    capture = init_capture(layer_ids, b, t, cfg.hidden_size, jnp.float32)
+    for s in range(0, t, chunk):
+        logits, cache, capture = forward(params, cfg, jnp.asarray(tokens[:, s : s + chunk]), pos[:, s : s + chunk], cache, capture)
+        out.append(logits)
+    assert rel_err(jnp.concatenate(out, axis=1), want) < tol
+    feats = np.asarray(capture.hidden).reshape(b, t, len(layer_ids), cfg.hidden_size)
+    for j, i in enumerate(layer_ids):
+        assert rel_err(feats[:, :, j], hidden[i + 1].numpy()) < tol, i
+    return want
+
+
 def hf_greedy(model, prompt, n: int) -> list[int]:
     """transformers' greedy continuation of ``prompt`` (``n`` tokens, no stop)."""
     with torch.no_grad():

@@ -17,13 +17,12 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from dflash_jax.cache import init_capture  # noqa: E402
 from dflash_jax.config_gemma4 import Gemma4Config  # noqa: E402
 from dflash_jax.errors import DFlashError  # noqa: E402
 from dflash_jax.models import gemma4  # noqa: E402
 from dflash_jax.registry import family_for_hf, load_hf_target  # noqa: E402
 from dflash_jax.testing import tiny_drafter  # noqa: E402
-from hf_oracle import hf_greedy, hf_logits, ours_greedy, save_tiny  # noqa: E402
+from hf_oracle import check_logits_and_capture, rel_err, hf_greedy, hf_logits, ours_greedy, save_tiny  # noqa: E402
 
 V, TOL = 96, 1e-4
 TYPES = ["sliding_attention", "full_attention", "sliding_attention", "sliding_attention", "full_attention"]
@@ -34,9 +33,6 @@ CONF = dict(vocab_size=V, hidden_size=64, intermediate_size=96, num_hidden_layer
 _forward = jax.jit(gemma4.forward, static_argnums=1)
 
 
-def _rel(ours, ref) -> float:
-    ours, ref = np.asarray(ours, np.float64), np.asarray(ref, np.float64)
-    return float(np.max(np.abs(ours - ref)) / np.max(np.abs(ref)))
 
 
 @pytest.fixture(scope="module")
@@ -79,23 +75,8 @@ def test_unsupported_options_refused_by_name(case):
 
 def test_logits_and_capture_match_transformers(case):
     model, cfg, params, _ = case
-    b, t, chunk = 2, 14, 5
-    tokens = np.random.default_rng(7).integers(0, V, (b, t)).astype(np.int32)
-    want = hf_logits(model, tokens)
+    want = check_logits_and_capture(model, cfg, params, gemma4, (1, 3), TOL)
     assert np.abs(want).max() > 2.0  # the soft-cap bites
-    pos = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
-    got, _, _ = _forward(params, cfg, jnp.asarray(tokens), pos, gemma4.init_cache(cfg, b, t + 2))
-    assert _rel(got, want) < TOL
-    with torch.no_grad():
-        hidden = model(torch.from_numpy(tokens).long(), output_hidden_states=True, use_cache=False).hidden_states
-    cache, out = gemma4.init_cache(cfg, b, t + 2), []
-    capture = init_capture((1, 3), b, t, cfg.hidden_size, jnp.float32)
-    for s in range(0, t, chunk):
-        logits, cache, capture = _forward(params, cfg, jnp.asarray(tokens[:, s : s + chunk]), pos[:, s : s + chunk], cache, capture)
-        out.append(logits)
-    assert _rel(jnp.concatenate(out, axis=1), want) < TOL
-    feats = np.asarray(capture.hidden).reshape(b, t, 2, cfg.hidden_size)
-    assert _rel(feats[:, :, 0], hidden[2].numpy()) < TOL and _rel(feats[:, :, 1], hidden[4].numpy()) < TOL
 
 
 def test_greedy_plain_and_dflash_match_transformers(case):
@@ -127,7 +108,7 @@ def _draft_logits_match_zlab(zlab, draft, model, cfg, params, d_cfg, d_params, c
     k, v = drafter.context_kv(d_params, d_cfg, jnp.asarray(ctx.numpy()), jnp.arange(c, dtype=jnp.int32)[None])
     bpos = c + jnp.arange(4, dtype=jnp.int32)[None]
     h = drafter.forward(d_params, d_cfg, params, cfg, jnp.asarray([block]), bpos, k, v, jnp.asarray([c]))
-    assert _rel(drafter.logits(d_params, d_cfg, params, cfg, h), want) < TOL
+    assert rel_err(drafter.logits(d_params, d_cfg, params, cfg, h), want) < TOL
 
 
 def test_same_tokens_and_verify_steps_as_zlab_dflash_generate(case, tmp_path):
@@ -183,7 +164,7 @@ def test_kv_sharing_and_no_per_layer_inputs_match_transformers(tmp_path):
     for s in range(0, t, 4):
         logits, cache, _ = _forward(params, cfg, jnp.asarray(tokens[:, s : s + 4]), pos[:, s : s + 4], cache)
         out.append(logits)
-    assert _rel(jnp.concatenate(out, axis=1), want) < TOL
+    assert rel_err(jnp.concatenate(out, axis=1), want) < TOL
     prompt, n = [3, 17, 42, 8, 11, 5, 29], 10
     want = hf_greedy(model, prompt, n)
     assert ours_greedy(cfg, params, prompt, n, 3)[0] == want
@@ -248,4 +229,4 @@ def test_conditional_generation_checkpoint_text_part(tmp_path):
     assert isinstance(cfg, Gemma4Config) and cfg.num_hidden_layers == 2 and cfg.per_layer_input == 8
     tokens = np.random.default_rng(3).integers(0, V, (1, 9)).astype(np.int32)
     got, _, _ = _forward(params, cfg, jnp.asarray(tokens), jnp.arange(9, dtype=jnp.int32)[None], gemma4.init_cache(cfg, 1, 9))
-    assert _rel(got, hf_logits(model, tokens)) < TOL
+    assert rel_err(got, hf_logits(model, tokens)) < TOL

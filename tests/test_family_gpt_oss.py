@@ -14,13 +14,12 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from dflash_jax.cache import init_capture  # noqa: E402
 from dflash_jax.config_gpt_oss import GptOssConfig  # noqa: E402
 from dflash_jax.io.gpt_oss import dequantize_mxfp4  # noqa: E402
 from dflash_jax.models import gpt_oss  # noqa: E402
 from dflash_jax.registry import load_hf_target  # noqa: E402
 from dflash_jax.testing import tiny_drafter  # noqa: E402
-from hf_oracle import hf_greedy, hf_logits, ours_greedy, save_tiny  # noqa: E402
+from hf_oracle import check_logits_and_capture, rel_err, hf_greedy, hf_logits, ours_greedy, save_tiny  # noqa: E402
 
 V, TOL = 96, 1e-4
 CONF = dict(vocab_size=V, hidden_size=64, intermediate_size=32, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
@@ -31,9 +30,6 @@ CONF = dict(vocab_size=V, hidden_size=64, intermediate_size=32, num_hidden_layer
 _forward = jax.jit(gpt_oss.forward, static_argnums=1)
 
 
-def _rel(ours, ref) -> float:
-    ours, ref = np.asarray(ours, np.float64), np.asarray(ref, np.float64)
-    return float(np.max(np.abs(ours - ref)) / np.max(np.abs(ref)))
 
 
 @pytest.fixture(scope="module")
@@ -47,22 +43,7 @@ def target(tmp_path_factory):
 def test_logits_and_capture_match_transformers(target):
     model, cfg, params, _ = target
     assert isinstance(cfg, GptOssConfig) and cfg.layer_types == ("sliding_attention", "full_attention") * 2 and cfg.rope.kind == "yarn"
-    b, t, chunk = 2, 14, 5
-    tokens = np.random.default_rng(7).integers(0, V, (b, t)).astype(np.int32)
-    want = hf_logits(model, tokens)
-    pos = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
-    got, _, _ = _forward(params, cfg, jnp.asarray(tokens), pos, gpt_oss.init_cache(cfg, b, t + 2))
-    assert _rel(got, want) < TOL
-    with torch.no_grad():
-        hidden = model(torch.from_numpy(tokens).long(), output_hidden_states=True, use_cache=False).hidden_states
-    cache, out = gpt_oss.init_cache(cfg, b, t + 2), []
-    capture = init_capture((0, 2), b, t, cfg.hidden_size, jnp.float32)
-    for s in range(0, t, chunk):
-        logits, cache, capture = _forward(params, cfg, jnp.asarray(tokens[:, s : s + chunk]), pos[:, s : s + chunk], cache, capture)
-        out.append(logits)
-    assert _rel(jnp.concatenate(out, axis=1), want) < TOL
-    feats = np.asarray(capture.hidden).reshape(b, t, 2, cfg.hidden_size)
-    assert _rel(feats[:, :, 0], hidden[1].numpy()) < TOL and _rel(feats[:, :, 1], hidden[3].numpy()) < TOL
+    check_logits_and_capture(model, cfg, params, gpt_oss, (0, 2), TOL)
 
 
 def test_the_pieces_matter(target):
@@ -76,7 +57,7 @@ def test_the_pieces_matter(target):
     no_sinks = {k: dict(v, sinks=jnp.full_like(v["sinks"], -1e9)) if isinstance(v, dict) else v for k, v in params.items()}
     for p, c in ((no_sinks, cfg), (params, dataclasses.replace(cfg, sliding_window=0)), (params, dataclasses.replace(cfg, swiglu_limit=1e9))):
         got, _, _ = _forward(p, c, jnp.asarray(tokens), pos, gpt_oss.init_cache(c, 1, 14))
-        assert _rel(got, want) > 1e-3
+        assert rel_err(got, want) > 1e-3
 
 
 @pytest.mark.parametrize("chunk", [32, 3])
@@ -129,7 +110,7 @@ def test_mxfp4_checkpoint_loads(target, tmp_path):
     q_cfg, q_params = load_hf_target(tmp_path)
     tokens = np.random.default_rng(3).integers(0, V, (1, 10)).astype(np.int32)
     got, _, _ = _forward(q_params, q_cfg, jnp.asarray(tokens), jnp.arange(10, dtype=jnp.int32)[None], gpt_oss.init_cache(q_cfg, 1, 10))
-    assert _rel(got, hf_logits(model, tokens)) < TOL
+    assert rel_err(got, hf_logits(model, tokens)) < TOL
 
 
 def test_same_tokens_and_verify_steps_as_zlab_dflash_generate(target, tmp_path):
@@ -209,7 +190,7 @@ def test_gguf_loads_what_safetensors_load(tmp_path):
     assert jax.tree.all(jax.tree.map(lambda a, b: a.dtype == b.dtype and bool((a == b).all()), g_params, params))
     tokens = np.random.default_rng(2).integers(0, V, (1, 9)).astype(np.int32)
     got, _, _ = _forward(g_params, g_cfg, jnp.asarray(tokens), jnp.arange(9, dtype=jnp.int32)[None], gpt_oss.init_cache(g_cfg, 1, 9))
-    assert _rel(got, hf_logits(model, tokens)) < TOL
+    assert rel_err(got, hf_logits(model, tokens)) < TOL
     for change, key in (({"attention.sliding_window": None}, "attention.sliding_window"),
                         ({"rope.scaling.type": "linear"}, "rope.scaling.type"), ({"expert_count": None}, "expert_count")):
         _write_gguf_from_hf(tmp_path / "hf", tmp_path / "bad.gguf", conf, **change)

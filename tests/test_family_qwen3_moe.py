@@ -16,13 +16,12 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from dflash_jax.cache import init_capture  # noqa: E402
 from dflash_jax.config_qwen3_moe import Qwen3MoeConfig  # noqa: E402
 from dflash_jax.errors import DFlashError  # noqa: E402
 from dflash_jax.models import qwen3_moe  # noqa: E402
 from dflash_jax.registry import family_for_hf, load_hf_target  # noqa: E402
 from dflash_jax.testing import tiny_drafter  # noqa: E402
-from hf_oracle import hf_greedy, hf_logits, ours_greedy, save_tiny  # noqa: E402
+from hf_oracle import check_logits_and_capture, rel_err, hf_greedy, hf_logits, ours_greedy, save_tiny  # noqa: E402
 
 V, TOL = 96, 1e-4
 _COMMON = dict(vocab_size=V, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
@@ -35,9 +34,6 @@ CASES = {
 _forward = jax.jit(qwen3_moe.forward, static_argnums=1)
 
 
-def _rel(ours, ref) -> float:
-    ours, ref = np.asarray(ours, np.float64), np.asarray(ref, np.float64)
-    return float(np.max(np.abs(ours - ref)) / np.max(np.abs(ref)))
 
 
 @pytest.fixture(scope="module", params=list(CASES))
@@ -59,22 +55,7 @@ def test_config_and_params(case):
 
 def test_logits_and_capture_match_transformers(case):
     _, model, cfg, params, _, _ = case
-    b, t, chunk = 2, 14, 5
-    tokens = np.random.default_rng(7).integers(0, V, (b, t)).astype(np.int32)
-    want = hf_logits(model, tokens)
-    pos = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
-    got, _, _ = _forward(params, cfg, jnp.asarray(tokens), pos, qwen3_moe.init_cache(cfg, b, t + 2))
-    assert _rel(got, want) < TOL
-    with torch.no_grad():
-        hidden = model(torch.from_numpy(tokens).long(), output_hidden_states=True, use_cache=False).hidden_states
-    cache, out = qwen3_moe.init_cache(cfg, b, t + 2), []
-    capture = init_capture((0, 2), b, t, cfg.hidden_size, jnp.float32)
-    for s in range(0, t, chunk):
-        logits, cache, capture = _forward(params, cfg, jnp.asarray(tokens[:, s : s + chunk]), pos[:, s : s + chunk], cache, capture)
-        out.append(logits)
-    assert _rel(jnp.concatenate(out, axis=1), want) < TOL
-    feats = np.asarray(capture.hidden).reshape(b, t, 2, cfg.hidden_size)
-    assert _rel(feats[:, :, 0], hidden[1].numpy()) < TOL and _rel(feats[:, :, 1], hidden[3].numpy()) < TOL
+    check_logits_and_capture(model, cfg, params, qwen3_moe, (0, 2), TOL)
 
 
 def test_greedy_plain_and_dflash_match_transformers(case):
@@ -185,7 +166,7 @@ def test_gguf_loads_what_safetensors_load(tmp_path):
     assert jax.tree.all(jax.tree.map(lambda a, b: bool((a == b).all()), g_params, params))
     tokens = np.random.default_rng(2).integers(0, V, (1, 9)).astype(np.int32)
     got, _, _ = _forward(g_params, g_cfg, jnp.asarray(tokens), jnp.arange(9, dtype=jnp.int32)[None], qwen3_moe.init_cache(g_cfg, 1, 9))
-    assert _rel(got, hf_logits(model, tokens)) < TOL
+    assert rel_err(got, hf_logits(model, tokens)) < TOL
     dense_layer = dict(conf, mlp_only_layers=[1])
     save_tiny("Qwen3MoeConfig", "Qwen3MoeForCausalLM", tmp_path / "hf2", seed=5, **dense_layer)
     _write_gguf_from_hf(tmp_path / "hf2", tmp_path / "d.gguf", dense_layer)

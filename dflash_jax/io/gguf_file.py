@@ -168,3 +168,42 @@ def embedding_vocab(reader, tensors: dict, path: str, vocab_key: str) -> int:
     if declared is not None and declared != vocab:
         raise DFlashError(f"{path}: metadata {vocab_key}", f"{declared} but tensor token_embd.weight has {vocab} rows", "equal sizes")
     return vocab
+
+
+def read_params(path: str, tensors: dict, names: dict, shapes: dict, dtype: np.dtype, model: str, dtype_of=None) -> dict:
+    """The parameter tree of a family's GGUF loader, every array read from its tensor.
+
+    Args:
+      path: the file (named in errors); tensors: its tensor table (:func:`tensor_table`).
+      names: ``{gguf tensor name: (params key, leaf or None, layer index r or None, conv)}``:
+        the tensor fills ``params[key][leaf][r]`` (``[key]`` without a leaf, the whole array
+        without ``r``), stored transposed (``conv == "T"``), with its last two axes swapped
+        (``"E"``: stacked experts ``[E, out, in]``) or as is.
+      shapes: the family's ``param_shapes`` (a shape tuple, or ``{leaf: shape}``, per key).
+      dtype: numpy dtype of the arrays; ``dtype_of``: ``leaf -> dtype`` where some differ.
+      model: what the file must be, for errors (``"a 24-layer gpt-oss model"``).
+    Returns:
+      The tree of numpy arrays.
+    Raises:
+      DFlashError: a missing, unexpected or mis-shaped tensor (file and tensor named).
+    """
+    for name in sorted(set(names) - set(tensors)):
+        raise DFlashError(f"{path}: tensor {name}", "missing", f"every tensor of {model}")
+    for name in sorted(set(tensors) - set(names)):
+        raise DFlashError(f"{path}: tensor {name}", "unexpected", f"only the tensors of {model}")
+    dt = dtype_of or (lambda leaf: dtype)
+    out: dict = {k: (np.empty(v, dtype) if isinstance(v, tuple) else {leaf: np.empty(s, dt(leaf)) for leaf, s in v.items()})
+                 for k, v in shapes.items()}
+    for name, (key, leaf, r, conv) in names.items():
+        dst = out[key] if not leaf else out[key][leaf]
+        want = dst.shape if r is None else dst.shape[1:]
+        stored = tuple(reversed(want)) if conv == "T" else (want[0], want[2], want[1]) if conv == "E" else want
+        x = dequantize_tensor(tensors[name], path)
+        if tuple(x.shape) != stored:
+            raise DFlashError(f"{path}: tensor {name}", f"ggml shape {list(reversed(x.shape))}", f"{list(reversed(stored))} for this config")
+        x = x.T if conv == "T" else np.swapaxes(x, 1, 2) if conv == "E" else x
+        if r is None:
+            dst[...] = x
+        else:
+            dst[r] = x
+    return out

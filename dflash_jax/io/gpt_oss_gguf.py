@@ -33,7 +33,7 @@ from dflash_jax.config import RopeConfig
 from dflash_jax.config_gpt_oss import GptOssConfig
 from dflash_jax.errors import DFlashError
 from dflash_jax.io.gguf import arch_config
-from dflash_jax.io.gguf_file import as_f32, dequantize_tensor, embedding_vocab, metadata, open_gguf, tensor_table
+from dflash_jax.io.gguf_file import as_f32, embedding_vocab, metadata, open_gguf, read_params, tensor_table
 from dflash_jax.io.hf import numpy_dtype
 
 ARCH = "gpt-oss"
@@ -143,24 +143,6 @@ def load_gpt_oss_gguf_target(path: str | os.PathLike, dtype: Any = "float32", *,
 
     path, target = str(path), numpy_dtype(dtype)
     cfg, tensors = gpt_oss_gguf_config(open_gguf(path), path, target.name)
-    names, shapes = gguf_names(cfg), param_shapes(cfg)
-    for name in sorted(set(names) - set(tensors)):
-        raise DFlashError(f"{path}: tensor {name}", "missing", f"every tensor of a {cfg.num_hidden_layers}-layer gpt-oss model")
-    for name in sorted(set(tensors) - set(names)):
-        raise DFlashError(f"{path}: tensor {name}", "unexpected", "only the tensors of a gpt-oss model")
-    dt = lambda leaf: np.dtype(np.float32) if leaf == "sinks" else target  # noqa: E731
-    out: dict = {k: (np.empty(v, target) if isinstance(v, tuple) else {leaf: np.empty(s, dt(leaf)) for leaf, s in v.items()})
-                 for k, v in shapes.items()}
-    for name, (key, leaf, r, conv) in names.items():
-        dst = out[key] if not leaf else out[key][leaf]
-        want = dst.shape if r is None else dst.shape[1:]
-        stored = tuple(reversed(want)) if conv == "T" else (want[0], want[2], want[1]) if conv == "E" else want
-        x = dequantize_tensor(tensors[name], path)
-        if tuple(x.shape) != stored:
-            raise DFlashError(f"{path}: tensor {name}", f"ggml shape {list(reversed(x.shape))}", f"{list(reversed(stored))} for this config")
-        x = x.T if conv == "T" else np.swapaxes(x, 1, 2) if conv == "E" else x
-        if r is None:
-            dst[...] = x
-        else:
-            dst[r] = x
+    out = read_params(path, tensors, gguf_names(cfg), param_shapes(cfg), target, f"a {cfg.num_hidden_layers}-layer gpt-oss model",
+                      dtype_of=lambda leaf: np.dtype(np.float32) if leaf == "sinks" else target)
     return cfg, (out if as_numpy else jax.device_put(out))

@@ -16,12 +16,11 @@ from __future__ import annotations
 import os
 from typing import Any
 
-import numpy as np
 
 from dflash_jax.config_qwen3_moe import Qwen3MoeConfig
 from dflash_jax.errors import DFlashError
 from dflash_jax.io.gguf import arch_config, rope_config
-from dflash_jax.io.gguf_file import dequantize_tensor, embedding_vocab, metadata, open_gguf, tensor_table
+from dflash_jax.io.gguf_file import embedding_vocab, metadata, open_gguf, read_params, tensor_table
 from dflash_jax.io.hf import numpy_dtype
 
 ARCH = "qwen3moe"
@@ -115,23 +114,5 @@ def load_qwen3_moe_gguf_target(path: str | os.PathLike, dtype: Any = "float32", 
     path, target = str(path), numpy_dtype(dtype)
     reader = open_gguf(path)
     cfg, tensors = qwen3_moe_gguf_config(reader, path, target.name)
-    names, shapes = gguf_names(cfg), param_shapes(cfg)
-    for name in sorted(set(names) - set(tensors)):
-        raise DFlashError(f"{path}: tensor {name}", "missing", f"every tensor of a {cfg.num_hidden_layers}-layer qwen3moe model")
-    for name in sorted(set(tensors) - set(names)):
-        raise DFlashError(f"{path}: tensor {name}", "unexpected", "only the tensors of a qwen3moe model")
-    out: dict = {k: (np.empty(v, target) if isinstance(v, tuple) else {leaf: np.empty(s, target) for leaf, s in v.items()})
-                 for k, v in shapes.items()}
-    for name, (key, leaf, r, conv) in names.items():
-        dst = out[key] if not leaf else out[key][leaf]
-        want = dst.shape if r is None else dst.shape[1:]
-        stored = tuple(reversed(want)) if conv == "T" else (want[0], want[2], want[1]) if conv == "E" else want
-        x = dequantize_tensor(tensors[name], path)
-        if tuple(x.shape) != stored:
-            raise DFlashError(f"{path}: tensor {name}", f"ggml shape {list(reversed(x.shape))}", f"{list(reversed(stored))} for this config")
-        x = x.T if conv == "T" else np.swapaxes(x, 1, 2) if conv == "E" else x
-        if r is None:
-            dst[...] = x
-        else:
-            dst[r] = x
+    out = read_params(path, tensors, gguf_names(cfg), param_shapes(cfg), target, f"a {cfg.num_hidden_layers}-layer qwen3moe model")
     return cfg, (out if as_numpy else jax.device_put(out))
