@@ -40,7 +40,7 @@ from dflash_jax.errors import DFlashError
 from dflash_jax.models import capture as captures
 from dflash_jax.models import params as P
 from dflash_jax.models.dense import move_rows  # noqa: F401 (the family contract: the same KVCache)
-from dflash_jax.models.params import ParamSpec, decoder_layer, stacked
+from dflash_jax.models.params import ParamSpec, decoder_layer
 from dflash_jax.nn.attention import TreeBlock, block_visible, rope_positions, windowed
 from dflash_jax.nn.embedding import embed, lm_head
 from dflash_jax.nn.layer import attention_output, project_qkv
@@ -77,14 +77,7 @@ def _layer_specs(cfg: GptOssConfig) -> dict:
 def param_specs(cfg: GptOssConfig) -> dict:
     """The :class:`~dflash_jax.models.params.ParamSpec` of every parameter leaf (module
     docstring); experts over the ``"experts"`` logical axis; ``sinks`` float32."""
-    H = cfg.hidden_size
-    specs: dict = {"embed": ParamSpec((cfg.vocab_size, H), ("vocab", "embed")), "norm": ParamSpec((H,), ("embed",), "norm")}
-    if not cfg.tie_word_embeddings:
-        specs["lm_head"] = ParamSpec((H, cfg.vocab_size), ("embed", "vocab"))
-    for j, (_, p, reps) in enumerate(segments(cfg)):
-        for k in range(p):
-            specs[f"seg{j}_{k}"] = stacked(reps, _layer_specs(cfg))
-    return specs
+    return P.segmented_specs(cfg, segments(cfg), lambda i: _layer_specs(cfg))
 
 
 def param_shapes(cfg: GptOssConfig) -> dict:

@@ -58,7 +58,7 @@ from dflash_jax.config_laguna import LagunaConfig
 from dflash_jax.errors import DFlashError
 from dflash_jax.models import capture as captures
 from dflash_jax.models import params as P
-from dflash_jax.models.params import ParamSpec, decoder_layer, stacked
+from dflash_jax.models.params import ParamSpec, decoder_layer
 from dflash_jax.nn.attention import TreeBlock, block_visible, rope_positions, swiglu
 from dflash_jax.nn.live_attention import cache_attention, live_keys
 from dflash_jax.nn.embedding import embed, lm_head  # noqa: F401 (the model API: shared by every family)
@@ -114,14 +114,7 @@ def param_specs(cfg: LagunaConfig) -> dict:
     """The :class:`~dflash_jax.models.params.ParamSpec` (shape, logical axes, initialiser) of every
     parameter leaf, as a pytree shaped like the params (module docstring); the router bias is
     float32 (initialised ``normal(0.1)`` so the selection bias matters)."""
-    H = cfg.hidden_size
-    specs: dict = {"embed": ParamSpec((cfg.vocab_size, H), ("vocab", "embed")), "norm": ParamSpec((H,), ("embed",), "norm")}
-    if not cfg.tie_word_embeddings:
-        specs["lm_head"] = ParamSpec((H, cfg.vocab_size), ("embed", "vocab"))
-    for j, (start, p, reps) in enumerate(segments(cfg)):
-        for k in range(p):
-            specs[f"seg{j}_{k}"] = stacked(reps, _layer_specs(cfg, start + k))
-    return specs
+    return P.segmented_specs(cfg, segments(cfg), lambda i: _layer_specs(cfg, i))
 
 
 def param_shapes(cfg: LagunaConfig) -> dict:

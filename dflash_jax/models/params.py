@@ -63,6 +63,21 @@ def repeat_segments(sig: list, max_period: int = 8) -> tuple[tuple[int, int, int
     return tuple(out)
 
 
+def segmented_specs(cfg, segments, layer_specs) -> dict:
+    """The :class:`ParamSpec` tree of a target whose layers are stacked by :func:`repeat_segments`
+    runs: ``embed [V, H]``, ``norm [H]``, ``lm_head [H, V]`` unless ``cfg.tie_word_embeddings``,
+    and ``"seg{j}_{k}"``: the specs ``layer_specs(layer)`` of pattern slot ``k`` of run ``j``
+    stacked over the run's repetitions (:func:`stacked`)."""
+    H = cfg.hidden_size
+    specs: dict = {"embed": ParamSpec((cfg.vocab_size, H), ("vocab", "embed")), "norm": ParamSpec((H,), ("embed",), "norm")}
+    if not cfg.tie_word_embeddings:
+        specs["lm_head"] = ParamSpec((H, cfg.vocab_size), ("embed", "vocab"))
+    for j, (start, p, reps) in enumerate(segments):
+        for k in range(p):
+            specs[f"seg{j}_{k}"] = stacked(reps, layer_specs(start + k))
+    return specs
+
+
 def segment_slot(segments, layer: int) -> tuple[str, int]:
     """``(params key "seg{j}_{k}", repetition index)`` holding decoder layer ``layer`` of the
     :func:`repeat_segments` runs ``segments``. Raises IndexError for a layer outside them."""

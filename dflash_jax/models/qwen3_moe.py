@@ -45,7 +45,7 @@ from dflash_jax.errors import DFlashError
 from dflash_jax.models import capture as captures
 from dflash_jax.models import params as P
 from dflash_jax.models.dense import move_rows  # noqa: F401 (the family contract: the same KVCache)
-from dflash_jax.models.params import ParamSpec, decoder_layer, stacked
+from dflash_jax.models.params import ParamSpec, decoder_layer
 from dflash_jax.nn.attention import TreeBlock, block_visible, rope_positions
 from dflash_jax.nn.embedding import embed, lm_head
 from dflash_jax.nn.layer import attention_output, mlp_residual, project_qkv
@@ -85,14 +85,7 @@ def param_specs(cfg: Qwen3MoeConfig) -> dict:
     """The :class:`~dflash_jax.models.params.ParamSpec` of every parameter leaf (module docstring);
     experts over the ``"experts"`` logical axis (mesh axis ``expert``), each expert's width over
     ``"expert_mlp"`` (mesh axis ``model``)."""
-    H = cfg.hidden_size
-    specs: dict = {"embed": ParamSpec((cfg.vocab_size, H), ("vocab", "embed")), "norm": ParamSpec((H,), ("embed",), "norm")}
-    if not cfg.tie_word_embeddings:
-        specs["lm_head"] = ParamSpec((H, cfg.vocab_size), ("embed", "vocab"))
-    for j, (start, p, reps) in enumerate(segments(cfg)):
-        for k in range(p):
-            specs[f"seg{j}_{k}"] = stacked(reps, _layer_specs(cfg, start + k))
-    return specs
+    return P.segmented_specs(cfg, segments(cfg), lambda i: _layer_specs(cfg, i))
 
 
 def param_shapes(cfg: Qwen3MoeConfig) -> dict:
