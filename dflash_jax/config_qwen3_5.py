@@ -116,11 +116,6 @@ class Qwen3_5Config:
         """Every layer's MLP is the MoE (Qwen3-Next)."""
         return self.variant == "qwen3_next"
 
-    @property
-    def tree_verify(self) -> bool:
-        """False: tree verification is refused (:class:`~dflash_jax.decoding.Decoding`), as each
-        branch of a tree would need its own Gated DeltaNet state."""
-        return False
 
     @property
     def linear_layers(self) -> tuple[int, ...]:
