@@ -123,12 +123,12 @@ def test_same_tokens_and_verify_steps_as_zlab_dflash_generate(target, tmp_path):
     zlab_matches_ours(zlab, model, cfg, params, tmp_path, [3, 17, 42, 8, 11, 5, 29], 24, V, 64)
 
 
-def _write_gguf_from_hf(folder, path, conf: dict, **kv_changes) -> None:
+def _write_gguf_from_hf(folder, path, conf: dict, tokenizer_kv: dict | None = None, **kv_changes) -> None:
     """A ``gpt-oss`` GGUF of an HF folder (dequantized experts) as llama.cpp's converter lays it
     out: names from ``gguf-py``'s own ``TensorNameMap``, ``gate_up_proj`` split into its even (gate)
     and odd (up) columns, experts stacked ``[E, out, in]`` and quantized to MXFP4 by
     ``gguf.quants.quantize``, sizes under llama.cpp's metadata keys (``kv_changes``: overrides,
-    ``None`` drops a key)."""
+    ``None`` drops a key; ``tokenizer_kv``: ``tokenizer.ggml.*`` keys)."""
     import gguf
     from safetensors.numpy import load_file
 
@@ -157,6 +157,7 @@ def _write_gguf_from_hf(folder, path, conf: dict, **kv_changes) -> None:
           f"{A}.attention.sliding_window": conf["sliding_window"], f"{A}.rope.scaling.type": "yarn",
           f"{A}.rope.scaling.factor": rope["factor"], f"{A}.rope.scaling.original_context_length": rope["original_max_position_embeddings"]}
     kv.update({f"{A}.{k}": v for k, v in kv_changes.items()})
+    kv.update(tokenizer_kv or {})
     write_gguf(path, A, {k: v for k, v in kv.items() if v is not None}, out)
 
 
@@ -210,3 +211,32 @@ def test_gguf_mxfp4_blocks_are_transformers_mxfp4():
     packed = np.concatenate([scales[..., None], codes[..., :16] | (codes[..., 16:] << 4)], axis=-1).reshape(3 * 8, 2 * 17)
     got = gguf.quants.dequantize(packed, gguf.GGMLQuantizationType.MXFP4).reshape(3, 8, 64)
     np.testing.assert_array_equal(got, dequantize_mxfp4(blocks, scales))
+
+
+def _harmony_tokenizer_kv(specials: dict) -> dict:
+    """``tokenizer.ggml.*`` keys of a ``V``-token vocabulary: ``specials`` (``{text: id}``) are CONTROL
+    tokens, the others plain ``w<id>``; EOS is ``<|return|>`` (as in gpt-oss GGUFs), else id 0."""
+    names = {i: t for t, i in specials.items()}
+    return {"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": "gpt-4o", "tokenizer.ggml.tokens": [names.get(i, f"w{i}") for i in range(V)],
+            "tokenizer.ggml.token_type": [3 if i in names else 1 for i in range(V)],
+            "tokenizer.ggml.eos_token_id": specials.get("<|return|>", 0)}
+
+
+def test_gguf_chat_turn_ends_at_call_not_at_end(target, tmp_path):
+    """A gpt-oss GGUF (EOS ``<|return|>``, harmony's control tokens) ends a greedy decode at ``<|call|>``
+    and goes on past ``<|end|>``, which ends one message of a harmony turn, not the turn: the tokens
+    sit at ids the model emits greedily (found first with ``ignore_eos``)."""
+    from dflash_jax.api import generate, load_target
+
+    _, _, _, folder = target
+    prompt = [3, 17, 42, 8, 11, 5]
+    _write_gguf_from_hf(folder, tmp_path / "plain.gguf", CONF, _harmony_tokenizer_kv({}))
+    greedy = generate(load_target(tmp_path / "plain.gguf"), [prompt], max_new_tokens=12, max_len=32, ignore_eos=True).output_ids[0]
+    j = next(k for k in range(1, len(greedy)) if greedy[k] not in greedy[:k])  # greedy[0] (<|end|>) came before
+    free = [i for i in range(V) if i not in greedy[: j + 1]]
+    specials = {"<|end|>": greedy[0], "<|call|>": greedy[j], "<|return|>": free[0], "<|endoftext|>": free[1], "<|start|>": free[2]}
+    _write_gguf_from_hf(folder, tmp_path / "harmony.gguf", CONF, _harmony_tokenizer_kv(specials))
+    t = load_target(tmp_path / "harmony.gguf")
+    assert set(t.eos_ids) == {free[0], free[1], greedy[j]}
+    res = generate(t, [prompt], max_new_tokens=12, max_len=32)
+    assert list(res.output_ids[0]) == list(greedy[: j + 1]) and res.finish_reason[0] == "stop"

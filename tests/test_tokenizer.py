@@ -202,10 +202,47 @@ def test_gpt4o_pretokenizer_splits_as_o200k():
     import regex
     from tokenizers import decoders
 
-    from dflash_jax.io.tokenizer import _GPT4O_REGEX, _pre_tokenizer
+    from dflash_jax.io.pretokenize import _GPT4O_REGEX, pre_tokenizer
 
     text = "HelloWorld's ÉCOLE 1234567 x\n\n  y//z\r\n don'T 日本語 café!?\n/"
-    pieces = [decoders.ByteLevel().decode([p]) for p, _ in _pre_tokenizer("gpt-4o", "t").pre_tokenize_str(text)]
+    pieces = [decoders.ByteLevel().decode([p]) for p, _ in pre_tokenizer("gpt-4o", "t").pre_tokenize_str(text)]
     assert pieces == ["Hello", "World's", " ÉCOLE", " ", "123", "456", "7", " x", "\n\n", " ", " y", "//", "z", "\r\n", " don'T",
                       " 日本語", " café", "!?\n/"]
     assert pieces == regex.findall(_GPT4O_REGEX, text)
+
+
+HARMONY = ["<|endoftext|>", "<|return|>", "<|call|>", "<|end|>", "<|start|>", "<|message|>"]  # ids 0..5
+
+
+def test_harmony_turns_end_at_return_or_call(tmp_path):
+    """gpt-oss (OpenAI's harmony format): a turn ends at ``<|return|>`` or ``<|call|>``; ``<|end|>``
+    ends one message (analysis) and the turn goes on, so it is no stop (the stops of gpt-oss's
+    ``generation_config.json``: return, endoftext, call). Elsewhere ``<|end|>`` still stops (Phi-3)."""
+    tokens, types = HARMONY + byte_alphabet(), [3] * len(HARMONY) + [1] * 256
+    gguf_tok = Tokenizer.from_vocab(tokens, [], types, pre="gpt-4o", eos_token_id=1)  # a gpt-oss GGUF's EOS: <|return|>
+    assert gguf_tok.eos_token_ids == (1, 0, 2) and gguf_tok.eos_token == "<|return|>"
+    assert Tokenizer.from_vocab(tokens, [], types, pre="gpt-4o", eos_token_id=3).eos_token_ids == (0, 1, 2)
+    phi = Tokenizer.from_vocab(["<|endoftext|>", "<|end|>"] + byte_alphabet(), [], [3, 3] + [1] * 256, eos_token_id=0)
+    assert phi.eos_token_ids == (0, 1)
+    folder = tmp_path / "hf"
+    folder.mkdir()
+    gguf_tok._tok.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|return|>", "pad_token": "<|endoftext|>"}))
+    (folder / "config.json").write_text(json.dumps({"eos_token_id": 1}))
+    assert Tokenizer.from_hf_folder(folder).eos_token_ids == (1, 2)  # no generation_config.json: config.json's, and call
+    (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": [1, 0, 2]}))
+    assert Tokenizer.from_hf_folder(folder).eos_token_ids == (1, 0, 2)
+
+
+def test_eos_from_config_json_without_generation_config(tmp_path, tiny):
+    """Without ``generation_config.json`` (or without its ``eos_token_id``) the EOS list of
+    ``config.json`` stops too, as transformers' ``GenerationConfig.from_model_config`` takes it."""
+    folder = tmp_path / "hf"
+    folder.mkdir()
+    tiny._tok.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|im_end|>"}))
+    (folder / "config.json").write_text(json.dumps({"eos_token_id": [2, 0]}))
+    (folder / "generation_config.json").write_text(json.dumps({"do_sample": True}))
+    assert Tokenizer.from_hf_folder(folder).eos_token_ids == (2, 0)
+    (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": 2}))
+    assert Tokenizer.from_hf_folder(folder).eos_token_ids == (2,)

@@ -3,10 +3,8 @@
 Two sources:
 
 * a GGUF file's ``tokenizer.ggml.*`` metadata (byte-level BPE, ``tokenizer.ggml.model == "gpt2"``):
-  :meth:`Tokenizer.from_gguf`; the pre-tokenizer follows ``tokenizer.ggml.pre`` the way
-  llama.cpp's ``llama-vocab.cpp`` does (``smollm``/``starcoder``: single digits, then the GPT-2
-  regex; ``gpt2``: the GPT-2 regex; ``llama-bpe``; ``qwen2``; ``gpt-4o``). CONTROL tokens become special tokens,
-  so ``<|im_start|>`` in a text is one id;
+  :meth:`Tokenizer.from_gguf`; the pre-tokenizer follows ``tokenizer.ggml.pre``
+  (:mod:`dflash_jax.io.pretokenize`). CONTROL tokens become special tokens, so ``<|im_start|>`` in a text is one id;
 * a Hugging Face folder (``tokenizer.json`` + ``tokenizer_config.json``): :meth:`Tokenizer.from_hf_folder`.
 
 Chat templates are rendered like transformers' ``apply_chat_template``: an
@@ -23,6 +21,7 @@ from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
 
 from dflash_jax.io.files import atomic_path
+from dflash_jax.io.pretokenize import pre_tokenizer
 from dflash_jax.errors import DFlashError
 
 # llama.cpp token types (gguf.TokenType).
@@ -31,44 +30,20 @@ _NORMAL, _UNKNOWN, _CONTROL, _USER_DEFINED, _UNUSED, _BYTE = 1, 2, 3, 4, 5, 6
 # Texts llama.cpp treats as end-of-generation when they are control tokens (llama-vocab.cpp).
 _EOG_TEXTS = ("<|eot_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>", "<EOT>", "<|end_of_text|>",
               "<｜end▁of▁sentence｜>")
-
-_GPT2_REGEX = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
-_LLAMA3_REGEX = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-_QWEN2_REGEX = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-_C = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)?"  # o200k (tiktoken's gpt-4o pattern; llama.cpp's "gpt-4o" pre-type: gpt-oss)
-_GPT4O_REGEX = (rf"[^\r\n\p{{L}}\p{{N}}]?[\p{{Lu}}\p{{Lt}}\p{{Lm}}\p{{Lo}}\p{{M}}]*[\p{{Ll}}\p{{Lm}}\p{{Lo}}\p{{M}}]+{_C}|"
-                rf"[^\r\n\p{{L}}\p{{N}}]?[\p{{Lu}}\p{{Lt}}\p{{Lm}}\p{{Lo}}\p{{M}}]+[\p{{Ll}}\p{{Lm}}\p{{Lo}}\p{{M}}]*{_C}|"
-                r"\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+")
-_PRE_DIGITS = ("smollm", "starcoder", "refact", "command-r", "codeshell", "exaone", "minerva")
-_PRE_GPT2 = ("gpt2", "gpt-2", "default", "olmo", "jais", "mpt", "gpt-neox")
-_PRE_LLAMA3 = ("llama-bpe", "llama3", "smaug-bpe", "falcon3", "pixtral")
-_PRE_QWEN2 = ("qwen2", "deepseek-r1-qwen", "qwen35")
+# OpenAI's harmony chat format (gpt-oss): an assistant turn ends with <|return|> (the final answer) or
+# <|call|> (a tool call); <|end|> ends one message (the analysis channel's), after which the turn goes on.
+_HARMONY_STOPS = ("<|return|>", "<|call|>")
 
 
-def _pre_tokenizer(pre: str | None, where: str):
-    from tokenizers import Regex, pre_tokenizers
-
-    pre = pre or "default"
-    if pre in _PRE_DIGITS:
-        return pre_tokenizers.Sequence(
-            [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)]
-        )
-    if pre in _PRE_GPT2:
-        return pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-    regex = {**dict.fromkeys(_PRE_LLAMA3, _LLAMA3_REGEX), **dict.fromkeys(_PRE_QWEN2, _QWEN2_REGEX), "gpt-4o": _GPT4O_REGEX}.get(pre)
-    if regex is None:
-        known = sorted(_PRE_DIGITS + _PRE_GPT2 + _PRE_LLAMA3 + _PRE_QWEN2 + ("gpt-4o",))
-        raise DFlashError(f"{where}: metadata tokenizer.ggml.pre", f"unsupported pre-tokenizer {pre!r}", f"one of {known}")
-    return pre_tokenizers.Sequence(
-        [
-            pre_tokenizers.Split(Regex(regex), behavior="isolated", invert=False),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-        ]
-    )
+def _with_harmony_stops(eos: list, token_id) -> list:
+    """``eos`` (ids, ``None`` allowed) for a harmony vocabulary (one with a ``<|return|>`` token, as
+    ``token_id(text) -> id | None`` finds it): plus ``<|return|>`` and ``<|call|>``, less ``<|end|>``
+    (gpt-oss's ``generation_config.json`` lists 200002, 199999, 200012: return, endoftext, call).
+    Other vocabularies: ``eos`` unchanged."""
+    if token_id("<|return|>") is None:
+        return eos
+    end = token_id("<|end|>")
+    return [i for i in [*eos, *map(token_id, _HARMONY_STOPS)] if i is None or i != end]
 
 
 def _raise_exception(message):
@@ -98,7 +73,7 @@ def _compile_template(template: str, where: str):
         raise DFlashError(f"{where}: chat template", f"does not compile ({e})", "a jinja2 template") from None
 
 
-_TOK_CACHE_FORMAT = "dflash_jax.gguf.tokenizer/1"
+_TOK_CACHE_FORMAT = "dflash_jax.gguf.tokenizer/2"  # 2: harmony stops
 
 
 def _tok_cache_path(path: str) -> Path:
@@ -159,7 +134,8 @@ class Tokenizer:
     Attributes:
       vocab_size: number of ids (``int``), including added/special tokens.
       eos_token_ids: ``tuple[int, ...]``; the first is the model's EOS, then EOT/EOM and other
-        end-of-generation control tokens (llama.cpp's list).
+        end-of-generation control tokens (llama.cpp's list; harmony's ``<|return|>`` and ``<|call|>``
+        but not ``<|end|>`` for gpt-oss).
       bos_token_id / eos_token_id: ``int | None``.
       bos_token / eos_token: their texts (``""`` when absent), passed to the chat template.
       add_bos: whether :meth:`encode` prepends the BOS id by default.
@@ -298,7 +274,7 @@ class Tokenizer:
                 raise DFlashError(f"{source}: metadata tokenizer.ggml.merges", f"malformed merge {m!r}", "'left right'")
             pairs.append((parts[0], parts[1]))
         tok = HFTokenizer(models.BPE(vocab=vocab, merges=pairs, fuse_unk=False, byte_fallback=False))
-        tok.pre_tokenizer = _pre_tokenizer(pre, source)
+        tok.pre_tokenizer = pre_tokenizer(pre, source)
         tok.decoder = decoders.ByteLevel()
         special = [AddedToken(tokens[i], special=True, normalized=False) for i, ty in enumerate(token_types) if ty == _CONTROL]
         user = [AddedToken(tokens[i], special=False, normalized=False) for i, ty in enumerate(token_types) if ty == _USER_DEFINED]
@@ -308,6 +284,8 @@ class Tokenizer:
             tok.add_tokens(user)
         eos = [eos_token_id, *extra_eos_ids]
         eos += [i for i, ty in enumerate(token_types) if ty == _CONTROL and tokens[i] in _EOG_TEXTS]
+        control = {tokens[i]: i for i, ty in enumerate(token_types) if ty == _CONTROL}
+        eos = _with_harmony_stops(eos, control.get)
         return cls(tok, bos_token_id=bos_token_id, eos_token_ids=[i for i in eos if i is not None], add_bos=add_bos,
                    chat_template=chat_template, source=source)
 
@@ -316,7 +294,9 @@ class Tokenizer:
         """Loads ``tokenizer.json`` + ``tokenizer_config.json`` (+ ``chat_template.jinja`` /
         ``generation_config.json`` when present) from a Hugging Face model folder.
 
-        EOS ids: ``tokenizer_config.eos_token`` then ``generation_config.eos_token_id`` (int or list).
+        EOS ids: ``tokenizer_config.eos_token`` then ``generation_config.eos_token_id`` (int or list;
+        without it ``config.json``'s, as transformers' ``GenerationConfig.from_model_config`` takes it);
+        a harmony vocabulary (gpt-oss) also stops at ``<|return|>`` and ``<|call|>``, not at ``<|end|>``.
         ``add_bos`` follows ``tokenizer_config.add_bos_token`` (default False).
 
         Raises:
@@ -339,6 +319,8 @@ class Tokenizer:
         cfg = read_json(cfg_path) if cfg_path.is_file() else {}
         gen_path = folder / "generation_config.json"
         gen = read_json(gen_path) if gen_path.is_file() else {}
+        if gen.get("eos_token_id") is None and (folder / "config.json").is_file():
+            gen = read_json(folder / "config.json")
 
         def token_id(key: str) -> int | None:
             value = cfg.get(key)
@@ -353,7 +335,7 @@ class Tokenizer:
 
         eos = [token_id("eos_token")]
         g = gen.get("eos_token_id")
-        eos += g if isinstance(g, list) else [g]
+        eos = _with_harmony_stops(eos + (g if isinstance(g, list) else [g]), tok.token_to_id)
         template = cfg.get("chat_template")
         if isinstance(template, list):  # named templates: take "default"
             named = {t.get("name"): t.get("template") for t in template if isinstance(t, Mapping)}
