@@ -4,7 +4,8 @@ A DFlash drafter reads its logits through the target's LM head (``[H, V]``, V = 
 SmolLM2). Over a block of 15 draft slots that head costs more than the drafter's layers, in
 training (forward and backward of every block slot) and at inference (every propose). A draft
 vocabulary is a sorted list of ``Vd`` target token ids; the drafter then scores only those
-columns of the target head (``draft_head [H, Vd]``) and maps its choice back to target ids
+columns of the target head (``draft_head [H, Vd]``, run through the target family's LM head so
+a family soft-cap applies as on the full head) and maps its choice back to target ids
 (``draft_ids [Vd]``). Verification is untouched, so greedy output stays the target's and
 sampling stays exact (the proposal simply puts no mass outside the list). EAGLE-3 drafts over a
 reduced vocabulary the same way (its ``d2t`` table).
@@ -95,7 +96,9 @@ def load(folder: str | os.PathLike, vocab_size: int) -> np.ndarray | None:
 
 
 def head_columns(target_params: dict, ids: jnp.ndarray) -> jnp.ndarray:
-    """``[H, Vd]``: the target LM-head columns of ``ids`` (tied heads read the embedding rows)."""
+    """``[H, Vd]``: the target LM-head columns of ``ids`` (tied heads read the embedding rows); the
+    drafter's logits run them through the target family's ``lm_head`` (any soft-cap applies:
+    :func:`dflash_jax.models.drafter.head_logits`)."""
     if "lm_head" in target_params:
         return jnp.take(target_params["lm_head"], ids, axis=1)
     return jnp.transpose(jnp.take(target_params["embed"], ids, axis=0))

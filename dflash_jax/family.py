@@ -54,7 +54,11 @@ class FamilyModel:
         reads, with any family scaling (Gemma's ``sqrt(H)``) applied; the drafters embed their
         blocks through it.
       lm_head: ``(params, cfg, hidden [..., H]) -> float32 logits [..., V]`` of final-normed
-        hidden states, with any family soft-cap applied; the drafters' logits go through it.
+        hidden states, with any family soft-cap applied; the drafters' logits go through it. It
+        reads only the head (``params["lm_head"] [H, V]``, its optional ``[V, H]`` copy
+        ``lm_head_t``, or a tied ``embed``) and works column by column: given ``{"lm_head": [H, N]}``,
+        N columns of the head, it returns those N columns of the logits (how a reduced draft
+        vocabulary's head runs: :func:`dflash_jax.models.drafter.head_logits`).
       forward_hidden: ``(params, cfg, tokens, positions, cache, capture=None, tree=None) ->
         (hidden [B, T, H], cache, capture)`` (:func:`dflash_jax.models.dense.forward_hidden`).
       forward: ``(params, cfg, tokens, positions, cache, capture=None) -> (logits, cache, capture)``.

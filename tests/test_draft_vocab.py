@@ -194,6 +194,31 @@ def _terms(models, batch, anchors, ids=None, cfg=None):
                        jnp.asarray(anchors, jnp.int32), jnp.ones(np.shape(anchors), bool), GAMMA, ids)
 
 
+def test_listed_logits_are_the_full_logits_columns_on_a_soft_capped_family():
+    """On a Gemma 4 target (final-logit soft-cap 5) the drafter's logits over a draft vocabulary are
+    the listed columns of its full-vocabulary logits: the reduced head runs through the family's
+    ``lm_head``, cap included (the raw logits reach well past the cap here), untied or tied."""
+    from test_families import TINY_HF
+
+    from dflash_jax import registry
+    from dflash_jax.nn.embedding import lm_head
+
+    fam = next(f for f in registry.TARGET_FAMILIES if f.name == "gemma4")
+    cfg = fam.parse_hf(TINY_HF["gemma4"], "gemma4/config.json")
+    assert cfg.final_logit_softcapping == 5.0
+    dcfg, dparams = tiny_drafter(cfg, seed=1, layer_ids=(0, 2), block_size=4)
+    rng = np.random.default_rng(0)
+    hidden = jnp.asarray(rng.normal(size=(2, 3, cfg.hidden_size)) * 4, jnp.float32)
+    head = jnp.asarray(rng.normal(size=(cfg.hidden_size, cfg.vocab_size)) * 0.3, jnp.float32)
+    ids = np.array([0, 5, 17, 40, 63])
+    for params in ({"lm_head": head}, {"embed": head.T}):  # the logits read only the target's head
+        full = np.asarray(drafter.logits(dparams, dcfg, params, cfg, hidden))
+        rcfg, rparams = dv.attach(dcfg, dparams, params, ids)
+        got = np.asarray(drafter.logits(rparams, rcfg, params, cfg, hidden))
+        np.testing.assert_allclose(got, full[..., ids], rtol=1e-5, atol=1e-5)
+        assert np.abs(np.asarray(lm_head(params, cfg, hidden))[..., ids]).max() > 10
+
+
 def test_loss_over_the_whole_vocab_list_equals_the_plain_loss(models):
     batch = make_batch([30, 21], 32, seed=1)
     anchors = [[4, 9, 15, 20], [5, 8, 12, 16]]

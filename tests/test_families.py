@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dflash_jax import family, registry
+from dflash_jax import draft_vocab, family, registry
 from dflash_jax.errors import DFlashError
 from dflash_jax.models import drafter
 from dflash_jax.testing import tiny_drafter, tiny_target
@@ -86,6 +86,9 @@ def test_behaviour_on_a_tiny_config(fam):
     logits, _, _ = forward(params, cfg, tokens, pos, m.init_cache(cfg, b, s))
     assert hidden.shape == (b, t, cfg.hidden_size) and logits.shape == (b, t, cfg.vocab_size) and logits.dtype == jnp.float32
     np.testing.assert_allclose(logits, m.lm_head(params, cfg, hidden), rtol=1e-5, atol=1e-5)
+    ids = jnp.asarray([0, 3, cfg.vocab_size - 1], jnp.int32)  # lm_head on a column subset (a draft vocabulary's head)
+    np.testing.assert_allclose(m.lm_head({"lm_head": draft_vocab.head_columns(params, ids)}, cfg, hidden), logits[..., ids],
+                               rtol=1e-5, atol=1e-5)
     c = m.init_cache(cfg, b, s)
     first, c, _ = forward(params, cfg, tokens[:, :4], pos[:, :4], c)
     rest, c, _ = forward(params, cfg, tokens[:, 4:], pos[:, 4:], c)

@@ -127,13 +127,18 @@ def logits(params: dict, cfg: DrafterConfig, target_params: dict, target_cfg, hi
     is set (map indices back to target ids with :func:`draft_token_ids`).
     """
     if cfg.draft_vocab_size:
-        return head_logits(cfg, hidden, params["draft_head"])
+        return head_logits(cfg, target_cfg, hidden, params["draft_head"])
     return _finish_logits(cfg, registry.module_for(target_cfg).lm_head(target_params, target_cfg, hidden))
 
 
-def head_logits(cfg: DrafterConfig, hidden: jnp.ndarray, head: jnp.ndarray) -> jnp.ndarray:
-    """Draft logits ``[..., N]`` float32 through ``head [H, N]`` (columns of the target head)."""
-    return _finish_logits(cfg, jnp.einsum("...h,hv->...v", hidden, head.astype(hidden.dtype), preferred_element_type=jnp.float32))
+def head_logits(cfg: DrafterConfig, target_cfg, hidden: jnp.ndarray, head: jnp.ndarray) -> jnp.ndarray:
+    """Draft logits ``[..., N]`` float32 of ``hidden [..., H]`` through ``head [H, N]`` (columns of the
+    target head, :func:`dflash_jax.draft_vocab.head_columns`; cast to ``hidden``'s dtype), computed by
+    the target family's LM head as its head ``{"lm_head": head}`` (:attr:`dflash_jax.family.FamilyModel.lm_head`),
+    so that any family soft-cap applies to these columns as to the full head's; then the drafter's
+    ``output_multiplier`` and soft-cap."""
+    head_only = {"lm_head": head.astype(hidden.dtype)}
+    return _finish_logits(cfg, registry.module_for(target_cfg).lm_head(head_only, target_cfg, hidden))
 
 
 def draft_token_ids(params: dict, cfg: DrafterConfig, index: jnp.ndarray) -> jnp.ndarray:

@@ -182,7 +182,7 @@ def loss_terms(
         ce_wt = wt
     else:
         head = jax.lax.stop_gradient(draft_vocab.head_columns(target_params, draft_ids))
-        lg = drafter.head_logits(cfg, hidden[:, :, 1:], head)
+        lg = drafter.head_logits(cfg, target_cfg, hidden[:, :, 1:], head)
         to_draft = jnp.full((cfg.vocab_size,), -1, jnp.int32).at[draft_ids].set(jnp.arange(draft_ids.shape[0], dtype=jnp.int32))
         lab = to_draft[lab]  # -1: not in the draft vocabulary
         ce_wt = jnp.where(lab >= 0, wt, 0.0)
