@@ -223,20 +223,29 @@ def _harmony_tokenizer_kv(specials: dict) -> dict:
 
 
 def test_gguf_chat_turn_ends_at_call_not_at_end(target, tmp_path):
-    """A gpt-oss GGUF (EOS ``<|return|>``, harmony's control tokens) ends a greedy decode at ``<|call|>``
-    and goes on past ``<|end|>``, which ends one message of a harmony turn, not the turn: the tokens
-    sit at ids the model emits greedily (found first with ``ignore_eos``)."""
-    from dflash_jax.api import generate, load_target
+    """A gpt-oss GGUF (EOS ``<|return|>``, harmony's control tokens) loaded as a target ends a greedy
+    decode at ``<|call|>`` and goes on past ``<|end|>``, which ends one message of a harmony turn, not
+    the turn: the tokens sit at ids the model emits greedily (found first without stops; ``-1`` pads
+    the stop list to the same width, so both decodes run one compiled program)."""
+    from dflash_jax import decode
+    from dflash_jax.decoding import Decoding, Params
+    from dflash_jax.loading import load_target
 
     _, _, _, folder = target
     prompt = [3, 17, 42, 8, 11, 5]
+
+    def greedy(t, stops):
+        static, params = Decoding(t.cfg, None), Params(t.params, None)
+        st = decode.init_state(static, [prompt], 32, 12, stops)
+        st = decode.generate(params, decode.prefill(params, st, static, 8), static)
+        return [int(i) for i in np.asarray(st.tokens[0, len(prompt): int(st.length[0])])]
+
     _write_gguf_from_hf(folder, tmp_path / "plain.gguf", CONF, _harmony_tokenizer_kv({}))
-    greedy = generate(load_target(tmp_path / "plain.gguf"), [prompt], max_new_tokens=12, max_len=32, ignore_eos=True).output_ids[0]
-    j = next(k for k in range(1, len(greedy)) if greedy[k] not in greedy[:k])  # greedy[0] (<|end|>) came before
-    free = [i for i in range(V) if i not in greedy[: j + 1]]
-    specials = {"<|end|>": greedy[0], "<|call|>": greedy[j], "<|return|>": free[0], "<|endoftext|>": free[1], "<|start|>": free[2]}
+    free_run = greedy(load_target(tmp_path / "plain.gguf"), [-1, -1, -1])
+    j = next(k for k in range(1, len(free_run)) if free_run[k] not in free_run[:k])  # free_run[0] (<|end|>) came before
+    free = [i for i in range(V) if i not in free_run[: j + 1]]
+    specials = {"<|end|>": free_run[0], "<|call|>": free_run[j], "<|return|>": free[0], "<|endoftext|>": free[1], "<|start|>": free[2]}
     _write_gguf_from_hf(folder, tmp_path / "harmony.gguf", CONF, _harmony_tokenizer_kv(specials))
     t = load_target(tmp_path / "harmony.gguf")
-    assert set(t.eos_ids) == {free[0], free[1], greedy[j]}
-    res = generate(t, [prompt], max_new_tokens=12, max_len=32)
-    assert list(res.output_ids[0]) == list(greedy[: j + 1]) and res.finish_reason[0] == "stop"
+    assert set(t.eos_ids) == {free[0], free[1], free_run[j]}
+    assert greedy(t, list(t.eos_ids)) == free_run[: j + 1]
