@@ -138,10 +138,12 @@ def _layer_tensor(variant: str, name: str, v: np.ndarray):
     return [(name, v)]
 
 
-def _write_gguf(variant: str, folder: str, path, drop=(), **kv_changes) -> str:
+def _write_gguf(variant: str, folder: str, path, drop=(), mtp=False, **kv_changes) -> str:
     """A GGUF of an HF folder laid out as ``convert_hf_to_gguf.py`` writes ``variant`` (module
     docstring): names from gguf-py's ``TensorNameMap`` of the architecture, experts stacked
-    ``[E, out, in]``, sizes under llama.cpp's metadata keys (``drop``: keys left out)."""
+    ``[E, out, in]``, sizes under llama.cpp's metadata keys (``drop``: keys left out). ``mtp``: a
+    multi-token-prediction block appended as newer converters do (``blk.{n}.nextn.*`` and a copy of
+    the last layer's tensors, ``block_count`` n + 1, ``nextn_predict_layers`` 1)."""
     import gguf
     from safetensors.numpy import load_file
 
@@ -158,6 +160,10 @@ def _write_gguf(variant: str, folder: str, path, drop=(), **kv_changes) -> str:
     for k, v in hf.items():
         for name, arr in _layer_tensor(variant, k, v):
             out.append((name_map.get_name(name, try_suffixes=(".weight", ".bias")), arr, None))
+    if mtp:
+        out += [(f"blk.{n}.nextn.{k}.weight", np.ones(HF["hidden_size"], np.float32), None) for k in ("enorm", "hnorm")]
+        out += [(name.replace(f"blk.{n - 1}.", f"blk.{n}."), arr, None) for name, arr, _ in out if name.startswith(f"blk.{n - 1}.")]
+        kv_changes = dict(kv_changes, block_count=n + 1, nextn_predict_layers=1)
     kv = {"embedding_length": HF["hidden_size"], "block_count": n, "attention.head_count": HF["num_attention_heads"],
           "attention.head_count_kv": HF["num_key_value_heads"], "attention.key_length": HF["head_dim"], "attention.value_length": HF["head_dim"],
           "attention.layer_norm_rms_epsilon": 1e-6, "rope.freq_base": 10000.0, "context_length": HF["max_position_embeddings"],
@@ -179,10 +185,10 @@ def test_gguf_loads_what_safetensors_load(saved, variant, tmp_path):
     """Each architecture's GGUF gives the config and params of the safetensors it came from (whose
     logits equal transformers': here for Qwen3.5-MoE, test_family_qwen3_5.py for the others):
     value heads untiled, ``A_log`` recovered, ``attn_q`` split into query and gate, the grouped
-    ``ssm_ba`` of ``qwen3next`` split."""
+    ``ssm_ba`` of ``qwen3next`` split; an appended MTP block (``qwen35moe`` here) skipped."""
     folder = saved[variant][1]
     cfg, params = load_hf_target(folder)
-    g_cfg, g_params = load_gguf_target(_write_gguf(variant, folder, tmp_path / "m.gguf"), use_cache=False)
+    g_cfg, g_params = load_gguf_target(_write_gguf(variant, folder, tmp_path / "m.gguf", mtp=variant == "qwen3_5_moe"), use_cache=False)
     assert g_cfg == cfg
     flat, g_flat = jax.tree_util.tree_leaves_with_path(params), jax.tree_util.tree_leaves(g_params)
     assert len(flat) == len(g_flat)
@@ -198,5 +204,7 @@ def test_gguf_bad_metadata_and_tensors_named(saved, tmp_path):
         load_gguf_target(_write_gguf("qwen3_5_moe", folder, tmp_path / "c.gguf", **{"ssm.inner_size": 30}), use_cache=False)
     with pytest.raises(DFlashError, match=r"d\.gguf: metadata qwen35moe\.expert_count: missing"):
         load_gguf_target(_write_gguf("qwen3_5_moe", folder, tmp_path / "d.gguf", drop=("expert_count",)), use_cache=False)
+    with pytest.raises(DFlashError, match=r"f\.gguf: metadata qwen35moe\.nextn_predict_layers: got 4"):
+        load_gguf_target(_write_gguf("qwen3_5_moe", folder, tmp_path / "f.gguf", nextn_predict_layers=4), use_cache=False)
     with pytest.raises(DFlashError, match=r"e\.gguf: tensor blk\.1\.\w+\.weight: missing"):  # every 3rd layer full: 1 is linear
         load_gguf_target(_write_gguf("qwen3_5_moe", folder, tmp_path / "e.gguf", **{"full_attention_interval": 3}), use_cache=False)

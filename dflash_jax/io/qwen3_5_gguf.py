@@ -11,7 +11,9 @@ Layout facts (llama.cpp ``convert_hf_to_gguf.py`` ``Qwen3NextModel``, ``_LinearA
   ``attention.key_length``); the MoE ``expert_count``, ``expert_used_count``,
   ``expert_feed_forward_length``, ``expert_shared_feed_forward_length``. ``qwen35moe`` has no
   ``feed_forward_length`` (no dense MLP). ``rope.dimension_sections`` (multimodal RoPE) is
-  ignored: for text the three position rows are equal.
+  ignored: for text the three position rows are equal. The last ``{arch}.nextn_predict_layers``
+  blocks (the multi-token-prediction head newer converters append) are skipped: DFlash does not
+  use them.
 * every RMSNorm weight but ``ssm_norm`` is stored as ``1 + w`` (what our params hold);
   ``ssm_a`` holds ``-exp(A_log)``; ``ssm_dt.bias`` is ``dt_bias``; ``ssm_conv1d.weight`` ``[C, K]``.
 * linear layers: ``attn_qkv`` ``[2 Hk dk + Hv dv, H]`` (q, k, v rows), ``attn_gate`` (z),
@@ -33,6 +35,7 @@ Layout facts (llama.cpp ``convert_hf_to_gguf.py`` ``Qwen3NextModel``, ``_LinearA
 from __future__ import annotations
 
 import os
+import re
 from typing import Any, Callable
 
 import numpy as np
@@ -62,6 +65,12 @@ def _int(reader, path: str, key: str, default=None) -> int:
     return value
 
 
+def _block(name: str) -> int:
+    """The block index of a ``blk.{i}.`` tensor name, -1 for the others."""
+    m = re.match(r"blk\.(\d+)\.", name)
+    return int(m[1]) if m else -1
+
+
 def _moe_fields(reader, path: str, arch: str) -> dict:
     if metadata(reader, f"{arch}.expert_weights_norm", True) is not True:
         raise DFlashError(f"{path}: metadata {arch}.expert_weights_norm", "false", f"true (llama.cpp's {arch} renormalises)")
@@ -75,16 +84,23 @@ def qwen3_5_gguf_config(reader, path: str, dtype: str = "float32") -> tuple[Qwen
     tensor list.
 
     Returns:
-      ``(cfg, tensors by name)``; layer types from ``full_attention_interval`` (llama.cpp's rule).
+      ``(cfg, tensors by name)`` (those of the MTP blocks left out); layer types from
+      ``full_attention_interval`` (llama.cpp's rule).
     Raises:
       DFlashError: another architecture; a missing or ill-typed key, or sizes that disagree
         (``ssm.inner_size`` not a multiple of ``ssm.time_step_rank``, ``ssm.group_count`` not
-        dividing it, ``rope.dimension_count`` above ``attention.key_length``); unnormalised
+        dividing it, ``rope.dimension_count`` above ``attention.key_length``,
+        ``nextn_predict_layers`` not below ``block_count``); unnormalised
         expert weights; an embedding disagreeing with the tokenizer or ``vocab_size`` (file and
         key or tensor named).
     """
     arch, meta = arch_config(reader, path, tuple(ARCHS), need_ffn=False)
-    variant, tensors = ARCHS[arch], tensor_table(reader, path)
+    nextn = metadata(reader, f"{arch}.nextn_predict_layers", 0)
+    if not isinstance(nextn, int) or isinstance(nextn, bool) or not 0 <= nextn < meta["layers"]:
+        raise DFlashError(f"{path}: metadata {arch}.nextn_predict_layers", f"got {nextn!r}", f"0 to block_count - 1 = {meta['layers'] - 1}")
+    n = meta["layers"] - nextn
+    variant = ARCHS[arch]
+    tensors = {k: t for k, t in tensor_table(reader, path).items() if _block(k) < n}
     ssm = {k: _int(reader, path, f"{arch}.ssm.{k}") for k in ("conv_kernel", "state_size", "group_count", "time_step_rank", "inner_size")}
     if ssm["inner_size"] % ssm["time_step_rank"]:
         raise DFlashError(f"{path}: metadata {arch}.ssm.inner_size", f"{ssm['inner_size']} is not a multiple of ssm.time_step_rank="
@@ -101,9 +117,9 @@ def qwen3_5_gguf_config(reader, path: str, dtype: str = "float32") -> tuple[Qwen
         raise DFlashError(f"{path}: metadata {arch}.feed_forward_length", "missing", "a positive integer")
     cfg = Qwen3_5Config(
         vocab_size=embedding_vocab(reader, tensors, path, f"{arch}.vocab_size"), hidden_size=meta["hidden"],
-        intermediate_size=meta["ffn"] or moe["moe_intermediate_size"], num_hidden_layers=meta["layers"],
+        intermediate_size=meta["ffn"] or moe["moe_intermediate_size"], num_hidden_layers=n,
         num_attention_heads=meta["heads"], num_key_value_heads=meta["kv_heads"], head_dim=meta["head_dim"],
-        layer_types=tuple("linear_attention" if (i + 1) % interval else "full_attention" for i in range(meta["layers"])),
+        layer_types=tuple("linear_attention" if (i + 1) % interval else "full_attention" for i in range(n)),
         linear_conv_kernel_dim=ssm["conv_kernel"], linear_key_head_dim=ssm["state_size"], linear_num_key_heads=ssm["group_count"],
         linear_num_value_heads=ssm["time_step_rank"], linear_value_head_dim=ssm["inner_size"] // ssm["time_step_rank"],
         rms_norm_eps=meta["eps"], rope=rope_config(meta, None, path), tie_word_embeddings="output.weight" not in tensors,
