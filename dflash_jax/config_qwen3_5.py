@@ -1,7 +1,8 @@
 """Static, hashable configuration of the Qwen3.5 hybrid targets: ``Qwen3_5ForCausalLM`` and its
-sparse sibling ``Qwen3NextForCausalLM`` (``variant`` ``"qwen3_next"``: the same layers with a MoE MLP).
+sparse siblings ``Qwen3NextForCausalLM`` (``variant`` ``"qwen3_next"``: the same layers with a MoE MLP)
+and ``Qwen3_5MoeForCausalLM`` (``"qwen3_5_moe"``: Qwen3.5's layers with Qwen3-Next's MoE).
 
-Parsed strictly from HF ``config.json`` (transformers 5.25 ``Qwen3_5TextConfig`` / ``Qwen3NextConfig``,
+Parsed strictly from HF ``config.json`` (transformers 5.25 ``Qwen3_5TextConfig`` / ``Qwen3NextConfig`` / ``Qwen3_5MoeTextConfig``,
 the text part only). Every problem raises :class:`~dflash_jax.errors.DFlashError` naming the file and the field.
 
 Rules taken from transformers ``configuration_qwen3_5.py`` / ``modeling_qwen3_5.py``:
@@ -20,6 +21,9 @@ Rules taken from transformers ``configuration_qwen3_5.py`` / ``modeling_qwen3_5.
   ``moe_intermediate_size``, ``shared_expert_intermediate_size``, ``norm_topk_prob``); a
   ``decoder_sparse_step`` other than 1 or a non-empty ``mlp_only_layers`` (dense and sparse
   layers mixed, which no published model does) is refused.
+* Qwen3.5-MoE (``modeling_qwen3_5_moe.py``): Qwen3.5's linear-attention projections, every MLP
+  Qwen3-Next's MoE; its router always renormalises the top-k weights (``norm_topk_prob`` is
+  not read) and its config has no ``intermediate_size`` (unused: taken as ``moe_intermediate_size``).
 """
 
 from __future__ import annotations
@@ -31,9 +35,10 @@ from dflash_jax.config import RopeConfig, _get
 from dflash_jax.errors import DFlashError
 
 LAYER_TYPES = ("linear_attention", "full_attention")
-HF_ARCHITECTURES = ("Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration", "Qwen3NextForCausalLM")
-HF_MODEL_TYPES = ("qwen3_5_text", "qwen3_5", "qwen3_next")
-VARIANTS = ("qwen3_5", "qwen3_next")
+HF_ARCHITECTURES = ("Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration", "Qwen3NextForCausalLM", "Qwen3_5MoeForCausalLM",
+                    "Qwen3_5MoeForConditionalGeneration")
+HF_MODEL_TYPES = ("qwen3_5_text", "qwen3_5", "qwen3_next", "qwen3_5_moe_text", "qwen3_5_moe")
+VARIANTS = ("qwen3_5", "qwen3_next", "qwen3_5_moe")
 ROLLBACKS = ("states", "replay")
 
 
@@ -55,10 +60,11 @@ class Qwen3_5Config:
     over the committed prefix (``(dk + dv + 2) / (dk * dv)`` of that memory, one more pass of the
     rank-1 updates). Not a ``config.json`` field: ``cfg.replace(rollback=...)``.
 
-    ``variant``: ``"qwen3_5"`` (SwiGLU MLP) or ``"qwen3_next"`` (every MLP a MoE of
+    ``variant``: ``"qwen3_5"`` (SwiGLU MLP), ``"qwen3_next"`` (every MLP a MoE of
     ``num_experts`` SwiGLU experts of ``moe_intermediate_size``, softmax router, top
     ``num_experts_per_tok`` renormalised when ``norm_topk_prob``, plus a shared expert of
-    ``shared_expert_intermediate_size`` scaled by a sigmoid gate).
+    ``shared_expert_intermediate_size`` scaled by a sigmoid gate; its checkpoints group the
+    linear projections per key head) or ``"qwen3_5_moe"`` (that MoE, Qwen3.5's projections).
     """
 
     vocab_size: int
@@ -90,7 +96,7 @@ class Qwen3_5Config:
     def __post_init__(self):
         if self.variant not in VARIANTS:
             raise DFlashError("config: variant", f"got {self.variant!r}", f"one of {VARIANTS}")
-        if self.variant == "qwen3_next" and not 0 < self.num_experts_per_tok <= self.num_experts:
+        if self.sparse and not 0 < self.num_experts_per_tok <= self.num_experts:
             raise DFlashError("config: num_experts_per_tok", f"{self.num_experts_per_tok} of {self.num_experts} experts",
                               "between 1 and num_experts")
         if self.rollback not in ROLLBACKS:
@@ -113,8 +119,8 @@ class Qwen3_5Config:
 
     @property
     def sparse(self) -> bool:
-        """Every layer's MLP is the MoE (Qwen3-Next)."""
-        return self.variant == "qwen3_next"
+        """Every layer's MLP is the MoE (Qwen3-Next, Qwen3.5-MoE)."""
+        return self.variant in ("qwen3_next", "qwen3_5_moe")
 
 
     @property
@@ -180,8 +186,7 @@ def qwen3_5_config_from_hf(cfg: Mapping[str, Any], source: str = "config.json") 
         ``attention_bias`` true, or (Qwen3-Next) dense and sparse MLP layers mixed (messages name
         ``source`` and the field).
     """
-    archs = list(cfg.get("architectures") or [])
-    variant = "qwen3_next" if "Qwen3NextForCausalLM" in archs or cfg.get("model_type") == "qwen3_next" else "qwen3_5"
+    variant = _variant(cfg)
     where, tied = source, cfg.get("tie_word_embeddings", False)
     if isinstance(cfg.get("text_config"), Mapping):
         cfg, where = cfg["text_config"], f"{source}: text_config"
@@ -192,10 +197,11 @@ def qwen3_5_config_from_hf(cfg: Mapping[str, Any], source: str = "config.json") 
     if act != "silu":
         raise DFlashError(f"{where}: field hidden_act", f"unsupported value {act!r}", "silu")
     n = _pos_int(cfg, "num_hidden_layers", where)
+    moe = _moe(cfg, where, variant) if variant != "qwen3_5" else {}
     return Qwen3_5Config(
         vocab_size=_pos_int(cfg, "vocab_size", where),
         hidden_size=_pos_int(cfg, "hidden_size", where),
-        intermediate_size=_pos_int(cfg, "intermediate_size", where),
+        intermediate_size=_pos_int(cfg, "intermediate_size", where, moe.get("moe_intermediate_size", dataclasses.MISSING)),
         num_hidden_layers=n,
         num_attention_heads=_pos_int(cfg, "num_attention_heads", where),
         num_key_value_heads=_pos_int(cfg, "num_key_value_heads", where),
@@ -211,19 +217,33 @@ def qwen3_5_config_from_hf(cfg: Mapping[str, Any], source: str = "config.json") 
         tie_word_embeddings=bool(tied),
         max_position_embeddings=_pos_int(cfg, "max_position_embeddings", where, 32768),
         variant=variant,
-        **(_moe(cfg, where) if variant == "qwen3_next" else {}),
+        **moe,
     )
 
 
-def _moe(cfg: Mapping[str, Any], where: str) -> dict:
-    """The MoE fields of a Qwen3-Next ``config.json`` (transformers' defaults); refuses mixed
-    dense / sparse layers."""
+def _variant(cfg: Mapping[str, Any]) -> str:
+    """``"qwen3_next"``, ``"qwen3_5_moe"`` or ``"qwen3_5"`` from ``architectures`` (else ``model_type``)."""
+    archs, kind = " ".join(cfg.get("architectures") or []), str(cfg.get("model_type") or "")
+    nested = cfg.get("text_config")
+    kind = kind or (str(nested.get("model_type") or "") if isinstance(nested, Mapping) else "")
+    if "Qwen3NextForCausalLM" in archs or kind == "qwen3_next":
+        return "qwen3_next"
+    if "Qwen3_5Moe" in archs or kind.startswith("qwen3_5_moe"):
+        return "qwen3_5_moe"
+    return "qwen3_5"
+
+
+def _moe(cfg: Mapping[str, Any], where: str, variant: str) -> dict:
+    """The MoE fields of a Qwen3-Next / Qwen3.5-MoE ``config.json`` (transformers' defaults);
+    refuses mixed dense / sparse layers. Qwen3.5-MoE always renormalises (module docstring)."""
     step, dense = _get(cfg, "decoder_sparse_step", where, int, 1), cfg.get("mlp_only_layers") or []
     if step != 1 or dense:
         raise DFlashError(f"{where}: field {'decoder_sparse_step' if step != 1 else 'mlp_only_layers'}",
                           f"got {step if step != 1 else dense!r}: dense and MoE layers mixed are not supported",
                           "decoder_sparse_step 1 and no mlp_only_layers (every layer a MoE)")
-    return dict(num_experts=_pos_int(cfg, "num_experts", where, 512), num_experts_per_tok=_pos_int(cfg, "num_experts_per_tok", where, 10),
+    nxt = variant == "qwen3_next"
+    return dict(num_experts=_pos_int(cfg, "num_experts", where, 512 if nxt else 256),
+                num_experts_per_tok=_pos_int(cfg, "num_experts_per_tok", where, 10 if nxt else 8),
                 moe_intermediate_size=_pos_int(cfg, "moe_intermediate_size", where, 512),
                 shared_expert_intermediate_size=_pos_int(cfg, "shared_expert_intermediate_size", where, 512),
-                norm_topk_prob=bool(_get(cfg, "norm_topk_prob", where, bool, True)))
+                norm_topk_prob=bool(_get(cfg, "norm_topk_prob", where, bool, True)) if nxt else True)

@@ -28,7 +28,7 @@ from dflash_jax.io import gemma4 as gemma4_io
 from dflash_jax.io import gpt_oss as gpt_oss_io
 from dflash_jax.io import qwen3_5 as qwen3_5_io
 from dflash_jax.io import qwen3_moe as qwen3_moe_io
-from dflash_jax.io import gpt_oss_gguf, qwen3_moe_gguf
+from dflash_jax.io import gpt_oss_gguf, qwen3_5_gguf, qwen3_moe_gguf
 from dflash_jax.models import dense, dflash_drafter
 from dflash_jax.models import gemma4 as gemma4_model
 from dflash_jax.models import gpt_oss as gpt_oss_model
@@ -137,12 +137,13 @@ TARGET_FAMILIES: tuple[TargetFamily, ...] = (
         load_gguf=lambda path, dtype, use_cache, as_numpy: gpt_oss_gguf.load_gpt_oss_gguf_target(path, dtype, as_numpy=as_numpy),
         gguf_config=_gguf_config(gpt_oss_gguf.gpt_oss_gguf_config),
     ),
-    # hybrid (Gated DeltaNet + gated full attention) and Qwen3-Next; HF only; the verify hooks: models/qwen3_5.py
+    # hybrid (Gated DeltaNet + gated full attention), Qwen3.5-MoE and Qwen3-Next; the verify hooks: models/qwen3_5.py
     TargetFamily(
         name="qwen3_5", config_type=config_qwen3_5.Qwen3_5Config, hf_architectures=config_qwen3_5.HF_ARCHITECTURES,
-        hf_model_types=config_qwen3_5.HF_MODEL_TYPES, gguf_architectures=(), parse_hf=config_qwen3_5.qwen3_5_config_from_hf,
-        model=FamilyModel.of_module(qwen3_5_model), load_hf=qwen3_5_io.load_qwen3_5_target, load_gguf=_no_gguf("qwen3_5"),
-        gguf_config=_no_gguf("qwen3_5"),
+        hf_model_types=config_qwen3_5.HF_MODEL_TYPES, gguf_architectures=tuple(qwen3_5_gguf.ARCHS),
+        parse_hf=config_qwen3_5.qwen3_5_config_from_hf, model=FamilyModel.of_module(qwen3_5_model), load_hf=qwen3_5_io.load_qwen3_5_target,
+        load_gguf=lambda path, dtype, use_cache, as_numpy: qwen3_5_gguf.load_qwen3_5_gguf_target(path, dtype, as_numpy=as_numpy),
+        gguf_config=_gguf_config(qwen3_5_gguf.qwen3_5_gguf_config),
     ),
     # Gemma 4 text, and Gemma4ForConditionalGeneration's text decoder (sliding/full layers of their own head sizes,
     # per-layer inputs, KV sharing, logit soft-cap); HF only

@@ -119,11 +119,12 @@ def _check_rows(w: np.ndarray, n_head: int) -> None:
 # ----------------------------------------------------------------------------------- config
 
 
-def arch_config(reader, path: str, architectures: tuple[str, ...] = ARCHITECTURES) -> tuple[str, dict]:
+def arch_config(reader, path: str, architectures: tuple[str, ...] = ARCHITECTURES, need_ffn: bool = True) -> tuple[str, dict]:
     """``(general.architecture, sizes)`` of a llama.cpp decoder GGUF: ``hidden``, ``layers``,
     ``ffn``, ``heads``, ``kv_heads``, ``head_dim``, ``rot_dim``, ``eps``, ``theta``, ``ctx``,
     ``scaling``, ``scaling_factor`` (keys ``{arch}.embedding_length``, ... as llama.cpp's
-    ``llama-arch.cpp`` names them). Shared by the dense and Qwen3-MoE GGUF loaders.
+    ``llama-arch.cpp`` names them). Shared by the dense, Qwen3-MoE and Qwen3.5 GGUF loaders;
+    ``need_ffn`` false: ``feed_forward_length`` may be absent (``ffn`` ``None``; an all-MoE model).
 
     Raises:
       DFlashError: an architecture not in ``architectures``, or a required key missing or
@@ -146,7 +147,7 @@ def arch_config(reader, path: str, architectures: tuple[str, ...] = ARCHITECTURE
     meta = dict(
         hidden=req("embedding_length"),
         layers=req("block_count"),
-        ffn=req("feed_forward_length"),
+        ffn=req("feed_forward_length") if need_ffn or metadata(reader, f"{arch}.feed_forward_length") is not None else None,
         heads=req("attention.head_count"),
         eps=as_f32(req("attention.layer_norm_rms_epsilon", (int, float))),
         theta=as_f32(metadata(reader, f"{arch}.rope.freq_base", 10000.0)),

@@ -1,4 +1,4 @@
-"""Qwen3.5 and Qwen3-Next hybrid checkpoints (HF safetensors) ->
+"""Qwen3.5, Qwen3.5-MoE and Qwen3-Next hybrid checkpoints (HF safetensors) ->
 :class:`~dflash_jax.config_qwen3_5.Qwen3_5Config` and the params of :mod:`dflash_jax.models.qwen3_5`,
 read strictly tensor by tensor.
 
@@ -12,7 +12,10 @@ as the params' own tensors to :func:`dflash_jax.io.hf.load_named` (one strict na
 * ``linear_attn.in_proj_qkv.weight`` ``[2 Hk dk + Hv dv, H]`` and ``linear_attn.conv1d.weight``
   ``[C, 1, K]``: query, key, value channels in that order;
 * Qwen3-Next's ``linear_attn.in_proj_qkvz.weight`` / ``in_proj_ba.weight``: grouped per key
-  head (:func:`_linear_names`); its experts are read by their per-expert names;
+  head (:func:`_linear_names`);
+* experts (Qwen3-Next, Qwen3.5-MoE): per-expert ``mlp.experts.{e}.gate_proj.weight`` ... (what
+  ``save_pretrained`` writes), or stacked ``mlp.experts.gate_up_proj`` ``[E, 2 Im, H]`` (gate rows
+  first) and ``mlp.experts.down_proj`` ``[E, H, Im]`` (the published Qwen3.5-MoE checkpoints);
 * every ``Qwen3_5RMSNorm`` weight (layer norms, q/k norms, the final norm) is stored as ``w`` and
   applied as ``1 + w``: the params hold ``1 + w`` (computed in float32). The gated norm
   ``linear_attn.norm.weight`` is a plain weight.
@@ -106,7 +109,7 @@ def _linear_names(cfg: Qwen3_5Config, pre: str, j: int, names: dict, derived: di
     for leaf, lo, hi in (("q", 0, kd), ("k", kd, 2 * kd), ("v", 2 * kd, 2 * kd + vd)):
         names[f"{conv}[{leaf}]"] = (("linear", "conv_" + leaf), j, True)
         derived[f"{conv}[{leaf}]"] = (conv, (cfg.conv_dim, 1, K), _conv_rows(lo, hi), (hi - lo, K))
-    if not cfg.sparse:
+    if cfg.variant != "qwen3_next":
         qkv = pre + "linear_attn.in_proj_qkv.weight"
         for leaf, lo, hi in (("q", 0, kd), ("k", kd, 2 * kd), ("v", 2 * kd, 2 * kd + vd)):
             names[f"{qkv}[{leaf}]"] = (("linear", "w" + leaf), j, True)
@@ -122,22 +125,35 @@ def _linear_names(cfg: Qwen3_5Config, pre: str, j: int, names: dict, derived: di
         derived[f"{ba}[{leaf}]"] = (ba, (2 * hk * r, H), _grouped(hk, 2 * r, lo, hi), (hk * r, H))
 
 
-def _mlp_names(cfg: Qwen3_5Config, pre: str, kind: str, j: int, names: dict) -> None:
-    """Adds the MLP tensors of row ``j`` of ``kind``: the SwiGLU's, or Qwen3-Next's MoE (published
-    per-expert names, what ``save_pretrained`` writes too)."""
+def _expert(e: int, lo: int, hi: int) -> Callable[[np.ndarray], np.ndarray]:
+    return lambda x: x[e, lo:hi]
+
+
+def _mlp_names(cfg: Qwen3_5Config, pre: str, kind: str, j: int, names: dict, derived: dict, stacked: bool) -> None:
+    """Adds the MLP tensors of row ``j`` of ``kind``: the SwiGLU's, or the MoE's (per-expert
+    names, or, when ``stacked``, each expert's slices of ``gate_up_proj`` / ``down_proj``)."""
     if not cfg.sparse:
         names.update({pre + s: ((kind, leaf), j, t) for s, (leaf, t) in MLP_NAMES.items()})
         return
     names.update({pre + s: ((kind, leaf), j, True) for s, leaf in _MOE.items()})
-    for e in range(cfg.num_experts):
+    E, H, Im = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
+    for e in range(E if stacked else 0):
+        for src, leaf, lo, hi, rows, need in (("gate_up_proj", "e_gate", 0, Im, Im, (E, 2 * Im, H)),
+                                              ("gate_up_proj", "e_up", Im, 2 * Im, Im, (E, 2 * Im, H)),
+                                              ("down_proj", "e_down", 0, H, H, (E, H, Im))):
+            name = f"{pre}mlp.experts.{src}[{leaf}][{e}]"
+            names[name] = ((kind, leaf), (j, e), True)
+            derived[name] = (f"{pre}mlp.experts.{src}", need, _expert(e, lo, hi), (rows, need[2]))
+    for e in range(0 if stacked else E):
         for proj, leaf in (("gate_proj", "e_gate"), ("up_proj", "e_up"), ("down_proj", "e_down")):
             names[f"{pre}mlp.experts.{e}.{proj}.weight"] = ((kind, leaf), (j, e), True)
 
 
-def checkpoint_names(cfg: Qwen3_5Config, prefix: str = "model.") -> tuple[dict, dict]:
+def checkpoint_names(cfg: Qwen3_5Config, prefix: str = "model.", stacked: bool = False) -> tuple[dict, dict]:
     """``(names, derived)``: ``{tensor name: (pytree path, layer row or None, transpose)}`` for
     :func:`~dflash_jax.io.hf.load_named`, and the :class:`_Derived` entries it reads through
-    (module docstring). ``prefix``: ``"model."`` or ``"model.language_model."``."""
+    (module docstring). ``prefix``: ``"model."`` or ``"model.language_model."``; ``stacked``:
+    the experts are stored stacked (``mlp.experts.gate_up_proj``)."""
     H, nh, D = cfg.hidden_size, cfg.num_attention_heads, cfg.head_dim
     names: dict = {prefix + "embed_tokens.weight": (("embed",), None, False), prefix + "norm.weight+1": (("norm",), None, False)}
     derived: dict = {prefix + "norm.weight+1": (prefix + "norm.weight", (H,), _shift, (H,))}
@@ -146,7 +162,7 @@ def checkpoint_names(cfg: Qwen3_5Config, prefix: str = "model.") -> tuple[dict, 
     for kind, layers in (("linear", cfg.linear_layers), ("full", cfg.full_layers)):
         for j, i in enumerate(layers):
             pre = f"{prefix}layers.{i}."
-            _mlp_names(cfg, pre, kind, j, names)
+            _mlp_names(cfg, pre, kind, j, names, derived, stacked)
             norms = dict(_NORMS, **({} if kind == "linear" else {"self_attn.q_norm.weight": "q_norm", "self_attn.k_norm.weight": "k_norm"}))
             for s, leaf in norms.items():
                 n = (D,) if "self_attn" in s else (H,)
@@ -186,7 +202,8 @@ def load_qwen3_5_target(folder: str | os.PathLike, dtype: Any = "float32") -> tu
     cfg = qwen3_5_config_from_hf(read_json(config_path), config_path).with_dtype(target.name)
     ckpt = Checkpoint(folder)
     prefix = "model.language_model." if any(n.startswith("model.language_model.") for n in ckpt.names()) else "model."
-    names, derived = checkpoint_names(cfg, prefix)
+    stacked = cfg.sparse and any(n.endswith("mlp.experts.gate_up_proj") for n in ckpt.names())
+    names, derived = checkpoint_names(cfg, prefix, stacked)
     view = _Derived(ckpt, derived)
 
     def ignorable(n: str) -> bool:
