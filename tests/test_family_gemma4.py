@@ -9,6 +9,8 @@ small enough to bite."""
 
 from __future__ import annotations
 
+import json
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -59,12 +61,10 @@ def test_config_and_params(case):
 
 def test_unsupported_options_refused_by_name(case):
     _, _, _, folder = case
-    import json
-
     base = json.loads((folder / "config.json").read_text())
     fam = family_for_hf(base)
     assert fam.name == "gemma4"
-    for key, value in (("num_kv_shared_layers", 5), ("attention_k_eq_v", True), ("enable_moe_block", True),
+    for key, value in (("num_kv_shared_layers", 5), ("enable_moe_block", True),
                        ("hidden_activation", "silu")):
         with pytest.raises(DFlashError, match=f"c.json: field {key}"):
             fam.parse_hf(dict(base, **{key: value}), "c.json")
@@ -146,29 +146,29 @@ def test_same_tokens_and_verify_steps_as_zlab_dflash_generate(case, tmp_path):
         load_hf_drafter(tmp_path, cfg)
 
 
-def test_kv_sharing_and_no_per_layer_inputs_match_transformers(tmp_path):
+def test_kv_sharing_k_eq_v_and_no_per_layer_inputs_match_transformers(tmp_path):
     """``num_kv_shared_layers=2`` (layers 3 and 4 attend the keys and values of layers 2 and 1) with
-    double-wide MLPs on those layers, no per-layer inputs, untied head, no soft-cap: logits (one pass
-    and chunked) and greedy plain and DFlash decoding against transformers."""
+    double-wide MLPs on those layers, ``attention_k_eq_v`` (Gemma 4 31B: full layer 1 has no
+    ``v_proj``, its values are its key projection under the value norm) with
+    ``num_global_key_value_heads=1`` against 2 on sliding layers, no per-layer inputs, untied head,
+    no soft-cap: logits (one pass and chunked, captured layers) and greedy plain and DFlash decoding
+    against transformers; a config without ``per_layer_config`` takes the full layers' key/value
+    heads from ``num_global_key_value_heads`` under ``attention_k_eq_v`` only."""
     conf = dict(CONF, num_kv_shared_layers=2, use_double_wide_mlp=True, hidden_size_per_layer_input=0, tie_word_embeddings=False,
-                final_logit_softcapping=None)
+                final_logit_softcapping=None, attention_k_eq_v=True, num_global_key_value_heads=1)
     model = save_tiny("Gemma4TextConfig", "Gemma4ForCausalLM", tmp_path, seed=4, **conf)
     cfg, params = load_hf_target(tmp_path)
     assert cfg.num_kv_shared_layers == 2 and "wk" not in params["layer3"] and params["layer4"]["w_up"].shape == (64, 192)
     assert gemma4.init_cache(cfg, 1, 8).k_sliding.shape[0] == 2 and "embed_pl" not in params and "lm_head" in params
-    b, t = 2, 11
-    tokens = np.random.default_rng(8).integers(0, V, (b, t)).astype(np.int32)
-    want = hf_logits(model, tokens)
-    pos = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
-    cache, out = gemma4.init_cache(cfg, b, t), []
-    for s in range(0, t, 4):
-        logits, cache, _ = _forward(params, cfg, jnp.asarray(tokens[:, s : s + 4]), pos[:, s : s + 4], cache)
-        out.append(logits)
-    assert rel_err(jnp.concatenate(out, axis=1), want) < TOL
+    assert cfg.attention_k_eq_v and cfg.kv_heads == (2, 1) and "wv" not in params["layer1"] and "wv" in params["layer2"]
+    check_logits_and_capture(model, cfg, params, gemma4, (1, 3), TOL, chunk=4)
     prompt, n = [3, 17, 42, 8, 11, 5, 29], 10
     want = hf_greedy(model, prompt, n)
     assert ours_greedy(cfg, params, prompt, n, 3)[0] == want
     assert ours_greedy(cfg, params, prompt, n, 3, tiny_drafter(cfg, seed=1, layer_ids=(1, 4), block_size=4))[0] == want
+    raw = {k: v for k, v in json.loads((tmp_path / "config.json").read_text()).items() if k != "per_layer_config"}
+    assert family_for_hf(raw).parse_hf(dict(raw, global_head_dim=16, num_global_key_value_heads=1)).kv_heads == (2, 1)
+    assert family_for_hf(raw).parse_hf(dict(raw, global_head_dim=16, num_global_key_value_heads=1, attention_k_eq_v=False)).kv_heads == (2, 2)
 
 
 _MESH = """

@@ -44,6 +44,8 @@ def hf_names(cfg: Gemma4Config, prefix: str = "model.") -> dict[str, tuple[tuple
         per = dict(_LAYER, **(_PER_LAYER_INPUT if cfg.per_layer_input else {}))
         if cfg.shares_kv(i):  # transformers builds no k/v projections or k norm on a KV-sharing layer
             per = {k: v for k, v in per.items() if v[0] not in ("wk", "wv", "k_norm")}
+        elif cfg.k_eq_v(i):  # nor a v projection on a full layer under attention_k_eq_v
+            per = {k: v for k, v in per.items() if v[0] != "wv"}
         for suffix, (leaf, t) in per.items():
             names[f"{prefix}layers.{i}.{suffix}"] = ((f"layer{i}", leaf), None, t)
     return names

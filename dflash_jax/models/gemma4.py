@@ -5,7 +5,7 @@ The family contract (:class:`dflash_jax.family.FamilyModel`). Per layer (transfo
 ``w * x / sqrt(mean(x^2) + eps)``, the plain weight, not ``1 + w``)::
 
     h = rms(x; attn_norm); q = rms(h Wq; q_norm), k = rms(h Wk; k_norm), v = rms(h Wv) (no weight)
-    per head; RoPE of the layer type on q, k; GQA causal attention, scale 1 (not D^-1/2); sliding
+    per head (``attention_k_eq_v``: v = rms(h Wk) on full layers, which have no Wv); RoPE of the layer type on q, k; GQA causal attention, scale 1 (not D^-1/2); sliding
     layers see keys less than sliding_window positions back; x += rms(a Wo; post_attn_norm)
     h = rms(x; mlp_norm); x += rms(down(gelu_tanh(h Wg) * h Wu); post_mlp_norm)
     with per-layer inputs: x += rms((gelu_tanh(x Wpg) * pli[layer]) Wpo; post_pl_norm)
@@ -26,8 +26,8 @@ with ``e`` the scaled embedding.
 Covered: the above (sliding/full mix, per-type head sizes and RoPE, q/k/v norms, sandwich norms,
 layer scalars, per-layer inputs, KV sharing (``num_kv_shared_layers``: the last layers attend the
 keys and values of the last earlier layer of their type, and have no ``wk``/``wv``/``k_norm``),
-double-wide MLPs on those layers, final-logit soft-cap, tied or untied head). Refused by the config
-parser (:func:`~dflash_jax.config_gemma4.gemma4_config_from_hf`): ``attention_k_eq_v``, the MoE
+double-wide MLPs on those layers, ``attention_k_eq_v``, final-logit soft-cap, tied or untied head).
+Refused by the config parser (:func:`~dflash_jax.config_gemma4.gemma4_config_from_hf`): the MoE
 block, bidirectional attention, attention biases, attention-logit soft-capping.
 
 Layers are held one per key (``"layer{i}"``, no layer axis: sliding and full layers differ in
@@ -89,6 +89,8 @@ def _layer_specs(cfg: Gemma4Config, i: int) -> dict:
     s = decoder_layer(H, cfg.num_attention_heads, cfg.kv_heads[kind], cfg.head_dims[kind], cfg.mlp_size(i), qk_norm=True)
     if cfg.shares_kv(i):  # keys and values of an earlier layer: no projections of its own
         del s["wk"], s["wv"], s["k_norm"]
+    elif cfg.k_eq_v(i):  # values from the key projection
+        del s["wv"]
     s.update(post_attn_norm=ParamSpec((H,), ("embed",), "norm"), post_mlp_norm=ParamSpec((H,), ("embed",), "norm"),
              scalar=ParamSpec((1,), (None,), "norm"))
     if cfg.per_layer_input:
@@ -208,8 +210,9 @@ def _layer(cfg: Gemma4Config, i: int, lp: dict, x, kv: list, pli, positions, rop
     h = rms(x, lp["attn_norm"], eps)
     q = apply_rope(rms(split_heads(h @ lp["wq"], hq, d), lp["q_norm"], eps), rope_pos, freqs)
     if not cfg.shares_kv(i):  # a KV-sharing layer attends the rows its type's last computing layer wrote
-        k = apply_rope(rms(split_heads(h @ lp["wk"], hkv, d), lp["k_norm"], eps), rope_pos, freqs)
-        v = rms(split_heads(h @ lp["wv"], hkv, d), None, eps)
+        k = split_heads(h @ lp["wk"], hkv, d)
+        v = rms(k if cfg.k_eq_v(i) else split_heads(h @ lp["wv"], hkv, d), None, eps)  # k_eq_v: the raw keys
+        k = apply_rope(rms(k, lp["k_norm"], eps), rope_pos, freqs)
         kv[kind] = [write_layer_rows(kv[kind][0], row, k, positions), write_layer_rows(kv[kind][1], row, v, positions)]
     k_all, v_all = kv[kind]
     q = _scaled(q, d ** 0.5)  # cache_attention scales by D^-1/2; Gemma 4's scale is 1
