@@ -64,10 +64,14 @@ def test_unsupported_options_refused_by_name(case):
     base = json.loads((folder / "config.json").read_text())
     fam = family_for_hf(base)
     assert fam.name == "gemma4"
-    for key, value in (("num_kv_shared_layers", 5), ("enable_moe_block", True),
-                       ("hidden_activation", "silu")):
+    for key, value in (("num_kv_shared_layers", 5), ("hidden_activation", "silu"), ("use_bidirectional_attention", "all")):
         with pytest.raises(DFlashError, match=f"c.json: field {key}"):
             fam.parse_hf(dict(base, **{key: value}), "c.json")
+    moe = dict(base, enable_moe_block=True, num_experts=4, top_k_experts=2, moe_intermediate_size=8)
+    assert fam.parse_hf(moe, "c.json").num_experts == 4 and fam.parse_hf(base, "c.json").num_experts == 0
+    for key, value in (("num_experts", None), ("top_k_experts", 5), ("moe_intermediate_size", 0)):
+        with pytest.raises(DFlashError, match=f"c.json: field {key}"):
+            fam.parse_hf(dict(moe, **{key: value}), "c.json")
     rope = dict(base["rope_parameters"], full_attention={"rope_type": "yarn", "rope_theta": 1e6, "factor": 2.0})
     with pytest.raises(DFlashError, match="c.json: field rope_parameters.full_attention.rope_type"):
         fam.parse_hf(dict(base, rope_parameters=rope), "c.json")
@@ -171,6 +175,40 @@ def test_kv_sharing_k_eq_v_and_no_per_layer_inputs_match_transformers(tmp_path):
     assert family_for_hf(raw).parse_hf(dict(raw, global_head_dim=16, num_global_key_value_heads=1, attention_k_eq_v=False)).kv_heads == (2, 2)
 
 
+MOE = dict(CONF, num_hidden_layers=3, layer_types=TYPES[:3], hidden_size_per_layer_input=0, enable_moe_block=True, num_experts=4,
+           top_k_experts=2, moe_intermediate_size=32)
+
+
+def test_moe_block_matches_transformers(tmp_path):
+    """``enable_moe_block`` (Gemma 4 26B-A4B): each layer's dense MLP beside 4 routed experts (top 2;
+    router norm, scale and per-expert scales off 1, router drawn wide so no expert is a near tie),
+    fused expert tensors as transformers saves them: logits (one pass and chunked, captured layers)
+    and greedy plain and DFlash decoding against transformers; a missing expert tensor is refused by name."""
+    model = save_tiny("Gemma4TextConfig", "Gemma4ForCausalLM", tmp_path, seed=7, **MOE)
+    gen = torch.Generator().manual_seed(9)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.router.proj.weight.normal_(0.0, 1.0, generator=gen)
+            layer.router.scale.copy_(1.0 + 0.3 * torch.randn(64, generator=gen))
+            layer.router.per_expert_scale.copy_(0.5 + torch.rand(4, generator=gen))
+    model.save_pretrained(tmp_path, safe_serialization=True)
+    cfg, params = load_hf_target(tmp_path)
+    assert cfg.num_experts == 4 and params["layer2"]["e_gate"].shape == (4, 64, 32) and params["layer0"]["e_down"].shape == (4, 32, 64)
+    assert gemma4.param_axes(cfg)["layer1"]["e_up"] == ("experts", "embed", "expert_mlp")
+    check_logits_and_capture(model, cfg, params, gemma4, (0, 1), TOL)
+    prompt, n = [3, 17, 42, 8, 11, 5, 29], 10
+    want = hf_greedy(model, prompt, n)
+    assert ours_greedy(cfg, params, prompt, n, 3)[0] == want
+    assert ours_greedy(cfg, params, prompt, n, 3, tiny_drafter(cfg, seed=1, layer_ids=(0, 1), block_size=4))[0] == want
+    from safetensors.numpy import load_file, save_file
+
+    tensors = load_file(tmp_path / "model.safetensors")
+    del tensors["model.layers.1.experts.down_proj"]
+    save_file(tensors, tmp_path / "model.safetensors")
+    with pytest.raises(DFlashError, match=r"tensor model\.layers\.1\.experts\.down_proj.*missing"):
+        load_hf_target(tmp_path)
+
+
 _MESH = """
 import sys
 sys.path.insert(0, "tests")
@@ -183,7 +221,8 @@ from dflash_jax.testing import tiny_drafter
 from test_families import TINY_HF
 
 hf = dict(TINY_HF["gemma4"], num_hidden_layers=4, layer_types=["sliding_attention", "full_attention"] * 2, num_kv_shared_layers=2,
-          per_layer_config={"1": {"head_dim": 16}, "3": {"head_dim": 16}})
+          per_layer_config={"1": {"head_dim": 16}, "3": {"head_dim": 16}}, enable_moe_block=True, num_experts=4, top_k_experts=2,
+          moe_intermediate_size=8)
 cfg = family_for_hf(hf).parse_hf(hf, "hf")
 m = module_for(cfg)
 p = m.init_params(cfg, jax.random.key(3), 0.3)
@@ -195,17 +234,19 @@ def run(p, mesh=None):
     st = st if mesh is None else shd.shard_state(st, mesh)
     return decode.generate(Params(p, dp), decode.prefill(Params(p, dp), st, static, 4), static)
 
-mesh = shd.make_mesh(data=2, model=2)
-a, b = run(p), run(shd.shard_params(p, m.param_axes(cfg), mesh), mesh)
-assert (np.asarray(a.tokens) == np.asarray(b.tokens)).all() and (np.asarray(a.length) == np.asarray(b.length)).all()
+a = run(p)
+for mesh in (shd.make_mesh(data=2, model=2), shd.make_mesh(model=2, expert=2)):
+    b = run(shd.shard_params(p, m.param_axes(cfg), mesh), mesh)
+    assert (np.asarray(a.tokens) == np.asarray(b.tokens)).all() and (np.asarray(a.length) == np.asarray(b.length)).all()
 print("OK")
 """
 
 
 @pytest.mark.slow
 def test_a_mesh_answers_as_one_device():
-    """``param_axes`` and the per-type KV cache's axes on a ``data=2, model=2`` mesh (4 CPU devices):
-    DFlash greedy decoding with KV sharing and per-layer inputs gives one device's tokens."""
+    """``param_axes`` and the per-type KV cache's axes on a ``data=2, model=2`` and a ``model=2,
+    expert=2`` mesh (4 CPU devices): DFlash greedy decoding with KV sharing, per-layer inputs and
+    the MoE block gives one device's tokens."""
     from conftest import run_on_cpu_devices
 
     run_on_cpu_devices(_MESH, 4, timeout=600)
