@@ -31,8 +31,11 @@ class Gemma4Config:
     ``per_layer_vocab`` rows. ``final_logit_softcapping``: 0 for none. The last
     ``num_kv_shared_layers`` layers compute no keys or values: each attends those of the last
     earlier layer of its type (transformers' ``kv_sharing_modes`` "reuse" / "store"), and with
-    ``use_double_wide_mlp`` has an MLP twice ``intermediate_size`` wide. ``dtype``: compute and
-    parameter dtype name.
+    ``use_double_wide_mlp`` has an MLP twice ``intermediate_size`` wide. ``attention_k_eq_v``:
+    full layers have no value projection, their values are the key projection's output (before
+    the key norm and RoPE) under the value norm. ``num_experts`` > 0 (``enable_moe_block``): every
+    layer runs ``num_experts`` routed experts of width ``moe_intermediate_size`` (``top_k_experts``
+    per token) beside its dense MLP. ``dtype``: compute and parameter dtype name.
     """
 
     vocab_size: int
@@ -50,6 +53,10 @@ class Gemma4Config:
     final_logit_softcapping: float = 0.0
     num_kv_shared_layers: int = 0
     use_double_wide_mlp: bool = False
+    attention_k_eq_v: bool = False
+    num_experts: int = 0
+    top_k_experts: int = 0
+    moe_intermediate_size: int = 0
     rms_norm_eps: float = 1e-6
     tie_word_embeddings: bool = True
     max_position_embeddings: int = 131072
@@ -63,6 +70,8 @@ class Gemma4Config:
             raise DFlashError("config: num_kv_shared_layers", f"{self.num_kv_shared_layers} shared layers, whose types "
                               f"{sorted(set(self.layer_types[first:]))} not all computed by an earlier layer",
                               "an earlier layer of every shared layer's type")
+        if self.num_experts and not 0 < self.top_k_experts <= self.num_experts:
+            raise DFlashError("config: top_k_experts", f"{self.top_k_experts}", f"in [1, num_experts={self.num_experts}]")
         for kv in self.kv_heads:
             if self.num_attention_heads % kv:
                 raise DFlashError("config: num_key_value_heads", f"{kv} does not divide num_attention_heads="
@@ -87,6 +96,10 @@ class Gemma4Config:
             return self.count(self.kind(layer)) - 1
         return sum(t == self.layer_types[layer] for t in self.layer_types[:layer])
 
+    def k_eq_v(self, layer: int) -> bool:
+        """Whether the layer's values are its keys' projection (``attention_k_eq_v``, full layers only)."""
+        return self.attention_k_eq_v and self.kind(layer) == 1
+
     def mlp_size(self, layer: int) -> int:
         """The layer's MLP width (doubled on KV-sharing layers under ``use_double_wide_mlp``)."""
         return self.intermediate_size * (2 if self.use_double_wide_mlp and self.shares_kv(layer) else 1)
@@ -101,7 +114,7 @@ class Gemma4Config:
 
 
 # (field, value it must have): options this implementation does not run, refused by name
-_REFUSED = (("attention_k_eq_v", False), ("enable_moe_block", False), ("use_bidirectional_attention", None), ("attention_bias", False),
+_REFUSED = (("use_bidirectional_attention", None), ("attention_bias", False),
             ("attn_logit_softcapping", None), ("hidden_activation", "gelu_pytorch_tanh"))
 
 
@@ -124,10 +137,14 @@ def _rope(cfg: Mapping[str, Any], kind: str, source: str) -> tuple[str, float, f
 
 def _full_layer_sizes(cfg: Mapping[str, Any], types: list, source: str) -> tuple[int, int]:
     """``(head_dim, kv heads)`` of the full layers: from ``per_layer_config`` (all full layers
-    alike, no other overrides), else ``global_head_dim`` (default 512) and ``num_key_value_heads``."""
+    alike, no other overrides), else ``global_head_dim`` (default 512) and ``num_key_value_heads``
+    (``num_global_key_value_heads`` where set under ``attention_k_eq_v``, as transformers'
+    ``Gemma4TextConfig.__post_init__``)."""
     kv = int(_get(cfg, "num_key_value_heads", source, int))
     per = cfg.get("per_layer_config")
     if per is None:
+        if cfg.get("attention_k_eq_v") and cfg.get("num_global_key_value_heads") is not None:
+            kv = _positive(int(_get(cfg, "num_global_key_value_heads", source, int)), "num_global_key_value_heads", source)
         return _positive(int(_get(cfg, "global_head_dim", source, int, 512)), "global_head_dim", source), kv
     where = f"{source}: field per_layer_config"
     sizes = set()
@@ -152,6 +169,17 @@ def _kv_shared(cfg: Mapping[str, Any], n_layers: int, source: str) -> int:
     return n
 
 
+def _moe(cfg: Mapping[str, Any], source: str) -> dict:
+    """``num_experts``, ``top_k_experts``, ``moe_intermediate_size`` under ``enable_moe_block`` (all 0 without)."""
+    if not cfg.get("enable_moe_block"):
+        return {}
+    keys = ("num_experts", "top_k_experts", "moe_intermediate_size")
+    moe = {k: _positive(_get(cfg, k, source, int), k, source) for k in keys}
+    if moe["top_k_experts"] > moe["num_experts"]:
+        raise DFlashError(f"{source}: field top_k_experts", f"{moe['top_k_experts']}", f"at most num_experts={moe['num_experts']}")
+    return moe
+
+
 def gemma4_config_from_hf(cfg: Mapping[str, Any], source: str = "config.json") -> Gemma4Config:
     """Builds a :class:`Gemma4Config` from a parsed ``config.json`` (``Gemma4TextConfig``, or a
     ``Gemma4ForConditionalGeneration``'s nested ``text_config``: its text decoder; a top-level
@@ -162,10 +190,11 @@ def gemma4_config_from_hf(cfg: Mapping[str, Any], source: str = "config.json") -
 
     Raises:
       DFlashError: a required field missing or ill-typed, a non-positive size, or an option this
-        implementation does not run: ``attention_k_eq_v``, ``enable_moe_block``,
-        ``use_bidirectional_attention``, ``attention_bias``, ``attn_logit_softcapping``, a
-        ``hidden_activation`` other than ``gelu_pytorch_tanh``, a RoPE type other than
-        ``default``/``proportional``; names ``source`` and the field.
+        implementation does not run: ``use_bidirectional_attention``, ``attention_bias``,
+        ``attn_logit_softcapping``, a ``hidden_activation`` other than ``gelu_pytorch_tanh``, a RoPE
+        type other than ``default``/``proportional``; under ``enable_moe_block`` a missing or
+        non-positive ``num_experts`` / ``top_k_experts`` / ``moe_intermediate_size``, or
+        ``top_k_experts > num_experts``; names ``source`` and the field.
     """
     if isinstance(cfg.get("text_config"), Mapping):
         tied = cfg.get("tie_word_embeddings", True)
@@ -193,8 +222,8 @@ def gemma4_config_from_hf(cfg: Mapping[str, Any], source: str = "config.json") -
         ropes=tuple(_rope(cfg, t, source) for t in LAYER_TYPES), sliding_window=pos("sliding_window"),
         per_layer_input=ple, per_layer_vocab=pos("vocab_size_per_layer_input") if ple else 0,
         final_logit_softcapping=float(softcap) if softcap else 0.0, num_kv_shared_layers=_kv_shared(cfg, n_layers, source),
-        use_double_wide_mlp=bool(cfg.get("use_double_wide_mlp") or False),
+        use_double_wide_mlp=bool(cfg.get("use_double_wide_mlp") or False), attention_k_eq_v=bool(cfg.get("attention_k_eq_v") or False),
         rms_norm_eps=float(_get(cfg, "rms_norm_eps", source, (int, float), 1e-6)),
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", True)),
-        max_position_embeddings=int(cfg.get("max_position_embeddings") or 131072),
+        max_position_embeddings=int(cfg.get("max_position_embeddings") or 131072), **_moe(cfg, source),
     )

@@ -28,7 +28,7 @@ from dflash_jax.io import gemma4 as gemma4_io
 from dflash_jax.io import gpt_oss as gpt_oss_io
 from dflash_jax.io import qwen3_5 as qwen3_5_io
 from dflash_jax.io import qwen3_moe as qwen3_moe_io
-from dflash_jax.io import gpt_oss_gguf, qwen3_5_gguf, qwen3_moe_gguf
+from dflash_jax.io import gemma4_gguf, gpt_oss_gguf, qwen3_5_gguf, qwen3_moe_gguf
 from dflash_jax.models import dense, dflash_drafter
 from dflash_jax.models import gemma4 as gemma4_model
 from dflash_jax.models import gpt_oss as gpt_oss_model
@@ -146,12 +146,13 @@ TARGET_FAMILIES: tuple[TargetFamily, ...] = (
         gguf_config=_gguf_config(qwen3_5_gguf.qwen3_5_gguf_config),
     ),
     # Gemma 4 text, and Gemma4ForConditionalGeneration's text decoder (sliding/full layers of their own head sizes,
-    # per-layer inputs, KV sharing, logit soft-cap); HF only
+    # per-layer inputs, KV sharing, k_eq_v, MoE, logit soft-cap); HF and GGUF
     TargetFamily(
         name="gemma4", config_type=config_gemma4.Gemma4Config, hf_architectures=("Gemma4ForCausalLM", "Gemma4ForConditionalGeneration"),
-        hf_model_types=("gemma4_text",), gguf_architectures=(), parse_hf=config_gemma4.gemma4_config_from_hf,
-        model=FamilyModel.of_module(gemma4_model), load_hf=gemma4_io.load_gemma4_target, load_gguf=_no_gguf("gemma4"),
-        gguf_config=_no_gguf("gemma4"),
+        hf_model_types=("gemma4_text",), gguf_architectures=(gemma4_gguf.ARCH,), parse_hf=config_gemma4.gemma4_config_from_hf,
+        model=FamilyModel.of_module(gemma4_model), load_hf=gemma4_io.load_gemma4_target,
+        load_gguf=lambda path, dtype, use_cache, as_numpy: gemma4_gguf.load_gemma4_gguf_target(path, dtype, as_numpy=as_numpy),
+        gguf_config=_gguf_config(gemma4_gguf.gemma4_gguf_config),
     ),
 )
 

@@ -1,13 +1,16 @@
 """The gemma4 family against transformers' ``Gemma4ForCausalLM`` (a tiny random checkpoint saved by
 transformers 5, float32, CPU): config (and the options refused by name), logits (one pass and
 chunked prefill plus decode, captured layers), greedy plain and DFlash decoding (chains and trees)
-for one and several prefill chunks.
+for one and several prefill chunks; the same for a KV-sharing / ``attention_k_eq_v`` checkpoint
+and an MoE one, and a ``gemma4`` GGUF of each laid out as llama.cpp's converter does.
 
-The checkpoint mixes sliding (head 8, window 4) and full layers (head 16, proportional RoPE over a
+The main checkpoint mixes sliding (head 8, window 4) and full layers (head 16, proportional RoPE over a
 quarter of the frequencies), has per-layer inputs, random layer scalars and a final-logit soft-cap
 small enough to bite."""
 
 from __future__ import annotations
+
+import json
 
 import jax
 import jax.numpy as jnp
@@ -59,15 +62,17 @@ def test_config_and_params(case):
 
 def test_unsupported_options_refused_by_name(case):
     _, _, _, folder = case
-    import json
-
     base = json.loads((folder / "config.json").read_text())
     fam = family_for_hf(base)
     assert fam.name == "gemma4"
-    for key, value in (("num_kv_shared_layers", 5), ("attention_k_eq_v", True), ("enable_moe_block", True),
-                       ("hidden_activation", "silu")):
+    for key, value in (("num_kv_shared_layers", 5), ("hidden_activation", "silu"), ("use_bidirectional_attention", "all")):
         with pytest.raises(DFlashError, match=f"c.json: field {key}"):
             fam.parse_hf(dict(base, **{key: value}), "c.json")
+    moe = dict(base, enable_moe_block=True, num_experts=4, top_k_experts=2, moe_intermediate_size=8)
+    assert fam.parse_hf(moe, "c.json").num_experts == 4 and fam.parse_hf(base, "c.json").num_experts == 0
+    for key, value in (("num_experts", None), ("top_k_experts", 5), ("moe_intermediate_size", 0)):
+        with pytest.raises(DFlashError, match=f"c.json: field {key}"):
+            fam.parse_hf(dict(moe, **{key: value}), "c.json")
     rope = dict(base["rope_parameters"], full_attention={"rope_type": "yarn", "rope_theta": 1e6, "factor": 2.0})
     with pytest.raises(DFlashError, match="c.json: field rope_parameters.full_attention.rope_type"):
         fam.parse_hf(dict(base, rope_parameters=rope), "c.json")
@@ -146,29 +151,153 @@ def test_same_tokens_and_verify_steps_as_zlab_dflash_generate(case, tmp_path):
         load_hf_drafter(tmp_path, cfg)
 
 
-def test_kv_sharing_and_no_per_layer_inputs_match_transformers(tmp_path):
+SHARED = dict(CONF, num_kv_shared_layers=2, use_double_wide_mlp=True, hidden_size_per_layer_input=0, tie_word_embeddings=False,
+              final_logit_softcapping=None, attention_k_eq_v=True, num_global_key_value_heads=1)
+MOE = dict(CONF, num_hidden_layers=3, layer_types=TYPES[:3], hidden_size_per_layer_input=0, enable_moe_block=True, num_experts=4,
+           top_k_experts=2, moe_intermediate_size=32)
+
+
+@pytest.fixture(scope="module")
+def shared_case(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("gemma4_shared")
+    model = save_tiny("Gemma4TextConfig", "Gemma4ForCausalLM", folder, seed=4, **SHARED)
+    return (model, *load_hf_target(folder), folder)
+
+
+@pytest.fixture(scope="module")
+def moe_case(tmp_path_factory):
+    """The MoE checkpoint: router drawn wide enough that no two experts nearly tie, its scale and
+    per-expert scales off 1."""
+    folder = tmp_path_factory.mktemp("gemma4_moe")
+    model = save_tiny("Gemma4TextConfig", "Gemma4ForCausalLM", folder, seed=7, **MOE)
+    gen = torch.Generator().manual_seed(9)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.router.proj.weight.normal_(0.0, 1.0, generator=gen)
+            layer.router.scale.copy_(1.0 + 0.3 * torch.randn(64, generator=gen))
+            layer.router.per_expert_scale.copy_(0.5 + torch.rand(4, generator=gen))
+    model.save_pretrained(folder, safe_serialization=True)
+    return (model, *load_hf_target(folder), folder)
+
+
+def test_kv_sharing_k_eq_v_and_no_per_layer_inputs_match_transformers(shared_case):
     """``num_kv_shared_layers=2`` (layers 3 and 4 attend the keys and values of layers 2 and 1) with
-    double-wide MLPs on those layers, no per-layer inputs, untied head, no soft-cap: logits (one pass
-    and chunked) and greedy plain and DFlash decoding against transformers."""
-    conf = dict(CONF, num_kv_shared_layers=2, use_double_wide_mlp=True, hidden_size_per_layer_input=0, tie_word_embeddings=False,
-                final_logit_softcapping=None)
-    model = save_tiny("Gemma4TextConfig", "Gemma4ForCausalLM", tmp_path, seed=4, **conf)
-    cfg, params = load_hf_target(tmp_path)
+    double-wide MLPs on those layers, ``attention_k_eq_v`` (Gemma 4 31B: full layer 1 has no
+    ``v_proj``, its values are its key projection under the value norm) with
+    ``num_global_key_value_heads=1`` against 2 on sliding layers, no per-layer inputs, untied head,
+    no soft-cap: logits (one pass and chunked, captured layers) and greedy plain and DFlash decoding
+    against transformers; a config without ``per_layer_config`` takes the full layers' key/value
+    heads from ``num_global_key_value_heads`` under ``attention_k_eq_v`` only."""
+    model, cfg, params, folder = shared_case
     assert cfg.num_kv_shared_layers == 2 and "wk" not in params["layer3"] and params["layer4"]["w_up"].shape == (64, 192)
     assert gemma4.init_cache(cfg, 1, 8).k_sliding.shape[0] == 2 and "embed_pl" not in params and "lm_head" in params
-    b, t = 2, 11
-    tokens = np.random.default_rng(8).integers(0, V, (b, t)).astype(np.int32)
-    want = hf_logits(model, tokens)
-    pos = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
-    cache, out = gemma4.init_cache(cfg, b, t), []
-    for s in range(0, t, 4):
-        logits, cache, _ = _forward(params, cfg, jnp.asarray(tokens[:, s : s + 4]), pos[:, s : s + 4], cache)
-        out.append(logits)
-    assert rel_err(jnp.concatenate(out, axis=1), want) < TOL
+    assert cfg.attention_k_eq_v and cfg.kv_heads == (2, 1) and "wv" not in params["layer1"] and "wv" in params["layer2"]
+    check_logits_and_capture(model, cfg, params, gemma4, (1, 3), TOL, chunk=4)
     prompt, n = [3, 17, 42, 8, 11, 5, 29], 10
     want = hf_greedy(model, prompt, n)
     assert ours_greedy(cfg, params, prompt, n, 3)[0] == want
     assert ours_greedy(cfg, params, prompt, n, 3, tiny_drafter(cfg, seed=1, layer_ids=(1, 4), block_size=4))[0] == want
+    raw = {k: v for k, v in json.loads((folder / "config.json").read_text()).items() if k != "per_layer_config"}
+    assert family_for_hf(raw).parse_hf(dict(raw, global_head_dim=16, num_global_key_value_heads=1)).kv_heads == (2, 1)
+    assert family_for_hf(raw).parse_hf(dict(raw, global_head_dim=16, num_global_key_value_heads=1, attention_k_eq_v=False)).kv_heads == (2, 2)
+
+
+def test_moe_block_matches_transformers(moe_case, tmp_path):
+    """``enable_moe_block`` (Gemma 4 26B-A4B): each layer's dense MLP beside 4 routed experts (top 2),
+    fused expert tensors as transformers saves them: logits (one pass and chunked, captured layers)
+    and greedy plain and DFlash decoding against transformers; a missing expert tensor is refused by name."""
+    import shutil
+
+    from safetensors.numpy import load_file, save_file
+
+    model, cfg, params, folder = moe_case
+    assert cfg.num_experts == 4 and params["layer2"]["e_gate"].shape == (4, 64, 32) and params["layer0"]["e_down"].shape == (4, 32, 64)
+    assert gemma4.param_axes(cfg)["layer1"]["e_up"] == ("experts", "embed", "expert_mlp")
+    check_logits_and_capture(model, cfg, params, gemma4, (0, 1), TOL)
+    prompt, n = [3, 17, 42, 8, 11, 5, 29], 10
+    want = hf_greedy(model, prompt, n)
+    assert ours_greedy(cfg, params, prompt, n, 3)[0] == want
+    assert ours_greedy(cfg, params, prompt, n, 3, tiny_drafter(cfg, seed=1, layer_ids=(0, 1), block_size=4))[0] == want
+    shutil.copy(folder / "config.json", tmp_path / "config.json")
+    tensors = load_file(folder / "model.safetensors")
+    del tensors["model.layers.1.experts.down_proj"]
+    save_file(tensors, tmp_path / "model.safetensors")
+    with pytest.raises(DFlashError, match=r"tensor model\.layers\.1\.experts\.down_proj.*missing"):
+        load_hf_target(tmp_path)
+
+
+def _write_gguf_from_hf(folder, path, **kv_changes) -> None:
+    """A ``gemma4`` GGUF of an HF folder as llama.cpp's converter lays it out: names from ``gguf-py``'s
+    own ``TensorNameMap`` (``layer_scalar`` and the fused experts as ``.weight``, the router's scale
+    and per-expert scale as ``ffn_gate_inp.scale`` / ``ffn_down_exps.scale``), norms as stored (no
+    +1), ``rope_freqs`` marking the full layers' unrotated pairs 1e30, sizes under its metadata keys
+    (per-layer ``head_count_kv`` and ``feed_forward_length`` where they differ; ``kv_changes``:
+    overrides, None drops a key). ``global_head_dim`` 16 as in :data:`CONF` (transformers folds it
+    into ``per_layer_config``)."""
+    import gguf
+    from safetensors.numpy import load_file
+
+    from tiny_gguf import write_gguf
+
+    hp = json.loads((folder / "config.json").read_text())
+    n, types, d_full = hp["num_hidden_layers"], hp["layer_types"], 16
+    kv_full = hp["per_layer_config"][str(types.index("full_attention"))].get("num_key_value_heads", hp["num_key_value_heads"])
+    name_map, out = gguf.get_tensor_name_map(gguf.MODEL_ARCH.GEMMA4, n), []
+    for k, v in load_file(str(folder / "model.safetensors")).items():
+        bid = k.split(".")[2] if k.startswith("model.layers.") else None
+        if k.endswith("router.scale") or k.endswith("router.per_expert_scale"):
+            name = f"blk.{bid}.ffn_gate_inp.scale" if k.endswith("router.scale") else f"blk.{bid}.ffn_down_exps.scale"
+        else:
+            fix = k.endswith("layer_scalar") or (".experts." in k and not k.endswith(".weight"))
+            name = name_map.get_name(k + ".weight" if fix else k, try_suffixes=(".weight", ".bias"))
+        out.append((name, v, None))
+    rope = hp["rope_parameters"]
+    n_rot = int(d_full * rope["full_attention"]["partial_rotary_factor"] / 2)
+    out.append(("rope_freqs.weight", np.array([1.0] * n_rot + [1e30] * (d_full // 2 - n_rot), np.float32), None))
+    ffn, shared = hp["intermediate_size"], hp["num_kv_shared_layers"]
+    A = "gemma4"
+    kv = {f"{A}.context_length": hp["max_position_embeddings"], f"{A}.embedding_length": hp["hidden_size"], f"{A}.block_count": n,
+          f"{A}.feed_forward_length": [ffn * (2 if i >= n - shared else 1) for i in range(n)] if hp["use_double_wide_mlp"] else ffn,
+          f"{A}.attention.head_count": hp["num_attention_heads"],
+          f"{A}.attention.head_count_kv": [hp["num_key_value_heads"] if t == "sliding_attention" else kv_full for t in types],
+          f"{A}.attention.layer_norm_rms_epsilon": hp["rms_norm_eps"], f"{A}.attention.key_length": d_full,
+          f"{A}.attention.value_length": d_full, f"{A}.attention.key_length_swa": hp["head_dim"],
+          f"{A}.attention.value_length_swa": hp["head_dim"], f"{A}.rope.freq_base": float(rope["full_attention"]["rope_theta"]),
+          f"{A}.rope.freq_base_swa": float(rope["sliding_attention"]["rope_theta"]), f"{A}.rope.dimension_count": d_full,
+          f"{A}.rope.dimension_count_swa": hp["head_dim"], f"{A}.attention.sliding_window": hp["sliding_window"],
+          f"{A}.attention.sliding_window_pattern": [t == "sliding_attention" for t in types],
+          f"{A}.attention.shared_kv_layers": shared, f"{A}.embedding_length_per_layer_input": hp["hidden_size_per_layer_input"],
+          f"{A}.final_logit_softcapping": hp["final_logit_softcapping"]}
+    if hp["enable_moe_block"]:
+        kv.update({f"{A}.expert_count": hp["num_experts"], f"{A}.expert_used_count": hp["top_k_experts"],
+                   f"{A}.expert_feed_forward_length": hp["moe_intermediate_size"]})
+    kv.update(kv_changes)
+    write_gguf(path, A, {k: v for k, v in kv.items() if v is not None}, out)
+
+
+@pytest.mark.parametrize("which", ["case", "shared_case", "moe_case"])
+def test_gguf_loads_what_safetensors_load(which, request, tmp_path):
+    """A ``gemma4`` GGUF written from each checkpoint (per-layer inputs and soft-cap; KV sharing,
+    double-wide MLPs, ``attention_k_eq_v`` and an untied head; the MoE block) loads to the config
+    and params of the safetensors it came from and to transformers' logits; bad metadata is refused
+    naming the key."""
+    from dflash_jax.registry import load_gguf_target
+
+    model, cfg, params, folder = request.getfixturevalue(which)
+    _write_gguf_from_hf(folder, tmp_path / "m.gguf")
+    g_cfg, g_params = load_gguf_target(tmp_path / "m.gguf", use_cache=False)
+    assert g_cfg == cfg
+    assert jax.tree.all(jax.tree.map(lambda a, b: bool((a == b).all()), g_params, params))
+    tokens = np.random.default_rng(2).integers(0, V, (1, 9)).astype(np.int32)
+    got, _, _ = _forward(g_params, g_cfg, jnp.asarray(tokens), jnp.arange(9, dtype=jnp.int32)[None], gemma4.init_cache(g_cfg, 1, 9))
+    assert rel_err(got, hf_logits(model, tokens)) < TOL
+    if which != "shared_case":
+        return
+    for key, value in (("attention.sliding_window_pattern", None), ("attention.head_count_kv", [2, 1, 2, 2, 2]),
+                       ("feed_forward_length", [96, 192, 96, 192, 192]), ("rope.dimension_count", 8)):
+        _write_gguf_from_hf(folder, tmp_path / "bad.gguf", **{f"gemma4.{key}": value})
+        with pytest.raises(DFlashError, match=rf"bad\.gguf: metadata gemma4\.{key}"):
+            load_gguf_target(tmp_path / "bad.gguf", use_cache=False)
 
 
 _MESH = """
@@ -183,7 +312,8 @@ from dflash_jax.testing import tiny_drafter
 from test_families import TINY_HF
 
 hf = dict(TINY_HF["gemma4"], num_hidden_layers=4, layer_types=["sliding_attention", "full_attention"] * 2, num_kv_shared_layers=2,
-          per_layer_config={"1": {"head_dim": 16}, "3": {"head_dim": 16}})
+          per_layer_config={"1": {"head_dim": 16}, "3": {"head_dim": 16}}, enable_moe_block=True, num_experts=4, top_k_experts=2,
+          moe_intermediate_size=8)
 cfg = family_for_hf(hf).parse_hf(hf, "hf")
 m = module_for(cfg)
 p = m.init_params(cfg, jax.random.key(3), 0.3)
@@ -195,17 +325,19 @@ def run(p, mesh=None):
     st = st if mesh is None else shd.shard_state(st, mesh)
     return decode.generate(Params(p, dp), decode.prefill(Params(p, dp), st, static, 4), static)
 
-mesh = shd.make_mesh(data=2, model=2)
-a, b = run(p), run(shd.shard_params(p, m.param_axes(cfg), mesh), mesh)
-assert (np.asarray(a.tokens) == np.asarray(b.tokens)).all() and (np.asarray(a.length) == np.asarray(b.length)).all()
+a = run(p)
+for mesh in (shd.make_mesh(data=2, model=2), shd.make_mesh(model=2, expert=2)):
+    b = run(shd.shard_params(p, m.param_axes(cfg), mesh), mesh)
+    assert (np.asarray(a.tokens) == np.asarray(b.tokens)).all() and (np.asarray(a.length) == np.asarray(b.length)).all()
 print("OK")
 """
 
 
 @pytest.mark.slow
 def test_a_mesh_answers_as_one_device():
-    """``param_axes`` and the per-type KV cache's axes on a ``data=2, model=2`` mesh (4 CPU devices):
-    DFlash greedy decoding with KV sharing and per-layer inputs gives one device's tokens."""
+    """``param_axes`` and the per-type KV cache's axes on a ``data=2, model=2`` and a ``model=2,
+    expert=2`` mesh (4 CPU devices): DFlash greedy decoding with KV sharing, per-layer inputs and
+    the MoE block gives one device's tokens."""
     from conftest import run_on_cpu_devices
 
     run_on_cpu_devices(_MESH, 4, timeout=600)

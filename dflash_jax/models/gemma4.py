@@ -5,9 +5,12 @@ The family contract (:class:`dflash_jax.family.FamilyModel`). Per layer (transfo
 ``w * x / sqrt(mean(x^2) + eps)``, the plain weight, not ``1 + w``)::
 
     h = rms(x; attn_norm); q = rms(h Wq; q_norm), k = rms(h Wk; k_norm), v = rms(h Wv) (no weight)
-    per head; RoPE of the layer type on q, k; GQA causal attention, scale 1 (not D^-1/2); sliding
-    layers see keys less than sliding_window positions back; x += rms(a Wo; post_attn_norm)
-    h = rms(x; mlp_norm); x += rms(down(gelu_tanh(h Wg) * h Wu); post_mlp_norm)
+    per head (``attention_k_eq_v``: v = rms(h Wk) on full layers, which have no Wv); RoPE of the
+    layer type on q, k; GQA causal attention, scale 1 (not D^-1/2); sliding layers see keys less
+    than sliding_window positions back; x += rms(a Wo; post_attn_norm)
+    h = rms(x; mlp_norm); m = down(gelu_tanh(h Wg) * h Wu)
+    with the MoE block: m = rms(m; post_mlp_norm_1) + rms(moe(x); post_moe_norm) (:func:`moe`)
+    x += rms(m; post_mlp_norm)
     with per-layer inputs: x += rms((gelu_tanh(x Wpg) * pli[layer]) Wpo; post_pl_norm)
     x *= scalar (the layer's ``layer_scalar``)
 
@@ -26,9 +29,10 @@ with ``e`` the scaled embedding.
 Covered: the above (sliding/full mix, per-type head sizes and RoPE, q/k/v norms, sandwich norms,
 layer scalars, per-layer inputs, KV sharing (``num_kv_shared_layers``: the last layers attend the
 keys and values of the last earlier layer of their type, and have no ``wk``/``wv``/``k_norm``),
-double-wide MLPs on those layers, final-logit soft-cap, tied or untied head). Refused by the config
-parser (:func:`~dflash_jax.config_gemma4.gemma4_config_from_hf`): ``attention_k_eq_v``, the MoE
-block, bidirectional attention, attention biases, attention-logit soft-capping.
+double-wide MLPs on those layers, ``attention_k_eq_v``, the MoE block (``enable_moe_block``: Gemma
+4 26B-A4B), final-logit soft-cap, tied or untied head). Refused by the config parser
+(:func:`~dflash_jax.config_gemma4.gemma4_config_from_hf`): bidirectional attention, attention
+biases, attention-logit soft-capping.
 
 Layers are held one per key (``"layer{i}"``, no layer axis: sliding and full layers differ in
 shape) and run as an unrolled Python loop. Parameter pytree (``[in, out]`` weights)::
@@ -38,7 +42,10 @@ shape) and run as an unrolled Python loop. Parameter pytree (``[in, out]`` weigh
      "layer{i}": {"attn_norm", "wq", "wk", "wv", "wo", "q_norm", "k_norm", "mlp_norm", "w_gate",
                   "w_up", "w_down" (:func:`dflash_jax.models.params.decoder_layer`), "post_attn_norm",
                   "post_mlp_norm": [H], "scalar": [1]; "pl_gate": [H, P], "pl_out": [P, H],
-                  "post_pl_norm": [H] with per-layer inputs}}
+                  "post_pl_norm": [H] with per-layer inputs; with the MoE block "router": [H, E],
+                  "router_scale": [H], "expert_scale": [E], "e_gate"/"e_up": [E, H, Im],
+                  "e_down": [E, Im, H] (experts over the "experts" logical axis), "post_mlp_norm_1",
+                  "pre_moe_norm", "post_moe_norm": [H]}}
 
 The cache (:class:`Gemma4Cache`) holds one dense KV stack per layer type, a row per layer that
 computes keys and values (every position kept; a sliding layer masks the keys outside its window).
@@ -64,6 +71,7 @@ from dflash_jax.nn import embedding
 from dflash_jax.nn.attention import TreeBlock, block_visible, rope_positions, windowed
 from dflash_jax.nn.layer import split_heads
 from dflash_jax.nn.live_attention import cache_attention, live_keys
+from dflash_jax.nn.moe import routed_experts, softmax_top_k
 from dflash_jax.nn.rope import apply_rope
 
 Params = dict[str, Any]
@@ -89,12 +97,21 @@ def _layer_specs(cfg: Gemma4Config, i: int) -> dict:
     s = decoder_layer(H, cfg.num_attention_heads, cfg.kv_heads[kind], cfg.head_dims[kind], cfg.mlp_size(i), qk_norm=True)
     if cfg.shares_kv(i):  # keys and values of an earlier layer: no projections of its own
         del s["wk"], s["wv"], s["k_norm"]
+    elif cfg.k_eq_v(i):  # values from the key projection
+        del s["wv"]
     s.update(post_attn_norm=ParamSpec((H,), ("embed",), "norm"), post_mlp_norm=ParamSpec((H,), ("embed",), "norm"),
              scalar=ParamSpec((1,), (None,), "norm"))
     if cfg.per_layer_input:
         Pl = cfg.per_layer_input
         s.update(pl_gate=ParamSpec((H, Pl), ("embed", None)), pl_out=ParamSpec((Pl, H), (None, "embed")),
                  post_pl_norm=ParamSpec((H,), ("embed",), "norm"))
+    if cfg.num_experts:
+        E, Im, norm = cfg.num_experts, cfg.moe_intermediate_size, ParamSpec((H,), ("embed",), "norm")
+        s.update(router=ParamSpec((H, E), ("embed", "experts")), router_scale=norm, expert_scale=ParamSpec((E,), (None,), "norm"),
+                 e_gate=ParamSpec((E, H, Im), ("experts", "embed", "expert_mlp")),
+                 e_up=ParamSpec((E, H, Im), ("experts", "embed", "expert_mlp")),
+                 e_down=ParamSpec((E, Im, H), ("experts", "expert_mlp", "embed")),
+                 post_mlp_norm_1=norm, pre_moe_norm=norm, post_moe_norm=norm)
     return s
 
 
@@ -199,6 +216,29 @@ def _scaled(x: jnp.ndarray, factor: float) -> jnp.ndarray:
     return (x.astype(jnp.float32) * factor).astype(x.dtype)
 
 
+def _gelu_glu(g: jnp.ndarray, u: jnp.ndarray) -> jnp.ndarray:
+    return jax.nn.gelu(g, approximate=True) * u
+
+
+def moe(cfg: Gemma4Config, lp: dict, x: jnp.ndarray) -> jnp.ndarray:
+    """The routed experts of a layer on its post-attention residual ``x [B, T, H]`` -> ``[B, T, H]``
+    in ``x.dtype`` (before ``post_moe_norm``)::
+
+        r = rms(x) * router_scale / sqrt(H); p = softmax(r Wr) (float32); top k of p renormalised
+        to sum 1, times expert_scale[chosen]; experts on rms(x; pre_moe_norm):
+        down(gelu_tanh(h Wg) * h Wu) (:func:`dflash_jax.nn.moe.routed_experts`)
+
+    Source: transformers ``Gemma4TextRouter`` / ``Gemma4TextExperts`` / ``Gemma4TextDecoderLayer``.
+    """
+    shape, eps = x.shape, cfg.rms_norm_eps
+    x = x.reshape(-1, shape[-1])
+    r = _scaled(rms(x, None, eps) * lp["router_scale"].astype(x.dtype), cfg.hidden_size ** -0.5)
+    w, idx = softmax_top_k(r @ lp["router"], cfg.top_k_experts, True)
+    w = w * jnp.take(lp["expert_scale"], idx).astype(jnp.float32)
+    h = rms(x, lp["pre_moe_norm"], eps)
+    return routed_experts(h, idx, w.astype(x.dtype), lp["e_gate"], lp["e_up"], lp["e_down"], act=_gelu_glu).reshape(shape)
+
+
 def _layer(cfg: Gemma4Config, i: int, lp: dict, x, kv: list, pli, positions, rope_pos, visible, n_keys):
     """Decoder layer ``i`` on ``x [B, T, H]`` (module docstring); writes its K/V rows into
     ``kv[kind]`` (``[k, v]`` stacks of its type) and attends them. Returns ``x``."""
@@ -208,8 +248,9 @@ def _layer(cfg: Gemma4Config, i: int, lp: dict, x, kv: list, pli, positions, rop
     h = rms(x, lp["attn_norm"], eps)
     q = apply_rope(rms(split_heads(h @ lp["wq"], hq, d), lp["q_norm"], eps), rope_pos, freqs)
     if not cfg.shares_kv(i):  # a KV-sharing layer attends the rows its type's last computing layer wrote
-        k = apply_rope(rms(split_heads(h @ lp["wk"], hkv, d), lp["k_norm"], eps), rope_pos, freqs)
-        v = rms(split_heads(h @ lp["wv"], hkv, d), None, eps)
+        k = split_heads(h @ lp["wk"], hkv, d)
+        v = rms(k if cfg.k_eq_v(i) else split_heads(h @ lp["wv"], hkv, d), None, eps)  # k_eq_v: the raw keys
+        k = apply_rope(rms(k, lp["k_norm"], eps), rope_pos, freqs)
         kv[kind] = [write_layer_rows(kv[kind][0], row, k, positions), write_layer_rows(kv[kind][1], row, v, positions)]
     k_all, v_all = kv[kind]
     q = _scaled(q, d ** 0.5)  # cache_attention scales by D^-1/2; Gemma 4's scale is 1
@@ -218,6 +259,8 @@ def _layer(cfg: Gemma4Config, i: int, lp: dict, x, kv: list, pli, positions, rop
     x = x + rms(a.reshape(b, t, hq * d) @ lp["wo"], lp["post_attn_norm"], eps)
     h = rms(x, lp["mlp_norm"], eps)
     m = (jax.nn.gelu(h @ lp["w_gate"], approximate=True) * (h @ lp["w_up"])) @ lp["w_down"]
+    if cfg.num_experts:  # the dense MLP and the routed experts side by side, each with its own norms
+        m = rms(m, lp["post_mlp_norm_1"], eps) + rms(moe(cfg, lp, x), lp["post_moe_norm"], eps)
     x = x + rms(m, lp["post_mlp_norm"], eps)
     if cfg.per_layer_input:
         g = jax.nn.gelu(x @ lp["pl_gate"], approximate=True) * pli[:, :, i]
