@@ -161,16 +161,18 @@ def prefix(srv: dict, max_tokens: int, reps: int) -> dict:
 
 async def _peak_rows(url: str, done: asyncio.Event) -> int:
     """The most ``dflash_running_requests`` seen on ``url``'s ``/metrics`` until ``done``."""
-    import httpx
+    import urllib.request
+
+    def read() -> str:
+        with urllib.request.urlopen(url + "/metrics", timeout=10) as r:
+            return r.read().decode()
 
     peak = 0
-    async with httpx.AsyncClient(timeout=10) as client:
-        while not done.is_set():
-            text = (await client.get(url + "/metrics", headers={"Authorization": "Bearer bench"})).text
-            for line in text.splitlines():
-                if line.startswith("dflash_running_requests "):
-                    peak = max(peak, int(float(line.split()[1])))
-            await asyncio.sleep(0.1)
+    while not done.is_set():
+        for line in (await asyncio.to_thread(read)).splitlines():
+            if line.startswith("dflash_running_requests "):
+                peak = max(peak, int(float(line.split()[1])))
+        await asyncio.sleep(0.1)
     return peak
 
 
