@@ -13,7 +13,8 @@ import jax.numpy as jnp
 from dflash_jax import pytree
 from dflash_jax.axes import KV_AXES, axes_field
 
-__all__ = ["KV_AXES", "Capture", "KVCache", "init_capture", "init_kv_cache", "move_slots", "write_layer_rows", "write_rows"]
+__all__ = ["KV_AXES", "PAGE_SIZE", "Capture", "KVCache", "PagedKVCache", "init_capture", "init_kv_cache", "init_paged_kv_cache", "move_slots",
+           "write_layer_rows", "write_rows"]
 
 
 @pytree.dataclass
@@ -30,6 +31,107 @@ class KVCache:
     @property
     def capacity(self) -> int:
         return self.k.shape[2]
+
+    pages = None
+    """Not paged: slots are positions, attention reads contiguous slices (:func:`~dflash_jax.nn.live_attention.cache_attention`)."""
+
+    def written(self, layer, k: jnp.ndarray, v: jnp.ndarray, positions: jnp.ndarray) -> "KVCache":
+        """The cache with ``k, v [B, T, Hkv, D]`` written at ``positions [B, T]`` of layer ``layer``
+        (a traced int32 scalar inside a layer scan: the carried stack is updated in place)."""
+        return self.replace(k=write_layer_rows(self.k, layer, k, positions), v=write_layer_rows(self.v, layer, v, positions))
+
+    def write_all(self, k: jnp.ndarray, v: jnp.ndarray, positions: jnp.ndarray) -> "KVCache":
+        """The cache with ``k, v [L, B, T, Hkv, D]`` written at ``positions [B, T]`` of every layer."""
+        b = jnp.arange(self.k.shape[1])[:, None]
+        return self.replace(k=self.k.at[:, b, positions].set(k.astype(self.k.dtype), mode="drop"),
+                            v=self.v.at[:, b, positions].set(v.astype(self.v.dtype), mode="drop"))
+
+    def moved(self, src: jnp.ndarray, dst: jnp.ndarray) -> "KVCache":
+        """The cache with every layer's slot ``src[b, w]`` copied to ``dst[b, w]`` (:func:`move_slots`)."""
+        return self.replace(k=move_slots(self.k, src, dst), v=move_slots(self.v, src, dst))
+
+
+PAGE_SIZE = 16
+"""Token positions per page of a :class:`PagedKVCache` (vLLM's default block size): a row's last
+page is on average half empty, so smaller pages waste less; the attention gathers slot by slot, so
+the page size does not change its cost."""
+
+
+@pytree.dataclass
+class PagedKVCache:
+    """Stacked per-layer keys and values in a pool of pages shared by all rows, addressed through
+    each row's page table (paged attention: Kwon et al. 2023, vLLM).
+
+    Position ``p`` of row ``b`` lives in pool slot ``table[b, p // page_size] * page_size +
+    p % page_size``. Page 0 is the trash page: a row's table entries that own no page point to
+    it, so the writes of free rows (and of positions past a row's pages) land there and no live
+    row ever reads it. Rollback is the state's length, as with :class:`KVCache`.
+
+    Attributes:
+      k, v: ``[L, N, Hkv, D]``, ``N = pages * page_size`` pool slots.
+      table: ``[B, n]`` int32 page ids per row: the row's capacity is ``n * page_size`` positions.
+      page_size: static.
+    """
+
+    k: jnp.ndarray = axes_field("layers", None, "kv_heads", "head_dim")
+    v: jnp.ndarray = axes_field("layers", None, "kv_heads", "head_dim")
+    table: jnp.ndarray = axes_field("batch", None)
+    page_size: int = pytree.field(pytree_node=False, default=PAGE_SIZE)
+
+    @property
+    def capacity(self) -> int:
+        return self.table.shape[1] * self.page_size
+
+    @property
+    def num_pages(self) -> int:
+        """Pages in the pool (the trash page included)."""
+        return self.k.shape[1] // self.page_size
+
+    @property
+    def pages(self) -> "PagedKVCache":
+        """The addressing attention reads through (:func:`~dflash_jax.nn.live_attention.cache_attention`'s ``pages``)."""
+        return self
+
+    def slots(self, positions: jnp.ndarray) -> jnp.ndarray:
+        """Pool slots ``[B, T]`` int32 of ``positions [B, T]``; positions outside ``[0, capacity)``
+        map to ``N`` (past the pool: a write there is dropped, a read clamped)."""
+        positions = positions.astype(jnp.int32)
+        inside = (positions >= 0) & (positions < self.capacity)
+        p = jnp.clip(positions, 0, self.capacity - 1)
+        page = jnp.take_along_axis(self.table, p // self.page_size, axis=1)
+        return jnp.where(inside, page * self.page_size + p % self.page_size, self.k.shape[1])
+
+    def slot_map(self, slots: jnp.ndarray) -> jnp.ndarray:
+        """Pool slots ``[B, K]`` of the positions ``slots [K]`` of every row (attention's reads)."""
+        return self.slots(jnp.broadcast_to(slots[None, :], (self.table.shape[0], slots.shape[0])))
+
+    def written(self, layer, k: jnp.ndarray, v: jnp.ndarray, positions: jnp.ndarray) -> "PagedKVCache":
+        """The cache with ``k, v [B, T, Hkv, D]`` written at the pool slots of ``positions [B, T]``
+        in layer ``layer``; positions past the capacity are dropped."""
+        s = self.slots(positions)
+        return self.replace(k=self.k.at[layer, s].set(k.astype(self.k.dtype), mode="drop"),
+                            v=self.v.at[layer, s].set(v.astype(self.v.dtype), mode="drop"))
+
+    def write_all(self, k: jnp.ndarray, v: jnp.ndarray, positions: jnp.ndarray) -> "PagedKVCache":
+        """The cache with ``k, v [L, B, T, Hkv, D]`` written at the pool slots of ``positions [B, T]``."""
+        s = self.slots(positions)
+        return self.replace(k=self.k.at[:, s].set(k.astype(self.k.dtype), mode="drop"), v=self.v.at[:, s].set(v.astype(self.v.dtype), mode="drop"))
+
+    def moved(self, src: jnp.ndarray, dst: jnp.ndarray) -> "PagedKVCache":
+        """The cache with every layer's position ``src[b, w]`` copied to ``dst[b, w]`` (all read first)."""
+        s, d = jnp.clip(self.slots(src), 0, self.k.shape[1] - 1), self.slots(dst)
+        return self.replace(k=self.k.at[:, d].set(self.k[:, s], mode="drop"), v=self.v.at[:, d].set(self.v[:, s], mode="drop"))
+
+
+def init_paged_kv_cache(num_layers: int, batch: int, capacity: int, pages: int, kv_heads: int, head_dim: int, dtype,
+                        page_size: int = PAGE_SIZE) -> PagedKVCache:
+    """An empty paged cache: a pool of ``pages`` pages (page 0 the trash page) and ``batch`` rows of
+    ``capacity`` positions (a multiple of ``page_size``), every table entry on the trash page."""
+    if capacity % page_size:
+        raise ValueError(f"capacity {capacity} is not a multiple of the page size {page_size}")
+    shape = (num_layers, pages * page_size, kv_heads, head_dim)
+    return PagedKVCache(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype), table=jnp.zeros((batch, capacity // page_size), jnp.int32),
+                        page_size=page_size)
 
 
 def init_kv_cache(num_layers: int, batch: int, capacity: int, kv_heads: int, head_dim: int, dtype) -> KVCache:

@@ -55,6 +55,7 @@ def init_state(
     stop_ids: Sequence[int] | Sequence[Sequence[int]] = (),
     seed: int | jax.Array | Sequence[int] = 0,
     sampling: SamplingConfig | Sequence[SamplingConfig] = SamplingConfig(),
+    cache_len: int | None = None,
 ) -> DecodeState:
     """A fresh decode state holding the prompts, with an empty target cache of ``max_len`` slots
     (and, when ``static`` has a drafter, an empty drafter context and zeroed statistics).
@@ -70,6 +71,9 @@ def init_state(
         seed per prompt (:func:`~dflash_jax.sampling.row_keys`).
       sampling: a :class:`~dflash_jax.sampling.SamplingConfig` for every row (default greedy),
         or one per prompt (:class:`~dflash_jax.sampling.RowSampling`).
+      cache_len: slots of the target cache and drafter context per row when fewer than
+        ``max_len`` are needed (a serving batch prefills its prompts in a state of this many and
+        moves them into its pages: :mod:`dflash_jax.serve.pages`); default ``max_len``.
     Raises:
       DFlashError: a prompt that leaves no room for one new token within ``max_len``; a budget
         below 1; stop ids, a seed or sampling settings that are none of these.
@@ -98,7 +102,7 @@ def init_state(
         stop_ids=jnp.asarray(stops),
         rng=row_keys(seed, b),
         sampling=RowSampling.of(sampling, b),
-        **_empty_buffers(static, b, max_len),
+        **_empty_buffers(static, b, max_len, cache_len or max_len),
     )
 
 
@@ -125,13 +129,13 @@ def _stop_rows(stop_ids, rows: int) -> np.ndarray:
     return out
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1, 2))
-def _empty_buffers(static: Decoding, b: int, max_len: int) -> dict:
+@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3))
+def _empty_buffers(static: Decoding, b: int, max_len: int, cache_len: int) -> dict:
     """The state's zeroed buffers (target cache, drafter context, statistics) made by one program:
     eager ``jnp.zeros`` would dispatch one small program per shape, each looked up in the compile
     cache at every start."""
-    speculative = None if static.drafter is None else init_speculative_state(static.drafter, b, max_len, static.depth, static.verify_top)
-    return dict(cache=module_for(static.target).init_cache(static.target, b, max_len), finish=jnp.zeros((b,), jnp.int32),
+    speculative = None if static.drafter is None else init_speculative_state(static.drafter, b, cache_len, static.depth, static.verify_top)
+    return dict(cache=module_for(static.target).init_cache(static.target, b, cache_len), finish=jnp.zeros((b,), jnp.int32),
                 gaps=jnp.zeros((b, max_len), jnp.float32), steps=jnp.zeros((), jnp.int32), speculative=speculative)
 
 

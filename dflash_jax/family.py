@@ -69,6 +69,9 @@ class FamilyModel:
       commit_block_states: optional, ``(cfg, cache, kept [B] int32) -> cache`` with the recurrent
         states after the first ``kept[b]`` positions of the verified block (the committed ones).
         Both come together (:mod:`dflash_jax.models.qwen3_5`) or not at all.
+      paged_kv: the family's forward also takes a :class:`~dflash_jax.cache.PagedKVCache` shaped
+        like its :class:`~dflash_jax.cache.KVCache` (it writes through ``cache.written`` and
+        attends with ``pages=cache.pages``): a serving batch may page it (module flag ``PAGED_KV``).
     """
 
     param_specs: Callable[..., Any]
@@ -83,6 +86,7 @@ class FamilyModel:
     move_rows: Callable[..., Any]
     keep_block_states: Callable[..., Any] | None = None
     commit_block_states: Callable[..., Any] | None = None
+    paged_kv: bool = False
 
     @classmethod
     def of_module(cls, module: ModuleType) -> "FamilyModel":
@@ -92,8 +96,10 @@ class FamilyModel:
         Raises:
           DFlashError: a function missing from ``module`` or of another signature.
         """
-        fns = {}
+        fns = {"paged_kv": bool(getattr(module, "PAGED_KV", False))}
         for f in dataclasses.fields(cls):
+            if f.name == "paged_kv":
+                continue
             fn = getattr(module, f.name, None)
             if fn is None and f.name in OPTIONAL:
                 continue

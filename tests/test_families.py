@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from dflash_jax import draft_vocab, family, registry
+from dflash_jax.cache import init_paged_kv_cache
 from dflash_jax.errors import DFlashError
 from dflash_jax.models import drafter
 from dflash_jax.testing import tiny_drafter, tiny_target
@@ -51,6 +52,9 @@ def test_every_family_has_a_tiny_config():
 def test_signatures(fam):
     assert isinstance(fam.model, family.FamilyModel)
     for f in dataclasses.fields(family.FamilyModel):
+        if f.name == "paged_kv":
+            assert isinstance(fam.model.paged_kv, bool)
+            continue
         if getattr(fam.model, f.name) is None:
             assert f.name in family.OPTIONAL
             continue
@@ -102,6 +106,24 @@ def test_behaviour_on_a_tiny_config(fam):
         return
     moved = m.move_rows(cfg, c, pos[:, 4:], pos[:, 4:] + 2)
     assert jax.tree_util.tree_structure(moved) == jax.tree_util.tree_structure(c)
+    if m.paged_kv:
+        _check_paged(m, cfg, params, tokens, pos, logits, moved)
+
+
+def _check_paged(m, cfg, params, tokens, pos, logits, moved):
+    """The same two passes on a :class:`PagedKVCache` whose rows own scrambled pages of 4 slots
+    give the same logits, and a tree's slot move reads back as the unpaged cache's."""
+    b, s = tokens.shape[0], moved.capacity
+    k = moved.k
+    pc = init_paged_kv_cache(k.shape[0], b, s, b * s // 4 + 1, k.shape[3], k.shape[4], k.dtype, page_size=4)
+    pc = pc.replace(table=jnp.asarray(1 + np.random.default_rng(1).permutation(b * s // 4).reshape(b, s // 4), jnp.int32))
+    forward = jax.jit(m.forward, static_argnums=1)
+    first, pc, _ = forward(params, cfg, tokens[:, :4], pos[:, :4], pc)
+    rest, pc, _ = forward(params, cfg, tokens[:, 4:], pos[:, 4:], pc)
+    np.testing.assert_allclose(jnp.concatenate([first, rest], 1), logits, rtol=1e-4, atol=1e-4)
+    pm = m.move_rows(cfg, pc, pos[:, 4:], pos[:, 4:] + 2)
+    every = pm.slots(jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s)))
+    np.testing.assert_allclose(pm.k[:, every], moved.k, rtol=1e-4, atol=1e-4)
 
 
 def test_the_drafter_embeds_and_projects_through_the_family(monkeypatch):

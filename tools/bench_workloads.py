@@ -15,6 +15,14 @@ pair, DFlash), each measured against the same requests sent one by one.
   the server reports, the DFlash acceptance (tau) of each answer and whether both servers answer
   the same (greedy).
 
+* ``rows``: many short rows against few long ones at one memory budget. Two servers with
+  ``--max-len 2048 --max-batch 64`` and the same ``--kv-cache-mb`` (what ``--rows-budget`` unpaged rows
+  of 2048 tokens hold, default 4), one ``--kv-layout rows`` (it can hold only that many rows) and
+  one ``--kv-layout paged``: ``--short`` short chat requests (``--max-tokens`` each) sent at once,
+  then 4 long ones (a 1.5k-token prompt each). Reported: the most rows running at once (polled
+  from ``/metrics``), the wall time and throughput of each schedule, and whether both answer the
+  same (greedy).
+
 With ``--baseline REV`` a second server (``mixed`` only), started from a git worktree of ``REV`` (e.g. the commit
 before per-row sampling, where a request whose settings differ from the running batch's waited
 for it to drain), answers the same schedules in the same alternation.
@@ -151,6 +159,53 @@ def prefix(srv: dict, max_tokens: int, reps: int) -> dict:
     return out
 
 
+async def _peak_rows(url: str, done: asyncio.Event) -> int:
+    """The most ``dflash_running_requests`` seen on ``url``'s ``/metrics`` until ``done``."""
+    import urllib.request
+
+    def read() -> str:
+        with urllib.request.urlopen(url + "/metrics", timeout=10) as r:
+            return r.read().decode()
+
+    peak = 0
+    while not done.is_set():
+        for line in (await asyncio.to_thread(read)).splitlines():
+            if line.startswith("dflash_running_requests "):
+                peak = max(peak, int(float(line.split()[1])))
+        await asyncio.sleep(0.1)
+    return peak
+
+
+async def _rows_schedule(s: dict, reqs: list[dict], max_tokens: int) -> dict:
+    done = asyncio.Event()
+    watcher = asyncio.create_task(_peak_rows(s["url"], done))
+    out = await _schedule(s["url"], s["model"], reqs, max_tokens, True)
+    done.set()
+    return dict(out, peak=await watcher)
+
+
+def rows(srv: dict, n_short: int, max_tokens: int, reps: int) -> dict:
+    """The ``rows`` workload (module docstring): ``{server: {short: figures, long: figures}}``."""
+    short = [dict(messages=[{"role": "user", "content": CHAT_PROMPTS[i % len(CHAT_PROMPTS)]}], temperature=0.0) for i in range(n_short)]
+    long = [dict(messages=[{"role": "system", "content": system_prompt(100 + i)}, {"role": "user", "content": "Summarise it."}],
+                 temperature=0.0) for i in range(4)]
+    runs = {name: dict(short=[], long=[]) for name in srv}
+    for rep in range(reps + 1):  # the first repetition is unmeasured: it compiles the batch and prompt shapes
+        for name in (list(srv) if rep % 2 == 0 else list(srv)[::-1]):
+            for kind, reqs in (("short", short), ("long", long)):
+                r = asyncio.run(_rows_schedule(srv[name], reqs, max_tokens))
+                print(f"{name} rep {rep} {kind}: {r['wall']:.1f} s, peak {r['peak']} rows", flush=True)
+                if rep:
+                    runs[name][kind].append(r)
+    out = {}
+    for name, r in runs.items():
+        out[name] = {kind: dict(requests=len(x[0]["texts"]), peak=max(y["peak"] for y in x), wall=float(np.median([y["wall"] for y in x])),
+                                tok_s=float(np.median([y["tokens"] / y["wall"] for y in x])), texts=x[0]["texts"]) for kind, x in r.items()}
+    a, b = list(out.values())
+    out["same_answers"] = {k: f"{sum(p == q for p, q in zip(a[k]['texts'], b[k]['texts']))}/{len(a[k]['texts'])}" for k in ("short", "long")}
+    return out
+
+
 def servers(spec: list[tuple[str, str | None, list[str]]], logs: Path) -> tuple[dict, list]:
     """``{name: server}`` of ``(name, revision or None for this tree, extra serve options)``, one
     after the other (a revision serves from a git worktree of it); and the worktrees to remove."""
@@ -195,9 +250,35 @@ def report_prefix(results: dict, args) -> list[str]:
     return lines
 
 
+def report_rows(results: dict, args, budget_mb: float) -> list[str]:
+    same = results.pop("same_answers")
+    lines = [f"Many short rows against few long ones at one memory budget: `--max-len 2048 --max-batch 64 --kv-cache-mb {budget_mb:.0f}` "
+             f"(what {args.rows_budget} unpaged rows of 2048 tokens hold), greedy; {args.short} short chat requests ({args.max_tokens} new "
+             f"tokens at most) sent at once, then 4 requests of a 1.5k-token prompt; median of {args.reps} repetitions, the servers "
+             f"alternating. Same answers in both layouts: short {same['short']}, long {same['long']}.", "",
+             "| layout | schedule | requests | most rows at once | wall (s) | tok/s |", "|---|---|---|---|---|---|"]
+    for name, r in results.items():
+        for kind in ("short", "long"):
+            x = r[kind]
+            lines.append(f"| {name} | {kind} | {x['requests']} | {x['peak']} | {x['wall']:.1f} | {x['tok_s']:.1f} |")
+    return lines
+
+
+def _budget_mb(rows_budget: int) -> float:
+    """MiB of ``rows_budget`` unpaged rows of 2048 tokens of the default pair (its ``n_max="auto"`` set-up)."""
+    from dflash_jax.decoding import Decoding
+    from dflash_jax.loading import load_target, shipped_drafter
+    from dflash_jax.serve.pages import row_bytes
+
+    target = load_target()
+    return rows_budget * row_bytes(Decoding(target.cfg, shipped_drafter(target).cfg, n_max=4), 2048) / 2**20
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--workloads", default="mixed,prefix", help="comma-separated: mixed, prefix (default both)")
+    p.add_argument("--workloads", default="mixed,prefix,rows", help="comma-separated: mixed, prefix, rows (default all)")
+    p.add_argument("--short", type=int, default=32, help="rows: short requests sent at once (default 32)")
+    p.add_argument("--rows-budget", type=int, default=4, help="rows: the budget in unpaged rows of 2048 tokens (default 4)")
     p.add_argument("--requests", type=int_list, default=[8, 16], help="mixed: requests per schedule (default 8,16)")
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--reps", type=int, default=3, help="alternating pairs of schedules, or repetitions (default 3)")
@@ -228,6 +309,14 @@ def main(argv=None) -> None:
         srv, _ = servers(spec, logs)
         try:
             lines += report_prefix(prefix(srv, args.max_tokens, args.reps), args)
+        finally:
+            stop(srv)
+    if "rows" in work:
+        mb = _budget_mb(args.rows_budget)
+        common = ["--max-len", "2048", "--max-batch", "64", "--kv-cache-mb", f"{mb:.3f}"]
+        srv, _ = servers([("rows", None, common + ["--kv-layout", "rows"]), ("paged", None, common + ["--kv-layout", "paged"])], logs)
+        try:
+            lines += [""] + report_rows(rows(srv, args.short, args.max_tokens, args.reps), args, mb)
         finally:
             stop(srv)
     publish("\n".join(lines), args, "Serving workloads", "bench_workloads")

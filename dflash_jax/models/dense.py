@@ -37,7 +37,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from dflash_jax.cache import Capture, KVCache, init_kv_cache, move_slots, write_layer_rows
+from dflash_jax.cache import Capture, KVCache, init_kv_cache
 from dflash_jax.config import TargetConfig
 from dflash_jax.errors import DFlashError
 from dflash_jax.models import capture as captures
@@ -49,6 +49,9 @@ from dflash_jax.nn.live_attention import cache_attention, live_keys
 from dflash_jax.nn.layer import attention_output, mlp_residual, project_qkv
 from dflash_jax.nn.norms import rms_norm
 from dflash_jax.nn.rope import inv_frequencies
+
+PAGED_KV = True
+"""The forward also runs on a :class:`~dflash_jax.cache.PagedKVCache` (:attr:`dflash_jax.family.FamilyModel.paged_kv`)."""
 
 Params = dict[str, Any]
 
@@ -142,22 +145,22 @@ def move_rows(cfg: TargetConfig, cache: KVCache, src: jnp.ndarray, dst: jnp.ndar
     """The cache with the K/V of slot ``src[b, w]`` copied to ``dst[b, w]`` in every layer
     (``[B, W]`` int32; :func:`~dflash_jax.cache.move_slots`): a verified tree's accepted path
     moved to the slots a chain would have written."""
-    return KVCache(k=move_slots(cache.k, src, dst), v=move_slots(cache.v, src, dst))
+    return cache.moved(src, dst)
 
 
-def _layer(cfg: TargetConfig, inv_freq, x, lp, k_all, v_all, positions, rope_pos, visible, n_keys, layer):
+def _layer(cfg: TargetConfig, inv_freq, x, lp, cache, positions, rope_pos, visible, n_keys, layer):
     """One decoder layer over ``x [B,T,H]``; writes this layer's K/V rows into the stacked cache
-    ``[L, B, S, Hkv, D]`` in place at index ``layer`` (carried through the scan, never copied) and
+    (:class:`KVCache` or :class:`~dflash_jax.cache.PagedKVCache`) in place at index ``layer``
+    (carried through the scan, never copied) and
     attends the cache's first ``n_keys`` slots (:func:`~dflash_jax.nn.live_attention.live_keys`)
     under ``visible`` (:func:`~dflash_jax.nn.attention.block_visible`); RoPE at ``rope_pos``."""
     h = rms_norm(x, lp["attn_norm"], cfg.rms_norm_eps)
     q, k, v = project_qkv(lp, h, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, rope_pos, inv_freq,
                           cfg.rms_norm_eps, bias=cfg.qkv_bias, qk_norm=cfg.qk_norm)
-    k_all = write_layer_rows(k_all, layer, k, positions)
-    v_all = write_layer_rows(v_all, layer, v, positions)
-    a = cache_attention(q, k_all, v_all, layer, n_keys, visible)
+    cache = cache.written(layer, k, v, positions)
+    a = cache_attention(q, cache.k, cache.v, layer, n_keys, visible, pages=cache.pages)
     x = x + attention_output(lp, a, h, bias=cfg.o_bias)
-    return mlp_residual(lp, x, cfg.rms_norm_eps), k_all, v_all
+    return mlp_residual(lp, x, cfg.rms_norm_eps), cache
 
 
 def forward_hidden(
@@ -191,12 +194,11 @@ def forward_hidden(
     cap = captures.stack(capture, x)
 
     def body(carry, lp, slot, i):
-        x, cap, k_all, v_all = carry
-        x, k_all, v_all = _layer(cfg, inv_freq, x, lp, k_all, v_all, positions, rope_pos, visible, n_keys, i)
-        return x, captures.keep(capture, cap, x, slot), k_all, v_all
+        x, cap, cache = carry
+        x, cache = _layer(cfg, inv_freq, x, lp, cache, positions, rope_pos, visible, n_keys, i)
+        return x, captures.keep(capture, cap, x, slot), cache
 
-    x, cap, k_new, v_new = run_layers(body, (x, cap, cache.k, cache.v), params["layers"], slot_of)
-    cache = KVCache(k=k_new, v=v_new)
+    x, cap, cache = run_layers(body, (x, cap, cache), params["layers"], slot_of)
     final_norm = functools.partial(rms_norm, weight=params["norm"], eps=cfg.rms_norm_eps)
     capture = captures.write(capture, cap, positions, n_layers, final_norm)
     return final_norm(x), cache, capture

@@ -95,6 +95,7 @@ def forward(
     ctx_len: jnp.ndarray,
     block_len: jnp.ndarray | None = None,
     live_context: bool = True,
+    pages=None,
 ) -> jnp.ndarray:
     """One draft pass over a block.
 
@@ -107,6 +108,8 @@ def forward(
       live_context: read only the context slots below ``max(ctx_len)`` (a loop with a traced
         trip count: cost follows the live context, not ``S``); ``False`` reads all ``S`` slots
         in one pass under the same mask (differentiable: training).
+      pages: the context's :class:`~dflash_jax.cache.PagedKVCache` when ``ctx_k``/``ctx_v`` are
+        paged pools ``[Ld, N, Hkv, D]`` (a paged serving batch), else ``None``.
     Returns:
       ``[B, W, H]`` final-normed hidden states; slot ``i`` predicts the token at
       ``positions[:, i]`` (slot 0 is discarded by callers). The kind's ``forward``, on the block
@@ -114,7 +117,7 @@ def forward(
       scaling applied, as z-lab embeds with the target's ``embed_tokens``).
     """
     embeds = registry.module_for(target_cfg).embed(target_params, target_cfg, block_tokens)
-    return _model(cfg).forward(params, cfg, embeds, positions, ctx_k, ctx_v, ctx_len, block_len, live_context)
+    return _model(cfg).forward(params, cfg, embeds, positions, ctx_k, ctx_v, ctx_len, block_len, live_context, pages)
 
 
 def logits(params: dict, cfg: DrafterConfig, target_params: dict, target_cfg, hidden: jnp.ndarray) -> jnp.ndarray:

@@ -76,7 +76,7 @@ def context_visible(positions, ctx_len, window, slots):
 
 def forward(params_d: dict, cfg_d: DrafterConfig, embeds: jnp.ndarray, positions: jnp.ndarray,
             ctx_k: jnp.ndarray, ctx_v: jnp.ndarray, ctx_len: jnp.ndarray, block_len: jnp.ndarray | None = None,
-            live_context: bool = True) -> jnp.ndarray:
+            live_context: bool = True, pages=None) -> jnp.ndarray:
     """One draft pass over a block (contract of :func:`dflash_jax.models.drafter.forward`).
 
     ``embeds [B, W, H]``: the block ``[anchor, MASK, ...]`` embedded by the target's family
@@ -90,14 +90,15 @@ def forward(params_d: dict, cfg_d: DrafterConfig, embeds: jnp.ndarray, positions
     D, hq, hkv, eps = cfg_d.head_dim, cfg_d.num_attention_heads, cfg_d.num_key_value_heads, cfg_d.rms_norm_eps
     inv_freq = inv_frequencies(cfg_d.rope, D)
     x = (embeds * cfg_d.input_embedding_scale).astype(cfg_d.dtype)
-    n_keys = jnp.clip(jnp.max(ctx_len), 1, ctx_k.shape[2]).astype(jnp.int32) if live_context else ctx_k.shape[2]
+    capacity = ctx_k.shape[2] if pages is None else pages.capacity
+    n_keys = jnp.clip(jnp.max(ctx_len), 1, capacity).astype(jnp.int32) if live_context else capacity
 
     def body(x, lp, layer_xs, i):
         bm, window = layer_xs
         h = rms_norm(x, lp["attn_norm"], eps)
         q, k, v = project_qkv(lp, h, hq, hkv, D, positions, inv_freq, eps, bias=cfg_d.attention_bias, qk_norm=True)
         visible = functools.partial(context_visible, positions, ctx_len, window)
-        a = cache_attention(q, ctx_k, ctx_v, i, n_keys, visible, extra=((k, v, bm),))
+        a = cache_attention(q, ctx_k, ctx_v, i, n_keys, visible, extra=((k, v, bm),), pages=pages)
         x = x + attention_output(lp, a, h, gate=cfg_d.gate, bias=cfg_d.attention_bias)
         return mlp_residual(lp, x, eps)
 

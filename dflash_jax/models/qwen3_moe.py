@@ -39,7 +39,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from dflash_jax.cache import Capture, KVCache, init_kv_cache, write_layer_rows
+from dflash_jax.cache import Capture, KVCache, init_kv_cache
 from dflash_jax.config_qwen3_moe import Qwen3MoeConfig
 from dflash_jax.errors import DFlashError
 from dflash_jax.models import capture as captures
@@ -53,6 +53,9 @@ from dflash_jax.nn.live_attention import cache_attention, live_keys
 from dflash_jax.nn.moe import routed_experts, softmax_top_k
 from dflash_jax.nn.norms import rms_norm
 from dflash_jax.nn.rope import inv_frequencies
+
+PAGED_KV = True
+"""The forward also runs on a :class:`~dflash_jax.cache.PagedKVCache` (:attr:`dflash_jax.family.FamilyModel.paged_kv`)."""
 
 Params = dict[str, Any]
 
@@ -123,19 +126,19 @@ def moe(cfg: Qwen3MoeConfig, lp: dict, h: jnp.ndarray) -> jnp.ndarray:
     return routed_experts(x, idx, w.astype(x.dtype), lp["e_gate"], lp["e_up"], lp["e_down"]).reshape(shape)
 
 
-def _layer(cfg: Qwen3MoeConfig, i: int, lp, x, k_all, v_all, layer, positions, rope_pos, visible, n_keys, inv_freq):
+def _layer(cfg: Qwen3MoeConfig, i: int, lp, x, cache, layer, positions, rope_pos, visible, n_keys, inv_freq):
     """Decoder layer ``i`` (static: its MLP kind) on ``x [B,T,H]``; writes its K/V rows into the
     stacked cache at ``layer`` (traced int32) and attends the first ``n_keys`` slots under
-    ``visible``. Returns ``(x, k_all, v_all)``."""
+    ``visible``. Returns ``(x, cache)``."""
     eps = cfg.rms_norm_eps
     h = rms_norm(x, lp["attn_norm"], eps)
     q, k, v = project_qkv(lp, h, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, rope_pos, inv_freq, eps,
                           bias=cfg.attention_bias, qk_norm=True)
-    k_all, v_all = write_layer_rows(k_all, layer, k, positions), write_layer_rows(v_all, layer, v, positions)
-    x = x + attention_output(lp, cache_attention(q, k_all, v_all, layer, n_keys, visible), h, bias=cfg.attention_bias)
+    cache = cache.written(layer, k, v, positions)
+    x = x + attention_output(lp, cache_attention(q, cache.k, cache.v, layer, n_keys, visible, pages=cache.pages), h, bias=cfg.attention_bias)
     if not cfg.sparse_layers[i]:
-        return mlp_residual(lp, x, eps), k_all, v_all
-    return x + moe(cfg, lp, rms_norm(x, lp["mlp_norm"], eps)), k_all, v_all
+        return mlp_residual(lp, x, eps), cache
+    return x + moe(cfg, lp, rms_norm(x, lp["mlp_norm"], eps)), cache
 
 
 def forward_hidden(
@@ -164,24 +167,23 @@ def forward_hidden(
     x = embed(params, cfg, tokens).astype(cfg.dtype)
     slot_of = captures.slots(capture, n_layers)
     cap = captures.stack(capture, x)
-    k_all, v_all = cache.k, cache.v
     for j, (start, p, reps) in enumerate(segments(cfg)):
 
         def body(carry, xs, start=start, p=p):  # the cache rides in the carry: rows scattered in place
-            x, cap, k_all, v_all = carry
+            x, cap, cache = carry
             lps, slot, r = xs
             for k in range(p):
                 layer = start + r * p + k
-                x, k_all, v_all = _layer(cfg, start + k, lps[k], x, k_all, v_all, layer, positions, rope_pos, visible, n_keys, inv_freq)
+                x, cache = _layer(cfg, start + k, lps[k], x, cache, layer, positions, rope_pos, visible, n_keys, inv_freq)
                 cap = captures.keep(capture, cap, x, slot[k])
-            return (x, cap, k_all, v_all), None
+            return (x, cap, cache), None
 
         slots = jnp.asarray(slot_of[start : start + p * reps].reshape(reps, p))
         xs = ([params[f"seg{j}_{k}"] for k in range(p)], slots, jnp.arange(reps, dtype=jnp.int32))
-        (x, cap, k_all, v_all), _ = lax.scan(body, (x, cap, k_all, v_all), xs)
+        (x, cap, cache), _ = lax.scan(body, (x, cap, cache), xs)
     final_norm = functools.partial(rms_norm, weight=params["norm"], eps=cfg.rms_norm_eps)
     capture = captures.write(capture, cap, positions, n_layers, final_norm)
-    return final_norm(x), KVCache(k=k_all, v=v_all), capture
+    return final_norm(x), cache, capture
 
 
 def forward(params: Params, cfg: Qwen3MoeConfig, tokens, positions, cache: KVCache, capture: Capture | None = None):

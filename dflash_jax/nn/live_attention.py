@@ -110,13 +110,15 @@ def cache_attention(
     extra: Sequence = (),
     key_block: int | None = None,
     sinks: jnp.ndarray | None = None,
+    pages=None,
 ) -> jnp.ndarray:
     """Grouped-query attention over the live slots of one layer of a stacked cache, plus optional
     extra key/value parts, under one softmax.
 
     Args:
       q: ``[B, T, Hq, D]`` queries (rotated, normed); ``Hq`` a multiple of ``Hkv``.
-      k_all, v_all: ``[L, B, S, Hkv, D]`` stacked cache (slot = absolute position).
+      k_all, v_all: ``[L, B, S, Hkv, D]`` stacked cache (slot = absolute position); or, with
+        ``pages``, a paged pool ``[L, N, Hkv, D]``.
       layer: the layer's index into ``k_all`` (Python int or traced int32 scalar).
       n_keys: traced int32 scalar: only slots ``[0, n_keys)`` are read (:func:`live_keys`), in a
         loop of ``key_block`` slots with a traced trip count (not reverse-differentiable); or a
@@ -130,12 +132,17 @@ def cache_attention(
       sinks: optional ``[Hq]`` attention-sink logits (gpt-oss): each head's softmax denominator
         also holds ``exp(sink)`` for a key of zero value (transformers ``modeling_gpt_oss``
         ``eager_attention_forward``); the online softmax starts from it.
+      pages: the :class:`~dflash_jax.cache.PagedKVCache` whose page tables address ``k_all`` and
+        ``v_all`` (a cache's ``pages``; ``None`` for a contiguous cache): each key block is
+        gathered from the pool (:meth:`~dflash_jax.cache.PagedKVCache.slot_map`) instead of
+        sliced, and ``S`` is the cache's ``capacity``.
     Returns:
       ``[B, T, Hq, D]`` in ``q.dtype``; a query with no visible key returns zeros. Scale
       ``D ** -0.5``, logits and softmax in float32.
     """
     b, t, hq, d = q.shape
-    _, _, cap, hkv, _ = k_all.shape
+    hkv = k_all.shape[-2]
+    cap = k_all.shape[2] if pages is None else pages.capacity
     g = hq // hkv
     qg = q.reshape(b, t, hkv, g, d)
     carry = (jnp.full((b, hkv, g, t), -jnp.inf, jnp.float32), jnp.zeros((b, hkv, g, t), jnp.float32),
@@ -145,9 +152,17 @@ def cache_attention(
         carry = (m0, jnp.ones((b, hkv, g, t), jnp.float32), carry[2])
     for k, v, mask in extra:
         carry = _absorb(carry, qg, k, v, mask)
+
+    def keys(start, size: int):
+        """Keys and values ``[B, size, Hkv, D]`` of positions ``[start, start + size)`` of layer ``layer``."""
+        if pages is not None:
+            pool = pages.slot_map(start + jnp.arange(size, dtype=jnp.int32))
+            return k_all[layer, pool], v_all[layer, pool]
+        return (lax.dynamic_slice(k_all, (layer, 0, start, 0, 0), (1, b, size, hkv, d))[0],
+                lax.dynamic_slice(v_all, (layer, 0, start, 0, 0), (1, b, size, hkv, d))[0])
+
     if isinstance(n_keys, int):  # a static span: one pass, no loop (reverse-mode differentiable)
-        k = lax.dynamic_slice(k_all, (layer, 0, 0, 0, 0), (1, b, n_keys, hkv, d))[0]
-        v = lax.dynamic_slice(v_all, (layer, 0, 0, 0, 0), (1, b, n_keys, hkv, d))[0]
+        k, v = keys(0, n_keys)
         return _finish(_absorb(carry, qg, k, v, visible(jnp.arange(n_keys, dtype=jnp.int32))), q)
     blk = min(int(KEY_BLOCK if key_block is None else key_block), cap)
     offsets = jnp.arange(blk, dtype=jnp.int32)
@@ -155,8 +170,7 @@ def cache_attention(
     def body(i, carry):
         first = i * blk
         start = jnp.minimum(first, cap - blk)  # the last block may overlap the one before it
-        k = lax.dynamic_slice(k_all, (layer, 0, start, 0, 0), (1, b, blk, hkv, d))[0]
-        v = lax.dynamic_slice(v_all, (layer, 0, start, 0, 0), (1, b, blk, hkv, d))[0]
+        k, v = keys(start, blk)
         slots = start + offsets
         mask = visible(slots) & ((slots >= first) & (slots < n_keys))[None, None, :]
         return _absorb(carry, qg, k, v, mask)

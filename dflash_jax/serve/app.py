@@ -23,7 +23,7 @@ from starlette.datastructures import Headers
 from starlette.middleware.body_limit import RequestBodyLimitMiddleware
 
 from dflash_jax.serve import responses
-from dflash_jax.serve.engine import Engine, NotAccepting, QueueFull
+from dflash_jax.serve.engine import Engine, NoFreePages, NotAccepting, QueueFull
 from dflash_jax.serve.errors import APIError, install_handlers
 from dflash_jax.serve.jobs import Job
 from dflash_jax.serve.metrics import Metrics
@@ -68,6 +68,9 @@ async def _disconnect(request: Request) -> None:
 def _submit(engine: Engine, job: Job, metrics: Metrics) -> None:
     try:
         engine.submit(job)
+    except NoFreePages as e:
+        metrics.errors.labels("503").inc()
+        raise APIError(503, f"the server is out of KV memory: {e}; retry later", None, "kv_cache_full", headers={"Retry-After": "1"}) from None
     except QueueFull as e:
         metrics.errors.labels("429").inc()
         raise APIError(429, f"the server is busy: {e}; retry later", None, "queue_full", headers={"Retry-After": "1"}) from None

@@ -29,6 +29,7 @@ from dflash_jax.distributed import fetch
 from dflash_jax.errors import DFlashError
 from dflash_jax.results import spec_stats
 from dflash_jax.sampling import SamplingConfig
+from dflash_jax.serve import pages as paging
 from dflash_jax.serve import prefix_cache
 from dflash_jax.state import STOP, DecodeState
 
@@ -38,7 +39,10 @@ def release_rows(state: DecodeState, rows_mask) -> DecodeState:
     """Frees the rows of ``rows_mask`` (``[B]`` bool): ends those still running (finish code
     ``STOP``) and sets their length to 1. Attention reads the cache up to the longest row of the
     batch, done or not (:func:`~dflash_jax.nn.live_attention.live_keys`), so a free row that kept
-    a long answer's length would make every step of the others read that far."""
+    a long answer's length would make every step of the others read that far. In a paged batch
+    their page tables go back to the trash page (:func:`~dflash_jax.serve.pages.clear_tables`)."""
+    if state.cache.pages is not None:
+        state = paging.clear_tables(state, rows_mask)
     return state.replace(finish=jnp.where(rows_mask & ~state.done, STOP, state.finish), length=jnp.where(rows_mask, 1, state.length))
 
 
@@ -65,6 +69,7 @@ class Prefill:
       state: their own fresh state (``R`` rows); ``acc`` the last-prompt-row logits so far.
       start: the next chunk's first position; ``end``: the longest prompt; ``chunk``: chunk size.
       prompts: the prompts; ``cached``: the leading tokens of each that came from the prefix cache.
+      tables: in a paged batch, the page table each row takes when the group joins.
     """
 
     rows: list[int]
@@ -75,6 +80,7 @@ class Prefill:
     chunk: int
     prompts: list[list[int]]
     cached: int = 0
+    tables: list | None = None
 
     @property
     def complete(self) -> bool:
@@ -96,19 +102,30 @@ class Batch:
       prefix: a :class:`~dflash_jax.serve.prefix_cache.PrefixCache` that prompts are restored
         from and kept in, or ``None`` (also when the target's cache does not support it).
       mesh: the target's :class:`jax.sharding.Mesh` (every state is laid out on it), or ``None``.
+      kv_pages: a paged batch (:mod:`~dflash_jax.serve.pages`) of this many pages (trash page
+        included) shared by its rows; ``None``: every row owns ``max_len`` slots.
     """
 
     def __init__(self, params: Params, static: Decoding, rows: int, max_len: int, stop_width: int, chunk_size: int, depth_params=None,
-                 prefix=None, mesh=None):
+                 prefix=None, mesh=None, kv_pages: int | None = None):
         self.params, self.static, self.rows, self.max_len, self.chunk_size = params, static, rows, max_len, chunk_size
         self.stop_width, self.mesh = max(1, stop_width), mesh
-        self.state = self._empty(rows)
-        self.prefix = prefix if prefix is not None and prefix_cache.supports(self.state) else None
+        self.pool = None if kv_pages is None else paging.PagePool(kv_pages, paging.PAGE_SIZE, max_len)
+        self.state = self._empty(rows) if kv_pages is None else self._placed(self._free_all(paging.paged(self._fresh([[0]] * rows, 1), kv_pages)))
+        self.prefix = prefix if prefix is not None and (self.pool is not None or prefix_cache.supports(self.state)) else None
         self._depth_params, self._step_params = depth_params, {}
 
     def _empty(self, rows: int) -> DecodeState:
-        state = decode.init_state(self.static, [[0]] * rows, self.max_len, 1, self._stops([()] * rows))
-        return release_rows(self._placed(state), jnp.ones((rows,), bool))
+        return self._free_all(self._placed(self._fresh([[0]] * rows, None)))
+
+    def _fresh(self, prompts, cache_len, max_new=1, stop_ids=None, seeds=0, sampling=None) -> DecodeState:
+        n = len(prompts)
+        return decode.init_state(self.static, prompts, self.max_len, max_new, self._stops(stop_ids or [()] * n), seeds,
+                                 sampling or [SamplingConfig()] * n, cache_len=cache_len)
+
+    @staticmethod
+    def _free_all(state: DecodeState) -> DecodeState:
+        return release_rows(state, jnp.ones((state.tokens.shape[0],), bool))
 
     def _placed(self, state: DecodeState) -> DecodeState:
         """``state`` laid out on the mesh (rows over ``"data"``), if there is one."""
@@ -120,6 +137,13 @@ class Batch:
         step's compute, so the batch holds only as many rows as its requests need (rounded up to
         a power of two)."""
         if rows == self.rows:
+            return
+        if self.pool is not None:  # the pools stay; the tables move with their rows
+            order = list(keep) if rows < self.rows else list(range(self.rows))
+            extra = rows - len(order)
+            state = take_rows(self.state, jnp.asarray(order + [order[0] if order else 0] * extra, jnp.int32))
+            self.state, self.rows = release_rows(state, jnp.asarray([False] * len(order) + [True] * extra)), rows
+            self.pool.moved(order)
             return
         if rows > self.rows:  # grow: the old rows keep their indices
             state = decode.replace_rows(self._empty(rows), self.state, jnp.arange(self.rows, dtype=jnp.int32))
@@ -140,17 +164,16 @@ class Batch:
         stop ids (default none) and sampling settings (default greedy) wherever it lands
         (raises DFlashError for a bad prompt). The prefix cache's blocks that every prompt of the
         group starts with are copied in, and the prefill starts after them."""
-        n = len(prompts)
-        fresh = decode.init_state(self.static, prompts, self.max_len, max_new, self._stops(stop_ids or [()] * n), list(seeds),
-                                  sampling or [SamplingConfig()] * n)
-        fresh = self._placed(fresh)
+        cache_len = None if self.pool is None else paging.prefill_len(max(len(p) for p in prompts), self.max_len)
+        fresh = self._placed(self._fresh(prompts, cache_len, max_new, stop_ids, list(seeds), sampling))
+        tables = None if self.pool is None else [self.pool.take(r, self.pool.need(len(p), m)) for r, p, m in zip(rows, prompts, max_new)]
         start = min(self.prefix.cached(p) for p in prompts) if self.prefix is not None else 0
         if start:
             fresh = self.prefix.restore(fresh, prompts, start)
         end = max(len(p) for p in prompts)
         acc = jnp.zeros((len(prompts), self.static.target.vocab_size), jnp.float32)
         return Prefill(rows=list(rows), state=fresh, acc=acc, start=start, end=end, chunk=effective_chunk_size(self.chunk_size, end - start),
-                       prompts=[list(p) for p in prompts], cached=start)
+                       prompts=[list(p) for p in prompts], cached=start, tables=tables)
 
     def prefill_step(self, p: Prefill) -> None:
         """Runs the next chunk of ``p``; when it was the last, samples the first tokens and swaps
@@ -162,7 +185,11 @@ class Batch:
         if not p.complete:
             return
         fresh = decode.finish_prefill(p.state, self.static, p.acc)
-        self.state = decode.replace_rows(self.state, fresh, jnp.asarray(p.rows, jnp.int32))
+        rows = jnp.asarray(p.rows, jnp.int32)
+        if self.pool is None:
+            self.state = decode.replace_rows(self.state, fresh, rows)
+        else:
+            self.state = paging.adopt_rows(self.state, fresh, rows, jnp.asarray(p.tables, jnp.int32))
 
     def warm_up(self) -> None:
         """Runs this batch size's programs once on throwaway rows, so that no request compiles
@@ -208,6 +235,9 @@ class Batch:
         mask = np.zeros((self.rows,), bool)
         mask[rows] = True
         self.state = release_rows(self.state, jnp.asarray(mask))
+        if self.pool is not None:
+            for r in rows:
+                self.pool.give(r)
 
     def row_stats(self, row: int) -> dict | None:
         """The speculative statistics of one row and the batch's tree (``None`` under plain

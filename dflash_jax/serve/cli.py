@@ -51,6 +51,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--chunk-size", type=integer, default=256, metavar="N", help="prompt tokens per prefill pass (default 256)")
     p.add_argument("--prefix-cache-mb", type=number, default=1024, metavar="MB",
                    help="memory for prefilled prompt blocks reused by later prompts that start with them (default 1024; 0: off)")
+    p.add_argument("--kv-cache-mb", type=number, default=None, metavar="MB",
+                   help="memory for the target's K/V and the drafter's context of all rows (default: --max-batch rows of --max-len tokens)")
+    p.add_argument("--kv-layout", choices=("paged", "rows"), default="paged",
+                   help="paged (default): rows hold pages of 16 tokens from one pool, as many as their prompt and max_tokens fill, "
+                   "so short requests fit more rows in --kv-cache-mb; rows: every row holds --max-len tokens. Families without "
+                   "paged support (Laguna, Gemma 4, Qwen3.5) and meshes with a data axis use rows")
     p.add_argument("--steps-per-round", type=integer, default=4, metavar="N",
                    help="decode steps on device per host round trip (default 4)")
     p.add_argument("--shutdown-timeout", type=number, default=30.0, metavar="S",
@@ -101,6 +107,8 @@ def _check(args) -> None:
         raise DFlashError("--shutdown-timeout", f"got {args.shutdown_timeout}", "a number of seconds >= 0")
     if not 0 <= args.prefix_cache_mb < 2**40:
         raise DFlashError("--prefix-cache-mb", f"got {args.prefix_cache_mb}", "a number of MiB >= 0 (0: no prefix cache)")
+    if args.kv_cache_mb is not None and not 0 < args.kv_cache_mb < 2**40:
+        raise DFlashError("--kv-cache-mb", f"got {args.kv_cache_mb}", "a number of MiB > 0")
 
 
 def build_engine(args, channel=None):
@@ -125,7 +133,8 @@ def build_engine(args, channel=None):
                         chat_template_kwargs=args.chat_template_kwargs)
     engine = Engine(model, max_batch=args.max_batch, max_len=args.max_len, max_queue=args.max_queue, chunk_size=args.chunk_size,
                     steps_per_round=args.steps_per_round, metrics=Metrics(), prefix_cache_bytes=int(args.prefix_cache_mb * 2**20),
-                    channel=channel)
+                    channel=channel, kv_cache_bytes=None if args.kv_cache_mb is None else int(args.kv_cache_mb * 2**20),
+                    paged=args.kv_layout == "paged")
     return engine, why
 
 
@@ -164,7 +173,7 @@ def _listen(args, engine, key, why) -> int:
     server = DrainingServer(config, engine, args.shutdown_timeout)
     engine.on_death = lambda _e: setattr(server, "should_exit", True)
     print(f"dflash-jax serve: {engine.model.name} ({why}) on http://{args.host}:{args.port}/v1, "
-          f"{args.max_batch} rows x {args.max_len} tokens", file=sys.stderr, flush=True)
+          f"{engine.layout.describe()}", file=sys.stderr, flush=True)
     # uvicorn re-raises the signal it stopped on once it is done; these handlers make that a no-op,
     # so a signal ends the command with 0 rather than the signal's default action
     previous = {s: signal.signal(s, lambda *_: None) for s in (signal.SIGINT, signal.SIGTERM)}

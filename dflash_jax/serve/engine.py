@@ -37,6 +37,7 @@ from dflash_jax.errors import DFlashError
 from dflash_jax.serve.batch import Batch, Prefill, bucket
 from dflash_jax.serve.follow import Mirrored
 from dflash_jax.serve.jobs import MAX_STOPS, Done, Failed, Job, ServedModel, Text
+from dflash_jax.serve.pages import kv_layout
 from dflash_jax.serve.prefix_cache import PrefixCache
 from dflash_jax.state import FINISH_REASONS, RUNNING
 from dflash_jax.text import TextStream, cut_at_stop_text
@@ -44,6 +45,10 @@ from dflash_jax.text import TextStream, cut_at_stop_text
 
 class QueueFull(Exception):
     """The queue holds ``max_queue`` requests already."""
+
+
+class NoFreePages(QueueFull):
+    """The queue is full and what holds it up is the paged KV pool: no pages for the next request."""
 
 
 class NotAccepting(Exception):
@@ -69,6 +74,10 @@ class Engine:
         beyond which :meth:`submit` refuses; chunk_size: prompt tokens per prefill pass;
         steps_per_round: decode steps on device per host round trip.
       prefix_cache_bytes: the prefix cache's budget (:mod:`~dflash_jax.serve.prefix_cache`; 0: off).
+      kv_cache_bytes: the budget of the target K/V and drafter context (``None``: ``max_batch`` rows
+        of ``max_len`` tokens); paged: a batch of paged KV (:mod:`~dflash_jax.serve.pages`) where
+        the target's family supports it, the pool sized by that budget and the rows by
+        ``max_batch`` (else every row owns ``max_len`` slots and the budget caps the rows).
       metrics: a :class:`~dflash_jax.serve.metrics.Metrics` or ``None``.
       on_death: called (from the engine thread) with the exception that ended the engine.
       channel: with several processes, process 0's :class:`~dflash_jax.distributed.Broadcast` to
@@ -77,8 +86,10 @@ class Engine:
 
     def __init__(self, model: ServedModel, max_batch: int = 16, max_len: int = 1024, max_queue: int = 256,
                  chunk_size: int = 256, steps_per_round: int = 4, metrics=None, on_death=None, prefix_cache_bytes: int = 1 << 30,
-                 channel=None):
-        self.model, self.max_batch, self.max_len, self.max_queue = model, max_batch, max_len, max_queue
+                 channel=None, kv_cache_bytes: int | None = None, paged: bool = True):
+        self.model, self.max_len, self.max_queue = model, max_len, max_queue
+        self.layout = kv_layout(model.decoding(), max_batch, max_len, kv_cache_bytes, paged, model.target.mesh)
+        self.max_batch = self.layout.rows
         self.chunk_size, self.steps_per_round, self.metrics, self.on_death = chunk_size, steps_per_round, metrics, on_death
         self.tokenizer, self.channel = model.target.tokenizer, channel
         self.prefix = PrefixCache(prefix_cache_bytes) if prefix_cache_bytes > 0 else None
@@ -140,6 +151,10 @@ class Engine:
             if self.error is not None or self._stopping:
                 raise NotAccepting("the engine is stopping" if self.error is None else f"the engine died: {self.error}")
             if len(self._queue) >= self.max_queue:
+                pool = None if self._batch is None else self._batch.pool
+                if pool is not None and pool.fits([pool.need(len(self._queue[0].spec.prompt), self._queue[0].spec.max_new)]) == 0:
+                    raise NoFreePages(f"no free KV pages: {pool.free} of {pool.total} pages of {pool.page_size} tokens are free "
+                                      f"(--kv-cache-mb) and {len(self._queue)} requests wait for them (--max-queue {self.max_queue})")
                 raise QueueFull(f"{len(self._queue)} requests are waiting (--max-queue {self.max_queue})")
             self._queue.append(job)
             self._cv.notify()
@@ -240,6 +255,11 @@ class Engine:
             n = 0
             while n < min(self.max_batch - active, len(self._queue)) and self._queue[n].spec.static == head:
                 n += 1
+            pool = self._batch.pool
+            if pool is not None:  # as many as have their pages free, in order
+                n = pool.fits([pool.need(len(j.spec.prompt), j.spec.max_new) for j in list(self._queue)[:n]])
+                if n == 0:
+                    return
             n = 1 << (n.bit_length() - 1)  # few group sizes: few compiles
             jobs = [self._queue.popleft() for _ in range(n)]
         self._resize(min(self.max_batch, bucket(active + n)))
@@ -287,7 +307,7 @@ class Engine:
         row (:class:`~dflash_jax.serve.follow.Mirrored` when the engine has a ``channel``)."""
         stop_width = len(self.model.target.eos_ids) + MAX_STOPS
         batch = Batch(self.model.params, static, 1, self.max_len, stop_width, self.chunk_size, self.model.depth_params, self.prefix,
-                      self.model.target.mesh)
+                      self.model.target.mesh, self.layout.pages_for(static))
         return batch if self.channel is None else Mirrored(batch, self.channel)
 
     def _decode(self) -> None:
@@ -380,3 +400,6 @@ class Engine:
             running, waiting = self.counts()
             self.metrics.running.set(running)
             self.metrics.waiting.set(waiting)
+            pool = None if self._batch is None else self._batch.pool
+            self.metrics.kv_pages_free.set(0 if pool is None else pool.free)
+            self.metrics.kv_pages_total.set(0 if pool is None else pool.total)

@@ -8,10 +8,9 @@ context never depends on how the tokens were split into passes.
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 
-from dflash_jax.cache import Capture, init_capture, write_rows
+from dflash_jax.cache import Capture, init_capture
 from dflash_jax.decoding import Decoding
 from dflash_jax.models import drafter
 from dflash_jax.speculative.state import SpeculativeState
@@ -33,5 +32,4 @@ def absorb_context(params_d, static: Decoding, ctx: SpeculativeState, capture: C
     """
     positions = capture.base[:, None] + jnp.arange(capture.hidden.shape[1], dtype=jnp.int32)[None, :]
     k, v = drafter.context_kv(params_d, static.drafter, capture.hidden, positions)
-    write = jax.vmap(write_rows, in_axes=(0, 0, None))
-    return ctx.replace(ctx_k=write(ctx.ctx_k, k, positions), ctx_v=write(ctx.ctx_v, v, positions))
+    return ctx.replace(context=ctx.context.write_all(k, v, positions))

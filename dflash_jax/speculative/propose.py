@@ -71,7 +71,8 @@ def draft_logits(params: Params, state: DecodeState, static: Decoding):
     anchor = jnp.take_along_axis(state.tokens, start[:, None], axis=1)
     block = jnp.concatenate([anchor, jnp.full((anchor.shape[0], width - 1), cfg_d.mask_token_id, jnp.int32)], axis=1)
     ctx = state.speculative
-    hidden = drafter.forward(params_d, cfg_d, params.target, cfg_t, block, positions, ctx.ctx_k, ctx.ctx_v, start, block_len)
+    hidden = drafter.forward(params_d, cfg_d, params.target, cfg_t, block, positions, ctx.ctx_k, ctx.ctx_v, start, block_len,
+                             pages=ctx.context.pages)
     return drafter.logits(params_d, cfg_d, params.target, cfg_t, hidden[:, 1:]), positions
 
 

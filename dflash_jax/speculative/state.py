@@ -5,7 +5,8 @@ from __future__ import annotations
 import jax.numpy as jnp
 
 from dflash_jax import pytree
-from dflash_jax.axes import KV_AXES, axes_field
+from dflash_jax.axes import axes_field
+from dflash_jax.cache import KVCache, PagedKVCache, init_kv_cache
 from dflash_jax.config import DrafterConfig
 
 
@@ -20,7 +21,9 @@ class SpeculativeState:
     are not stored: they are :attr:`dflash_jax.state.DecodeState.committed`.
 
     Attributes:
-      ctx_k, ctx_v: ``[Ld, B, S, Hkv, D]``.
+      context: the drafter context K/V, a :class:`~dflash_jax.cache.KVCache` ``[Ld, B, S, Hkv, D]``
+        or, in a paged batch, a :class:`~dflash_jax.cache.PagedKVCache` addressed by the same page
+        tables as the target cache (:attr:`ctx_k` / :attr:`ctx_v` read its arrays).
       verify_steps: ``[B]`` int32 target passes while the row was running (the plain steps of
         ``n_max="auto"`` included: a verify of the anchor alone).
       drafted: ``[B]`` int32 draft tokens proposed to the target.
@@ -35,8 +38,7 @@ class SpeculativeState:
       backoff: ``[]`` int32 plain steps that the next propose that does not pay schedules (``auto``).
     """
 
-    ctx_k: jnp.ndarray = axes_field(*KV_AXES)
-    ctx_v: jnp.ndarray = axes_field(*KV_AXES)
+    context: KVCache | PagedKVCache  # its own fields declare their axes
     verify_steps: jnp.ndarray = axes_field("batch")
     drafted: jnp.ndarray = axes_field("batch")
     accepted: jnp.ndarray = axes_field("batch")
@@ -44,6 +46,14 @@ class SpeculativeState:
     widths: jnp.ndarray = axes_field(None)
     plain_left: jnp.ndarray = axes_field()
     backoff: jnp.ndarray = axes_field()
+
+    @property
+    def ctx_k(self) -> jnp.ndarray:
+        return self.context.k
+
+    @property
+    def ctx_v(self) -> jnp.ndarray:
+        return self.context.v
 
     @property
     def n_max(self) -> int:
@@ -54,13 +64,11 @@ class SpeculativeState:
 def init_speculative_state(cfg: DrafterConfig, batch: int, max_len: int, n_max: int, top: int | None = None) -> SpeculativeState:
     """Empty context of ``max_len`` slots and zeroed statistics for ``n_max`` draft positions and
     verifies of up to ``top`` drafts (a tree's nodes; ``None``: ``n_max``)."""
-    shape = (cfg.num_hidden_layers, batch, max_len, cfg.num_key_value_heads, cfg.head_dim)
-
     def zeros():  # distinct buffers: the state is donated
         return jnp.zeros((batch,), jnp.int32)
 
     return SpeculativeState(
-        ctx_k=jnp.zeros(shape, cfg.dtype), ctx_v=jnp.zeros(shape, cfg.dtype), verify_steps=zeros(),
+        context=init_kv_cache(cfg.num_hidden_layers, batch, max_len, cfg.num_key_value_heads, cfg.head_dim, cfg.dtype), verify_steps=zeros(),
         drafted=zeros(), accepted=zeros(), accepted_per_position=jnp.zeros((batch, n_max), jnp.int32),
         widths=jnp.zeros(((top or n_max) + 1,), jnp.int32), plain_left=jnp.zeros((), jnp.int32),
         backoff=jnp.ones((), jnp.int32),
