@@ -76,3 +76,54 @@ def test_the_ledger_admits_by_free_pages():
     assert pool.fits([8]) == 1
     with pytest.raises(DFlashError, match=r"--kv-cache-mb.*at least 10 pages"):
         PagePool(pages=10, page_size=16, max_len=160)
+
+
+def test_the_engine_admits_by_pages_and_holds_more_short_rows_than_the_budget_holds_unpaged(serve_tiny_model):
+    """A budget of two unpaged rows of SERVE_MAX_LEN: unpaged, the engine runs 2 rows; paged, six
+    short requests (3 pages each) run at once and answer as the unpaged engine does. When the pool
+    cannot take the next request and the queue is full, a new one is refused as out of KV pages."""
+    from dflash_jax.serve.engine import Engine, NoFreePages
+    from dflash_jax.serve.jobs import Done, Job, JobSpec, ServedModel, Text
+    from dflash_jax.serve.pages import row_bytes
+
+    _, target, drafter = serve_tiny_model
+    model = ServedModel(target, drafter, name="tiny", n_max=3)
+    budget = 2 * row_bytes(model.decoding(), SERVE_MAX_LEN)
+    specs = [JobSpec(prompt=tuple(PROMPTS[i % 4][:20]), max_new=24, static=model.decoding(), seed=i,
+                     sampling=SAMPLING[i % 4]) for i in range(6)]
+
+    def serve(paged):
+        engine = Engine(model, max_batch=8, max_len=SERVE_MAX_LEN, max_queue=8, kv_cache_bytes=budget, paged=paged, prefix_cache_bytes=0)
+        engine._switch(model.decoding())
+        jobs = [Job(s) for s in specs]
+        for j in jobs:
+            engine.submit(j)
+        peak = 0
+        while any(r is not None for r in engine._rows) or engine._queue or engine._prefill is not None:
+            engine._round()
+            peak = max(peak, sum(r is not None for r in engine._rows))
+        events = [_drain(j) for j in jobs]
+        return engine, peak, events
+
+    rows_engine, rows_peak, rows_events = serve(False)
+    paged_engine, paged_peak, paged_events = serve(True)
+    assert rows_engine.max_batch == 2 and rows_peak == 2
+    assert paged_peak == 6 and paged_engine._batch.pool.free == paged_engine._batch.pool.total
+    texts = [["".join(e.text for e in ev if isinstance(e, Text)) for ev in evs] for evs in (rows_events, paged_events)]
+    assert texts[0] == texts[1] and all(isinstance(ev[-1], Done) for ev in paged_events)
+
+    engine = Engine(model, max_batch=8, max_len=SERVE_MAX_LEN, max_queue=1, kv_cache_bytes=budget, paged=True, prefix_cache_bytes=0)
+    engine._switch(model.decoding())
+    engine._batch.pool.take(5, engine._batch.pool.free)  # every page held
+    engine.submit(Job(specs[0]))
+    engine._round()  # nothing is admitted: no pages
+    assert engine.counts() == (0, 1)
+    with pytest.raises(NoFreePages, match=r"no free KV pages: 0 of 20 pages.*--kv-cache-mb"):
+        engine.submit(Job(specs[1]))
+
+
+def _drain(job):
+    out = []
+    while not job.events.empty():
+        out.append(job.events.get_nowait())
+    return out
