@@ -7,6 +7,8 @@ acceptance, greedy and seeded sampled rows mixed), and the host ledger's page co
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 from conftest import SERVE_MAX_LEN
@@ -34,6 +36,8 @@ def _admit(batch, rows, idx):
                             [SAMPLING[i] for i in idx])
     while not p.complete:
         batch.prefill_step(p)
+    if batch.pool is not None:  # the engine grows rows round by round; here: their whole answer (and a verify's reach) at once
+        batch.grow({r: len(PROMPTS[i]) + BUDGETS[i] + 4 for r, i in zip(rows, idx)})
 
 
 def _answers(batch, rows):
@@ -60,20 +64,23 @@ def test_a_paged_batch_decodes_as_an_unpaged_one(serve_tiny_model):
     got, want = _waves(paged), _waves(rows)
     assert got == want
     held = {r: len(paged.pool.held[r]) for r in (2, 3)}
-    assert held == {2: -(-(90 + 7) // 16), 3: -(-(18 + 20) // 16)}
+    assert held == {2: -(-(90 + 7 + 4) // 16), 3: -(-(18 + 20 + 4) // 16)}
     paged.release([2, 3])
     assert paged.pool.free == paged.pool.total and not np.asarray(paged.state.cache.table).any()
 
 
-def test_the_ledger_admits_by_free_pages():
+def test_the_ledger_hands_out_pages_as_rows_grow():
     pool = PagePool(pages=11, page_size=16, max_len=160)  # 10 pages to hand out
-    assert pool.need(20, 100) == 8 and pool.need(150, 100) == 10  # capped at max_len
-    assert pool.fits([3, 4, 4]) == 2
-    table = pool.take(0, 3)
-    assert len(table) == 10 and table[3:] == [0] * 7 and 0 not in table[:3]
-    assert pool.fits([8]) == 0 and pool.free == 7
+    assert pool.pages(33) == 3 and pool.pages(1000) == 10  # at most a whole row's
+    assert pool.fits([3, 4, 4]) == 2 and pool.fits([3, 4, 4], keep=4) == 1
+    assert pool.grow(0, 20) and not pool.grow(0, 32) and pool.grow(0, 40)
+    table = pool.table(0)
+    assert len(table) == 10 and table[3:] == [0] * 7 and 0 not in table[:3] and pool.free == 7
+    assert pool.short({0: 64, 1: 100}) == 1 + 7
+    with pytest.raises(RuntimeError):
+        pool.grow(1, 160)
     pool.give(0)
-    assert pool.fits([8]) == 1
+    assert pool.fits([10]) == 1
     with pytest.raises(DFlashError, match=r"--kv-cache-mb.*at least 10 pages"):
         PagePool(pages=10, page_size=16, max_len=160)
 
@@ -84,6 +91,7 @@ def test_the_engine_admits_by_pages_and_holds_more_short_rows_than_the_budget_ho
     cannot take the next request and the queue is full, a new one is refused as out of KV pages."""
     from dflash_jax.serve.engine import Engine, NoFreePages
     from dflash_jax.serve.jobs import Done, Job, JobSpec, ServedModel, Text
+    from dflash_jax.serve.metrics import Metrics
     from dflash_jax.serve.pages import row_bytes
 
     _, target, drafter = serve_tiny_model
@@ -92,8 +100,9 @@ def test_the_engine_admits_by_pages_and_holds_more_short_rows_than_the_budget_ho
     specs = [JobSpec(prompt=tuple(PROMPTS[i % 4][:20]), max_new=24, static=model.decoding(), seed=i,
                      sampling=SAMPLING[i % 4]) for i in range(6)]
 
-    def serve(paged):
-        engine = Engine(model, max_batch=8, max_len=SERVE_MAX_LEN, max_queue=8, kv_cache_bytes=budget, paged=paged, prefix_cache_bytes=0)
+    def serve(paged, specs=specs, budget=budget):
+        engine = Engine(model, max_batch=8, max_len=SERVE_MAX_LEN, max_queue=8, kv_cache_bytes=budget, paged=paged, prefix_cache_bytes=0,
+                        metrics=Metrics())
         engine._switch(model.decoding())
         jobs = [Job(s) for s in specs]
         for j in jobs:
@@ -112,9 +121,19 @@ def test_the_engine_admits_by_pages_and_holds_more_short_rows_than_the_budget_ho
     texts = [["".join(e.text for e in ev if isinstance(e, Text)) for ev in evs] for evs in (rows_events, paged_events)]
     assert texts[0] == texts[1] and all(isinstance(ev[-1], Done) for ev in paged_events)
 
+    # one row's budget and three long answers: the rows grow into each other, the last admitted are
+    # preempted and resume where they stopped (greedy and seeded sampled alike)
+    long = [dataclasses.replace(s, max_new=120) for s in specs[:3]]
+    one = row_bytes(model.decoding(), SERVE_MAX_LEN)
+    (rows_engine, _, rows_events), (paged_engine, peak, paged_events) = serve(False, long, one), serve(True, long, one)
+    texts = [["".join(e.text for e in ev if isinstance(e, Text)) for ev in evs] for evs in (rows_events, paged_events)]
+    assert texts[0] == texts[1] and peak == 3 and paged_engine.metrics.preemptions._value.get() > 0
+    assert [ev[-1].completion_tokens for ev in paged_events] == [ev[-1].completion_tokens for ev in rows_events]
+
     engine = Engine(model, max_batch=8, max_len=SERVE_MAX_LEN, max_queue=1, kv_cache_bytes=budget, paged=True, prefix_cache_bytes=0)
     engine._switch(model.decoding())
-    engine._batch.pool.take(5, engine._batch.pool.free)  # every page held
+    for r in (5, 6):  # every page held (two rows of max_len)
+        engine._batch.pool.grow(r, SERVE_MAX_LEN)
     engine.submit(Job(specs[0]))
     engine._round()  # nothing is admitted: no pages
     assert engine.counts() == (0, 1)

@@ -166,7 +166,10 @@ class Batch:
         group starts with are copied in, and the prefill starts after them."""
         cache_len = None if self.pool is None else paging.prefill_len(max(len(p) for p in prompts), self.max_len)
         fresh = self._placed(self._fresh(prompts, cache_len, max_new, stop_ids, list(seeds), sampling))
-        tables = None if self.pool is None else [self.pool.take(r, self.pool.need(len(p), m)) for r, p, m in zip(rows, prompts, max_new)]
+        if self.pool is not None:  # the prompts' pages; the decode rounds' come with :meth:`grow`
+            for r, prompt in zip(rows, prompts):
+                self.pool.grow(r, len(prompt))
+        tables = None if self.pool is None else [self.pool.table(r) for r in rows]
         start = min(self.prefix.cached(p) for p in prompts) if self.prefix is not None else 0
         if start:
             fresh = self.prefix.restore(fresh, prompts, start)
@@ -204,6 +207,8 @@ class Batch:
                 p.state = prefix_cache.put_block(p.state, jnp.int32(0), jnp.int32(0), prefix_cache.take_block(p.state, jnp.int32(0), jnp.int32(0)))
             while not p.complete:
                 self.prefill_step(p)
+            if self.pool is not None:  # the table update of a decode round
+                self._set_tables(list(range(g)))
             self.run(self.rows, 1)
             self.release(list(range(self.rows)))
             g *= 2
@@ -229,6 +234,21 @@ class Batch:
     def read(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """``(tokens [B, S], length [B], finish [B])`` on the host."""
         return fetch((self.state.tokens, self.state.length, self.state.finish))
+
+    def grow(self, want: dict[int, int]) -> None:
+        """In a paged batch, gives each row of ``want`` the pages of its positions ``[0, want[row])``
+        (:meth:`~dflash_jax.serve.pages.PagePool.grow`; the caller checked they are free) and
+        points its table at them."""
+        changed = [r for r, n in sorted(want.items()) if self.pool.grow(r, n)]
+        if changed:
+            self._set_tables(changed)
+
+    def _set_tables(self, rows: list[int]) -> None:
+        """Copies the ledger's tables of ``rows`` to the device (one program per batch size)."""
+        mask = np.zeros((self.rows,), bool)
+        mask[rows] = True
+        table = [self.pool.table(r) for r in range(self.rows)]
+        self.state = paging.set_tables(self.state, jnp.asarray(table, jnp.int32), jnp.asarray(mask))
 
     def release(self, rows: list[int]) -> None:
         """Frees ``rows`` (finished, stopped on the host or cancelled): see :func:`release_rows`."""

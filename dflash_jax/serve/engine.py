@@ -26,6 +26,7 @@ an exception outside that (a device error) ends the engine: every request gets a
 from __future__ import annotations
 
 import collections
+import itertools
 import threading
 import time
 import traceback
@@ -56,13 +57,30 @@ class NotAccepting(Exception):
 
 
 class _Row:
-    """Engine-side bookkeeping of a running request: its row, ids read so far and text stream."""
+    """Engine-side bookkeeping of a running request: its row, ids read so far and text stream.
+    A request preempted from a paged batch keeps its ``_Row`` in ``job.resumed``: it comes back
+    with the ids it had and its text stream where it was."""
+
+    _admitted = itertools.count()
 
     def __init__(self, job: Job, row: int, tokenizer, cached: int = 0):
-        self.job, self.row, self.cached = job, row, cached
-        self.seen = len(job.spec.prompt)
-        self.ids: list[int] = []
-        self.stream = TextStream(tokenizer, job.spec.stop_texts)
+        before = job.resumed
+        self.job, self.row, self.cached = job, row, cached if before is None else before.cached
+        self.ids: list[int] = [] if before is None else before.ids
+        self.stream = TextStream(tokenizer, job.spec.stop_texts) if before is None else before.stream
+        self.seen = len(job.spec.prompt) + len(self.ids)
+        self.order = next(self._admitted)
+        job.resumed = None
+
+    @staticmethod
+    def prompt(job: Job) -> list[int]:
+        """What the job prefills: its prompt, and what it generated before a preemption."""
+        before = job.resumed
+        return list(job.spec.prompt) + ([] if before is None else before.ids)
+
+    def limit(self, max_len: int, reach: int) -> int:
+        """Positions the row may write before it ends: its prompt, budget and a step's reach."""
+        return min(len(self.job.spec.prompt) + self.job.spec.max_new + reach, max_len)
 
 
 class Engine:
@@ -152,7 +170,7 @@ class Engine:
                 raise NotAccepting("the engine is stopping" if self.error is None else f"the engine died: {self.error}")
             if len(self._queue) >= self.max_queue:
                 pool = None if self._batch is None else self._batch.pool
-                if pool is not None and pool.fits([pool.need(len(self._queue[0].spec.prompt), self._queue[0].spec.max_new)]) == 0:
+                if pool is not None and pool.fits([pool.pages(len(_Row.prompt(self._queue[0])) + 1)]) == 0:
                     raise NoFreePages(f"no free KV pages: {pool.free} of {pool.total} pages of {pool.page_size} tokens are free "
                                       f"(--kv-cache-mb) and {len(self._queue)} requests wait for them (--max-queue {self.max_queue})")
                 raise QueueFull(f"{len(self._queue)} requests are waiting (--max-queue {self.max_queue})")
@@ -256,8 +274,10 @@ class Engine:
             while n < min(self.max_batch - active, len(self._queue)) and self._queue[n].spec.static == head:
                 n += 1
             pool = self._batch.pool
-            if pool is not None:  # as many as have their pages free, in order
-                n = pool.fits([pool.need(len(j.spec.prompt), j.spec.max_new) for j in list(self._queue)[:n]])
+            if pool is not None:  # as many as have their first round's pages free beside the running rows' next round
+                reach = self._reach()
+                firsts = [pool.pages(min(len(_Row.prompt(j)) + reach, self.max_len)) for j in list(self._queue)[:n]]
+                n = pool.fits(firsts, keep=pool.short(self._next_round()))
                 if n == 0:
                     return
             n = 1 << (n.bit_length() - 1)  # few group sizes: few compiles
@@ -267,7 +287,9 @@ class Engine:
         try:
             specs = [j.spec for j in jobs]
             eos = list(self.model.target.eos_ids)
-            group = self._batch.start_prefill(rows, [list(s.prompt) for s in specs], [s.max_new for s in specs], [s.seed for s in specs],
+            done = [len(_Row.prompt(j)) - len(j.spec.prompt) for j in jobs]  # tokens generated before a preemption
+            group = self._batch.start_prefill(rows, [_Row.prompt(j) for j in jobs], [s.max_new - k for s, k in zip(specs, done)],
+                                              [s.seed for s in specs],
                                               [([] if s.ignore_eos else eos) + list(s.stop_ids) for s in specs], [s.sampling for s in specs])
         except Exception as e:  # a request the checks let through: only these requests fail, the engine goes on
             traceback.print_exception(type(e), e, e.__traceback__)
@@ -310,8 +332,44 @@ class Engine:
                       self.model.target.mesh, self.layout.pages_for(static))
         return batch if self.channel is None else Mirrored(batch, self.channel)
 
+    def _reach(self) -> int:
+        """Positions past its committed length a row may write in one round of decode steps."""
+        return self.steps_per_round * self._static.width + self._static.verify_top
+
+    def _next_round(self) -> dict[int, int]:
+        """Row -> the positions each running row must hold for the next round."""
+        reach = self._reach()
+        return {r.row: min(r.seen + reach, r.limit(self.max_len, self._static.verify_top + 1)) for r in self._rows if r is not None}
+
+    def _make_room(self) -> None:
+        """In a paged batch, gives the running rows their next round's pages, first preempting the
+        rows admitted last while the pool lacks them (:mod:`~dflash_jax.serve.pages`)."""
+        pool = self._batch.pool
+        if pool is None:
+            return
+        want = self._next_round()
+        while pool.short(want) > pool.free:
+            self._preempt(max((r for r in self._rows if r is not None), key=lambda r: r.order))
+            want = self._next_round()
+        self._batch.grow(want)
+
+    def _preempt(self, r: _Row) -> None:
+        """Frees ``r``'s row and pages and puts its request back at the head of the queue, with what
+        it generated so far (it resumes as prompt + those tokens: the same positions, the same
+        seeded draws)."""
+        self._batch.release([r.row])
+        self._rows[r.row] = None
+        r.job.resumed = r
+        with self._cv:
+            self._queue.appendleft(r.job)
+        if self.metrics is not None:
+            self.metrics.preemptions.inc()
+
     def _decode(self) -> None:
         """Up to ``steps_per_round`` steps on device (back early when one more row finishes)."""
+        self._make_room()
+        if not any(r is not None for r in self._rows):
+            return
         done = sum(r is None for r in self._rows)
         self._batch.run(done + 1, self.steps_per_round)
         self._deliver(self._batch.read())

@@ -146,6 +146,7 @@ class Job:
         self.cancelled = False
         self.created = time.perf_counter()
         self.first_token_at: float | None = None
+        self.resumed = None  # the engine's row bookkeeping of a request preempted from a paged batch
 
     def post(self, event: Any) -> None:
         """Hands ``event`` to the request's handler (from any thread); a closed loop cancels."""

@@ -33,6 +33,8 @@ class Metrics:
         self.prefix_hit_tokens = Counter("dflash_prefix_cache_hit_tokens", "prompt tokens restored from the prefix cache "
                                          "instead of prefilled", registry=r)
         self.prefix_bytes = Gauge("dflash_prefix_cache_bytes", "bytes of prefilled blocks the prefix cache holds", registry=r)
+        self.preemptions = Counter("dflash_preemptions", "requests preempted from a paged batch to free pages (resumed later)",
+                                   registry=r)
         self.kv_pages_free = Gauge("dflash_kv_pages_free", "pages of the paged KV pool no row holds (0 unpaged)", registry=r)
         self.kv_pages_total = Gauge("dflash_kv_pages_total", "pages of the paged KV pool (0 unpaged)", registry=r)
         self.prefix_blocks = Gauge("dflash_prefix_cache_blocks", "prefilled blocks the prefix cache holds", registry=r)

@@ -3,15 +3,17 @@
 Without pages every row of a batch owns ``max_len`` slots of target K/V and drafter context, used
 or not. With pages, the batch's target cache and drafter context are
 :class:`~dflash_jax.cache.PagedKVCache` pools shared by all rows, and each row holds only the
-pages its request can fill: ``ceil(min(prompt + max_tokens, max_len) / page_size)``, taken when
-its prefill starts and given back when it ends. The pool is sized by a byte budget, the rows by
-``--max-batch``, so short requests fit many more rows in the same memory.
+pages of the positions it has reached: its prompt's when its prefill starts, then, before every
+round of decode steps, as many as that round can write (:meth:`PagePool.grow`); all are given back
+when it ends. The pool is sized by a byte budget, the rows by ``--max-batch``, so short requests
+fit many more rows in the same memory, whatever ``max_tokens`` they ask.
 
-A row's pages are reserved for its whole budget when it is admitted (as TGI's token budget does),
-not grown step by step (vLLM's way, which needs preemption when the pool runs dry): a request never
-fails or waits half-way, and a request without ``max_tokens`` reserves up to ``--max-len``. The
-engine admits a request only when its pages are free (:meth:`PagePool.fits`); it waits in the
-queue otherwise.
+When the running rows need more pages than are free, the engine preempts the row admitted last (as
+vLLM does): its pages are freed and its request goes back to the head of the queue with what it
+has generated, to be prefilled again as prompt + generated tokens and continue where it stopped
+(:mod:`~dflash_jax.serve.engine`). The engine admits a request only when its first round's pages
+are free beside the next round's pages of the running rows, so a preempted request waits rather
+than thrashing.
 
 Prompts are prefilled in a contiguous state of ``cache_len`` slots per row (the smallest power of
 two, at least :data:`MIN_PREFILL_LEN`, that holds the longest prompt of the group), which is
@@ -127,25 +129,37 @@ class PagePool:
         """Pages not held by any row."""
         return len(self._free)
 
-    def need(self, prompt_len: int, max_new: int) -> int:
-        """Pages a request of ``prompt_len`` tokens and a budget of ``max_new`` holds."""
-        return -(-min(prompt_len + max_new, self.max_len) // self.page_size)
+    def pages(self, positions: int) -> int:
+        """Pages that hold positions ``[0, positions)`` (at most a whole row's)."""
+        return min(self.per_row, -(-positions // self.page_size))
 
-    def fits(self, needs: list[int]) -> int:
-        """How many of the requests of ``needs`` pages, in order, fit in the free pages now."""
-        n, left = 0, self.free
+    def short(self, want: dict[int, int]) -> int:
+        """Pages the rows of ``want`` (row -> positions it must hold) lack, together."""
+        return sum(max(0, self.pages(n) - len(self.held.get(r, ()))) for r, n in want.items())
+
+    def fits(self, needs: list[int], keep: int = 0) -> int:
+        """How many of the requests of ``needs`` pages, in order, fit in the free pages now,
+        ``keep`` pages left aside."""
+        n, left = 0, self.free - keep
         while n < len(needs) and needs[n] <= left:
             left -= needs[n]
             n += 1
         return n
 
-    def take(self, row: int, n: int) -> list[int]:
-        """Hands ``n`` pages to ``row`` (which holds none); returns its table row (``per_row``
-        page ids, the trash page 0 past its pages)."""
-        if row in self.held or n > self.free:
-            raise RuntimeError(f"row {row} holds pages already or {n} pages > {self.free} free")
-        self.held[row] = [self._free.pop() for _ in range(n)]
-        return self.held[row] + [0] * (self.per_row - n)
+    def grow(self, row: int, positions: int) -> bool:
+        """Gives ``row`` the pages to hold positions ``[0, positions)``; whether it holds more now
+        (raises RuntimeError when the pool lacks them: callers check :meth:`short` first)."""
+        have = self.held.setdefault(row, [])
+        extra = self.pages(positions) - len(have)
+        if extra > self.free:
+            raise RuntimeError(f"row {row} needs {extra} pages, {self.free} are free")
+        have.extend(self._free.pop() for _ in range(max(0, extra)))
+        return extra > 0
+
+    def table(self, row: int) -> list[int]:
+        """``row``'s table: its pages, then the trash page 0 (``per_row`` entries)."""
+        have = self.held.get(row, [])
+        return have + [0] * (self.per_row - len(have))
 
     def give(self, row: int) -> None:
         """Takes back ``row``'s pages (none held: nothing happens)."""
@@ -173,6 +187,13 @@ def _with_tables(state: DecodeState, table: jnp.ndarray) -> DecodeState:
     spec = state.speculative
     return state.replace(cache=state.cache.replace(table=table),
                          speculative=None if spec is None else spec.replace(context=spec.context.replace(table=table)))
+
+
+@functools.partial(jax.jit, donate_argnames=("state",))
+def set_tables(state: DecodeState, table: jnp.ndarray, rows_mask: jnp.ndarray) -> DecodeState:
+    """``state`` (donated) with the page tables of the rows of ``rows_mask [B]`` set to those of
+    ``table [B, n]`` (int32), the other rows' kept."""
+    return _with_tables(state, jnp.where(rows_mask[:, None], table, state.cache.table))
 
 
 def clear_tables(state: DecodeState, rows_mask: jnp.ndarray) -> DecodeState:
