@@ -81,15 +81,16 @@ def kv_layout(static: Decoding, max_batch: int, max_len: int, budget: int | None
 
     ``budget`` defaults to what ``max_batch`` unpaged rows of ``max_len`` tokens hold. Pages are
     used when asked for, the target's family supports them
-    (:attr:`~dflash_jax.family.FamilyModel.paged_kv`) and no mesh splits the rows over ``"data"``
-    (a pool is not split by rows); otherwise the budget caps the rows.
+    (:attr:`~dflash_jax.family.FamilyModel.paged_kv`) and the target is on one device (a pool is
+    not split by rows, and paged attention on a mesh is not tested yet); otherwise the budget caps
+    the rows.
 
     Raises:
       DFlashError: a budget too small for one row of ``max_len`` tokens (``--kv-cache-mb``).
     """
     per_row = row_bytes(static, max_len)
     budget = max_batch * per_row if budget is None else int(budget)
-    paged = paged and module_for(static.target).paged_kv and (mesh is None or dict(mesh.shape).get("data", 1) == 1)
+    paged = paged and module_for(static.target).paged_kv and mesh is None
     rows = max_batch if paged else min(max_batch, budget // per_row)
     if budget < per_row:
         raise DFlashError("--kv-cache-mb", f"{budget / 2**20:.1f} MiB", f"at least {per_row / 2**20:.1f} MiB: one request of --max-len {max_len} "
