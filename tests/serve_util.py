@@ -39,7 +39,7 @@ def run_in_thread(server) -> tuple[str, threading.Thread]:
     port = sock.getsockname()[1]
     thread = threading.Thread(target=server.run, kwargs=dict(sockets=[sock]), daemon=True)
     thread.start()
-    deadline = time.time() + 60
+    deadline = time.time() + 300  # startup warms every batch size up: minutes on a loaded 2-core machine
     while not server.started:
         assert thread.is_alive() and time.time() < deadline, "the server did not start"
         time.sleep(0.02)
