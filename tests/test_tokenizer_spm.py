@@ -39,7 +39,7 @@ def _trained_bpe():
 @pytest.fixture(scope="module")
 def gemma4_files(tmp_path_factory):
     """``(folder, gguf path)``: a Gemma-style HF tokenizer (transformers' ``GemmaTokenizer``: BPE with
-    byte fallback, ``▁`` spaces; control tokens ``<|turn>`` ``<turn|>``, a non-special ``<|channel>``)
+    byte fallback, ``▁`` spaces; control tokens ``<|turn>`` ``<turn|>``, non-special ``<|channel>``, ``<|tool_response>``)
     saved by transformers, and its ``gemma4`` GGUF as llama.cpp's converter writes it."""
     from transformers.models.gemma.tokenization_gemma import GemmaTokenizer
 
@@ -49,7 +49,7 @@ def gemma4_files(tmp_path_factory):
         vocab.setdefault(t, len(vocab))
     hf = GemmaTokenizer(vocab=vocab, merges=merges)
     hf.add_special_tokens({"additional_special_tokens": ["<|turn>", "<turn|>"]})
-    hf.add_tokens(["<|channel>"])
+    hf.add_tokens(["<|channel>", "<|tool_response>"])
     hf.chat_template = TEMPLATE
     folder = tmp_path_factory.mktemp("gemma4_tok")
     hf.save_pretrained(folder)
@@ -133,7 +133,8 @@ def test_gemma4_gguf_specials_eos_and_chat(gemma4_files):
     tok = Tokenizer.from_gguf(path, use_cache=False)
     tid = tok.token_to_id
     assert (tok.bos_token, tok.eos_token, tok.add_bos) == ("<bos>", "<eos>", True)
-    assert tok.eos_token_ids == (tid("<eos>"), tid("<turn|>"))  # llama.cpp's end-of-generation texts
+    # llama.cpp's end-of-generation texts; <|tool_response> whatever its type (the converter makes it USER_DEFINED)
+    assert tok.eos_token_ids == (tid("<eos>"), tid("<turn|>"), tid("<|tool_response>"))
     msgs = [{"role": "user", "content": "hello there"}]
     text = tok.apply_chat_template(msgs)
     assert text == "<bos><|turn>user\nhello there<turn|>\n<|turn>model\n"
