@@ -333,6 +333,32 @@ print("OK")
 """
 
 
+
+def test_gguf_with_its_gemma4_tokenizer_loads_as_a_target(case, tmp_path):
+    """A ``gemma4`` GGUF carrying the ``gemma4`` tokenizer llama.cpp's converter writes (SentencePiece-
+    style BPE with merges, no space prefix, control tokens ``<|turn>`` ``<turn|>``) loads as a target
+    with that tokenizer: the chat prompt is one BOS and whole control tokens, the turn ends at ``<turn|>``."""
+    from dflash_jax.loading import load_target
+
+    _, cfg, params, folder = case
+    words = ["\u2581", "\n"] + list("abcdehilmnorstuy") + ["hi", "\u2581hi", "mo", "de", "el", "mode", "model", "us", "er", "user"]
+    merges = ["h i", "\u2581 hi", "m o", "d e", "e l", "mo de", "mode l", "u s", "e r", "us er"]
+    tokens = ["<pad>", "<eos>", "<bos>", "<unk>", "<|turn>", "<turn|>", "<|channel>", *words]
+    tokens += [f"<unused{i}>" for i in range(V - len(tokens))]
+    types = [3, 3, 3, 2, 3, 3, 4] + [1] * len(words) + [5] * (V - 7 - len(words))
+    template = ("{{ bos_token }}{% for m in messages %}<|turn>{{ m.role }}\n{{ m.content }}<turn|>\n{% endfor %}"
+                "{% if add_generation_prompt %}<|turn>model\n{% endif %}")
+    kv = {"tokenizer.ggml.model": "gemma4", "tokenizer.ggml.tokens": tokens, "tokenizer.ggml.token_type": types,
+          "tokenizer.ggml.merges": merges, "tokenizer.ggml.bos_token_id": 2, "tokenizer.ggml.eos_token_id": 1,
+          "tokenizer.ggml.add_space_prefix": False, "tokenizer.ggml.add_bos_token": True, "tokenizer.chat_template": template}
+    _write_gguf_from_hf(folder, tmp_path / "t.gguf", **kv)
+    t = load_target(tmp_path / "t.gguf")
+    tid = {tok: i for i, tok in enumerate(tokens)}
+    assert t.cfg == cfg and set(t.eos_ids) == {tid["<eos>"], tid["<turn|>"]}
+    ids = t.tokenizer.encode_chat([{"role": "user", "content": "hi hi"}])
+    assert ids == [tid[x] for x in ["<bos>", "<|turn>", "user", "\n", "hi", "\u2581hi", "<turn|>", "\n", "<|turn>", "model", "\n"]]
+    assert t.tokenizer.decode(ids, skip_special_tokens=True) == "user\nhi hi\nmodel\n"
+
 @pytest.mark.slow
 def test_a_mesh_answers_as_one_device():
     """``param_axes`` and the per-type KV cache's axes on a ``data=2, model=2`` and a ``model=2,

@@ -92,12 +92,12 @@ def test_unsupported_pre_and_model(tmp_path):
     with pytest.raises(DFlashError, match="tokenizer.ggml.pre"):
         Tokenizer.from_gguf(write_tokenizer_gguf(tmp_path / "p.gguf", pre="mystery"))
     w = gguf.GGUFWriter(str(tmp_path / "spm.gguf"), "llama")
-    w.add_tokenizer_model("llama")
+    w.add_tokenizer_model("rwkv")
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
-    with pytest.raises(DFlashError, match=r"spm\.gguf: metadata tokenizer\.ggml\.model"):
+    with pytest.raises(DFlashError, match=r"spm\.gguf: metadata tokenizer\.ggml\.model: unsupported tokenizer 'rwkv'.*'gpt2'.*'llama'"):
         Tokenizer.from_gguf(tmp_path / "spm.gguf")
 
 

@@ -2,9 +2,10 @@
 
 Two sources:
 
-* a GGUF file's ``tokenizer.ggml.*`` metadata (byte-level BPE, ``tokenizer.ggml.model == "gpt2"``):
-  :meth:`Tokenizer.from_gguf`; the pre-tokenizer follows ``tokenizer.ggml.pre``
-  (:mod:`dflash_jax.io.pretokenize`). CONTROL tokens become special tokens, so ``<|im_start|>`` in a text is one id;
+* a GGUF file's ``tokenizer.ggml.*`` metadata: :meth:`Tokenizer.from_gguf`. ``tokenizer.ggml.model``
+  ``gpt2`` is byte-level BPE whose pre-tokenizer follows ``tokenizer.ggml.pre``
+  (:mod:`dflash_jax.io.pretokenize`); ``llama`` and ``gemma4`` are SentencePiece-style BPE
+  (:mod:`dflash_jax.io.spm`). CONTROL tokens become special tokens, so ``<|im_start|>`` in a text is one id;
 * a Hugging Face folder (``tokenizer.json`` + ``tokenizer_config.json``): :meth:`Tokenizer.from_hf_folder`.
 
 Chat templates are rendered like transformers' ``apply_chat_template``: an
@@ -20,8 +21,8 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
 
-from dflash_jax.io.files import atomic_path
 from dflash_jax.io.pretokenize import pre_tokenizer
+from dflash_jax.io.tokenizer_cache import read_tok_cache, write_tok_cache
 from dflash_jax.errors import DFlashError
 
 # llama.cpp token types (gguf.TokenType).
@@ -29,7 +30,10 @@ _NORMAL, _UNKNOWN, _CONTROL, _USER_DEFINED, _UNUSED, _BYTE = 1, 2, 3, 4, 5, 6
 
 # Texts llama.cpp treats as end-of-generation when they are control tokens (llama-vocab.cpp).
 _EOG_TEXTS = ("<|eot_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>", "<EOT>", "<|end_of_text|>",
-              "<｜end▁of▁sentence｜>")
+              "<｜end▁of▁sentence｜>", "<eos>", "<turn|>")
+# ... and whatever their type: gemma4's converter writes <|tool_response> USER_DEFINED (shown in the output)
+# while llama.cpp still ends generation there (the model waits for the tool's answer).
+_EOG_ANY_TYPE = ("<|tool_response>",)
 # OpenAI's harmony chat format (gpt-oss): an assistant turn ends with <|return|> (the final answer) or
 # <|call|> (a tool call); <|end|> ends one message (the analysis channel's), after which the turn goes on.
 _HARMONY_STOPS = ("<|return|>", "<|call|>")
@@ -71,46 +75,6 @@ def _compile_template(template: str, where: str):
         return env.from_string(template)
     except jinja2.TemplateError as e:
         raise DFlashError(f"{where}: chat template", f"does not compile ({e})", "a jinja2 template") from None
-
-
-_TOK_CACHE_FORMAT = "dflash_jax.gguf.tokenizer/2"  # 2: harmony stops
-
-
-def _tok_cache_path(path: str) -> Path:
-    return Path(path + ".tokenizer.json")
-
-
-def _read_tok_cache(path: str) -> "Tokenizer | None":
-    from tokenizers import Tokenizer as HFTokenizer
-
-    from dflash_jax.io.gguf_cache import cache_key
-
-    cpath = _tok_cache_path(path)
-    try:
-        if not cpath.is_file() or not os.path.isfile(path):
-            return None
-        d = json.loads(cpath.read_text(encoding="utf-8"))
-        if d.get("format") != _TOK_CACHE_FORMAT or d.get("source_key") != cache_key(path):
-            return None
-        return Tokenizer(HFTokenizer.from_str(d["tokenizer"]), bos_token_id=d["bos_token_id"], eos_token_ids=d["eos_token_ids"],
-                         add_bos=d["add_bos"], chat_template=d["chat_template"], source=path)
-    except Exception:  # stale or damaged: rebuild
-        return None
-
-
-def _write_tok_cache(path: str, tok: "Tokenizer") -> None:
-    import sys
-
-    from dflash_jax.io.gguf_cache import cache_key
-
-    cpath = _tok_cache_path(path)
-    d = dict(format=_TOK_CACHE_FORMAT, source_key=cache_key(path), tokenizer=tok._tok.to_str(), bos_token_id=tok.bos_token_id,
-             eos_token_ids=list(tok.eos_token_ids), add_bos=tok.add_bos, chat_template=tok.chat_template)
-    try:
-        with atomic_path(cpath) as tmp, open(tmp, "w", encoding="utf-8") as f:
-            json.dump(d, f, ensure_ascii=False)
-    except OSError as e:
-        print(f"dflash_jax: could not write the tokenizer cache {cpath} ({e})", file=sys.stderr)
 
 
 class IncrementalDecoder:
@@ -183,31 +147,36 @@ class Tokenizer:
     def from_gguf(cls, path_or_reader, *, use_cache: bool = True) -> "Tokenizer":
         """Builds the tokenizer stored in a GGUF file's ``tokenizer.ggml.*`` metadata.
 
+        ``tokenizer.ggml.model`` ``gpt2``: :meth:`from_vocab`; ``llama`` / ``gemma4``:
+        :meth:`from_spm_vocab` (``add_space_prefix`` from ``tokenizer.ggml.add_space_prefix``, by
+        default on for ``llama`` only; ``add_bos`` by default on for ``llama``, as llama.cpp reads them).
+
         Args:
           path_or_reader: a ``.gguf`` path or an open ``gguf.GGUFReader``.
           use_cache: with a path, read / write ``<path>.tokenizer.json`` (keyed by the GGUF's size
             and mtime) so later loads skip parsing the GGUF metadata (seconds for a 50k vocab).
         Raises:
-          DFlashError: unreadable file; no tokenizer or a non-BPE one (``tokenizer.ggml.model``
-            other than ``gpt2``); an unsupported ``tokenizer.ggml.pre``; token/type lists of
-            different lengths. Messages name the file and key.
+          DFlashError: unreadable file; no tokenizer or an unsupported one (``tokenizer.ggml.model``
+            other than ``gpt2``, ``llama``, ``gemma4``); an unsupported ``tokenizer.ggml.pre``; token /
+            type / score lists of different lengths. Messages name the file and key.
         """
         from dflash_jax.io.gguf_file import metadata, open_gguf, reader_name
+        from dflash_jax.io.spm import SPM_MODELS
 
         is_path = isinstance(path_or_reader, (str, os.PathLike))
         path = str(path_or_reader) if is_path else reader_name(path_or_reader)
         if is_path and use_cache:
-            cached = _read_tok_cache(path)
+            cached = read_tok_cache(path)
             if cached is not None:
-                return cached
+                return cls(**cached, source=path)
         reader = open_gguf(path) if is_path else path_or_reader
         model = metadata(reader, "tokenizer.ggml.model")
         if model is None:
             raise DFlashError(f"{path}: metadata tokenizer.ggml.model", "missing", "a GGUF with an embedded tokenizer")
-        if model != "gpt2":
-            raise DFlashError(f"{path}: metadata tokenizer.ggml.model", f"unsupported tokenizer {model!r}", "'gpt2' (byte-level BPE)")
+        if model != "gpt2" and model not in SPM_MODELS:
+            raise DFlashError(f"{path}: metadata tokenizer.ggml.model", f"unsupported tokenizer {model!r}",
+                              "'gpt2' (byte-level BPE), 'llama' or 'gemma4' (SentencePiece-style BPE)")
         tokens = metadata(reader, "tokenizer.ggml.tokens")
-        merges = metadata(reader, "tokenizer.ggml.merges") or []
         types = metadata(reader, "tokenizer.ggml.token_type")
         if not tokens:
             raise DFlashError(f"{path}: metadata tokenizer.ggml.tokens", "missing or empty", "the token list")
@@ -215,20 +184,23 @@ class Tokenizer:
             types = [_NORMAL] * len(tokens)
         if len(types) != len(tokens):
             raise DFlashError(f"{path}: metadata tokenizer.ggml.token_type", f"{len(types)} entries for {len(tokens)} tokens", "one per token")
-        tok = cls.from_vocab(
-            tokens,
-            merges,
-            types,
-            pre=metadata(reader, "tokenizer.ggml.pre"),
+        common = dict(
             bos_token_id=metadata(reader, "tokenizer.ggml.bos_token_id"),
             eos_token_id=metadata(reader, "tokenizer.ggml.eos_token_id"),
             extra_eos_ids=[metadata(reader, "tokenizer.ggml.eot_token_id"), metadata(reader, "tokenizer.ggml.eom_token_id")],
-            add_bos=bool(metadata(reader, "tokenizer.ggml.add_bos_token", False)),
+            add_bos=bool(metadata(reader, "tokenizer.ggml.add_bos_token", model == "llama")),
             chat_template=metadata(reader, "tokenizer.chat_template"),
             source=path,
         )
+        merges = metadata(reader, "tokenizer.ggml.merges") or []
+        if model == "gpt2":
+            tok = cls.from_vocab(tokens, merges, types, pre=metadata(reader, "tokenizer.ggml.pre"), **common)
+        else:
+            tok = cls.from_spm_vocab(tokens, types, scores=metadata(reader, "tokenizer.ggml.scores"), merges=merges,
+                                     add_space_prefix=bool(metadata(reader, "tokenizer.ggml.add_space_prefix", model == "llama")),
+                                     unk_token_id=metadata(reader, "tokenizer.ggml.unknown_token_id"), **common)
         if is_path and use_cache:
-            _write_tok_cache(path, tok)
+            write_tok_cache(path, tok)
         return tok
 
     @classmethod
@@ -239,12 +211,7 @@ class Tokenizer:
         token_types: Sequence[int],
         *,
         pre: str | None = "gpt2",
-        bos_token_id: int | None = None,
-        eos_token_id: int | None = None,
-        extra_eos_ids: Iterable[int | None] = (),
-        add_bos: bool = False,
-        chat_template: str | None = None,
-        source: str = "tokenizer",
+        **common,
     ) -> "Tokenizer":
         """Builds a byte-level BPE tokenizer from GGUF-style lists.
 
@@ -253,15 +220,16 @@ class Tokenizer:
           merges: ``"a b"`` merge rules, highest priority first.
           token_types: llama.cpp token types (1 normal, 3 control, 4 user-defined, ...).
           pre: ``tokenizer.ggml.pre`` value selecting the pre-tokenizer.
-          bos_token_id, eos_token_id, extra_eos_ids: special ids (``None`` for absent).
-          add_bos: prepend BOS in :meth:`encode`.
-          chat_template: jinja2 source or ``None``.
+          **common: ``bos_token_id``, ``eos_token_id``, ``extra_eos_ids`` (ids, ``None`` for absent),
+            ``add_bos`` (prepend BOS in :meth:`encode`), ``chat_template`` (jinja2 source or ``None``),
+            ``source`` (for messages); see :meth:`_with_added_tokens`.
         Raises:
           DFlashError: duplicate tokens, a malformed merge, or an unsupported ``pre``.
         """
-        from tokenizers import AddedToken, decoders, models
+        from tokenizers import decoders, models
         from tokenizers import Tokenizer as HFTokenizer
 
+        source = common.get("source", "tokenizer")
         vocab = {}
         for i, t in enumerate(tokens):
             if t in vocab:
@@ -276,14 +244,60 @@ class Tokenizer:
         tok = HFTokenizer(models.BPE(vocab=vocab, merges=pairs, fuse_unk=False, byte_fallback=False))
         tok.pre_tokenizer = pre_tokenizer(pre, source)
         tok.decoder = decoders.ByteLevel()
-        special = [AddedToken(tokens[i], special=True, normalized=False) for i, ty in enumerate(token_types) if ty == _CONTROL]
+        return cls._with_added_tokens(tok, tokens, token_types, special_types=(_CONTROL,), **common)
+
+    @classmethod
+    def from_spm_vocab(
+        cls,
+        tokens: Sequence[str],
+        token_types: Sequence[int],
+        *,
+        scores: Sequence[float] | None = None,
+        merges: Sequence[str] | None = None,
+        add_space_prefix: bool = True,
+        unk_token_id: int | None = None,
+        **common,
+    ) -> "Tokenizer":
+        """Builds a SentencePiece-style BPE tokenizer (``▁`` spaces, ``<0xXX>`` byte fallback) from
+        GGUF-style lists (:func:`dflash_jax.io.spm.spm_tokenizer`).
+
+        Args:
+          tokens: id -> token text (``"▁the"``).
+          token_types: llama.cpp token types; CONTROL and UNKNOWN tokens become special tokens,
+            USER_DEFINED ones added tokens (each matched whole in a text).
+          scores: ``tokenizer.ggml.scores``; merges are derived from them when ``merges`` is empty.
+          merges: ``"a b"`` merge rules, highest priority first.
+          add_space_prefix: put ``▁`` before a text that does not start with one.
+          unk_token_id: the unknown token (default: the first UNKNOWN-type token).
+          **common: as :meth:`from_vocab`.
+        Raises:
+          DFlashError: duplicate tokens, a malformed merge, neither merges nor matching scores.
+        """
+        from dflash_jax.io.spm import spm_tokenizer
+
+        if unk_token_id is None:
+            unk_token_id = next((i for i, ty in enumerate(token_types) if ty == _UNKNOWN), None)
+        unk = tokens[unk_token_id] if unk_token_id is not None and 0 <= unk_token_id < len(tokens) else None
+        tok = spm_tokenizer(tokens, scores, merges, unk_token=unk, add_space_prefix=add_space_prefix,
+                            source=common.get("source", "tokenizer"))
+        return cls._with_added_tokens(tok, tokens, token_types, special_types=(_CONTROL, _UNKNOWN), **common)
+
+    @classmethod
+    def _with_added_tokens(cls, tok, tokens, token_types, *, special_types, bos_token_id=None, eos_token_id=None,
+                           extra_eos_ids=(), add_bos=False, chat_template=None, source="tokenizer") -> "Tokenizer":
+        """``tok`` (a ``tokenizers.Tokenizer``) plus the vocabulary's special tokens (types in
+        ``special_types``) and user-defined tokens, with EOS ids: ``eos_token_id``, ``extra_eos_ids``,
+        then control tokens named in llama.cpp's end-of-generation list (and harmony's stops)."""
+        from tokenizers import AddedToken
+
+        special = [AddedToken(tokens[i], special=True, normalized=False) for i, ty in enumerate(token_types) if ty in special_types]
         user = [AddedToken(tokens[i], special=False, normalized=False) for i, ty in enumerate(token_types) if ty == _USER_DEFINED]
         if special:
             tok.add_special_tokens(special)
         if user:
             tok.add_tokens(user)
         eos = [eos_token_id, *extra_eos_ids]
-        eos += [i for i, ty in enumerate(token_types) if ty == _CONTROL and tokens[i] in _EOG_TEXTS]
+        eos += [i for i, ty in enumerate(token_types) if (ty == _CONTROL and tokens[i] in _EOG_TEXTS) or tokens[i] in _EOG_ANY_TYPE]
         control = {tokens[i]: i for i, ty in enumerate(token_types) if ty == _CONTROL}
         eos = _with_harmony_stops(eos, control.get)
         return cls(tok, bos_token_id=bos_token_id, eos_token_ids=[i for i in eos if i is not None], add_bos=add_bos,
