@@ -112,9 +112,10 @@ def run_layers(body, carry, layers, xs):
     """Runs ``carry = body(carry, layer_params, layer_xs, i)`` over a run of identical layers.
 
     ``layers`` is either stacked (leaves ``[L, ...]``: one ``lax.scan``, ``i`` a traced int32
-    scalar) or the :class:`~dflash_jax.models.params.PerLayer` of :func:`unstack_layers` (a Python loop over one jitted ``body``, so the layers are
-    traced once, not ``L`` times; ``i`` a traced int32 scalar there too). ``xs`` is
-    a pytree of per-layer inputs with leading axis ``L``; ``layer_xs`` is its slice at ``i``.
+    scalar) or the :class:`~dflash_jax.models.params.PerLayer` of :func:`unstack_layers` (a Python
+    loop over one jitted ``body``, so the layers are traced once, not ``L`` times; ``i`` a traced
+    int32 scalar there too). ``xs`` is a pytree of per-layer inputs with leading axis ``L``;
+    ``layer_xs`` is its slice at ``i``.
     Returns the final carry. Source: the per-step weight copies of ``lax.scan`` on XLA:CPU
     (BENCHMARKS.md, plain-decoding notes) are why the per-layer form exists."""
     if P.is_per_layer(layers):
