@@ -35,6 +35,7 @@ from dflash_jax import distributed, progress
 from dflash_jax.decoding import Decoding, Params
 from dflash_jax.errors import DFlashError
 from dflash_jax.io.files import write_text
+from dflash_jax.models.params import is_per_layer
 from dflash_jax.speculative.depth import MAX_BACKOFF, PAY_MARGIN, Calibration, DepthPolicy, verify_widths
 
 NEVER = 2**31 - 1  # the bound of the last live-length bucket
@@ -301,7 +302,7 @@ def cost_key(static: Decoding, params: Params, batch: int, sources: tuple[str, .
     loop on device or steps from Python): each moves every kind's cost alike by a little, so
     one measurement serves a machine and a pair at each batch size."""
     dev = jax.devices()[0]
-    layout = ["per-layer" if isinstance(p.get("layers"), tuple) else "stacked" for p in (params.target, params.drafter)
+    layout = ["per-layer" if is_per_layer(p.get("layers")) else "stacked" for p in (params.target, params.drafter)
               if isinstance(p, dict)]
     digest = hashlib.sha256(repr((static.target, static.drafter)).encode()).hexdigest()[:16]
     key = dict(device=f"{dev.platform}:{dev.device_kind}", devices=jax.device_count(), jax=jax.__version__,

@@ -52,8 +52,8 @@ def tree_fingerprint(tree, prefix: bytes = b"", samples: int | None = None, digi
     and shape and its float32 values: all of them, or about ``samples`` evenly strided ones
     (row-major order).
 
-    Per-layer parameters (``"layers"`` a tuple of dicts, :func:`dflash_jax.models.dense.unstack_layers`)
-    hash as the stacked leaves they stand for, read in place (no stacked copy), so both layouts
+    Per-layer parameters (``"layers"`` a :class:`~dflash_jax.models.params.PerLayer` of dicts,
+    :func:`dflash_jax.models.dense.unstack_layers`) hash as the stacked leaves they stand for, read in place (no stacked copy), so both layouts
     of one model have one fingerprint, and so do trees with and without the ``[out, in]`` copies of
     :mod:`dflash_jax.nn.layouts`. Leaves may be numpy or JAX arrays of any float dtype."""
     tree = layouts.canonical(tree)

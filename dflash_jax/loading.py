@@ -81,7 +81,7 @@ def load_target(path: str | os.PathLike | None = None, dtype: str = "float32", l
         when ``tokenizer.json`` is present); or a ``.gguf`` file (tokenizer from its metadata).
       dtype: ``"float32"``, ``"bfloat16"`` or ``"float16"``.
       layers: layout of a dense target's decoder layers: ``"stacked"`` (one array per weight
-        with a leading layer axis, run with ``lax.scan``), ``"per_layer"`` (a tuple of per-layer
+        with a leading layer axis, run with ``lax.scan``), ``"per_layer"`` (a ``PerLayer`` of per-layer
         dicts, run as a Python loop: XLA:CPU copies each stacked layer's weights in every scan
         step; :func:`dflash_jax.models.dense.unstack_layers`) or ``"auto"`` (per layer on the CPU
         backend, stacked elsewhere). Same values and outputs either way; Laguna targets are always

@@ -13,6 +13,7 @@ import pytest
 import dflash_jax as dj
 from dflash_jax import api
 from dflash_jax.errors import DFlashError
+from dflash_jax.models.params import PerLayer
 from dflash_jax.sampling import SamplingConfig
 from dflash_jax.testing import reference_greedy, tiny_target
 
@@ -144,7 +145,7 @@ def test_load_hf_target_with_tokenizer(hf_dir):
     half = dj.load_target(hf_dir, dtype="bfloat16")
     assert half.cfg.dtype == "bfloat16" and jax.tree_util.tree_leaves(half.params)[0].dtype == "bfloat16"
     # on CPU the layers are separate buffers by default; the stacked layout gives the same text
-    assert isinstance(t.params["layers"], tuple) and len(t.params["layers"]) == t.cfg.num_hidden_layers
+    assert isinstance(t.params["layers"], PerLayer) and len(t.params["layers"]) == t.cfg.num_hidden_layers
     stacked = dj.load_target(hf_dir, layers="stacked")
     assert isinstance(stacked.params["layers"], dict)
     assert dj.generate(stacked, [ids], 12, ignore_eos=True).output_ids == res.output_ids

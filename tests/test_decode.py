@@ -104,11 +104,12 @@ def test_per_layer_parameters_give_the_stacked_results():
     families' layer bodies are checked against transformers in test_parity_transformers.py."""
     from dflash_jax.cache import init_capture
     from dflash_jax.models import dense
+    from dflash_jax.models.params import PerLayer
     from dflash_jax.testing import tiny_drafter
 
     cfg, p = tiny_target("qwen2", seed=2)
     per = dense.unstack_layers(p)
-    assert isinstance(per["layers"], tuple) and len(per["layers"]) == cfg.num_hidden_layers
+    assert isinstance(per["layers"], PerLayer) and len(per["layers"]) == cfg.num_hidden_layers
     assert jax.tree.all(jax.tree.map(lambda a, b: bool((a == b).all()), dense.stack_layers(per), p))
     toks = jnp.asarray([PROMPTS[2]], jnp.int32)
     pos = jnp.arange(toks.shape[1], dtype=jnp.int32)[None]
@@ -128,6 +129,37 @@ def test_per_layer_parameters_give_the_stacked_results():
     st = decode.init_state(static, PROMPTS, 48, 12)
     st = decode.generate(Params(per, dp), decode.prefill(Params(per, dp), st, static, 4), static)
     assert outputs(st) == plain  # the stacked layout's DFlash run equals plain decoding in test_spec.py
+
+
+def test_per_layer_layers_are_a_typed_pytree(target):
+    """``dense.unstack_layers`` gives a ``PerLayer``: ``jit``, ``tree_map``, pickling and the
+    per-layer axes tree keep that type (key paths ``['layers'][i]`` as a tuple's), the store keys
+    it apart from stacked layers, and a plain tuple of layer dicts is refused with a DFlashError
+    (by ``is_per_layer`` and a forward pass alike) instead of being run as stacked layers."""
+    import pickle
+
+    from dflash_jax import executables
+    from dflash_jax.models import dense
+    from dflash_jax.models.params import PerLayer, is_per_layer
+
+    cfg, p = target
+    per = dense.unstack_layers(p)
+    assert is_per_layer(per["layers"]) and not is_per_layer(p["layers"]) and not is_per_layer(None)
+    for again in (jax.jit(lambda t: t)(per), jax.tree.map(lambda a: a + 0, per), pickle.loads(pickle.dumps(jax.device_get(per))),
+                  jax.tree.unflatten(jax.tree.structure(per), jax.tree.leaves(per))):
+        assert type(again["layers"]) is PerLayer and jax.tree.structure(again) == jax.tree.structure(per)
+        assert jax.tree.all(jax.tree.map(lambda a, b: bool((np.asarray(a) == np.asarray(b)).all()), again, per))
+    assert type(per["layers"][1:]) is PerLayer and len(per["layers"][1:]) == cfg.num_hidden_layers - 1
+    assert "['layers'][1]['wq']" in {jax.tree_util.keystr(k) for k, _ in jax.tree_util.tree_leaves_with_path(per)}
+    assert type(dense.param_axes(cfg, per_layer=True)["layers"]) is PerLayer
+    k = executables.key(dense.forward, (per,))
+    assert k == executables.key(dense.forward, (dense.unstack_layers(p),)) and k != executables.key(dense.forward, (p,))
+    plain = dict(per, layers=tuple(per["layers"]))
+    with pytest.raises(DFlashError, match=rf'params\["layers"\]: a plain tuple of {cfg.num_hidden_layers} layers .*PerLayer'):
+        is_per_layer(plain["layers"])
+    toks = jnp.asarray([PROMPTS[1]], jnp.int32)
+    with pytest.raises(DFlashError, match="PerLayer"):
+        dense.forward(plain, cfg, toks, jnp.arange(3, dtype=jnp.int32)[None], dense.init_cache(cfg, 1, 8))
 
 
 def test_continuous_batching_rows_answer_as_alone(target):

@@ -10,6 +10,7 @@ import pytest
 import dflash_jax as dj
 from dflash_jax.loading import with_output_head
 from dflash_jax.models import dense
+from dflash_jax.models.params import PerLayer
 from dflash_jax.nn import layouts
 from dflash_jax.testing import reference_greedy, tiny_drafter, tiny_target
 
@@ -39,7 +40,7 @@ def test_copies_give_the_loaded_weights_logits(pair, b, t):
 def test_copies_are_used_from_their_row_thresholds_on(pair):
     """Zeroed copies change the logits exactly where the thresholds say they are read."""
     cfg, params, wide = pair
-    no_mlp = dict(wide, layers=tuple(dict(lp, w_gate_t=jnp.zeros_like(lp["w_gate_t"])) for lp in wide["layers"]))
+    no_mlp = dict(wide, layers=PerLayer(dict(lp, w_gate_t=jnp.zeros_like(lp["w_gate_t"])) for lp in wide["layers"]))
     no_head = dict(wide, lm_head_t=jnp.zeros_like(wide["lm_head_t"]))
     for rows, t in ((1, 1), (2, 2), (3, 3)):
         ref = _logits(params, cfg, 1, t)

@@ -13,6 +13,7 @@ import dflash_jax as dj
 from dflash_jax import draft_vocab, loading
 from dflash_jax.fingerprint import weights_fingerprint
 from dflash_jax.io.gguf_cache import cache_path
+from dflash_jax.models.params import PerLayer
 
 pytestmark = pytest.mark.slow
 
@@ -90,9 +91,9 @@ def test_layer_layouts_agree(pair):
     """``load_drafter`` keeps per-layer buffers on CPU ("auto"); the stacked layout (GPU, meshes,
     training) drafts the same tokens with the same acceptance."""
     target, folder, drafter = pair
-    assert isinstance(drafter.params["layers"], tuple)
+    assert isinstance(drafter.params["layers"], PerLayer)
     stacked = dj.load_drafter(folder, target, layers="stacked")
-    assert not isinstance(stacked.params["layers"], tuple)
+    assert isinstance(stacked.params["layers"], dict)
     ids = dj.encode_prompt(target, PROMPTS[0])
     a, b = (dj.generate(target, [ids], max_new_tokens=32, drafter=d, n_max=3) for d in (drafter, stacked))
     assert a.output_ids == b.output_ids

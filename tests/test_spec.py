@@ -190,11 +190,12 @@ def test_per_layer_drafter_gives_the_stacked_results(target):
     that handed a layer another layer's settings would fail; uniform layers add nothing."""
     from dflash_jax.models import dense
     from dflash_jax.models import drafter as dm
+    from dflash_jax.models.params import PerLayer
 
     cfg, params = target
     dcfg, dp = drafter_for(cfg, 4, seed=3, attention_bias=True, layer_causal=(True, False), layer_window=(0, 3))
     per = dense.unstack_layers(dp)
-    assert isinstance(per["layers"], tuple) and len(per["layers"]) == dcfg.num_hidden_layers
+    assert isinstance(per["layers"], PerLayer) and len(per["layers"]) == dcfg.num_hidden_layers
     feats = jax.random.normal(jax.random.key(1), (1, 6, len(dcfg.target_layer_ids) * cfg.hidden_size))
     ctx_pos = jnp.arange(6, dtype=jnp.int32)[None]
     kv = [dm.context_kv(d, dcfg, feats, ctx_pos) for d in (dp, per)]

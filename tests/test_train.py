@@ -387,6 +387,7 @@ def test_fingerprint_is_the_same_for_both_layer_layouts(models, samples):
     """Per-layer parameters hash as their stacked leaves (sampled values that straddle layers
     included), without building the stacked copy; a changed value in one layer changes it."""
     from dflash_jax.models.dense import unstack_layers
+    from dflash_jax.models.params import PerLayer
 
     t_cfg, t_params, _, d_params = models
     for tree in (t_params, d_params):
@@ -394,7 +395,7 @@ def test_fingerprint_is_the_same_for_both_layer_layouts(models, samples):
         assert data_mod.tree_fingerprint(per, b"x", samples) == data_mod.tree_fingerprint(tree, b"x", samples)
     per = unstack_layers(t_params)
     last = dict(per["layers"][-1], wq=per["layers"][-1]["wq"].at[-1, -1].add(1.0))
-    changed = dict(per, layers=per["layers"][:-1] + (last,))
+    changed = dict(per, layers=PerLayer((*per["layers"][:-1], last)))
     assert data_mod.tree_fingerprint(changed) != data_mod.tree_fingerprint(t_params)
 
 

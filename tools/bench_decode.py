@@ -68,6 +68,7 @@ def main(argv=None) -> int:
         return ttft.main(args, argv if argv is not None else sys.argv[1:])
 
     import dflash_jax as dj
+    from dflash_jax.models.params import is_per_layer
 
     layouts = [x.strip() for x in args.layers.split(",") if x.strip()]
     targets = {lay: dj.load_target(args.target, dtype=args.dtype, layers=lay) for lay in layouts}
@@ -103,7 +104,7 @@ def main(argv=None) -> int:
     n_params = sum(int(x.size) for x in __import__("jax").tree_util.tree_leaves(target.params))
     if getattr(c, "tie_word_embeddings", False) and "lm_head" in target.params:
         n_params -= int(target.params["lm_head"].size)  # load_target's [H, V] copy of the tied embedding
-    lay_label = lambda lay: lay if lay != "auto" else "auto: " + ("per_layer" if isinstance(targets[lay].params["layers"], tuple) else "stacked")  # noqa: E731
+    lay_label = lambda lay: lay if lay != "auto" else "auto: " + ("per_layer" if is_per_layer(targets[lay].params["layers"]) else "stacked")  # noqa: E731
     layout_rows = "".join(
         f"| decode, layers {lay_label(lay)} | {med('decode_tokens_per_s', rs):.2f} tok/s | {best('decode_tokens_per_s', rs):.2f} tok/s |\n"
         for lay, rs in by_layout.items()) if len(layouts) > 1 else ""

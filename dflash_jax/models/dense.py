@@ -17,7 +17,7 @@ with ``lax.scan``)::
      "norm": [H],
      "lm_head": [H, V]}          # optional when tie_word_embeddings (embed.T is used; api adds a copy)
 
-The same pytree may hold ``"layers"`` as a tuple of ``L`` per-layer dicts (:func:`unstack_layers`,
+The same pytree may hold ``"layers"`` as a ``PerLayer`` of ``L`` per-layer dicts (:func:`unstack_layers`,
 leaves without the ``L`` axis): :func:`forward_hidden` then runs a Python loop over separate
 buffers instead of ``lax.scan``. XLA:CPU copies each layer's weights out of the stacked arrays in
 every scan step (a ``dynamic-slice`` per weight); without those copies plain decoding of
@@ -81,7 +81,7 @@ def param_axes(cfg: TargetConfig, per_layer: bool = False) -> dict:
 
 
 def unstack_layers(params: Params) -> Params:
-    """``params`` with ``"layers"`` as a tuple of ``L`` per-layer dicts: each stacked leaf
+    """``params`` with ``"layers"`` as a :class:`~dflash_jax.models.params.PerLayer` of ``L`` dicts: each stacked leaf
     ``[L, ...]`` becomes ``L`` leaves ``[...]`` of the same dtype (one buffer per layer and
     weight; a no-op when already unstacked). The arrays are copies: the stacked ones can be freed.
     Source: the per-step weight copies of ``lax.scan`` on XLA:CPU (BENCHMARKS.md, plain-decoding
@@ -95,8 +95,8 @@ def unstack_layers(params: Params) -> Params:
 
 
 @functools.partial(jax.jit, static_argnums=1)
-def _split_layers(layers, n: int) -> tuple:
-    return tuple(jax.tree_util.tree_map(lambda a, i=i: a[i], layers) for i in range(n))
+def _split_layers(layers, n: int) -> P.PerLayer:
+    return P.PerLayer(jax.tree_util.tree_map(lambda a, i=i: a[i], layers) for i in range(n))
 
 
 def stack_layers(params: Params) -> Params:
@@ -112,9 +112,10 @@ def run_layers(body, carry, layers, xs):
     """Runs ``carry = body(carry, layer_params, layer_xs, i)`` over a run of identical layers.
 
     ``layers`` is either stacked (leaves ``[L, ...]``: one ``lax.scan``, ``i`` a traced int32
-    scalar) or the tuple of :func:`unstack_layers` (a Python loop over one jitted ``body``, so the layers are
-    traced once, not ``L`` times; ``i`` a traced int32 scalar there too). ``xs`` is
-    a pytree of per-layer inputs with leading axis ``L``; ``layer_xs`` is its slice at ``i``.
+    scalar) or the :class:`~dflash_jax.models.params.PerLayer` of :func:`unstack_layers` (a Python
+    loop over one jitted ``body``, so the layers are traced once, not ``L`` times; ``i`` a traced
+    int32 scalar there too). ``xs`` is a pytree of per-layer inputs with leading axis ``L``;
+    ``layer_xs`` is its slice at ``i``.
     Returns the final carry. Source: the per-step weight copies of ``lax.scan`` on XLA:CPU
     (BENCHMARKS.md, plain-decoding notes) are why the per-layer form exists."""
     if P.is_per_layer(layers):

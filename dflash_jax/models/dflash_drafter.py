@@ -5,7 +5,7 @@ in every draft layer through that layer's own ``k_proj``/``v_proj``, ``k_norm`` 
 context tokens' absolute positions. Queries come only from the block ``[anchor, MASK, ...]``,
 embedded with the target's embedding; the final hidden goes through the target's LM head.
 
-Parameter pytree (``[in, out]`` layout, layers stacked on ``Ld``, or a tuple of ``Ld`` per-layer
+Parameter pytree (``[in, out]`` layout, layers stacked on ``Ld``, or a ``PerLayer`` of ``Ld`` per-layer
 dicts made by :func:`dflash_jax.models.dense.unstack_layers`, the CPU inference layout)::
 
     {"fc": [K*H, H], "hidden_norm": [H], "norm": [H],

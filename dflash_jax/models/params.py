@@ -14,6 +14,8 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from dflash_jax.errors import DFlashError
+
 
 class ParamSpec(NamedTuple):
     """One parameter leaf.
@@ -31,11 +33,65 @@ class ParamSpec(NamedTuple):
     init: str = "normal"
 
 
+class PerLayer:
+    """Decoder layers held per layer: ``L`` dicts of leaves without the layer axis (made by
+    :func:`dflash_jax.models.dense.unstack_layers`, run as a Python loop on XLA:CPU), the other
+    layout of a params tree's ``"layers"`` beside the stacked dict of ``[L, ...]`` leaves.
+
+    A frozen sequence (``len``, iteration, ``[i]``; a slice gives a :class:`PerLayer`) registered
+    as a JAX pytree node whose children are the ``L`` dicts (key paths ``[i]``, as a tuple's), so
+    ``jit``, ``tree_map`` and ``tree_unflatten`` give it back as itself; code that builds the
+    layers from a comprehension wraps it: ``PerLayer(f(lp) for lp in layers)``. Not a ``tuple``,
+    so a tuple of axis names is never mistaken for it nor it for one. Pickles by value.
+    """
+
+    __slots__ = ("_layers",)
+
+    def __init__(self, layers=()):
+        object.__setattr__(self, "_layers", tuple(layers))
+
+    def __setattr__(self, name, value):
+        raise AttributeError("PerLayer is immutable")
+
+    def __len__(self) -> int:
+        return len(self._layers)
+
+    def __iter__(self):
+        return iter(self._layers)
+
+    def __getitem__(self, i):
+        return PerLayer(self._layers[i]) if isinstance(i, slice) else self._layers[i]
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, PerLayer) and self._layers == other._layers
+
+    __hash__ = None  # holds dicts
+
+    def __repr__(self) -> str:
+        return f"PerLayer({list(self._layers)!r})"
+
+    def __reduce__(self):
+        return PerLayer, (self._layers,)
+
+
+jax.tree_util.register_pytree_with_keys(
+    PerLayer, lambda p: (tuple((jax.tree_util.SequenceKey(i), lp) for i, lp in enumerate(p._layers)), None),
+    lambda _, children: PerLayer(children), lambda p: (p._layers, None))
+
+
 def is_per_layer(layers) -> bool:
-    """Whether a params tree's decoder ``layers`` are held per layer (a tuple of ``L`` dicts
-    without the layer axis, :func:`dflash_jax.models.dense.unstack_layers`) rather than stacked
-    (one dict of ``[L, ...]`` leaves). The one test of the two layouts every module uses."""
-    return isinstance(layers, (tuple, list))
+    """Whether a params (or logical axes) tree's decoder ``layers`` are held per layer (a
+    :class:`PerLayer`) rather than stacked (one dict of ``[L, ...]`` leaves) or absent (a
+    segmented family's ``None``). The one test of the two layouts every module uses.
+
+    Raises:
+      DFlashError: ``layers`` a plain tuple or list (the untyped per-layer form of before
+        :class:`PerLayer`): wrap it, ``PerLayer(layers)``, rather than have it read as stacked.
+    """
+    if isinstance(layers, (tuple, list)):
+        raise DFlashError("params[\"layers\"]", f"a plain {type(layers).__name__} of {len(layers)} layers",
+                          "a dict of stacked [L, ...] leaves or dflash_jax.models.params.PerLayer(layers) for per-layer ones")
+    return isinstance(layers, PerLayer)
 
 
 def repeat_segments(sig: list, max_period: int = 8) -> tuple[tuple[int, int, int], ...]:
@@ -104,13 +160,13 @@ def shapes(specs) -> dict:
 
 def axes(specs, per_layer: bool = False) -> dict:
     """The tree of logical axis names (tuples) of a spec tree. With ``per_layer``, its stacked
-    ``"layers"`` dict becomes the tuple of :func:`dflash_jax.models.dense.unstack_layers`: one
+    ``"layers"`` dict becomes the :class:`PerLayer` of :func:`dflash_jax.models.dense.unstack_layers`: one
     dict per layer of the axes without their leading ``"layers"`` name."""
     out = jax.tree_util.tree_map(lambda s: tuple(s.axes), specs, is_leaf=_is_spec)
     if per_layer:
         layers = specs["layers"]
         n = next(iter(layers.values())).shape[0]
-        out["layers"] = tuple({k: tuple(s.axes[1:]) for k, s in layers.items()} for _ in range(n))
+        out["layers"] = PerLayer({k: tuple(s.axes[1:]) for k, s in layers.items()} for _ in range(n))
     return out
 
 

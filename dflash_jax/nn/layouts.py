@@ -24,7 +24,7 @@ import math
 import jax.numpy as jnp
 import numpy as np
 
-from dflash_jax.models.params import is_per_layer
+from dflash_jax.models.params import PerLayer, is_per_layer
 
 GATE_UP_MIN_ROWS = 2  # gate/up from this many rows (B * T) on use their [out, in] copies
 HEAD_MIN_ROWS = 3  # the LM head from this many rows on uses its [out, in] copy
@@ -43,8 +43,8 @@ def _swap(a):
 
 
 def _each_layer(layers, f):
-    """``f`` applied to every layer dict: the per-layer tuple, or the one stacked dict."""
-    return tuple(f(lp) for lp in layers) if is_per_layer(layers) else f(layers)
+    """``f`` applied to every layer dict: the :class:`PerLayer` ones, or the one stacked dict."""
+    return PerLayer(f(lp) for lp in layers) if is_per_layer(layers) else f(layers)
 
 
 def with_wide_layouts(params: dict, kinds=KINDS, tied: bool = False) -> dict:
@@ -77,7 +77,7 @@ def with_wide_layouts(params: dict, kinds=KINDS, tied: bool = False) -> dict:
 def canonical(tree):
     """``tree`` without the copies of :func:`with_wide_layouts` (any other tree as it is): what
     fingerprints hash."""
-    if not isinstance(tree, dict) or not isinstance(tree.get("layers"), (dict, tuple, list)):
+    if not isinstance(tree, dict) or not (isinstance(tree.get("layers"), dict) or is_per_layer(tree.get("layers"))):
         return tree
     layers = _each_layer(tree["layers"], lambda lp: {k: v for k, v in lp.items() if k not in ("w_gate_t", "w_up_t")})
     return {k: (layers if k == "layers" else v) for k, v in tree.items() if k != "lm_head_t"}
@@ -101,7 +101,7 @@ def with_wide_axes(axes: dict, params: dict) -> dict:
 
     layers, la = params["layers"], axes.get("layers")
     if is_per_layer(layers) and is_per_layer(la) and len(la) == len(layers):
-        out["layers"] = tuple(add(lp, a) for lp, a in zip(layers, la))
+        out["layers"] = PerLayer(add(lp, a) for lp, a in zip(layers, la))
     elif isinstance(layers, dict) and isinstance(la, dict):
         out["layers"] = add(layers, la)
     return out

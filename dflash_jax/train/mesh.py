@@ -30,6 +30,7 @@ from dflash_jax import registry, sharding
 from dflash_jax.config import DrafterConfig, TargetConfig
 from dflash_jax.errors import DFlashError
 from dflash_jax.models import drafter as drafter_model
+from dflash_jax.models.params import is_per_layer
 from dflash_jax.train.optim import TrainConfig, make_optimizer
 from dflash_jax.train.step import TrainState, apply_step
 
@@ -71,7 +72,7 @@ def place_target(target_params, target_cfg: TargetConfig, mesh: Mesh):
     """The frozen target's parameters laid out on ``mesh`` by its logical axes (stacked or
     per-layer decoder layers, the copies a loaded target holds following their weights)."""
     module = registry.module_for(target_cfg)
-    per_layer = isinstance(target_params.get("layers"), (tuple, list))
+    per_layer = is_per_layer(target_params.get("layers"))
     axes = module.param_axes(target_cfg, per_layer=True) if per_layer else module.param_axes(target_cfg)
     return sharding.shard_params(target_params, axes, mesh)
 
