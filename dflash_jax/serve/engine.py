@@ -26,7 +26,6 @@ an exception outside that (a device error) ends the engine: every request gets a
 from __future__ import annotations
 
 import collections
-import itertools
 import threading
 import time
 import traceback
@@ -40,8 +39,9 @@ from dflash_jax.serve.follow import Mirrored
 from dflash_jax.serve.jobs import MAX_STOPS, Done, Failed, Job, ServedModel, Text
 from dflash_jax.serve.pages import kv_layout
 from dflash_jax.serve.prefix_cache import PrefixCache
+from dflash_jax.serve.running import RunningRequest
 from dflash_jax.state import FINISH_REASONS, RUNNING
-from dflash_jax.text import TextStream, cut_at_stop_text
+from dflash_jax.text import cut_at_stop_text
 
 
 class QueueFull(Exception):
@@ -54,33 +54,6 @@ class NoFreePages(QueueFull):
 
 class NotAccepting(Exception):
     """The engine is stopping or dead."""
-
-
-class _Row:
-    """Engine-side bookkeeping of a running request: its row, ids read so far and text stream.
-    A request preempted from a paged batch keeps its ``_Row`` in ``job.resumed``: it comes back
-    with the ids it had and its text stream where it was."""
-
-    _admitted = itertools.count()
-
-    def __init__(self, job: Job, row: int, tokenizer, cached: int = 0):
-        before = job.resumed
-        self.job, self.row, self.cached = job, row, cached if before is None else before.cached
-        self.ids: list[int] = [] if before is None else before.ids
-        self.stream = TextStream(tokenizer, job.spec.stop_texts) if before is None else before.stream
-        self.seen = len(job.spec.prompt) + len(self.ids)
-        self.order = next(self._admitted)
-        job.resumed = None
-
-    @staticmethod
-    def prompt(job: Job) -> list[int]:
-        """What the job prefills: its prompt, and what it generated before a preemption."""
-        before = job.resumed
-        return list(job.spec.prompt) + ([] if before is None else before.ids)
-
-    def limit(self, max_len: int, reach: int) -> int:
-        """Positions the row may write before it ends: its prompt, budget and a step's reach."""
-        return min(len(self.job.spec.prompt) + self.job.spec.max_new + reach, max_len)
 
 
 class Engine:
@@ -113,7 +86,7 @@ class Engine:
         self.prefix = PrefixCache(prefix_cache_bytes) if prefix_cache_bytes > 0 else None
         self._queue: collections.deque[Job] = collections.deque()
         self._cv = threading.Condition()
-        self._rows: list[_Row | None] = []  # one per batch row; the batch grows up to max_batch
+        self._rows: list[RunningRequest | None] = []  # one per batch row; the batch grows up to max_batch
         self._reserved: set[int] = set()
         self._batch: Batch | None = None
         self._static = None  # the running batch's Decoding
@@ -170,7 +143,7 @@ class Engine:
                 raise NotAccepting("the engine is stopping" if self.error is None else f"the engine died: {self.error}")
             if len(self._queue) >= self.max_queue:
                 pool = None if self._batch is None else self._batch.pool
-                if pool is not None and pool.fits([pool.pages(len(_Row.prompt(self._queue[0])) + 1)]) == 0:
+                if pool is not None and pool.fits([pool.pages(len(RunningRequest.prompt(self._queue[0])) + 1)]) == 0:
                     raise NoFreePages(f"no free KV pages: {pool.free} of {pool.total} pages of {pool.page_size} tokens are free "
                                       f"(--kv-cache-mb) and {len(self._queue)} requests wait for them (--max-queue {self.max_queue})")
                 raise QueueFull(f"{len(self._queue)} requests are waiting (--max-queue {self.max_queue})")
@@ -254,7 +227,7 @@ class Engine:
                 self._prefill = None
                 self._reserved.difference_update(group.rows)
                 for job, row in zip(jobs, group.rows):
-                    self._rows[row] = _Row(job, row, self.tokenizer, group.cached)
+                    self._rows[row] = RunningRequest(job, row, self.tokenizer, group.cached)
                 self._deliver(self._batch.read())
 
     def _start_group(self) -> None:
@@ -276,7 +249,7 @@ class Engine:
             pool = self._batch.pool
             if pool is not None:  # as many as have their first round's pages free beside the running rows' next round
                 reach = self._reach()
-                firsts = [pool.pages(min(len(_Row.prompt(j)) + reach, self.max_len)) for j in list(self._queue)[:n]]
+                firsts = [pool.pages(min(len(RunningRequest.prompt(j)) + reach, self.max_len)) for j in list(self._queue)[:n]]
                 n = pool.fits(firsts, keep=pool.short(self._next_round()))
                 if n == 0:
                     return
@@ -287,8 +260,8 @@ class Engine:
         try:
             specs = [j.spec for j in jobs]
             eos = list(self.model.target.eos_ids)
-            done = [len(_Row.prompt(j)) - len(j.spec.prompt) for j in jobs]  # tokens generated before a preemption
-            group = self._batch.start_prefill(rows, [_Row.prompt(j) for j in jobs], [s.max_new - k for s, k in zip(specs, done)],
+            done = [len(RunningRequest.prompt(j)) - len(j.spec.prompt) for j in jobs]  # tokens generated before a preemption
+            group = self._batch.start_prefill(rows, [RunningRequest.prompt(j) for j in jobs], [s.max_new - k for s, k in zip(specs, done)],
                                               [s.seed for s in specs],
                                               [([] if s.ignore_eos else eos) + list(s.stop_ids) for s in specs], [s.sampling for s in specs])
         except Exception as e:  # a request the checks let through: only these requests fail, the engine goes on
@@ -353,7 +326,7 @@ class Engine:
             want = self._next_round()
         self._batch.grow(want)
 
-    def _preempt(self, r: _Row) -> None:
+    def _preempt(self, r: RunningRequest) -> None:
         """Frees ``r``'s row and pages and puts its request back at the head of the queue, with what
         it generated so far (it resumes as prompt + those tokens: the same positions, the same
         seeded draws)."""
@@ -394,7 +367,7 @@ class Engine:
                 ended.append((r, Failed(f"{type(e).__name__}: {e}", 500)))
         self._end(ended)
 
-    def _feed(self, r: _Row, new: np.ndarray) -> bool:
+    def _feed(self, r: RunningRequest, new: np.ndarray) -> bool:
         """Feeds ``new`` ids to the request's text stream; ``True`` when a stop text ended it
         (a stop id ends the row on device, as EOS does)."""
         ids = [int(t) for t in new]
@@ -409,7 +382,7 @@ class Engine:
         r.job.post(Text(text, len(ids)))
         return r.stream.stopped
 
-    def _done(self, r: _Row, reason: str, stats: bool = True) -> Done:
+    def _done(self, r: RunningRequest, reason: str, stats: bool = True) -> Done:
         """Posts the request's last text; returns its :class:`~dflash_jax.serve.jobs.Done`
         (counted in the metrics; posted by :meth:`_end`)."""
         tail = r.stream.finish()
@@ -425,7 +398,7 @@ class Engine:
             self.metrics.finished(r.job, done)
         return done
 
-    def _end(self, ended: list[tuple[_Row, object]]) -> None:
+    def _end(self, ended: list[tuple[RunningRequest, object]]) -> None:
         """Frees the rows of ended requests (:meth:`Batch.release`), then posts each its last
         event: a client that has its answer finds its row free."""
         if not ended:
