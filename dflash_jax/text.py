@@ -62,7 +62,8 @@ class TextStream:
 
     Text that might still change is held back: a trailing incomplete UTF-8 sequence (decoded as
     U+FFFD until its last byte arrives) and a tail that could be the start of a stop text. Special
-    tokens are skipped. Once a stop text appears, :attr:`stopped` is set and nothing after it is
+    tokens are skipped unless ``skip_special`` is false (a harmony answer's markers, which the
+    server's :mod:`~dflash_jax.serve.harmony` parser reads). Once a stop text appears, :attr:`stopped` is set and nothing after it is
     ever emitted. Each id is decoded once, by the tokenizer's incremental decoder
     (``Tokenizer.decode_stream``, the tokenizers library's ``DecodeStream``), and a stop text is
     looked for only where it could have appeared since the last step, so a step costs what its
@@ -70,25 +71,25 @@ class TextStream:
     whole answer at each step).
     """
 
-    def __init__(self, tokenizer, stop: Sequence[str] = ()):
-        self.tokenizer = tokenizer
+    def __init__(self, tokenizer, stop: Sequence[str] = (), skip_special: bool = True):
+        self.tokenizer, self.skip_special = tokenizer, skip_special
         self.stop = [s for s in stop if s]
         self.ids: list[int] = []
         self.emitted = 0
         self.stopped = False
-        self._decoder = tokenizer.decode_stream() if hasattr(tokenizer, "decode_stream") else None
+        self._decoder = tokenizer.decode_stream(skip_special) if hasattr(tokenizer, "decode_stream") else None
         self._released = ""  # what the incremental decoder released (a prefix of the whole decode)
 
     def text(self) -> str:
         """The full text so far (cut before a stop text)."""
-        text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
+        text = self.tokenizer.decode(self.ids, skip_special_tokens=self.skip_special)
         cut = find_stop(text, self.stop)
         return text if cut is None else text[:cut]
 
     def _decoded(self, new: list[int]) -> str:
         """The text of every id so far (held-back bytes excepted), after adding ``new``."""
         if self._decoder is None:
-            return self.tokenizer.decode(self.ids, skip_special_tokens=True)
+            return self.tokenizer.decode(self.ids, skip_special_tokens=self.skip_special)
         self._released += "".join(self._decoder.step(i) for i in new)
         return self._released
 

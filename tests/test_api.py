@@ -183,11 +183,12 @@ def test_text_stream_partial_utf8_and_stop(hf_dir):
     assert s.feed(list(b"abc ST")) + s.feed(list(b"AR")) + s.finish() == "abc STAR"
 
 
-def test_text_stream_releases_what_decoding_everything_at_each_step_releases(hf_dir):
+@pytest.mark.parametrize("skip_special", [True, False])
+def test_text_stream_releases_what_decoding_everything_at_each_step_releases(hf_dir, skip_special):
     """The incremental decoder (each id decoded once) against the oracle of decoding every id so far
     at each step (a tokenizer without ``decode_stream``): the same text at every step, the same
     stop, the same rest at the end, over random ids (bytes that never complete, special tokens, stop
-    texts split across steps)."""
+    texts split across steps), with special tokens skipped or kept (the server keeps harmony's)."""
     import random
 
     tok = dj.load_target(hf_dir).tokenizer
@@ -200,7 +201,7 @@ def test_text_stream_releases_what_decoding_everything_at_each_step_releases(hf_
     for trial in range(300):
         stop = rng.sample(["STOP", "\n\n", "é", "b a"], rng.randint(0, 2))
         ids = [i for _ in range(rng.randint(1, 12)) for i in (rng.choice(pieces) if rng.random() < 0.5 else [rng.randint(0, 258)])]
-        fast, whole = dj.TextStream(tok, stop), dj.TextStream(WholeDecode(), stop)
+        fast, whole = dj.TextStream(tok, stop, skip_special), dj.TextStream(WholeDecode(), stop, skip_special)
         k = 0
         while k < len(ids):
             n = rng.randint(1, 4)
@@ -208,6 +209,8 @@ def test_text_stream_releases_what_decoding_everything_at_each_step_releases(hf_
             assert fast.stopped == whole.stopped
             k += n
         assert fast.finish() == whole.finish() and fast.text() == whole.text(), (trial, ids, stop)
+        if not fast.stopped:
+            assert ("<|im_end|>" in fast.text()) == (not skip_special and 257 in ids)
 
 
 def test_split_stop(hf_dir):

@@ -82,10 +82,10 @@ class IncrementalDecoder:
     tokenizer. Text that a later token could still change (an incomplete UTF-8 sequence) is held
     back until it is complete; what it releases is always a prefix of the whole decode."""
 
-    def __init__(self, tokenizer):
+    def __init__(self, tokenizer, skip_special_tokens: bool = True):
         from tokenizers.decoders import DecodeStream
 
-        self._tok, self._stream = tokenizer, DecodeStream(skip_special_tokens=True)
+        self._tok, self._stream = tokenizer, DecodeStream(skip_special_tokens=skip_special_tokens)
 
     def step(self, token_id: int) -> str:
         """The text ``token_id`` completes (``""`` while it is held back)."""
@@ -385,10 +385,10 @@ class Tokenizer:
         """
         return self._tok.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
 
-    def decode_stream(self) -> "IncrementalDecoder":
-        """An incremental decoder of this tokenizer (special tokens skipped): ``step(id)`` returns
+    def decode_stream(self, skip_special_tokens: bool = True) -> "IncrementalDecoder":
+        """An incremental decoder of this tokenizer (special tokens skipped unless told): ``step(id)`` returns
         the text that id completes, each token decoded once (``tokenizers.decoders.DecodeStream``)."""
-        return IncrementalDecoder(self._tok)
+        return IncrementalDecoder(self._tok, skip_special_tokens)
 
     def token_to_id(self, token: str) -> int | None:
         """The id of a token text, or ``None``."""

@@ -91,6 +91,7 @@ class JobSpec:
       stop_texts: stop texts (cut before; checked on the decoded text).
       stop_ids: single-token stop texts' ids (its row ends at them on device, as at EOS).
       seed: sampling seed (the request's, else a random one): the row's key wherever it runs.
+      special_tokens: its text keeps special tokens (a harmony chat answer's markers).
     """
 
     prompt: tuple[int, ...]
@@ -101,6 +102,7 @@ class JobSpec:
     stop_texts: tuple[str, ...] = ()
     stop_ids: tuple[int, ...] = ()
     seed: int = 0
+    special_tokens: bool = False
 
 
 @dataclasses.dataclass

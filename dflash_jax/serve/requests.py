@@ -13,6 +13,7 @@ import secrets
 from dflash_jax.errors import DFlashError
 from dflash_jax.sampling import SamplingConfig
 from dflash_jax.serve.errors import APIError, from_dflash
+from dflash_jax.serve.harmony import is_harmony
 from dflash_jax.serve.jobs import MAX_STOPS, JobSpec, ServedModel
 from dflash_jax.serve.reasoning import prompt_opens_reasoning
 from dflash_jax.serve.schemas import ChatCompletionRequest, ChatMessage, CompletionRequest
@@ -21,11 +22,13 @@ from dflash_jax.text import split_stop
 
 @dataclasses.dataclass(frozen=True)
 class ChatOptions:
-    """How a chat answer is parsed: ``tools`` (``None``: tool calls are not parsed) and whether the
-    prompt opened a reasoning block."""
+    """How a chat answer is parsed: ``tools`` (``None``: tool calls are not parsed), whether the
+    prompt opened a reasoning block, and whether the answer is harmony's (gpt-oss: parsed by
+    :mod:`~dflash_jax.serve.harmony` from text with its special tokens)."""
 
     tools: list | None
     in_reasoning: bool
+    harmony: bool = False
 
 
 def check_model(model: ServedModel, name: str) -> None:
@@ -77,7 +80,7 @@ def _chat_prompt(model: ServedModel, req: ChatCompletionRequest) -> tuple[list[i
     ids = tok.encode(text, add_bos=False)
     if tok.add_bos and not (ids and ids[0] == tok.bos_token_id):
         ids = [tok.bos_token_id, *ids]
-    return ids, ChatOptions(tools=tools, in_reasoning=prompt_opens_reasoning(text))
+    return ids, ChatOptions(tools=tools, in_reasoning=prompt_opens_reasoning(text), harmony=is_harmony(tok))
 
 
 def _completion_prompt(model: ServedModel, req: CompletionRequest) -> list[int]:
@@ -152,7 +155,8 @@ def chat_job(model: ServedModel, req: ChatCompletionRequest, max_len: int) -> tu
     check_model(model, req.model)
     ids, options = _chat_prompt(model, req)
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-    return _spec(model, req, ids, max_tokens, max_len, "messages"), options
+    spec = _spec(model, req, ids, max_tokens, max_len, "messages")
+    return dataclasses.replace(spec, special_tokens=options.harmony), options
 
 
 def completion_job(model: ServedModel, req: CompletionRequest, max_len: int) -> JobSpec:

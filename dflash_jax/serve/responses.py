@@ -15,6 +15,7 @@ from typing import AsyncIterator, Awaitable
 from fastapi.sse import format_sse_event
 
 from dflash_jax.serve.errors import APIError
+from dflash_jax.serve.harmony import HarmonyParser
 from dflash_jax.serve.jobs import Done, Failed, Job, Text
 from dflash_jax.serve.reasoning import ReasoningSplitter
 from dflash_jax.serve.requests import ChatOptions
@@ -25,7 +26,8 @@ from dflash_jax.serve.schemas import (ChatChoice, ChatCompletion, ChatCompletion
 
 
 class Answer:
-    """Reasoning split, then tool-call extraction, over the answer text as it arrives.
+    """Reasoning split, then tool-call extraction, over the answer text as it arrives; a harmony
+    answer (gpt-oss) goes through :class:`~dflash_jax.serve.harmony.HarmonyParser` instead.
 
     Args:
       options: a chat request's :class:`~dflash_jax.serve.requests.ChatOptions`, or ``None`` for a
@@ -33,14 +35,18 @@ class Answer:
     """
 
     def __init__(self, options: ChatOptions | None):
-        self.reasoning = ReasoningSplitter(options.in_reasoning) if options is not None else None
-        self.tools = ToolCallParser(options.tools) if options is not None and options.tools is not None else None
+        harmony = options is not None and options.harmony
+        self.harmony = HarmonyParser(options.tools is not None) if harmony else None
+        self.reasoning = ReasoningSplitter(options.in_reasoning) if options is not None and not harmony else None
+        self.tools = ToolCallParser(options.tools) if self.reasoning is not None and options.tools is not None else None
 
     def _content(self, text: str) -> tuple[str, list[dict]]:
         return (text, []) if self.tools is None else self.tools.feed(text)
 
     def feed(self, text: str) -> tuple[str, str, list[dict]]:
         """``(new reasoning, new content, new tool calls)``."""
+        if self.harmony is not None:
+            return self.harmony.feed(text)
         if self.reasoning is None:
             return "", text, []
         reasoning, content = self.reasoning.feed(text)
@@ -48,6 +54,8 @@ class Answer:
 
     def finish(self) -> tuple[str, str, list[dict]]:
         """Flushes what the parsers held back."""
+        if self.harmony is not None:
+            return self.harmony.finish()
         if self.reasoning is None:
             return "", "", []
         reasoning, content = self.reasoning.finish()
@@ -58,7 +66,8 @@ class Answer:
 
     @property
     def called(self) -> bool:
-        return self.tools is not None and bool(self.tools.calls)
+        calls = self.harmony.calls if self.harmony is not None else self.tools.calls if self.tools is not None else ()
+        return bool(calls)
 
 
 def new_id(prefix: str) -> str:

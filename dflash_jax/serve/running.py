@@ -21,7 +21,7 @@ class RunningRequest:
         before = job.resumed
         self.job, self.row, self.cached = job, row, cached if before is None else before.cached
         self.ids: list[int] = [] if before is None else before.ids
-        self.stream = TextStream(tokenizer, job.spec.stop_texts) if before is None else before.stream
+        self.stream = TextStream(tokenizer, job.spec.stop_texts, not job.spec.special_tokens) if before is None else before.stream
         self.seen = len(job.spec.prompt) + len(self.ids)
         self.order = next(self._admitted)
         job.resumed = None
