@@ -1,8 +1,15 @@
-"""Test set-up: CPU, float32, a persistent compilation cache of this test session's own.
+"""Test set-up: CPU, float32, quick compiles, a persistent compilation cache of this test session's own.
 
 The cache lives in a fresh folder per session (inherited by the CLI and notebook subprocesses
 through ``JAX_COMPILATION_CACHE_DIR``) and is removed at exit, so a test run is self-contained:
 it neither reads nor fills the user's cache.
+
+Compiling is most of the suite's time, so XLA:CPU compiles the tests' programs with LLVM's
+optimizations off (:data:`QUICK_COMPILE`, as ``tools/gpu_check.py --dry-run`` does): the same HLO
+programs (no fast-math either way) as unoptimized machine code, whose float results differ from the
+optimized code's by rounding only (about 1e-6 relative on the tiny models' logits: what another CPU
+changes too, and far inside every oracle's tolerance).
+Subprocesses inherit it through ``XLA_FLAGS`` (:func:`xla_flags` for those that set the device count).
 """
 
 import atexit
@@ -14,7 +21,15 @@ import tempfile
 import pytest
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=1")
+QUICK_COMPILE = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
+
+
+def xla_flags(devices: int) -> str:
+    """``XLA_FLAGS`` of a test process with ``devices`` CPU devices, compiling quickly (:data:`QUICK_COMPILE`)."""
+    return f"--xla_force_host_platform_device_count={devices} {QUICK_COMPILE}"
+
+
+os.environ.setdefault("XLA_FLAGS", xla_flags(1))
 if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     _jit_cache = tempfile.mkdtemp(prefix="dflash_jax_test_jit_")
     os.environ["JAX_COMPILATION_CACHE_DIR"] = _jit_cache
@@ -109,7 +124,7 @@ def run_on_cpu_devices(script: str, devices: int = 4, timeout: float = 900) -> s
     import subprocess
     import sys
 
-    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}")
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=xla_flags(devices))
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     r = subprocess.run([sys.executable, "-c", script], cwd=root, env=env, capture_output=True, text=True, timeout=timeout)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-6000:]

@@ -11,9 +11,11 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
 
 import jax
 import pytest
+from conftest import xla_flags
 from serve_util import free_port
 
 import dflash_jax as dj
@@ -68,7 +70,7 @@ def test_two_processes_answer_as_one_device(tmp_path):
         want = {name: dj.generate(one, PROMPTS, max_new_tokens=24, ignore_eos=True, **kw).output_ids
                 for name, kw in (("plain", {}), ("dflash", dict(drafter=d, n_max=3)))}
         want["cli"] = dj.generate(one, [[5, 9, 17]], max_new_tokens=12).output_ids[0]
-    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=2")
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=xla_flags(2))
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     script = f"PROMPTS = {PROMPTS!r}\n" + _WORKER
     port = str(free_port())
@@ -97,6 +99,7 @@ _DIES = textwrap.dedent(
     import os, sys, time
     pid, port = int(sys.argv[1]), sys.argv[2]
     from dflash_jax import distributed
+    distributed.HEARTBEAT_TIMEOUT_S = 8  # the test waits for it: 8 s, not the 30 s of a real group
     distributed.initialize(f"127.0.0.1:{port}", 2, pid)
     import numpy as np
     from jax.experimental import multihost_utils
@@ -111,15 +114,20 @@ _DIES = textwrap.dedent(
 
 @pytest.mark.slow
 def test_a_process_that_dies_ends_the_group_with_an_error_not_a_hang():
+    """Process 1 dies after joining; process 0, blocked in a collective, ends with an error naming
+    the heartbeats, after ``distributed.HEARTBEAT_TIMEOUT_S`` (set to 8 s in the processes): well
+    before JAX's own default of 100 s, so the value is the one ``initialize`` passes on."""
     env = dict(os.environ, JAX_PLATFORMS="cpu")
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     port = str(free_port())
+    t0 = time.perf_counter()
     procs = [subprocess.Popen([sys.executable, "-c", _DIES, str(i), port], cwd=root, env=env, stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True) for i in range(2)]
     (out, err), _ = procs[0].communicate(timeout=240), procs[1].communicate(timeout=240)
     assert procs[1].returncode == 3
     assert procs[0].returncode != 0 and "NOT REACHED" not in out
     assert "stopped sending heartbeats" in err, err[-3000:]
+    assert time.perf_counter() - t0 < 90  # 8 s of heartbeats plus start-up; JAX's default (100 s) would not fit
 
 
 _JOIN = textwrap.dedent(

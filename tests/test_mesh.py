@@ -59,12 +59,12 @@ _SCRIPT = textwrap.dedent(
 
     assert cli("--mesh", "data=2,model=2") == cli()
 
-    want = dj.generate(one, [[1, 2, 3]], max_new_tokens=16, drafter=drafters[0], n_max=3, ignore_eos=True).texts[0]
+    want = a.texts[2]  # one device, DFlash, prompt [1, 2, 3, 4]: the server's oracle (its own batch on the mesh)
     engine = Engine(ServedModel(meshed, drafters[1], name="tiny", n_max=3), max_batch=2, max_len=128)
     url, stop = serve_in_thread(build_app(engine))
     try:
         c = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=300)
-        got = c.completions.create(model="tiny", prompt=[1, 2, 3], max_tokens=16, temperature=0, extra_body={"ignore_eos": True})
+        got = c.completions.create(model="tiny", prompt=prompts[2], max_tokens=24, temperature=0, extra_body={"ignore_eos": True})
         assert got.choices[0].text == want, (got.choices[0].text, want)
         assert engine._batch.state.cache.k.sharding.mesh.shape["model"] == 2
     finally:

@@ -18,6 +18,7 @@ from pathlib import Path
 import jax
 import openai
 import pytest
+from conftest import xla_flags
 from serve_util import free_port
 from test_serve_cli import _wait_healthy
 
@@ -30,7 +31,7 @@ PROMPTS = [[5, 9, 17, 3, 40, 2], [40, 2, 7], [1, 2, 3, 4]]
 
 def _group(folder, drafter_folder, extra=((), ())):
     """Starts ``serve`` as processes 0 and 1 of a group; returns ``(processes, url)``."""
-    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=2",
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=xla_flags(2),
                JAX_DEFAULT_MATMUL_PRECISION="highest")
     coordinator, port = f"127.0.0.1:{free_port()}", free_port()
     common = ["serve", "--target", str(folder), "--draft", str(drafter_folder), "--n-max", "3", "--max-batch", "4", "--max-len", "128",

@@ -17,7 +17,7 @@ import textwrap
 
 import numpy as np
 import pytest
-from conftest import run_on_cpu_devices
+from conftest import run_on_cpu_devices, xla_flags
 from serve_util import free_port
 
 # float32 on CPU, 5 AdamW steps at lr 1e-2 (each moves a weight by up to 1e-2): observed, the logged losses (5 decimals)
@@ -112,7 +112,7 @@ def test_a_data_and_model_mesh_trains_to_the_one_device_parameters():
 def _two_processes(args: list, timeout: float = 300) -> list[str]:
     """Runs ``dflash-jax train ARGS`` as 2 processes of 2 CPU devices each on loopback
     (``--mesh data=2,model=2``); returns their stderr (asserting both exit 0)."""
-    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=2")
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=xla_flags(2))
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     port = str(free_port())
     procs = [subprocess.Popen([sys.executable, "-m", "dflash_jax.train", *args, "--mesh", "data=2,model=2", "--coordinator",
