@@ -64,8 +64,9 @@ class PagedKVCache:
 
     Position ``p`` of row ``b`` lives in pool slot ``table[b, p // page_size] * page_size +
     p % page_size``. Page 0 is the trash page: a row's table entries that own no page point to
-    it, so the writes of free rows (and of positions past a row's pages) land there and no live
-    row ever reads it. Rollback is the state's length, as with :class:`KVCache`.
+    it, so the writes of free rows (and of positions past a row's pages) land there; a live row
+    reads it only at positions past its length, which its mask hides. Rollback is the state's
+    length, as with :class:`KVCache`.
 
     Attributes:
       k, v: ``[L, N, Hkv, D]``, ``N = pages * page_size`` pool slots.

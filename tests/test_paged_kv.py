@@ -146,3 +146,21 @@ def _drain(job):
     while not job.events.empty():
         out.append(job.events.get_nowait())
     return out
+
+
+def test_the_layout_sizes_the_pool_and_the_rows(serve_tiny_model):
+    """Paged, the rows are at most the pool's pages, and a ``max_len`` that is not a whole number of
+    pages still gets a pool that holds one such request; unpaged, the budget caps the rows."""
+    from dflash_jax.serve.pages import kv_layout, row_bytes
+
+    _, target, drafter = serve_tiny_model
+    static = Decoding(target.cfg, drafter.cfg, n_max=3)
+    one = row_bytes(static, 512)
+    paged = kv_layout(static, max_batch=64, max_len=512, budget=one)
+    assert paged.paged and paged.rows == 32 == paged.pages_for(static) - 1
+    odd = kv_layout(static, max_batch=1, max_len=1000)
+    PagePool(odd.pages_for(static), 16, 1000)  # room for one request of 1000 tokens (63 pages)
+    rows = kv_layout(static, max_batch=64, max_len=512, budget=3 * one + 1, paged=False)
+    assert not rows.paged and rows.rows == 3
+    with pytest.raises(DFlashError, match=r"--kv-cache-mb.*one request of --max-len 512"):
+        kv_layout(static, max_batch=4, max_len=512, budget=one // 2)

@@ -69,7 +69,6 @@ class Prefill:
       state: their own fresh state (``R`` rows); ``acc`` the last-prompt-row logits so far.
       start: the next chunk's first position; ``end``: the longest prompt; ``chunk``: chunk size.
       prompts: the prompts; ``cached``: the leading tokens of each that came from the prefix cache.
-      tables: in a paged batch, the page table each row takes when the group joins.
     """
 
     rows: list[int]
@@ -80,7 +79,6 @@ class Prefill:
     chunk: int
     prompts: list[list[int]]
     cached: int = 0
-    tables: list | None = None
 
     @property
     def complete(self) -> bool:
@@ -159,24 +157,25 @@ class Batch:
         return [list(s) + [-1] * (self.stop_width - len(s)) for s in stop_ids]
 
     def start_prefill(self, rows: list[int], prompts: list[list[int]], max_new: list[int], seeds: list[int],
-                      stop_ids: list | None = None, sampling: list[SamplingConfig] | None = None) -> Prefill:
+                      stop_ids: list | None = None, sampling: list[SamplingConfig] | None = None, reserve: list[int] | None = None) -> Prefill:
         """A :class:`Prefill` of ``prompts`` for ``rows``, each prompt with its own budget, seed,
         stop ids (default none) and sampling settings (default greedy) wherever it lands
         (raises DFlashError for a bad prompt). The prefix cache's blocks that every prompt of the
-        group starts with are copied in, and the prefill starts after them."""
+        group starts with are copied in, and the prefill starts after them. In a paged batch each
+        row takes the pages of its prompt, or of its ``reserve`` positions when more (the engine
+        reserves a row's first decode round while it prefills)."""
         cache_len = None if self.pool is None else paging.prefill_len(max(len(p) for p in prompts), self.max_len)
         fresh = self._placed(self._fresh(prompts, cache_len, max_new, stop_ids, list(seeds), sampling))
-        if self.pool is not None:  # the prompts' pages; the decode rounds' come with :meth:`grow`
-            for r, prompt in zip(rows, prompts):
-                self.pool.grow(r, len(prompt))
-        tables = None if self.pool is None else [self.pool.table(r) for r in rows]
         start = min(self.prefix.cached(p) for p in prompts) if self.prefix is not None else 0
         if start:
             fresh = self.prefix.restore(fresh, prompts, start)
+        if self.pool is not None:  # the pages of the prompts (or of ``reserve``); the decode rounds' come with :meth:`grow`
+            for r, prompt, n in zip(rows, prompts, reserve or [0] * len(rows)):
+                self.pool.grow(r, max(len(prompt), n))
         end = max(len(p) for p in prompts)
         acc = jnp.zeros((len(prompts), self.static.target.vocab_size), jnp.float32)
         return Prefill(rows=list(rows), state=fresh, acc=acc, start=start, end=end, chunk=effective_chunk_size(self.chunk_size, end - start),
-                       prompts=[list(p) for p in prompts], cached=start, tables=tables)
+                       prompts=[list(p) for p in prompts], cached=start)
 
     def prefill_step(self, p: Prefill) -> None:
         """Runs the next chunk of ``p``; when it was the last, samples the first tokens and swaps
@@ -192,7 +191,7 @@ class Batch:
         if self.pool is None:
             self.state = decode.replace_rows(self.state, fresh, rows)
         else:
-            self.state = paging.adopt_rows(self.state, fresh, rows, jnp.asarray(p.tables, jnp.int32))
+            self.state = paging.adopt_rows(self.state, fresh, rows, jnp.asarray([self.pool.table(r) for r in p.rows], jnp.int32))
 
     def warm_up(self) -> None:
         """Runs this batch size's programs once on throwaway rows, so that no request compiles

@@ -143,7 +143,7 @@ class Engine:
                 raise NotAccepting("the engine is stopping" if self.error is None else f"the engine died: {self.error}")
             if len(self._queue) >= self.max_queue:
                 pool = None if self._batch is None else self._batch.pool
-                if pool is not None and pool.fits([pool.pages(len(RunningRequest.prompt(self._queue[0])) + 1)]) == 0:
+                if pool is not None and self.counts()[0] < self.max_batch and self._first_rounds([self._queue[0]]) == 0:
                     raise NoFreePages(f"no free KV pages: {pool.free} of {pool.total} pages of {pool.page_size} tokens are free "
                                       f"(--kv-cache-mb) and {len(self._queue)} requests wait for them (--max-queue {self.max_queue})")
                 raise QueueFull(f"{len(self._queue)} requests are waiting (--max-queue {self.max_queue})")
@@ -188,9 +188,9 @@ class Engine:
     def _round(self) -> bool:
         """One engine round; returns ``False`` when the engine has stopped."""
         self._sweep()
-        if self._stopping:
-            self._drain_queue(Failed("the server is shutting down", 503))
-            active = any(r is not None for r in self._rows) or self._prefill is not None
+        if self._stopping:  # requests preempted from a paged batch were running: they stay queued to finish
+            self._drain_queue(Failed("the server is shutting down", 503), keep_resumed=True)
+            active = any(r is not None for r in self._rows) or self._prefill is not None or bool(self._queue)
             if not active:
                 return False
             if time.monotonic() > self._deadline:
@@ -215,7 +215,7 @@ class Engine:
 
     def _admit(self) -> None:
         """Starts a prefill group, or runs the next chunk of the one in progress."""
-        if self._prefill is None and not self._stopping:
+        if self._prefill is None and (not self._stopping or self._queue):
             self._start_group()
         if self._prefill is not None:
             group, jobs = self._prefill
@@ -246,11 +246,8 @@ class Engine:
             n = 0
             while n < min(self.max_batch - active, len(self._queue)) and self._queue[n].spec.static == head:
                 n += 1
-            pool = self._batch.pool
-            if pool is not None:  # as many as have their first round's pages free beside the running rows' next round
-                reach = self._reach()
-                firsts = [pool.pages(min(len(RunningRequest.prompt(j)) + reach, self.max_len)) for j in list(self._queue)[:n]]
-                n = pool.fits(firsts, keep=pool.short(self._next_round()))
+            if self._batch.pool is not None:  # as many as have their first round's pages free beside the running rows' next round
+                n = self._first_rounds(list(self._queue)[:n])
                 if n == 0:
                     return
             n = 1 << (n.bit_length() - 1)  # few group sizes: few compiles
@@ -263,7 +260,8 @@ class Engine:
             done = [len(RunningRequest.prompt(j)) - len(j.spec.prompt) for j in jobs]  # tokens generated before a preemption
             group = self._batch.start_prefill(rows, [RunningRequest.prompt(j) for j in jobs], [s.max_new - k for s, k in zip(specs, done)],
                                               [s.seed for s in specs],
-                                              [([] if s.ignore_eos else eos) + list(s.stop_ids) for s in specs], [s.sampling for s in specs])
+                                              [([] if s.ignore_eos else eos) + list(s.stop_ids) for s in specs], [s.sampling for s in specs],
+                                              [self._first_round(j) for j in jobs])
         except Exception as e:  # a request the checks let through: only these requests fail, the engine goes on
             traceback.print_exception(type(e), e, e.__traceback__)
             for j in jobs:
@@ -305,6 +303,16 @@ class Engine:
                       self.model.target.mesh, self.layout.pages_for(static))
         return batch if self.channel is None else Mirrored(batch, self.channel)
 
+    def _first_round(self, job: Job) -> int:
+        """Positions a queued request holds once prefilled and through its first decode round."""
+        return min(len(RunningRequest.prompt(job)) + 1 + self._reach(), self.max_len)
+
+    def _first_rounds(self, jobs: list[Job]) -> int:
+        """How many of ``jobs``, in order, have their first round's pages free beside the running
+        rows' next round (:meth:`~dflash_jax.serve.pages.PagePool.fits`)."""
+        pool = self._batch.pool
+        return pool.fits([pool.pages(self._first_round(j)) for j in jobs], keep=pool.short(self._next_round()))
+
     def _reach(self) -> int:
         """Positions past its committed length a row may write in one round of decode steps."""
         return self.steps_per_round * self._static.width + self._static.verify_top
@@ -325,6 +333,7 @@ class Engine:
             self._preempt(max((r for r in self._rows if r is not None), key=lambda r: r.order))
             want = self._next_round()
         self._batch.grow(want)
+        self._gauges()
 
     def _preempt(self, r: RunningRequest) -> None:
         """Frees ``r``'s row and pages and puts its request back at the head of the queue, with what
@@ -410,9 +419,12 @@ class Engine:
         for r, event in ended:
             r.job.post(event)
 
-    def _drain_queue(self, event) -> None:
+    def _drain_queue(self, event, keep_resumed: bool = False) -> None:
+        """Posts ``event`` to every queued request and empties the queue (but for the preempted
+        ones, with ``keep_resumed``)."""
         with self._cv:
-            jobs, self._queue = list(self._queue), collections.deque()
+            keep = collections.deque(j for j in self._queue if keep_resumed and j.resumed is not None)
+            jobs, self._queue = [j for j in self._queue if j not in keep], keep
         for j in jobs:
             j.post(event)
 

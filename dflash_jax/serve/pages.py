@@ -85,17 +85,21 @@ def kv_layout(static: Decoding, max_batch: int, max_len: int, budget: int | None
     not split by rows, and paged attention on a mesh is not tested yet); otherwise the budget caps
     the rows.
 
+    Paged, the rows are at most the pool's pages (each row holds a page at least).
+
     Raises:
-      DFlashError: a budget too small for one row of ``max_len`` tokens (``--kv-cache-mb``).
+      DFlashError: a budget too small for one row of ``max_len`` tokens (``--kv-cache-mb``; paged,
+        ``max_len`` rounded up to whole pages).
     """
-    per_row = row_bytes(static, max_len)
-    budget = max_batch * per_row if budget is None else int(budget)
     paged = paged and module_for(static.target).paged_kv and mesh is None
-    rows = max_batch if paged else min(max_batch, budget // per_row)
+    per_row = row_bytes(static, -(-max_len // PAGE_SIZE) * PAGE_SIZE if paged else max_len)
+    budget = max_batch * per_row if budget is None else int(budget)
     if budget < per_row:
         raise DFlashError("--kv-cache-mb", f"{budget / 2**20:.1f} MiB", f"at least {per_row / 2**20:.1f} MiB: one request of --max-len {max_len} "
                           "tokens (its target K/V and drafter context) must fit")
-    return KVLayout(rows=rows, budget=budget, paged=paged, max_len=max_len)
+    layout = KVLayout(rows=max_batch, budget=budget, paged=paged, max_len=max_len)
+    rows = min(max_batch, layout.pages_for(static) - 1) if paged else min(max_batch, budget // per_row)
+    return dataclasses.replace(layout, rows=rows)
 
 
 def prefill_len(longest: int, max_len: int) -> int:

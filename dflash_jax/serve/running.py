@@ -23,7 +23,7 @@ class RunningRequest:
         self.ids: list[int] = [] if before is None else before.ids
         self.stream = TextStream(tokenizer, job.spec.stop_texts, not job.spec.special_tokens) if before is None else before.stream
         self.seen = len(job.spec.prompt) + len(self.ids)
-        self.order = next(self._admitted)
+        self.order = next(self._admitted) if before is None else before.order  # a resumed request keeps its place
         job.resumed = None
 
     @staticmethod
