@@ -24,6 +24,7 @@ import numpy as np
 from dflash_jax import decode, sharding
 from dflash_jax.arguments import effective_chunk_size
 from dflash_jax.axes import flat_axes
+from dflash_jax.cache import PagedKVCache
 from dflash_jax.decoding import Decoding, Params
 from dflash_jax.distributed import fetch
 from dflash_jax.errors import DFlashError
@@ -41,7 +42,7 @@ def release_rows(state: DecodeState, rows_mask) -> DecodeState:
     batch, done or not (:func:`~dflash_jax.nn.live_attention.live_keys`), so a free row that kept
     a long answer's length would make every step of the others read that far. In a paged batch
     their page tables go back to the trash page (:func:`~dflash_jax.serve.pages.clear_tables`)."""
-    if state.cache.pages is not None:
+    if isinstance(state.cache, PagedKVCache):  # other families' caches (rings, recurrent states) are never paged
         state = paging.clear_tables(state, rows_mask)
     return state.replace(finish=jnp.where(rows_mask & ~state.done, STOP, state.finish), length=jnp.where(rows_mask, 1, state.length))
 
