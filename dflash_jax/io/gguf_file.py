@@ -170,6 +170,23 @@ def embedding_vocab(reader, tensors: dict, path: str, vocab_key: str) -> int:
     return vocab
 
 
+def empty_params(path: str, tensors: dict, names, shapes: dict, dtype: np.dtype, model: str, dtype_of=None) -> dict:
+    """The empty parameter tree a family's GGUF loader fills, once the file holds exactly the
+    tensors ``names`` lists (arguments as :func:`read_params`'s; ``names`` any collection of
+    tensor names).
+
+    Raises:
+      DFlashError: a missing or unexpected tensor (file and tensor named).
+    """
+    for name in sorted(set(names) - set(tensors)):
+        raise DFlashError(f"{path}: tensor {name}", "missing", f"every tensor of {model}")
+    for name in sorted(set(tensors) - set(names)):
+        raise DFlashError(f"{path}: tensor {name}", "unexpected", f"only the tensors of {model}")
+    dt = dtype_of or (lambda leaf: dtype)
+    return {k: (np.empty(v, dtype) if isinstance(v, tuple) else {leaf: np.empty(s, dt(leaf)) for leaf, s in v.items()})
+            for k, v in shapes.items()}
+
+
 def read_params(path: str, tensors: dict, names: dict, shapes: dict, dtype: np.dtype, model: str, dtype_of=None) -> dict:
     """The parameter tree of a family's GGUF loader, every array read from its tensor.
 
@@ -187,13 +204,7 @@ def read_params(path: str, tensors: dict, names: dict, shapes: dict, dtype: np.d
     Raises:
       DFlashError: a missing, unexpected or mis-shaped tensor (file and tensor named).
     """
-    for name in sorted(set(names) - set(tensors)):
-        raise DFlashError(f"{path}: tensor {name}", "missing", f"every tensor of {model}")
-    for name in sorted(set(tensors) - set(names)):
-        raise DFlashError(f"{path}: tensor {name}", "unexpected", f"only the tensors of {model}")
-    dt = dtype_of or (lambda leaf: dtype)
-    out: dict = {k: (np.empty(v, dtype) if isinstance(v, tuple) else {leaf: np.empty(s, dt(leaf)) for leaf, s in v.items()})
-                 for k, v in shapes.items()}
+    out = empty_params(path, tensors, names, shapes, dtype, model, dtype_of)
     for name, (key, leaf, r, conv) in names.items():
         dst = out[key] if not leaf else out[key][leaf]
         want = dst.shape if r is None else dst.shape[1:]

@@ -43,7 +43,7 @@ import numpy as np
 from dflash_jax.config_qwen3_5 import Qwen3_5Config
 from dflash_jax.errors import DFlashError
 from dflash_jax.io.gguf import arch_config, rope_config
-from dflash_jax.io.gguf_file import dequantize_tensor, embedding_vocab, metadata, open_gguf, tensor_table
+from dflash_jax.io.gguf_file import dequantize_tensor, embedding_vocab, empty_params, metadata, open_gguf, tensor_table
 from dflash_jax.io.hf import numpy_dtype
 
 ARCHS = {"qwen35": "qwen3_5", "qwen35moe": "qwen3_5_moe", "qwen3next": "qwen3_next"}  # GGUF -> Qwen3_5Config.variant
@@ -201,12 +201,9 @@ def gguf_plan(cfg: Qwen3_5Config) -> dict[str, tuple[tuple, list]]:
 def _read(path: str, tensors: dict, plan: dict, shapes: dict, dtype: np.dtype, model: str) -> dict:
     """The params tree of numpy arrays filled by ``plan`` (:func:`gguf_plan`); a stored tensor
     whose shape differs only by unit dims (ggml's ``[H, 1]`` of a ``[H]`` gate) is reshaped.
-    Raises DFlashError for a missing, unexpected or mis-shaped tensor (file and tensor named)."""
-    for name in sorted(set(plan) - set(tensors)):
-        raise DFlashError(f"{path}: tensor {name}", "missing", f"every tensor of {model}")
-    for name in sorted(set(tensors) - set(plan)):
-        raise DFlashError(f"{path}: tensor {name}", "unexpected", f"only the tensors of {model}")
-    out = {k: np.empty(v, dtype) if isinstance(v, tuple) else {leaf: np.empty(s, dtype) for leaf, s in v.items()} for k, v in shapes.items()}
+    Raises DFlashError for a missing, unexpected (:func:`~dflash_jax.io.gguf_file.empty_params`) or
+    mis-shaped tensor (file and tensor named)."""
+    out = empty_params(path, tensors, plan, shapes, dtype, model)
     for name, (stored, parts) in plan.items():
         x = dequantize_tensor(tensors[name], path)
         if x.shape != tuple(stored) and [d for d in x.shape if d != 1] == [d for d in stored if d != 1]:
