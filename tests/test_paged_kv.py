@@ -130,6 +130,23 @@ def test_the_engine_admits_by_pages_and_holds_more_short_rows_than_the_budget_ho
     assert texts[0] == texts[1] and peak == 3 and paged_engine.metrics.preemptions._value.get() > 0
     assert [ev[-1].completion_tokens for ev in paged_events] == [ev[-1].completion_tokens for ev in rows_events]
 
+    # a graceful shutdown right after a preemption: the preempted request was running, so it
+    # resumes and finishes with the same answer rather than getting the shutdown's 503
+    engine = Engine(model, max_batch=8, max_len=SERVE_MAX_LEN, max_queue=8, kv_cache_bytes=one, paged=True, prefix_cache_bytes=0,
+                    metrics=Metrics())
+    engine._switch(model.decoding())
+    jobs = [Job(s) for s in long]
+    for j in jobs:
+        engine.submit(j)
+    while engine.metrics.preemptions._value.get() == 0:
+        engine._round()
+    engine._stopping, engine._deadline = True, float("inf")
+    while engine._round():
+        pass
+    events = [_drain(j) for j in jobs]
+    assert all(isinstance(ev[-1], Done) for ev in events)
+    assert ["".join(e.text for e in ev if isinstance(e, Text)) for ev in events] == texts[0]
+
     engine = Engine(model, max_batch=8, max_len=SERVE_MAX_LEN, max_queue=1, kv_cache_bytes=budget, paged=True, prefix_cache_bytes=0)
     engine._switch(model.decoding())
     for r in (5, 6):  # every page held (two rows of max_len)
