@@ -84,11 +84,6 @@ class PagedKVCache:
         return self.table.shape[1] * self.page_size
 
     @property
-    def num_pages(self) -> int:
-        """Pages in the pool (the trash page included)."""
-        return self.k.shape[1] // self.page_size
-
-    @property
     def pages(self) -> "PagedKVCache":
         """The addressing attention reads through (:func:`~dflash_jax.nn.live_attention.cache_attention`'s ``pages``)."""
         return self
