@@ -1,6 +1,6 @@
 """dflash_jax: DFlash speculative decoding in pure-functional JAX.
 
-Public API (see :mod:`dflash_jax.api`)::
+Public API (see :mod:`dflash_jax`)::
 
     import dflash_jax as dj
     target = dj.load_target()                       # embedded default, or an HF folder / .gguf
@@ -23,7 +23,7 @@ __version__ = "0.1.0"
 
 def compile_cache_dir():
     """The folder of the persistent compilation cache: ``<cache folder>/jax_cache``."""
-    from dflash_jax.assets import cache_dir
+    from dflash_jax.assets.default_model import cache_dir
 
     return cache_dir() / "jax_cache"
 
@@ -44,19 +44,11 @@ def _enable_compile_cache() -> None:
 
 _enable_compile_cache()
 
-from dflash_jax.api import (  # noqa: E402
-    Drafter,
-    GenerationResult,
-    Target,
-    TextStream,
-    encode_prompt,
-    generate,
-    load_drafter,
-    load_target,
-    shipped_drafter,
-)
+from dflash_jax.loading import Drafter, Target, load_drafter, load_target, shipped_drafter
+from dflash_jax.driver import GenerationResult, generate
+from dflash_jax.text import TextStream, encode_prompt
 from dflash_jax.errors import DFlashError  # noqa: E402
-from dflash_jax.sampling import SamplingConfig  # noqa: E402
+from dflash_jax.decode.sampling import SamplingConfig  # noqa: E402
 
 __all__ = [
     "DFlashError",

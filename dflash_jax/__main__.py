@@ -1,5 +1,5 @@
 """``python -m dflash_jax`` runs the ``dflash-jax`` command line."""
 
-from dflash_jax.cli import entry
+from dflash_jax.cli.main import entry
 
 entry()

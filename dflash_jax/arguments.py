@@ -6,26 +6,24 @@ from __future__ import annotations
 import dataclasses
 import math
 from typing import Sequence
-
 import numpy as np
-
-from dflash_jax.costs import CostModel, depth_policy
-from dflash_jax.decoding import AUTO, Decoding, Params
+from dflash_jax.decode.auto.costs import CostModel, depth_policy
+from dflash_jax.decode.static import AUTO, Decoding, Params
 from dflash_jax.errors import DFlashError
 from dflash_jax.loading import Drafter, Target
-from dflash_jax.prefill import check_chunk_size
-from dflash_jax.sampling import SamplingConfig
-from dflash_jax.speculative.depth import Calibration
+from dflash_jax.decode.prefill import check_chunk_size
+from dflash_jax.decode.sampling import SamplingConfig
+from dflash_jax.decode.auto.policy import Calibration
 from dflash_jax.text import str_list, split_stop
 
 
 @dataclasses.dataclass(frozen=True)
 class Request:
-    """Checked arguments of one generation: what :func:`dflash_jax.decode.init_state` and the
+    """Checked arguments of one generation: what :func:`dflash_jax.decode.loop.init_state` and the
     driver need. ``chunk_size`` is the effective one (:func:`effective_chunk_size`), ``stop_ids``
     holds EOS (unless ignored), the given ids and the single-token stop texts. Under
     ``n_max="auto"``: the drafter's ``calibration`` (identity when it ships none) and the
-    ``cost_model`` asked for (a :class:`~dflash_jax.costs.CostModel`, ``"refresh"`` or ``None``)."""
+    ``cost_model`` asked for (a :class:`~dflash_jax.decode.auto.costs.CostModel`, ``"refresh"`` or ``None``)."""
 
     prompts: list[list[int]]
     max_new_tokens: int
@@ -53,7 +51,7 @@ def default_max_len(prompts: Sequence[Sequence[int]], max_new_tokens: int) -> in
     """The default capacity: the smallest of ``1024 * 2**k`` that holds the longest prompt plus
     ``max_new_tokens``.
 
-    Attention costs what the live context costs (:mod:`dflash_jax.nn.live_attention`), so a
+    Attention costs what the live context costs (:mod:`dflash_jax.nn.attention`), so a
     roomy capacity is free at decode time; fixed buckets let one compiled program (and the
     persistent compilation cache) serve every prompt and budget within a bucket.
     """
@@ -133,7 +131,7 @@ def _resolve_max_len(cfg, prompts: list[list[int]], max_new_tokens: int, max_len
 
 def _stops(target: Target, stop_ids, stop, ignore_eos: bool) -> tuple[list[int], list[str]]:
     """``(stop ids, stop texts)``: EOS (unless ``ignore_eos``), ``stop_ids`` and the stop texts of
-    one token; every stop text also cuts the text (see :mod:`dflash_jax.api`)."""
+    one token; every stop text also cuts the text (see :mod:`dflash_jax`)."""
     stop = str_list(stop, "stop", "--stop")
     if isinstance(stop_ids, (str, bytes)) or not isinstance(stop_ids, (Sequence, np.ndarray)) or not all(_is_int(i) for i in stop_ids):
         raise DFlashError("stop_ids", f"got {stop_ids!r}", "a list of integer token ids")
@@ -146,7 +144,7 @@ def _stops(target: Target, stop_ids, stop, ignore_eos: bool) -> tuple[list[int],
 
 
 def _check_cost_model(cost_model, static: Decoding) -> None:
-    """``cost_model`` is ``None``, ``"refresh"`` or a :class:`~dflash_jax.costs.CostModel` of the
+    """``cost_model`` is ``None``, ``"refresh"`` or a :class:`~dflash_jax.decode.auto.costs.CostModel` of the
     drafted depth, and only given under ``n_max="auto"``."""
     if cost_model is None:
         return
@@ -162,7 +160,7 @@ def _check_cost_model(cost_model, static: Decoding) -> None:
 
 
 def drafter_decoding(target_cfg, drafter: Drafter, draft_mode: str = "argmax", n_max=None, tree=None) -> Decoding:
-    """The :class:`~dflash_jax.decoding.Decoding` of a generation with ``drafter``: ``n_max=None``
+    """The :class:`~dflash_jax.decode.static.Decoding` of a generation with ``drafter``: ``n_max=None``
     takes the drafter's recorded depth (``"auto"`` with its ``auto_depth`` for the shipped
     drafter); ``tree=None`` takes its recorded tree (:attr:`~dflash_jax.loading.Drafter.tree`)
     where its recorded depth applies and drafts are argmax (a tree holds the drafter's top
@@ -170,7 +168,7 @@ def drafter_decoding(target_cfg, drafter: Drafter, draft_mode: str = "argmax", n
 
     Raises:
       DFlashError: a ``tree`` that is not a node count, or settings that do not go together
-        (:class:`~dflash_jax.decoding.Decoding`; the message names the argument and its option).
+        (:class:`~dflash_jax.decode.static.Decoding`; the message names the argument and its option).
     """
     if tree is not None and (isinstance(tree, bool) or not _is_int(tree) or tree < 0):
         raise DFlashError("tree (--tree)", f"got {tree!r}", "an integer >= 0 (0: a chain of drafts) or None (the drafter's recorded tree)")

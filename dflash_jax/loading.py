@@ -2,8 +2,8 @@
 
 A target is a Hugging Face folder (``config.json`` + safetensors) or a ``.gguf`` file; a drafter
 is a z-lab DFlash folder or a Laguna drafter ``.gguf`` file. Which config parser, model module and
-weight loader a checkpoint needs is looked up by architecture in :mod:`dflash_jax.registry`.
-:mod:`dflash_jax.api` re-exports these names.
+weight loader a checkpoint needs is looked up by architecture in :mod:`dflash_jax.families.registry`.
+:mod:`dflash_jax` re-exports these names.
 """
 
 from __future__ import annotations
@@ -12,22 +12,25 @@ import dataclasses
 import os
 from pathlib import Path
 from typing import Any
-
 import jax
 import jax.numpy as jnp
-
-from dflash_jax import draft_vocab as dv
-from dflash_jax import progress, registry, sharding
-from dflash_jax.config import TargetConfig, read_json
+from dflash_jax.drafter import vocab as dv
+from dflash_jax import progress
+from dflash_jax.families import registry
+from dflash_jax.runtime import sharding
+from dflash_jax.families.dense.config import TargetConfig
+from dflash_jax.families.config import read_json
 from dflash_jax.errors import DFlashError
-from dflash_jax.fingerprint import weights_fingerprint
-from dflash_jax.io import gguf_cache, gguf_file
-from dflash_jax.io.tokenizer import Tokenizer
-from dflash_jax.models import dense
-from dflash_jax.models import drafter as drafter_model
-from dflash_jax.models.params import is_per_layer
-from dflash_jax.nn import layouts
-from dflash_jax.speculative.depth import Calibration
+from dflash_jax.runtime.fingerprint import weights_fingerprint
+from dflash_jax.families.dense import gguf_cache
+from dflash_jax.formats import gguf as gguf_file
+from dflash_jax.formats.tokenizer import Tokenizer
+from dflash_jax.families.dense import model as dense
+from dflash_jax.drafter import model as drafter_model
+from dflash_jax.nn.params import is_per_layer
+from dflash_jax.nn import params as layouts
+from dflash_jax.decode.auto.policy import Calibration
+
 
 DTYPES = ("float32", "bfloat16", "float16")
 
@@ -37,15 +40,15 @@ class Target:
     """A loaded target model.
 
     Attributes:
-      cfg: static :class:`~dflash_jax.config.TargetConfig` or
-        :class:`~dflash_jax.config_laguna.LagunaConfig` (its ``dtype`` is the compute dtype).
-      params: parameter pytree of :mod:`dflash_jax.models.dense` (layers stacked, or per layer
+      cfg: static :class:`~dflash_jax.families.dense.config.TargetConfig` or
+        :class:`~dflash_jax.families.laguna.config.LagunaConfig` (its ``dtype`` is the compute dtype).
+      params: parameter pytree of :mod:`dflash_jax.families.dense.model` (layers stacked, or per layer
         on CPU: :func:`load_target`'s ``layers``) or ``models.laguna``.
-      tokenizer: :class:`~dflash_jax.io.tokenizer.Tokenizer`, or ``None`` (ids only).
+      tokenizer: :class:`~dflash_jax.formats.tokenizer.Tokenizer`, or ``None`` (ids only).
       source: the file or folder it was loaded from.
       eos_ids: end-of-generation token ids (from the tokenizer, else from ``config.json`` /
         ``generation_config.json``).
-      fingerprint: the fingerprint of the weights (:mod:`dflash_jax.fingerprint`) when it came
+      fingerprint: the fingerprint of the weights (:mod:`dflash_jax.runtime.fingerprint`) when it came
         for free (a GGUF's float32 cache records it); ``None``: computed when needed
         (:func:`fingerprint_of`).
       mesh: the :class:`jax.sharding.Mesh` its parameters are laid out on (and its drafter's,
@@ -77,19 +80,19 @@ def load_target(path: str | os.PathLike | None = None, dtype: str = "float32", l
 
     Args:
       path: ``None`` for the embedded default (SmolLM2-135M-Instruct, fetched on first use, see
-        :mod:`dflash_jax.assets`); a Hugging Face folder holding ``config.json`` (tokenizer loaded
+        :mod:`dflash_jax.assets.default_model`); a Hugging Face folder holding ``config.json`` (tokenizer loaded
         when ``tokenizer.json`` is present); or a ``.gguf`` file (tokenizer from its metadata).
       dtype: ``"float32"``, ``"bfloat16"`` or ``"float16"``.
       layers: layout of a dense target's decoder layers: ``"stacked"`` (one array per weight
         with a leading layer axis, run with ``lax.scan``), ``"per_layer"`` (a ``PerLayer`` of per-layer
         dicts, run as a Python loop: XLA:CPU copies each stacked layer's weights in every scan
-        step; :func:`dflash_jax.models.dense.unstack_layers`) or ``"auto"`` (per layer on the CPU
+        step; :func:`dflash_jax.families.dense.model.unstack_layers`) or ``"auto"`` (per layer on the CPU
         backend, stacked elsewhere). Same values and outputs either way; Laguna targets are always
         stacked. On the CPU backend a dense target also holds the ``[out, in]`` copies of
-        :data:`dflash_jax.nn.layouts.CPU_KINDS` for passes of several rows.
+        :data:`dflash_jax.nn.params.CPU_KINDS` for passes of several rows.
       mesh: ``None`` (one device), a :class:`jax.sharding.Mesh` or ``"data=D,model=M,expert=E"``
-        (:func:`dflash_jax.sharding.parse_mesh`): the parameters are laid out on it by their
-        logical axes (:mod:`dflash_jax.sharding`: heads, MLP width and vocabulary split over
+        (:func:`dflash_jax.runtime.sharding.parse_mesh`): the parameters are laid out on it by their
+        logical axes (:mod:`dflash_jax.runtime.sharding`: heads, MLP width and vocabulary split over
         ``model``, experts over ``expert``), and so are a drafter loaded for it and the decode
         states of :func:`dflash_jax.generate` and the server (rows over ``data``).
     Returns:
@@ -103,7 +106,7 @@ def load_target(path: str | os.PathLike | None = None, dtype: str = "float32", l
     per_layer = _per_layer(layers)
     mesh = None if mesh is None else sharding.parse_mesh(mesh)
     if path is None:
-        from dflash_jax.assets import default_target_path
+        from dflash_jax.assets.default_model import default_target_path
 
         p = default_target_path()
         try:
@@ -139,7 +142,7 @@ def _axes(module, cfg, params) -> dict:
 
 def _read_target(p: Path, dtype: str):
     """``(cfg, params, tokenizer or None, eos ids)`` of an HF folder or a ``.gguf`` file, by the
-    family :mod:`dflash_jax.registry` finds for it (a GGUF's params are numpy arrays: float32
+    family :mod:`dflash_jax.families.registry` finds for it (a GGUF's params are numpy arrays: float32
     ones memory-mapped from its cache, which ``jax.device_put`` on the CPU uses without a copy)."""
     if p.is_dir():
         if not (p / "config.json").is_file():
@@ -172,21 +175,21 @@ class Drafter:
     """A loaded DFlash drafter.
 
     Attributes:
-      cfg: static :class:`~dflash_jax.config.DrafterConfig`.
-      params: parameter pytree of :mod:`dflash_jax.models.drafter`.
+      cfg: static :class:`~dflash_jax.drafter.config.DrafterConfig`.
+      params: parameter pytree of :mod:`dflash_jax.drafter.model`.
       source: the folder or file it was loaded from.
       n_max: the draft depth recorded with the checkpoint (``config.json`` field
         ``dflash_jax.n_max``: the best fixed depth its benchmark measured, or ``"auto"``), used
         when :func:`generate` is given none; ``None``: ``block_size - 1``.
       calibration: the per-position calibration of its confidences for ``n_max="auto"``
         (``config.json`` field ``dflash_jax.depth_calibration``,
-        :class:`~dflash_jax.speculative.depth.Calibration`), or ``None`` (raw confidences).
+        :class:`~dflash_jax.decode.auto.policy.Calibration`), or ``None`` (raw confidences).
       auto_depth: the drafts per block under ``n_max="auto"`` (``config.json`` field
         ``dflash_jax.auto_depth``: what its benchmark measured best; ``None``: ``block_size - 1``;
-        :attr:`dflash_jax.decoding.Decoding.auto_depth`). ``dataclasses.replace(drafter,
+        :attr:`dflash_jax.decode.static.Decoding.auto_depth`). ``dataclasses.replace(drafter,
         auto_depth=k)`` runs auto over another depth.
       tree: the nodes of the best-first draft tree verified with its recorded depth
-        (``config.json`` field ``dflash_jax.tree``, :attr:`dflash_jax.decoding.Decoding.tree`;
+        (``config.json`` field ``dflash_jax.tree``, :attr:`dflash_jax.decode.static.Decoding.tree`;
         ``None``: a chain of drafts).
     """
 
@@ -208,7 +211,7 @@ def load_drafter(path: str | os.PathLike, target: Target, dtype: str | None = No
       target: the target it drafts for; the drafter is checked against it.
       dtype: parameter dtype (default: the target's).
       draft_vocab: draft over the reduced vocabulary stored with the checkpoint
-        (``draft_vocab.safetensors``, :mod:`dflash_jax.draft_vocab`) when there is one;
+        (``draft_vocab.safetensors``, :mod:`dflash_jax.drafter.vocab`) when there is one;
         ``False`` drafts over the target's whole vocabulary.
       layers: layout of the draft layers, as :func:`load_target`'s ``layers`` (``"auto"``: per
         layer on the CPU backend, where a scan copied both layers' weights, about 28 MB, in every
@@ -249,7 +252,7 @@ def _recorded_policy(config_path: Path, block_size: int):
     ``dflash_jax.auto_depth`` (an integer in ``[1, block_size - 1]``),
     ``dflash_jax.depth_calibration`` and ``dflash_jax.tree`` (an integer in
     ``[1, MAX_TREE_NODES]``; raises ``DFlashError`` naming the file and field otherwise)."""
-    from dflash_jax.decoding import MAX_TREE_NODES
+    from dflash_jax.decode.static import MAX_TREE_NODES
 
     record = read_json(config_path).get("dflash_jax") or {}
     value, auto_depth = record.get("n_max"), record.get("auto_depth")
@@ -271,7 +274,7 @@ def _depth_ok(value, block_size: int) -> bool:
 
 
 def fingerprint_of(target: Target) -> str:
-    """The fingerprint of ``target``'s weights (:func:`dflash_jax.fingerprint.weights_fingerprint`):
+    """The fingerprint of ``target``'s weights (:func:`dflash_jax.runtime.fingerprint.weights_fingerprint`):
     ``target.fingerprint`` when its loader recorded one, else computed from ``target.params``
     (which equals the float32 weights' fingerprint when the target was loaded in float32, or its
     checkpoint stores the weights in the loaded dtype)."""
@@ -279,12 +282,12 @@ def fingerprint_of(target: Target) -> str:
 
 
 def shipped_drafter_path(target: Target) -> Path | None:
-    """The folder of the drafter shipped for ``target`` (:func:`dflash_jax.assets.shipped_drafters`),
+    """The folder of the drafter shipped for ``target`` (:func:`dflash_jax.assets.default_model.shipped_drafters`),
     matched by the fingerprint of the target's weights, not by its file name: a renamed or
     re-saved copy of the same weights finds it, another model under the same name does not.
     ``None`` when none ships. The fingerprint is computed only for a target of a shipped
     drafter's shape (layers, hidden size, vocabulary)."""
-    from dflash_jax.assets import shipped_drafters
+    from dflash_jax.assets.default_model import shipped_drafters
 
     cfg = target.cfg
     shape = (cfg.num_hidden_layers, cfg.hidden_size, cfg.vocab_size)

@@ -15,6 +15,7 @@ import sys
 import time
 from typing import Iterator
 
+
 _VERBOSE = [False]
 
 

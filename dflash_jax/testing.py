@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import functools
-
 import jax
 import jax.numpy as jnp
 import numpy as np
-
-from dflash_jax.config import RopeConfig, TargetConfig
-from dflash_jax.models import dense
+from dflash_jax.families.config import RopeConfig
+from dflash_jax.families.dense.config import TargetConfig
+from dflash_jax.families.dense import model as dense
 
 
 def tiny_target_config(family: str = "llama", **overrides) -> TargetConfig:
@@ -61,7 +60,7 @@ def _full_logits(params, cfg, tokens):
 
 def tiny_drafter_config(target_cfg: TargetConfig, layer_ids=(0, 2), block_size: int = 4, **overrides):
     """A tiny generic DFlash drafter for ``target_cfg`` (2 layers, mask id = last vocab row)."""
-    from dflash_jax.config import DrafterConfig
+    from dflash_jax.drafter.config import DrafterConfig
 
     n = overrides.pop("num_hidden_layers", 2)
     base = dict(
@@ -77,7 +76,7 @@ def tiny_drafter_config(target_cfg: TargetConfig, layer_ids=(0, 2), block_size: 
 
 def tiny_drafter(target_cfg: TargetConfig, seed: int = 0, scale: float = 0.2, **overrides):
     """``(cfg, params)`` of a tiny random drafter for ``target_cfg``."""
-    from dflash_jax.models import drafter
+    from dflash_jax.drafter import model as drafter
 
     cfg = tiny_drafter_config(target_cfg, **overrides)
     return cfg, drafter.init_params(cfg, jax.random.key(seed), scale=scale)

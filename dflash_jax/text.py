@@ -9,7 +9,6 @@ later token could still change (an incomplete UTF-8 sequence, the start of a sto
 from __future__ import annotations
 
 from typing import Any, Mapping, Sequence
-
 from dflash_jax.errors import DFlashError
 from dflash_jax.loading import Target
 

@@ -40,7 +40,7 @@ import jax  # noqa: E402
 
 jax.config.update("jax_default_matmul_precision", "highest")
 
-from dflash_jax.nn import live_attention  # noqa: E402
+from dflash_jax.nn import attention as live_attention  # noqa: E402
 
 # Attention reads the live cache in blocks of KEY_BLOCK slots (256 in use). The tiny models here
 # have capacities of 32-128 slots, so every oracle test (transformers, z-lab, llama.cpp,

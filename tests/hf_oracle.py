@@ -10,8 +10,8 @@ import numpy as np
 import torch
 import transformers
 
-from dflash_jax import decode
-from dflash_jax.decoding import Decoding, Params
+from dflash_jax.decode import loop as decode
+from dflash_jax.decode.static import Decoding, Params
 
 
 def save_tiny(conf_cls: str, model_cls: str, folder, seed: int = 0, **conf):
@@ -54,7 +54,7 @@ def check_logits_and_capture(model, cfg, params, module, layer_ids=(0, 2), tol: 
     import jax
     import jax.numpy as jnp
 
-    from dflash_jax.cache import init_capture
+    from dflash_jax.runtime.carry import init_capture
 
     forward = jax.jit(module.forward, static_argnums=1)
     b, t = 2, 14
@@ -127,7 +127,7 @@ def zlab_matches_ours(zlab, t_model, t_cfg, t_params, folder, prompt, n: int, vo
     (layers 0 and 2 captured, block 4) steered to the commonest token of the target's greedy
     answer, saved to ``folder`` and loaded by us: asserts blocks get accepted and that ours gives
     the same ids and the same number of verify steps; returns the acceptance lengths."""
-    from dflash_jax.registry import load_hf_drafter
+    from dflash_jax.families.registry import load_hf_drafter
 
     free = hf_greedy(t_model, prompt, n)
     dc = transformers.Qwen3Config(vocab_size=vocab, hidden_size=hidden, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,

@@ -10,8 +10,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dflash_jax.config_laguna import laguna_config_from_hf
-from dflash_jax.models import laguna
+from dflash_jax.families.laguna.config import laguna_config_from_hf
+from dflash_jax.families.laguna import model as laguna
 
 # Sliding window shorter than the prompts, YaRN with partial rotary on full layers, per-head gate,
 # dense then sparse layers, per-layer head counts.

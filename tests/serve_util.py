@@ -67,7 +67,7 @@ def free_port() -> int:
 
 
 def _tokenizer(pieces: list[str]):
-    from dflash_jax.io.tokenizer import Tokenizer as DJTokenizer
+    from dflash_jax.formats.tokenizer import Tokenizer as DJTokenizer
     from test_tokenizer import byte_alphabet
     from tiny_hf import byte_tokenizer
 
@@ -81,7 +81,7 @@ def scripted_target():
     import jax
 
     from dflash_jax.loading import Target
-    from dflash_jax.models import dense
+    from dflash_jax.families.dense import model as dense
     from dflash_jax.testing import tiny_target_config
 
     pieces = HERMES_SCRIPT + POOLSIDE_SCRIPT

@@ -11,10 +11,10 @@ import numpy as np
 import pytest
 
 import dflash_jax as dj
-from dflash_jax import api
+from dflash_jax import arguments, loading, text
 from dflash_jax.errors import DFlashError
-from dflash_jax.models.params import PerLayer
-from dflash_jax.sampling import SamplingConfig
+from dflash_jax.nn.params import PerLayer
+from dflash_jax.decode.sampling import SamplingConfig
 from dflash_jax.testing import reference_greedy, tiny_target
 
 PROMPTS = [[5, 9, 17, 3, 22, 8, 1], [40, 2, 7], [11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21]]
@@ -73,7 +73,7 @@ def test_stop_ids_eos_and_capacity(tiny):
     stop = free[3]
     res = dj.generate(tiny, [PROMPTS[0]], 10, stop_ids=[stop])
     assert res.output_ids[0] == free[: free.index(stop) + 1] and res.finish_reason == ["stop"]
-    with_eos = api.Target(tiny.cfg, tiny.params, None, "tiny", eos_ids=(stop,))
+    with_eos = loading.Target(tiny.cfg, tiny.params, None, "tiny", eos_ids=(stop,))
     assert dj.generate(with_eos, [PROMPTS[0]], 10).output_ids[0] == free[: free.index(stop) + 1]
     assert dj.generate(with_eos, [PROMPTS[0]], 10, ignore_eos=True).output_ids[0] == free
     res = dj.generate(tiny, [PROMPTS[0]], 10, max_len=10)
@@ -105,12 +105,12 @@ def test_bad_input(tiny, kwargs, needle):
 
 
 def test_default_capacity_and_chunk_come_from_fixed_buckets():
-    assert api.default_max_len([[1] * 10], 54) == 1024
-    assert api.default_max_len([[1] * 10, [1] * 11], 1013) == 1024  # 1024 exactly
-    assert api.default_max_len([[1] * 10, [1] * 11], 1014) == 2048
-    assert api.default_max_len([[1] * 3000], 2000) == 8192
-    assert [api.effective_chunk_size(256, n) for n in (1, 64, 65, 128, 129, 5000)] == [64, 64, 128, 128, 256, 256]
-    assert api.effective_chunk_size(100, 5000) == 100 and api.effective_chunk_size(16, 3) == 16
+    assert arguments.default_max_len([[1] * 10], 54) == 1024
+    assert arguments.default_max_len([[1] * 10, [1] * 11], 1013) == 1024  # 1024 exactly
+    assert arguments.default_max_len([[1] * 10, [1] * 11], 1014) == 2048
+    assert arguments.default_max_len([[1] * 3000], 2000) == 8192
+    assert [arguments.effective_chunk_size(256, n) for n in (1, 64, 65, 128, 129, 5000)] == [64, 64, 128, 128, 256, 256]
+    assert arguments.effective_chunk_size(100, 5000) == 100 and arguments.effective_chunk_size(16, 3) == 16
 
 
 def test_load_target_errors(tmp_path):
@@ -215,10 +215,10 @@ def test_text_stream_releases_what_decoding_everything_at_each_step_releases(hf_
 
 def test_split_stop(hf_dir):
     tok = dj.load_target(hf_dir).tokenizer
-    ids, texts = api.split_stop(tok, ["x", "xy", "<|im_end|>"])
+    ids, texts = text.split_stop(tok, ["x", "xy", "<|im_end|>"])
     assert ids == [ord("x"), 257] and texts == ["xy"]
     with pytest.raises(DFlashError, match="--stop"):
-        api.split_stop(tok, [""])
+        text.split_stop(tok, [""])
 
 
 def test_compile_cache_is_on_by_default(tmp_path):
@@ -316,7 +316,7 @@ def test_one_token_stop_text_is_cut_from_the_text_like_a_longer_one(hf_dir):
     base = dj.generate(t, [ids], 40, ignore_eos=True)
     text = base.texts[0]
     ch = next(c for c in text[2:] if c.isascii() and c.isalnum())
-    assert api.split_stop(t.tokenizer, [ch])[0] == [ord(ch)]  # a one-token stop text: a stop id
+    assert text.split_stop(t.tokenizer, [ch])[0] == [ord(ch)]  # a one-token stop text: a stop id
     for on_tokens in (None, lambda new: None):
         res = dj.generate(t, [ids], 40, ignore_eos=True, stop=[ch], on_tokens=on_tokens)
         assert res.texts[0] == text[: text.index(ch)]
@@ -335,7 +335,7 @@ def test_load_drafter_names_an_existing_file_that_is_not_a_checkpoint(tiny, tmp_
 
 
 def test_damaged_cached_default_model_says_to_delete_it(tmp_path, monkeypatch):
-    from dflash_jax.assets import GGUF_NAME
+    from dflash_jax.assets.default_model import GGUF_NAME
 
     monkeypatch.setenv("DFLASH_JAX_CACHE", str(tmp_path))
     bad = tmp_path / GGUF_NAME

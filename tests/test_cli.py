@@ -15,8 +15,8 @@ pytest.importorskip("transformers")
 
 import tiny_hf  # noqa: E402
 
-from dflash_jax import cli  # noqa: E402
-from dflash_jax.io.hf import load_hf_target  # noqa: E402
+from dflash_jax.cli import main as cli  # noqa: E402
+from dflash_jax.families.dense.safetensors import load_hf_target  # noqa: E402
 from dflash_jax.testing import reference_greedy  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
@@ -216,11 +216,11 @@ def test_bad_options_are_one_line_errors(capsys, hf_dir, args, needle):
 @pytest.fixture(scope="module")
 def draft_dir(hf_dir, tmp_path_factory):
     """A tiny random DFlash drafter for the tiny target, in the z-lab layout."""
-    from dflash_jax import api
+    from dflash_jax import loading
     from dflash_jax.testing import tiny_drafter
     from dflash_jax.train.export import export_drafter
 
-    cfg, params = tiny_drafter(api.load_target(hf_dir).cfg, seed=3, layer_ids=(0, 1), block_size=4)
+    cfg, params = tiny_drafter(loading.load_target(hf_dir).cfg, seed=3, layer_ids=(0, 1), block_size=4)
     folder = tmp_path_factory.mktemp("draft")
     export_drafter(folder, cfg, params, dtype="float32")
     return folder
@@ -248,7 +248,7 @@ def test_speculative_json_equals_plain_and_reports_acceptance(capsys, hf_dir, dr
 def test_adaptive_depth_json_reports_widths_and_measured_costs(capsys, hf_dir, draft_dir, tmp_path, monkeypatch):
     """`--n-max auto --measure-costs --json`: the output of plain greedy decoding, the histogram of
     chosen widths and the plain steps, and costs measured now (kept under the cache folder)."""
-    from dflash_jax import costs
+    from dflash_jax.decode.auto import costs
 
     monkeypatch.setenv("DFLASH_JAX_CACHE", str(tmp_path))
     monkeypatch.setattr(costs, "STABLE", 100.0)  # the tiny pair's steps take a millisecond: timer noise
@@ -491,7 +491,7 @@ def test_every_option_says_what_it_does():
     """`--help` of both commands: every option has a help text (no bare option names)."""
     import argparse
 
-    from dflash_jax.train.cli import build_parser as train_parser
+    from dflash_jax.cli.train import build_parser as train_parser
 
     top = cli.build_parser()
     sub = next(a for a in top._actions if isinstance(a, argparse._SubParsersAction))

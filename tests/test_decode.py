@@ -5,11 +5,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dflash_jax import decode
-from dflash_jax.decoding import Decoding, Params
+from dflash_jax.decode import loop as decode
+from dflash_jax.decode.static import Decoding, Params
 from dflash_jax.errors import DFlashError
-from dflash_jax.sampling import SamplingConfig
-from dflash_jax.state import CAPACITY, LENGTH, STOP
+from dflash_jax.decode.sampling import SamplingConfig
+from dflash_jax.decode.state import CAPACITY, LENGTH, STOP
 from dflash_jax.testing import reference_greedy, tiny_target
 
 GREEDY = SamplingConfig()
@@ -102,9 +102,9 @@ def test_per_layer_parameters_give_the_stacked_results():
     features of a prefill, and the tokens of batched greedy and DFlash speculative decoding.
     One family: the layer loop (``dense.run_layers``) is the same for every family, and the
     families' layer bodies are checked against transformers in test_parity_transformers.py."""
-    from dflash_jax.cache import init_capture
-    from dflash_jax.models import dense
-    from dflash_jax.models.params import PerLayer
+    from dflash_jax.runtime.carry import init_capture
+    from dflash_jax.families.dense import model as dense
+    from dflash_jax.nn.params import PerLayer
     from dflash_jax.testing import tiny_drafter
 
     cfg, p = tiny_target("qwen2", seed=2)
@@ -138,9 +138,9 @@ def test_per_layer_layers_are_a_typed_pytree(target):
     (by ``is_per_layer`` and a forward pass alike) instead of being run as stacked layers."""
     import pickle
 
-    from dflash_jax import executables
-    from dflash_jax.models import dense
-    from dflash_jax.models.params import PerLayer, is_per_layer
+    from dflash_jax.runtime import compiled as executables
+    from dflash_jax.families.dense import model as dense
+    from dflash_jax.nn.params import PerLayer, is_per_layer
 
     cfg, p = target
     per = dense.unstack_layers(p)

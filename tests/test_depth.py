@@ -16,12 +16,13 @@ import numpy as np
 import pytest
 
 import dflash_jax as dj
-from dflash_jax import costs, decode
-from dflash_jax.costs import CostModel, depth_policy
-from dflash_jax.decoding import Decoding, Params
+from dflash_jax.decode.auto import costs
+from dflash_jax.decode import loop as decode
+from dflash_jax.decode.auto.costs import CostModel, depth_policy
+from dflash_jax.decode.static import Decoding, Params
 from dflash_jax.errors import DFlashError
-from dflash_jax.speculative import adaptive, depth
-from dflash_jax.speculative.depth import MAX_BACKOFF, Calibration
+from dflash_jax.decode.auto import adaptive, policy as depth
+from dflash_jax.decode.auto.policy import MAX_BACKOFF, Calibration
 from dflash_jax.testing import tiny_drafter, tiny_target, verify_scripted
 
 PROMPTS = [[5, 9, 17, 3, 22, 8, 1], [40, 2, 7], [11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 30, 31]]
@@ -66,7 +67,7 @@ GROWING = CostModel(step_cost=((1.3, 1.7),), plain_cost=(1.0,), widths=WIDTHS)
 def test_greedy_lossless_with_every_forced_width_and_the_plain_step(pair):
     """One compiled loop serves every width (the policy is traced) and each is lossless; rows of
     one batch keep their own acceptance."""
-    from dflash_jax.compile_count import count_compilations
+    from dflash_jax.runtime.compiled import count_compilations
 
     prompts, ref = PROMPTS, plain_greedy(pair, PROMPTS, 20)
     run_auto(pair, prompts, 20, CostModel.forcing(N, 1))  # warm-up
@@ -149,7 +150,7 @@ def test_scripted_rejection_at_j_accepts_min_of_j_and_width(pair, width, j):
 
 
 def width_oracle(scale, bias, step_cost, plain_cost, margin, conf, n_valid, running):
-    """The rule of :mod:`dflash_jax.speculative.depth`, in NumPy."""
+    """The rule of :mod:`dflash_jax.decode.auto.policy`, in NumPy."""
     c = np.clip(conf, 1e-6, 1 - 1e-6)
     a = 1 / (1 + np.exp(-(scale * np.log(c / (1 - c)) + bias)))
     surv = np.cumprod(a, axis=1) * (np.arange(conf.shape[1])[None] < n_valid[:, None])

@@ -1,4 +1,4 @@
-"""Two processes, one program (dflash_jax/distributed.py): ``generate`` through the API and the
+"""Two processes, one program (dflash_jax/runtime/distributed.py): ``generate`` through the API and the
 command line on a ``data=2,model=2`` mesh over 2 processes x 2 CPU devices on loopback (JAX's
 multi-controller runtime, gloo collectives) answers as one device does (float32, greedy; plain and
 DFlash). Oracle: the same generations in this process, on one device.
@@ -19,7 +19,7 @@ from conftest import xla_flags
 from serve_util import free_port
 
 import dflash_jax as dj
-from dflash_jax.cli import main
+from dflash_jax.cli.main import main
 from dflash_jax.loading import Drafter
 from dflash_jax.testing import tiny_drafter
 
@@ -36,9 +36,9 @@ _WORKER = textwrap.dedent(
     jax.config.update("jax_default_matmul_precision", "highest")
     import dflash_jax as dj
     from dflash_jax import sharding
-    from dflash_jax.cli import main
+    from dflash_jax.cli.main import main
     from dflash_jax.loading import Drafter
-    from dflash_jax.models import drafter as drafter_model
+    from dflash_jax.drafter import model as drafter_model
     from dflash_jax.testing import tiny_drafter
 
     assert len(jax.devices()) == 4 and len(jax.local_devices()) == 2

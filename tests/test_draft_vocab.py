@@ -1,4 +1,4 @@
-"""Reduced draft vocabulary (dflash_jax/draft_vocab.py): id lists, drafting, exact verification,
+"""Reduced draft vocabulary (dflash_jax/drafter/vocab.py): id lists, drafting, exact verification,
 the training objective, export/load and sharding.
 
 Oracles: hand-counted frequencies and coverage, the target's own greedy decode, the same run with
@@ -16,14 +16,15 @@ import pytest
 from test_spec import PROMPTS, assert_follows_target, drafter_for, outputs, plain_greedy, run_spec, target  # noqa: F401
 from test_train import GAMMA, _loss_terms, make_batch, models  # noqa: F401
 
-from dflash_jax import api
-from dflash_jax import draft_vocab as dv
-from dflash_jax import sharding as shd
-from dflash_jax import decode, speculative
-from dflash_jax.decoding import Decoding, Params
+from dflash_jax import loading
+from dflash_jax.drafter import vocab as dv
+from dflash_jax.runtime import sharding as shd
+from dflash_jax.decode import loop as decode
+from dflash_jax.decode import step as speculative
+from dflash_jax.decode.static import Decoding, Params
 from dflash_jax.errors import DFlashError
-from dflash_jax.models import drafter
-from dflash_jax.sampling import SamplingConfig
+from dflash_jax.drafter import model as drafter
+from dflash_jax.decode.sampling import SamplingConfig
 from dflash_jax.testing import tiny_drafter, tiny_target
 from dflash_jax.train import objective
 from dflash_jax.train.export import export_drafter
@@ -99,7 +100,7 @@ def test_greedy_lossless_with_draft_vocab(target, ids):
 def small():
     """An 8-token target (its head stored as ``lm_head``) and a random drafter that gets tokens accepted."""
     cfg, params = tiny_target("llama", seed=11, vocab_size=8, scale=0.5)
-    return (cfg, api.with_output_head(params)), tiny_drafter(cfg, seed=1, block_size=4, layer_ids=(0, 2), scale=0.5)
+    return (cfg, loading.with_output_head(params)), tiny_drafter(cfg, seed=1, block_size=4, layer_ids=(0, 2), scale=0.5)
 
 
 @pytest.mark.slow
@@ -148,7 +149,7 @@ def test_sampled_drafts_are_listed_tokens_drawn_with_the_target_ids_uniform(targ
     """A sampled draft is the inverse-transform draw, with the uniform of the draft's position, from
     the warped drafter distribution laid out over the target's vocabulary (zero off the list); a
     greedy row of the same batch drafts the best listed token, as a target id."""
-    from dflash_jax.sampling import RowSampling, uniform_at
+    from dflash_jax.decode.sampling import RowSampling, uniform_at
 
     cfg, params = target
     d = drafter_for(cfg, 4, seed=7)
@@ -200,8 +201,8 @@ def test_listed_logits_are_the_full_logits_columns_on_a_soft_capped_family():
     ``lm_head``, cap included (the raw logits reach well past the cap here), untied or tied."""
     from test_families import TINY_HF
 
-    from dflash_jax import registry
-    from dflash_jax.nn.embedding import lm_head
+    from dflash_jax.families import registry
+    from dflash_jax.nn.layer import lm_head
 
     fam = next(f for f in registry.TARGET_FAMILIES if f.name == "gemma4")
     cfg = fam.parse_hf(TINY_HF["gemma4"], "gemma4/config.json")
@@ -276,18 +277,18 @@ def test_out_of_list_label_is_a_miss(models):
 
 def test_export_writes_the_list_and_load_drafter_attaches_it(tmp_path, models):
     t_cfg, t_params, d_cfg, d_params = models
-    tgt = api.Target(cfg=t_cfg, params=t_params, source="tiny")
+    tgt = loading.Target(cfg=t_cfg, params=t_params, source="tiny")
     ids = np.array([1, 4, 9, 30, 126], np.int32)
     folder = export_drafter(tmp_path / "d", d_cfg, d_params, dtype="float32", draft_ids=ids)
     assert dv.load(folder, t_cfg.vocab_size).tolist() == ids.tolist()
-    got = api.load_drafter(folder, tgt)
+    got = loading.load_drafter(folder, tgt)
     assert got.cfg == dataclasses.replace(d_cfg, draft_vocab_size=len(ids))
     np.testing.assert_array_equal(np.asarray(got.params["draft_ids"]), ids)
     np.testing.assert_array_equal(np.asarray(got.params["draft_head"]), np.asarray(t_params["embed"])[ids].T)
-    plain = api.load_drafter(folder, tgt, draft_vocab=False)
+    plain = loading.load_drafter(folder, tgt, draft_vocab=False)
     assert plain.cfg == d_cfg and "draft_head" not in plain.params and "draft_ids" not in plain.params
     export_drafter(folder, d_cfg, d_params, dtype="float32")
-    assert not (folder / dv.FILE_NAME).exists() and api.load_drafter(folder, tgt).cfg.draft_vocab_size == 0
+    assert not (folder / dv.FILE_NAME).exists() and loading.load_drafter(folder, tgt).cfg.draft_vocab_size == 0
     with pytest.raises(DFlashError, match="draft_ids"):
         export_drafter(folder, d_cfg, d_params, draft_ids=[4, 1])
 

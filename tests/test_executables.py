@@ -1,4 +1,4 @@
-"""The store of compiled programs (dflash_jax.executables): a program compiled in one process runs
+"""The store of compiled programs (dflash_jax.runtime.compiled): a program compiled in one process runs
 from the store in the next without tracing, lowering or compiling; its key follows what decides
 the program; bad entries and programs JAX read back from its own cache are never used from it."""
 
@@ -13,10 +13,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dflash_jax import executables
-from dflash_jax.compile_count import count_compilations, count_store_reads
-from dflash_jax.nn import live_attention
-from dflash_jax.prefill import FEW_ROWS_OPTIONS
+from dflash_jax.runtime import compiled as executables
+from dflash_jax.runtime.compiled import count_compilations, count_store_reads
+from dflash_jax.nn import attention as live_attention
+from dflash_jax.decode.prefill import FEW_ROWS_OPTIONS
 
 
 @jax.jit
@@ -42,8 +42,8 @@ SCRIPT = textwrap.dedent("""
     import jax, jax.numpy as jnp
     import dflash_jax
     from dflash_jax import decode, executables
-    from dflash_jax.compile_count import count_compilations, count_store_reads
-    from dflash_jax.decoding import Decoding, Params
+    from dflash_jax.runtime.compiled import count_compilations, count_store_reads
+    from dflash_jax.decode.static import Decoding, Params
     from dflash_jax.testing import tiny_target
     cfg, params = tiny_target("llama", seed=3)
     static = Decoding(cfg)

@@ -1,4 +1,4 @@
-"""Every registered target family fulfils the typed contract (:class:`dflash_jax.family.FamilyModel`):
+"""Every registered target family fulfils the typed contract (:class:`dflash_jax.families.contract.FamilyModel`):
 its functions' parameters, and their behaviour on a tiny config parsed from an HF ``config.json``
 (shapes and axes agree, ``forward`` is ``lm_head`` of ``forward_hidden``, a chunked prefill equals
 one pass, ``move_rows`` keeps the cache's structure); the drafters embed and project through it."""
@@ -12,10 +12,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dflash_jax import draft_vocab, family, registry
-from dflash_jax.cache import init_paged_kv_cache
+from dflash_jax.drafter import vocab as draft_vocab
+from dflash_jax.families import contract as family, registry
+from dflash_jax.runtime.carry import init_paged_kv_cache
 from dflash_jax.errors import DFlashError
-from dflash_jax.models import drafter
+from dflash_jax.drafter import model as drafter
 from dflash_jax.testing import tiny_drafter, tiny_target
 from laguna_tiny import PER_HEAD
 

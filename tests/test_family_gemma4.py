@@ -20,10 +20,10 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from dflash_jax.config_gemma4 import Gemma4Config  # noqa: E402
+from dflash_jax.families.gemma4.config import Gemma4Config  # noqa: E402
 from dflash_jax.errors import DFlashError  # noqa: E402
-from dflash_jax.models import gemma4  # noqa: E402
-from dflash_jax.registry import family_for_hf, load_hf_target  # noqa: E402
+from dflash_jax.families.gemma4 import model as gemma4  # noqa: E402
+from dflash_jax.families.registry import family_for_hf, load_hf_target  # noqa: E402
 from dflash_jax.testing import tiny_drafter  # noqa: E402
 from hf_oracle import check_logits_and_capture, rel_err, hf_greedy, hf_logits, ours_greedy, save_tiny  # noqa: E402
 
@@ -100,7 +100,7 @@ def test_greedy_plain_and_dflash_match_transformers(case):
 def _draft_logits_match_zlab(zlab, draft, model, cfg, params, d_cfg, d_params, context):
     """One draft block's logits: z-lab's drafter (raw embedding times its scale, raw head, its cap)
     against ours (through the family's embed and lm_head)."""
-    from dflash_jax.models import drafter
+    from dflash_jax.drafter import model as drafter
 
     c = len(context)
     block = [context[-1]] + [V - 1] * 3
@@ -122,7 +122,7 @@ def test_same_tokens_and_verify_steps_as_zlab_dflash_generate(case, tmp_path):
     ``final_logit_softcapping``), gives the tokens and verify steps ours gives on the loaded
     checkpoints (the knobs restated against the family: applied once, through it)."""
     zlab = pytest.importorskip("dflash.model")
-    from dflash_jax.registry import load_hf_drafter
+    from dflash_jax.families.registry import load_hf_drafter
     from hf_oracle import steer_to, zlab_generate
 
     model, cfg, params, _ = case
@@ -281,7 +281,7 @@ def test_gguf_loads_what_safetensors_load(which, request, tmp_path):
     double-wide MLPs, ``attention_k_eq_v`` and an untied head; the MoE block) loads to the config
     and params of the safetensors it came from and to transformers' logits; bad metadata is refused
     naming the key."""
-    from dflash_jax.registry import load_gguf_target
+    from dflash_jax.families.registry import load_gguf_target
 
     model, cfg, params, folder = request.getfixturevalue(which)
     _write_gguf_from_hf(folder, tmp_path / "m.gguf")
@@ -306,8 +306,8 @@ sys.path.insert(0, "tests")
 import jax, numpy as np
 jax.config.update("jax_default_matmul_precision", "highest")
 from dflash_jax import decode, sharding as shd
-from dflash_jax.decoding import Decoding, Params
-from dflash_jax.registry import family_for_hf, module_for
+from dflash_jax.decode.static import Decoding, Params
+from dflash_jax.families.registry import family_for_hf, module_for
 from dflash_jax.testing import tiny_drafter
 from test_families import TINY_HF
 

@@ -14,10 +14,10 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from dflash_jax.config_gpt_oss import GptOssConfig  # noqa: E402
-from dflash_jax.io.gpt_oss import dequantize_mxfp4  # noqa: E402
-from dflash_jax.models import gpt_oss  # noqa: E402
-from dflash_jax.registry import load_hf_target  # noqa: E402
+from dflash_jax.families.gpt_oss.config import GptOssConfig  # noqa: E402
+from dflash_jax.families.gpt_oss.safetensors import dequantize_mxfp4  # noqa: E402
+from dflash_jax.families.gpt_oss import model as gpt_oss  # noqa: E402
+from dflash_jax.families.registry import load_hf_target  # noqa: E402
 from dflash_jax.testing import tiny_drafter  # noqa: E402
 from hf_oracle import check_logits_and_capture, rel_err, hf_greedy, hf_logits, ours_greedy, save_tiny  # noqa: E402
 
@@ -168,7 +168,7 @@ def test_gguf_loads_what_safetensors_load(tmp_path):
     import gguf
 
     from dflash_jax.errors import DFlashError
-    from dflash_jax.registry import load_gguf_target
+    from dflash_jax.families.registry import load_gguf_target
 
     conf = dict(CONF, swiglu_limit=7.0, rope_parameters=dict(CONF["rope_parameters"], truncate=True))
     save_tiny("GptOssConfig", "GptOssForCausalLM", tmp_path / "hf", seed=6, **conf)
@@ -227,8 +227,8 @@ def test_gguf_chat_turn_ends_at_call_not_at_end(target, tmp_path):
     decode at ``<|call|>`` and goes on past ``<|end|>``, which ends one message of a harmony turn, not
     the turn: the tokens sit at ids the model emits greedily (found first without stops; ``-1`` pads
     the stop list to the same width, so both decodes run one compiled program)."""
-    from dflash_jax import decode
-    from dflash_jax.decoding import Decoding, Params
+    from dflash_jax.decode import loop as decode
+    from dflash_jax.decode.static import Decoding, Params
     from dflash_jax.loading import load_target
 
     _, _, _, folder = target

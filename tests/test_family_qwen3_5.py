@@ -11,13 +11,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dflash_jax import decode, speculative
-from dflash_jax.axes import flat_axes
-from dflash_jax.config_qwen3_5 import qwen3_5_config_from_hf
-from dflash_jax.decoding import Decoding, Params
+from dflash_jax.decode import loop as decode
+from dflash_jax.decode import step as speculative
+from dflash_jax.runtime.carry import flat_axes
+from dflash_jax.families.qwen3_5.config import qwen3_5_config_from_hf
+from dflash_jax.decode.static import Decoding, Params
 from dflash_jax.errors import DFlashError
-from dflash_jax.models import qwen3_5
-from dflash_jax.registry import load_hf_target
+from dflash_jax.families.qwen3_5 import model as qwen3_5
+from dflash_jax.families.registry import load_hf_target
 from dflash_jax.testing import tiny_drafter, verify_scripted
 
 torch = pytest.importorskip("torch")
@@ -157,7 +158,7 @@ def test_without_rollback_the_output_differs(pair, monkeypatch):
     rollback) departs from transformers: :func:`test_rows_roll_back_to_their_own_acceptance` can fail."""
     import dataclasses
 
-    from dflash_jax import registry
+    from dflash_jax.families import registry
 
     real = qwen3_5.commit_block_states
 
@@ -213,8 +214,8 @@ def test_continuous_batching_replaces_linear_state_rows(pair):
 def test_auto_depth_greedy_equals_plain(pair, width):
     """``n_max="auto"`` (each width one compiled branch of verify + commit, or a plain step:
     ``width`` 0) keeps the rollback exact."""
-    from dflash_jax.costs import CostModel, depth_policy
-    from dflash_jax.speculative.depth import Calibration
+    from dflash_jax.decode.auto.costs import CostModel, depth_policy
+    from dflash_jax.decode.auto.policy import Calibration
 
     _, cfg, params = pair
     dcfg, dparams = tiny_drafter(cfg, layer_ids=(0, 3), block_size=4)

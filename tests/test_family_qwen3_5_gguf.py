@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 
 from dflash_jax.errors import DFlashError
-from dflash_jax.models import qwen3_5
-from dflash_jax.registry import load_gguf_target, load_hf_target
+from dflash_jax.families.qwen3_5 import model as qwen3_5
+from dflash_jax.families.registry import load_gguf_target, load_hf_target
 from dflash_jax.testing import tiny_drafter
 
 torch = pytest.importorskip("torch")

@@ -29,7 +29,7 @@ _SCRIPT = textwrap.dedent(
     import dflash_jax as dj
     from dflash_jax import sharding
     from dflash_jax.loading import Drafter
-    from dflash_jax.models import drafter as drafter_model
+    from dflash_jax.drafter import model as drafter_model
     from dflash_jax.serve.app import build_app
     from dflash_jax.serve.engine import Engine
     from dflash_jax.serve.jobs import ServedModel

@@ -16,10 +16,10 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from dflash_jax.config_qwen3_moe import Qwen3MoeConfig  # noqa: E402
+from dflash_jax.families.qwen3_moe.config import Qwen3MoeConfig  # noqa: E402
 from dflash_jax.errors import DFlashError  # noqa: E402
-from dflash_jax.models import qwen3_moe  # noqa: E402
-from dflash_jax.registry import family_for_hf, load_hf_target  # noqa: E402
+from dflash_jax.families.qwen3_moe import model as qwen3_moe  # noqa: E402
+from dflash_jax.families.registry import family_for_hf, load_hf_target  # noqa: E402
 from dflash_jax.testing import tiny_drafter  # noqa: E402
 from hf_oracle import check_logits_and_capture, rel_err, hf_greedy, hf_logits, ours_greedy, save_tiny  # noqa: E402
 
@@ -155,7 +155,7 @@ def test_gguf_loads_what_safetensors_load(tmp_path):
     """A ``qwen3moe`` GGUF (every layer MoE, top-k renormalised: what llama.cpp's graph runs) loads
     to the params of the safetensors it came from and to transformers' logits; a dense layer is
     refused by name."""
-    from dflash_jax.registry import load_gguf_target
+    from dflash_jax.families.registry import load_gguf_target
 
     conf = dict(_COMMON, num_hidden_layers=2, decoder_sparse_step=1, norm_topk_prob=True, tie_word_embeddings=False)
     model = save_tiny("Qwen3MoeConfig", "Qwen3MoeForCausalLM", tmp_path / "hf", seed=5, **conf)
@@ -179,8 +179,8 @@ _EXPERT_MESH = """
 import jax, numpy as np
 jax.config.update("jax_default_matmul_precision", "highest")
 from dflash_jax import decode, sharding as shd
-from dflash_jax.decoding import Decoding, Params
-from dflash_jax.registry import family_for_hf, module_for
+from dflash_jax.decode.static import Decoding, Params
+from dflash_jax.families.registry import family_for_hf, module_for
 from dflash_jax.testing import tiny_drafter
 
 hf = dict(architectures=["Qwen3MoeForCausalLM"], vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=4,

@@ -12,9 +12,10 @@ import numpy as np
 from tiny_gguf import Q, model_kv, model_tensors, tiny_cfg, tokens_for, write_gguf, write_model
 
 import dflash_jax as dj
-from dflash_jax import assets, loading
-from dflash_jax.fingerprint import weights_fingerprint
-from dflash_jax.models import dense
+from dflash_jax.assets import default_model as assets
+from dflash_jax import loading
+from dflash_jax.runtime.fingerprint import weights_fingerprint
+from dflash_jax.families.dense import model as dense
 
 
 def _params(cfg, seed):

@@ -13,8 +13,8 @@ import pytest
 from tiny_gguf import Q, model_kv, model_tensors, tiny_cfg, tokens_for, write_gguf, write_model
 
 from dflash_jax.errors import DFlashError
-from dflash_jax.io import gguf as G
-from dflash_jax.models import dense
+from dflash_jax.families.dense import gguf as G
+from dflash_jax.families.dense import model as dense
 
 
 # ------------------------------------------------------------------------------------ helpers
@@ -370,7 +370,7 @@ def _fake_wheel(path, payload=b"GGUF fake model bytes"):
 
 
 def test_asset_cache_dir(monkeypatch, tmp_path):
-    from dflash_jax import assets
+    from dflash_jax.assets import default_model as assets
 
     monkeypatch.setenv("DFLASH_JAX_CACHE", str(tmp_path / "a"))
     assert assets.cache_dir() == tmp_path / "a"
@@ -383,7 +383,7 @@ def test_asset_cache_dir(monkeypatch, tmp_path):
 
 
 def test_asset_download_extracts_only_the_gguf(monkeypatch, tmp_path, capsys):
-    from dflash_jax import assets
+    from dflash_jax.assets import default_model as assets
 
     monkeypatch.setenv("DFLASH_JAX_CACHE", str(tmp_path / "cache"))
     calls = []
@@ -404,7 +404,7 @@ def test_asset_download_extracts_only_the_gguf(monkeypatch, tmp_path, capsys):
 
 
 def test_asset_wheel_placed_by_hand_and_sha_check(monkeypatch, tmp_path):
-    from dflash_jax import assets
+    from dflash_jax.assets import default_model as assets
 
     cache = tmp_path / "cache"
     cache.mkdir()
@@ -419,7 +419,7 @@ def test_asset_wheel_placed_by_hand_and_sha_check(monkeypatch, tmp_path):
 
 
 def test_asset_download_failure_names_manual_paths(monkeypatch, tmp_path):
-    from dflash_jax import assets
+    from dflash_jax.assets import default_model as assets
 
     cache = tmp_path / "cache"
     monkeypatch.setenv("DFLASH_JAX_CACHE", str(cache))

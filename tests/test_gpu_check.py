@@ -12,7 +12,8 @@ from pathlib import Path
 import jax
 import pytest
 
-from dflash_jax.models import dense, laguna
+from dflash_jax.families.dense import model as dense
+from dflash_jax.families.laguna import model as laguna
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -139,7 +140,7 @@ def test_qwen3_coder_30b_a3b_real_shapes(tools):
     assert 30.4e9 < gpu_shapes.tree_bytes(target) / 2 < 30.6e9
     active = gpu_shapes.weight_bytes_per_token(target, cfg) / 2 + cfg.vocab_size * cfg.hidden_size  # plus the embedding table
     assert 3.2e9 < active < 3.4e9
-    from dflash_jax.registry import module_for
+    from dflash_jax.families.registry import module_for
     assert module_for(cfg).param_axes(cfg)["seg0_0"]["e_up"] == ("layers", "experts", "embed", "expert_mlp")
 
 

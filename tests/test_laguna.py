@@ -14,14 +14,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dflash_jax import decode
-from dflash_jax.config_laguna import laguna_config_from_hf
-from dflash_jax.decoding import Decoding, Params
+from dflash_jax.decode import loop as decode
+from dflash_jax.families.laguna.config import laguna_config_from_hf
+from dflash_jax.decode.static import Decoding, Params
 from dflash_jax.errors import DFlashError
-from dflash_jax.io.laguna import load_laguna_target, parameter_count, published_shapes, save_published
-from dflash_jax.models import laguna
-from dflash_jax.models.laguna_presets import PUBLISHED
-from dflash_jax.nn.rope import rope_tables, yarn_scale
+from dflash_jax.families.laguna.safetensors import load_laguna_target, parameter_count, published_shapes, save_published
+from dflash_jax.families.laguna import model as laguna
+from dflash_jax.families.laguna.presets import PUBLISHED
+from dflash_jax.nn.layer import rope_tables, yarn_scale
 from laguna_tiny import PER_ELEMENT, PER_HEAD, recompute_greedy, tiny_laguna, write_config
 
 torch = pytest.importorskip("torch")

@@ -11,13 +11,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dflash_jax import decode
-from dflash_jax.registry import drafter_config_from_hf
-from dflash_jax.decoding import Decoding, Params
+from dflash_jax.decode import loop as decode
+from dflash_jax.families.registry import drafter_config_from_hf
+from dflash_jax.decode.static import Decoding, Params
 from dflash_jax.errors import DFlashError
-from dflash_jax.registry import load_hf_drafter as load_drafter
-from dflash_jax.io.laguna_drafter import load_laguna_drafter_gguf
-from dflash_jax.models import drafter, laguna_drafter
+from dflash_jax.families.registry import load_hf_drafter as load_drafter
+from dflash_jax.drafter.laguna import load_laguna_drafter_gguf
+from dflash_jax.drafter import model as drafter, laguna as laguna_drafter
 from laguna_tiny import LAGUNA_DRAFTER, PER_HEAD, tiny_laguna, write_config
 
 gguf = pytest.importorskip("gguf")

@@ -3,7 +3,7 @@
 The oracle below is written directly from ``docs/specs/laguna.md`` section 6.4 (vLLM
 ``laguna_dflash.py`` semantics) and works on checkpoint-layout weights (``[out, in]``, packed
 ``qkv_proj`` rows ``q | k | v``, ``aux_hidden_norms.j``), in float64, without calling any
-``dflash_jax`` function. It checks :func:`dflash_jax.models.drafter.context_kv`, ``forward`` and
+``dflash_jax`` function. It checks :func:`dflash_jax.drafter.model.context_kv`, ``forward`` and
 ``logits`` on tiny configs with a per-head (and a per-element) gate, a causal block, a sliding
 window shorter than the context, three captured layers and a batch whose rows have different
 context lengths (garbage in the unused context slots must not leak).
@@ -14,8 +14,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dflash_jax.registry import drafter_config_from_hf
-from dflash_jax.models import drafter
+from dflash_jax.families.registry import drafter_config_from_hf
+from dflash_jax.drafter import model as drafter
 from laguna_tiny import LAGUNA_DRAFTER, PER_HEAD, tiny_laguna
 
 TOL = 1e-4  # max|delta| / max|ref|

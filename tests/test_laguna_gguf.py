@@ -16,10 +16,10 @@ import numpy as np
 import pytest
 
 from dflash_jax.errors import DFlashError
-from dflash_jax import registry
-from dflash_jax.io.laguna import load_laguna_target, save_published
-from dflash_jax.io.laguna_gguf import load_laguna_gguf_target
-from dflash_jax.models.laguna import layer_slot
+from dflash_jax.families import registry
+from dflash_jax.families.laguna.safetensors import load_laguna_target, save_published
+from dflash_jax.families.laguna.gguf import load_laguna_gguf_target
+from dflash_jax.families.laguna.model import layer_slot
 from laguna_tiny import PER_ELEMENT, PER_HEAD, tiny_laguna, write_config
 
 gguf = pytest.importorskip("gguf")

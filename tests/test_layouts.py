@@ -1,4 +1,4 @@
-"""The ``[out, in]`` weight copies (:mod:`dflash_jax.nn.layouts`): the same logits within float32
+"""The ``[out, in]`` weight copies (:mod:`dflash_jax.nn.params`): the same logits within float32
 tolerance and the same greedy tokens as without them, read exactly from their row thresholds on,
 invisible to fingerprints and sharding, and held by the loaded default target as measured."""
 
@@ -9,9 +9,9 @@ import pytest
 
 import dflash_jax as dj
 from dflash_jax.loading import with_output_head
-from dflash_jax.models import dense
-from dflash_jax.models.params import PerLayer
-from dflash_jax.nn import layouts
+from dflash_jax.families.dense import model as dense
+from dflash_jax.nn.params import PerLayer
+from dflash_jax.nn import params as layouts
 from dflash_jax.testing import reference_greedy, tiny_drafter, tiny_target
 
 PROMPT = [5, 9, 17, 3, 22, 8, 1]
@@ -75,8 +75,8 @@ def test_a_tied_head_without_lm_head_gets_no_copy():
 def test_fingerprints_and_sharding_see_through_the_copies(pair):
     """The copies are a layout, not weights: fingerprints equal the tree's without them, and
     ``param_shardings`` places each copy (and the tied head's ``lm_head``) by its weight's axes, swapped."""
-    from dflash_jax import sharding as shd
-    from dflash_jax.fingerprint import tree_fingerprint, weights_fingerprint
+    from dflash_jax.runtime import sharding as shd
+    from dflash_jax.runtime.fingerprint import tree_fingerprint, weights_fingerprint
 
     cfg, params, wide = pair
     assert tree_fingerprint(wide) == tree_fingerprint(params) != tree_fingerprint(dict(params, lm_head=params["lm_head"] * 2))

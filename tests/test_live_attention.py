@@ -1,4 +1,4 @@
-"""Attention that reads only the live prefix of the cache (dflash_jax.nn.live_attention).
+"""Attention that reads only the live prefix of the cache (dflash_jax.nn.attention).
 
 Oracles: the softmax formula written out in numpy; the target's greedy decode recomputed without a
 cache; plain greedy decoding for DFlash rows of very different lengths. The suite runs every model
@@ -12,12 +12,12 @@ import numpy as np
 import pytest
 
 import dflash_jax as dj
-from dflash_jax import decode
-from dflash_jax.compile_count import count_compilations
-from dflash_jax.decoding import Decoding, Params
-from dflash_jax.models import dense
-from dflash_jax.nn.live_attention import cache_attention, live_keys
-from dflash_jax.state import CAPACITY
+from dflash_jax.decode import loop as decode
+from dflash_jax.runtime.compiled import count_compilations
+from dflash_jax.decode.static import Decoding, Params
+from dflash_jax.families.dense import model as dense
+from dflash_jax.nn.attention import cache_attention, live_keys
+from dflash_jax.decode.state import CAPACITY
 from dflash_jax.testing import tiny_drafter, tiny_target
 
 

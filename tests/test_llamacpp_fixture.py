@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dflash_jax.models import dense
+from dflash_jax.families.dense import model as dense
 
 FIXTURE = Path(__file__).resolve().parent / "fixtures" / "smollm2_llamacpp_greedy.json"
 MIN_GAP = 0.25
@@ -34,9 +34,9 @@ def fixture():
 @pytest.fixture(scope="session")
 def default_model():
     """(cfg, params, tokenizer) of the default target, loaded once."""
-    from dflash_jax.assets import default_target_path
-    from dflash_jax.io.gguf import load_gguf_target
-    from dflash_jax.io.tokenizer import Tokenizer
+    from dflash_jax.assets.default_model import default_target_path
+    from dflash_jax.families.dense.gguf import load_gguf_target
+    from dflash_jax.formats.tokenizer import Tokenizer
 
     path = default_target_path()
     cfg, params = load_gguf_target(path, dtype="float32")

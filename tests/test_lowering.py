@@ -17,12 +17,13 @@ import pytest
 from jax import export
 from jax.sharding import AbstractMesh
 
-from dflash_jax import decode, speculative
-from dflash_jax import sharding as shd
-from dflash_jax.decoding import Decoding, Params
-from dflash_jax.models import drafter as drafter_mod
-from dflash_jax.registry import drafter_config_from_hf, module_for
-from dflash_jax.sampling import SamplingConfig
+from dflash_jax.decode import loop as decode
+from dflash_jax.decode import step as speculative
+from dflash_jax.runtime import sharding as shd
+from dflash_jax.decode.static import Decoding, Params
+from dflash_jax.drafter import model as drafter_mod
+from dflash_jax.families.registry import drafter_config_from_hf, module_for
+from dflash_jax.decode.sampling import SamplingConfig
 from dflash_jax.testing import tiny_drafter, tiny_target
 from laguna_tiny import LAGUNA_DRAFTER, PER_HEAD, tiny_laguna
 
@@ -102,9 +103,9 @@ def test_decoding_steps_lower_for_cuda_and_tpu(models, name, spec, sampling):
 def test_adaptive_depth_steps_lower_for_cuda_and_tpu(models, sampling):
     """``n_max="auto"``: the step (a width chosen on device, once-or-never loops per width), the
     loop and the verify of given drafts lower and donate the state."""
-    from dflash_jax.costs import CostModel, depth_policy
-    from dflash_jax.speculative.adaptive import verify_auto
-    from dflash_jax.speculative.depth import Calibration
+    from dflash_jax.decode.auto.costs import CostModel, depth_policy
+    from dflash_jax.decode.auto.adaptive import verify_auto
+    from dflash_jax.decode.auto.policy import Calibration
 
     cfg, p, dcfg, dp = models["dense"]
     samp, mode = SAMPLINGS[sampling]

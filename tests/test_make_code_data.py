@@ -96,7 +96,7 @@ def test_dataset_follows_the_base_and_answers_with_the_source(tmp_path):
     assert len(ds) == len(prompts) == 14 and [p["source"] for p in prompts[:2]] == ["a", "b"]
     for i in range(2):
         assert [a.tolist() for a in ds.sequence(i)] == [a.tolist() for a in base.sequence(i)]
-    from dflash_jax.api import load_target
+    from dflash_jax.loading import load_target
 
     tok = load_target().tokenizer
     end = tok.token_to_id("<|im_end|>")

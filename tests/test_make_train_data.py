@@ -164,8 +164,8 @@ def test_sources_answers_follow_the_base_and_no_prompt_is_asked_twice(tmp_path, 
     puts a dataset's sequences first and skips the prompts it already asks, so growing a dataset
     never repeats a prompt; a rerun reuses every shard."""
     m, _ = _tools()
-    from dflash_jax import decode
-    from dflash_jax.api import load_target
+    from dflash_jax.decode import loop as decode
+    from dflash_jax.loading import load_target
     from dflash_jax.train.data import TokenDataset
 
     name = _fake_package(tmp_path, monkeypatch)

@@ -13,7 +13,7 @@ import textwrap
 import pytest
 from conftest import run_on_cpu_devices
 
-from dflash_jax.cli import main
+from dflash_jax.cli.main import main
 
 _SCRIPT = textwrap.dedent(
     """
@@ -26,9 +26,9 @@ _SCRIPT = textwrap.dedent(
     from serve_util import serve_in_thread
     import dflash_jax as dj
     from dflash_jax import sharding
-    from dflash_jax.cli import main
+    from dflash_jax.cli.main import main
     from dflash_jax.loading import Drafter
-    from dflash_jax.models import drafter as drafter_model
+    from dflash_jax.drafter import model as drafter_model
     from dflash_jax.serve.app import build_app
     from dflash_jax.serve.engine import Engine
     from dflash_jax.serve.jobs import ServedModel
@@ -96,9 +96,9 @@ _LAGUNA = textwrap.dedent(
     import dflash_jax as dj
     from dflash_jax import sharding
     from dflash_jax.loading import Drafter, Target
-    from dflash_jax.models import drafter as drafter_model
-    from dflash_jax.models import laguna
-    from dflash_jax.registry import drafter_config_from_hf
+    from dflash_jax.drafter import model as drafter_model
+    from dflash_jax.families.laguna import model as laguna
+    from dflash_jax.families.registry import drafter_config_from_hf
     from laguna_tiny import LAGUNA_DRAFTER, PER_HEAD, tiny_laguna
 
     cfg, params = tiny_laguna(PER_HEAD, seed=4, max_block=4)

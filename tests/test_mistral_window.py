@@ -12,10 +12,10 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from dflash_jax.config import target_config_from_hf  # noqa: E402
+from dflash_jax.families.dense.config import target_config_from_hf  # noqa: E402
 from dflash_jax.errors import DFlashError  # noqa: E402
-from dflash_jax.models import dense  # noqa: E402
-from dflash_jax.registry import load_hf_target  # noqa: E402
+from dflash_jax.families.dense import model as dense  # noqa: E402
+from dflash_jax.families.registry import load_hf_target  # noqa: E402
 from dflash_jax.testing import tiny_drafter  # noqa: E402
 from hf_oracle import hf_greedy, hf_logits, ours_greedy, save_tiny  # noqa: E402
 

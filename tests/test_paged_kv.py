@@ -1,4 +1,4 @@
-"""Paged KV (dflash_jax/cache.py PagedKVCache, dflash_jax/serve/pages.py): a serving batch whose
+"""Paged KV (dflash_jax/runtime/carry.py PagedKVCache, dflash_jax/serve/pages.py): a serving batch whose
 target cache and drafter context live in a shared pool of pages.
 
 Oracles: the same requests decoded by an unpaged batch (tokens, lengths, finish codes and DFlash
@@ -14,7 +14,7 @@ import pytest
 from conftest import SERVE_MAX_LEN
 
 import dflash_jax as dj
-from dflash_jax.decoding import Decoding, Params
+from dflash_jax.decode.static import Decoding, Params
 from dflash_jax.errors import DFlashError
 from dflash_jax.serve.batch import Batch
 from dflash_jax.serve.pages import PagePool

@@ -15,9 +15,9 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from dflash_jax.cache import init_capture  # noqa: E402
-from dflash_jax.io.hf import load_hf_target  # noqa: E402
-from dflash_jax.models import dense  # noqa: E402
+from dflash_jax.runtime.carry import init_capture  # noqa: E402
+from dflash_jax.families.dense.safetensors import load_hf_target  # noqa: E402
+from dflash_jax.families.dense import model as dense  # noqa: E402
 
 B, T, CHUNK, TOL = 2, 20, 7, 1e-4
 

@@ -13,7 +13,7 @@ from conftest import SERVE_MAX_LEN
 from serve_util import raw
 
 import dflash_jax as dj
-from dflash_jax.decoding import Decoding, Params
+from dflash_jax.decode.static import Decoding, Params
 from dflash_jax.serve.batch import Batch
 from dflash_jax.serve.prefix_cache import BLOCK, PrefixCache, chain_keys, supports
 
@@ -77,7 +77,7 @@ def test_chain_keys_hash_every_token_before_a_block_end():
 def test_laguna_rings_keep_the_cache_off():
     from laguna_tiny import tiny_laguna
 
-    from dflash_jax import decode
+    from dflash_jax.decode import loop as decode
 
     cfg, _ = tiny_laguna()
     state = decode.init_state(Decoding(cfg), [[1, 2]], 64, 4)
@@ -108,6 +108,6 @@ def test_a_second_request_sharing_a_prompt_reuses_its_blocks(serve_tiny, serve_t
 
 @pytest.mark.parametrize("mb", ["-1", "nan", "inf"])
 def test_serve_refuses_a_negative_prefix_budget(mb):
-    from dflash_jax.cli import main
+    from dflash_jax.cli.main import main
 
     assert main(["serve", "--prefix-cache-mb", mb, "--port", "1"]) == 2

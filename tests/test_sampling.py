@@ -6,7 +6,15 @@ import numpy as np
 import pytest
 
 from dflash_jax.errors import DFlashError
-from dflash_jax.sampling import RowSampling, SamplingConfig, probabilities, row_keys, sample_at, top2_gap, warp_logits
+from dflash_jax.decode.sampling import (
+    RowSampling,
+    SamplingConfig,
+    probabilities,
+    row_keys,
+    sample_at,
+    top2_gap,
+    warp_logits,
+)
 
 
 def np_reference(logits, t, k, p):
@@ -98,7 +106,7 @@ def test_the_draw_never_picks_a_token_of_probability_zero(monkeypatch, u, want):
     """At the ends of the uniform's range the inverse transform picks the first / last token of
     positive probability (here top-k leaves tokens 1 and 3 of 6), whatever the float rounding of
     the cumulative sum."""
-    import dflash_jax.sampling as sampling
+    import dflash_jax.decode.sampling as sampling
 
     monkeypatch.setattr(sampling, "uniform_at", lambda rng, index: jnp.full(index.shape, u, jnp.float32))
     logits = jnp.asarray([[[0.0, 5.0, 1.0, 4.9, -3.0, 2.0]]])

@@ -186,7 +186,7 @@ def test_a_server_compiles_every_batch_size_before_it_listens(serve_tiny_model):
 
     from serve_util import serve_in_thread
 
-    from dflash_jax.compile_count import count_compilations
+    from dflash_jax.runtime.compiled import count_compilations
     from dflash_jax.serve.app import build_app
     from dflash_jax.serve.engine import Engine
     from dflash_jax.serve.jobs import ServedModel
@@ -212,7 +212,7 @@ def test_a_server_compiles_every_batch_size_before_it_listens(serve_tiny_model):
 def test_the_warm_up_covers_a_jump_between_any_two_batch_sizes(serve_tiny_model):
     """A burst can take the batch from one size straight to any other (1 -> 4 as four requests
     come at once, 4 -> 1 as three finish together); after the warm-up none of these jumps compiles."""
-    from dflash_jax.compile_count import count_compilations
+    from dflash_jax.runtime.compiled import count_compilations
     from dflash_jax.serve.engine import Engine
     from dflash_jax.serve.jobs import ServedModel
 
@@ -264,7 +264,7 @@ def test_adaptive_depth_server_measures_before_it_listens(serve_tiny_model, tmp_
 
     from serve_util import serve_in_thread
 
-    from dflash_jax import costs
+    from dflash_jax.decode.auto import costs
     from dflash_jax.serve.app import build_app
     from dflash_jax.serve.engine import Engine
     from dflash_jax.serve.jobs import ServedModel
@@ -350,7 +350,7 @@ def test_a_seeded_request_gives_one_text_alone_or_in_a_batch(serve_tiny, serve_t
     """A sampled request with a seed answers what ``generate`` samples with that seed, sent alone
     five times or at once with other seeds and prompts (whole and streamed, twice in one batch);
     another seed gives another text. Each row samples with its own seed's key at each position
-    (dflash_jax.sampling), so neither its row, its neighbours nor the drafter change its tokens."""
+    (dflash_jax.decode.sampling), so neither its row, its neighbours nor the drafter change its tokens."""
     url, engine = serve_tiny
     expected = oracle(serve_tiny_model, [1, 2, 3], 24, sampling=dj.SamplingConfig(temperature=1.0), seed=42, ignore_eos=True)[0]
     c = client(url)

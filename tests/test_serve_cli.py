@@ -15,7 +15,7 @@ import pytest
 from serve_util import free_port, raw, run_in_thread, serve_in_thread
 
 import dflash_jax as dj
-from dflash_jax import cli
+from dflash_jax.cli import main as cli
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -93,7 +93,7 @@ def test_bad_options_are_one_line_errors(serve_tiny_model, capsys, args, line):
 def test_tree_options_name_the_tree_or_the_option(serve_tiny_model, capsys, tmp_path):
     """``serve --tree``: the start-up line names the default decoding it builds (the tree's nodes
     and depth), and a tree the target cannot verify is a one-line error naming ``--tree``."""
-    from dflash_jax.serve import cli as serve_cli
+    from dflash_jax.cli import serve as serve_cli
     from dflash_jax.train.export import export_drafter
 
     folder, _, drafter = serve_tiny_model

@@ -225,9 +225,9 @@ def test_the_key_from_the_environment_or_a_file(serve_tiny_model, tmp_path):
     """``$DFLASH_JAX_API_KEY`` and ``--api-key-file`` give the server its key (a real client with
     it gets answers, without it 401); giving two, or an empty or unreadable one, is an error
     naming it."""
-    from dflash_jax.cli import build_parser
+    from dflash_jax.cli.main import build_parser
     from dflash_jax.errors import DFlashError
-    from dflash_jax.serve.cli import api_key
+    from dflash_jax.cli.serve import api_key
 
     def args(*extra):
         return build_parser().parse_args(["serve", "--target", str(serve_tiny_model[0]), *extra])

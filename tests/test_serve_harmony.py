@@ -71,7 +71,7 @@ def harmony_tokenizer():
     """A byte-level tokenizer whose vocabulary holds harmony's markers as special tokens."""
     from tokenizers import AddedToken
 
-    from dflash_jax.io.tokenizer import Tokenizer
+    from dflash_jax.formats.tokenizer import Tokenizer
     from tiny_hf import byte_tokenizer
 
     tok = byte_tokenizer()

@@ -23,7 +23,7 @@ from serve_util import free_port
 from test_serve_cli import _wait_healthy
 
 import dflash_jax as dj
-from dflash_jax.sampling import SamplingConfig
+from dflash_jax.decode.sampling import SamplingConfig
 
 REPO = Path(__file__).resolve().parents[1]
 PROMPTS = [[5, 9, 17, 3, 40, 2], [40, 2, 7], [1, 2, 3, 4]]

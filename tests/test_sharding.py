@@ -12,12 +12,13 @@ import pytest
 from conftest import run_on_cpu_devices
 from jax.sharding import AbstractMesh, PartitionSpec as P
 
-from dflash_jax import decode
-from dflash_jax import sharding as shd
-from dflash_jax.cache import KV_AXES
-from dflash_jax.decoding import Decoding
+from dflash_jax.decode import loop as decode
+from dflash_jax.runtime import sharding as shd
+from dflash_jax.runtime.carry import KV_AXES
+from dflash_jax.decode.static import Decoding
 from dflash_jax.errors import DFlashError
-from dflash_jax.models import dense, drafter
+from dflash_jax.families.dense import model as dense
+from dflash_jax.drafter import model as drafter
 from dflash_jax.testing import tiny_drafter, tiny_drafter_config, tiny_target, tiny_target_config
 
 MESH = AbstractMesh((2, 2, 1), shd.MESH_AXES)  # data=2, model=2, expert=1 (shape only)
@@ -105,11 +106,11 @@ def test_every_state_array_declares_axes_and_replace_rows_swaps_every_batch_leaf
     exactly the leaves with a batch axis (so a new per-row field cannot be missed)."""
     import jax.numpy as jnp
     import numpy as np
-    from dflash_jax import pytree
+    from dflash_jax.runtime import carry as pytree
 
-    from dflash_jax import decode
-    from dflash_jax.axes import declared_axes, flat_axes
-    from dflash_jax.registry import drafter_config_from_hf
+    from dflash_jax.decode import loop as decode
+    from dflash_jax.runtime.carry import declared_axes, flat_axes
+    from dflash_jax.families.registry import drafter_config_from_hf
     from laguna_tiny import LAGUNA_DRAFTER, PER_HEAD, tiny_laguna
 
     cfg = tiny_target_config("qwen3")
@@ -163,9 +164,10 @@ _MULTI_DEVICE = textwrap.dedent(
     import jax, numpy as np
     jax.config.update("jax_default_matmul_precision", "highest")
     from dflash_jax import sharding as shd
-    from dflash_jax.models import dense, drafter
+    from dflash_jax.families.dense import model as dense
+    from dflash_jax.drafter import model as drafter
     from dflash_jax import decode
-    from dflash_jax.decoding import Decoding, Params
+    from dflash_jax.decode.static import Decoding, Params
     from dflash_jax.testing import tiny_drafter, tiny_target
 
     assert len(jax.devices()) == 4, jax.devices()

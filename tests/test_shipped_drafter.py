@@ -10,10 +10,11 @@ import numpy as np
 import pytest
 
 import dflash_jax as dj
-from dflash_jax import draft_vocab, loading
-from dflash_jax.fingerprint import weights_fingerprint
-from dflash_jax.io.gguf_cache import cache_path
-from dflash_jax.models.params import PerLayer
+from dflash_jax.drafter import vocab as draft_vocab
+from dflash_jax import loading
+from dflash_jax.runtime.fingerprint import weights_fingerprint
+from dflash_jax.families.dense.gguf_cache import cache_path
+from dflash_jax.nn.params import PerLayer
 
 pytestmark = pytest.mark.slow
 

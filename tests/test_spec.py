@@ -12,13 +12,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dflash_jax import decode, speculative
-from dflash_jax.costs import CostModel, depth_policy
-from dflash_jax.decoding import Decoding, Params
+from dflash_jax.decode import loop as decode
+from dflash_jax.decode import step as speculative
+from dflash_jax.decode.auto.costs import CostModel, depth_policy
+from dflash_jax.decode.static import Decoding, Params
 from dflash_jax.errors import DFlashError
-from dflash_jax.sampling import SamplingConfig
-from dflash_jax.speculative.depth import Calibration, verify_widths
-from dflash_jax.state import LENGTH, STOP
+from dflash_jax.decode.sampling import SamplingConfig
+from dflash_jax.decode.auto.policy import Calibration, verify_widths
+from dflash_jax.decode.state import LENGTH, STOP
 from dflash_jax.testing import tiny_drafter, tiny_target, verify_scripted
 
 GREEDY = SamplingConfig()
@@ -188,9 +189,9 @@ def test_per_layer_drafter_gives_the_stacked_results(target):
     the hidden states of a draft pass, and the tokens and statistics of speculative decoding.
     One drafter whose layers differ (causal or not, a window or none) and with biases: a loop
     that handed a layer another layer's settings would fail; uniform layers add nothing."""
-    from dflash_jax.models import dense
-    from dflash_jax.models import drafter as dm
-    from dflash_jax.models.params import PerLayer
+    from dflash_jax.families.dense import model as dense
+    from dflash_jax.drafter import model as dm
+    from dflash_jax.nn.params import PerLayer
 
     cfg, params = target
     dcfg, dp = drafter_for(cfg, 4, seed=3, attention_bias=True, layer_causal=(True, False), layer_window=(0, 3))
@@ -214,7 +215,7 @@ def test_bug_positions_block_uses_absolute_positions(target):
     """The block's RoPE positions continue from the anchor's absolute position: shifting the
     positions changes the drafts (so the test can fail), and the loop's drafts equal a direct
     drafter call at positions ``length - 1 + i``."""
-    from dflash_jax.models import drafter as dm
+    from dflash_jax.drafter import model as dm
 
     cfg, params = target
     dcfg, dparams = drafter_for(cfg, 4, seed=4)
@@ -239,7 +240,7 @@ def test_bug_mask_id_block_is_anchor_then_mask_tokens(target):
     mask id outside the target's embedding is refused."""
     import dataclasses
 
-    from dflash_jax.models import drafter as dm
+    from dflash_jax.drafter import model as dm
 
     cfg, params = target
     dcfg, dparams = drafter_for(cfg, 4, seed=6)
@@ -262,8 +263,8 @@ def test_bug_mask_id_block_is_anchor_then_mask_tokens(target):
 
 def test_bug_layer_id_convention_capture_is_output_of_layer(target):
     """Captured id i is the residual after decoder layer i (HF hidden_states[i + 1]) (B10/B12)."""
-    from dflash_jax.cache import init_capture
-    from dflash_jax.models import dense
+    from dflash_jax.runtime.carry import init_capture
+    from dflash_jax.families.dense import model as dense
 
     cfg, params = target
     toks = jnp.asarray([PROMPTS[0]])
@@ -281,7 +282,7 @@ def test_bug_layer_id_convention_capture_is_output_of_layer(target):
 
 
 def test_bug_config_schema_refuses_what_it_cannot_run(target):
-    from dflash_jax.registry import drafter_config_from_hf
+    from dflash_jax.families.registry import drafter_config_from_hf
 
     base = {
         "architectures": ["DFlashDraftModel"], "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2,
@@ -295,7 +296,7 @@ def test_bug_config_schema_refuses_what_it_cannot_run(target):
         broken = dict(base, dflash_config={k: v for k, v in base["dflash_config"].items() if k != field})
         with pytest.raises(DFlashError, match=field):
             drafter_config_from_hf(broken, "d/config.json")
-    from dflash_jax.config import check_drafter_fits
+    from dflash_jax.drafter.config import check_drafter_fits
 
     bad = drafter_config_from_hf(dict(base, dflash_config=dict(base["dflash_config"], target_layer_ids=[0, 3])))
     with pytest.raises(DFlashError, match="target_layer_ids"):
@@ -303,7 +304,7 @@ def test_bug_config_schema_refuses_what_it_cannot_run(target):
 
 
 def test_config_fields_set_twice_must_agree_and_layer_ids_be_distinct():
-    from dflash_jax.registry import drafter_config_from_hf
+    from dflash_jax.families.registry import drafter_config_from_hf
 
     base = {
         "architectures": ["DFlashDraftModel"], "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2,
@@ -334,7 +335,7 @@ def plain_sampled(target, prompts, n_new, sampling, seed):
 
 @pytest.mark.parametrize("mode", ["argmax", "sample"])
 def test_a_seeded_row_samples_the_same_tokens_with_any_drafter_depth_or_batch(target, mode):
-    """Sampling is indexed by position (:mod:`dflash_jax.sampling`): a seeded row commits the
+    """Sampling is indexed by position (:mod:`dflash_jax.decode.sampling`): a seeded row commits the
     target's own sampled tokens, the same as plain sampled decoding, with a drafter at any
     ``n_max`` or under auto, alone or beside other prompts (one seed per prompt)."""
     sampling, seeds, n_new = SamplingConfig(0.3), [11, 12, 13], 16
@@ -418,8 +419,8 @@ def assert_follows_target(cfg, params, prompt, sampling, toks):
     """Chi-square test of sampled continuations ``toks [n, 3]`` of ``prompt`` against the target's
     exact joint distribution of its next three tokens (enumerated; vocabulary of 8). Returns the
     joint ``[8, 8, 8]``."""
-    from dflash_jax.models import dense
-    from dflash_jax.sampling import probabilities
+    from dflash_jax.families.dense import model as dense
+    from dflash_jax.decode.sampling import probabilities
 
     assert len(prompt) == 3 and cfg.vocab_size == 8 and np.shape(toks)[1] == 3, "written for 3 + 3 tokens over 8 ids"
     n = len(toks)
@@ -442,7 +443,7 @@ def assert_follows_target(cfg, params, prompt, sampling, toks):
 
 def test_no_compilation_during_generation_after_warmup(target):
     """One compilation per (config, shapes): a second generation of the same shapes compiles nothing."""
-    from dflash_jax.compile_count import count_compilations
+    from dflash_jax.runtime.compiled import count_compilations
 
     d = drafter_for(target[0], 4, seed=8)
     run_spec(target, d, PROMPTS, 10, chunk=4)
@@ -458,7 +459,7 @@ def test_replaced_rows_of_a_speculative_state_answer_as_alone(target):
     its statistics count only the new answer."""
     cfg, params = target
     dcfg, dparams = drafter_for(cfg)
-    step = jax.jit(speculative.step_fn, static_argnames=("static",))
+    step = jax.jit(decode.speculative_step_fn, static_argnames=("static",))
     st = decode.prefill(Params(params, dparams), decode.init_state(Decoding(cfg, dcfg), PROMPTS[:2], 64, 20), Decoding(cfg, dcfg), 4)
     for _ in range(3):
         st = step(Params(params, dparams), st, Decoding(cfg, dcfg))

@@ -8,7 +8,7 @@ import gguf
 import pytest
 
 from dflash_jax.errors import DFlashError
-from dflash_jax.io.tokenizer import Tokenizer
+from dflash_jax.formats.tokenizer import Tokenizer
 
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 TEMPLATE = (
@@ -177,7 +177,7 @@ def test_from_hf_folder(tmp_path, tiny):
 
 @pytest.fixture(scope="module")
 def smollm2():
-    from dflash_jax.assets import default_target_path
+    from dflash_jax.assets.default_model import default_target_path
 
     return Tokenizer.from_gguf(default_target_path())
 
@@ -202,7 +202,7 @@ def test_gpt4o_pretokenizer_splits_as_o200k():
     import regex
     from tokenizers import decoders
 
-    from dflash_jax.io.pretokenize import _GPT4O_REGEX, pre_tokenizer
+    from dflash_jax.formats.pretokenize import _GPT4O_REGEX, pre_tokenizer
 
     text = "HelloWorld's ÉCOLE 1234567 x\n\n  y//z\r\n don'T 日本語 café!?\n/"
     pieces = [decoders.ByteLevel().decode([p]) for p, _ in pre_tokenizer("gpt-4o", "t").pre_tokenize_str(text)]

@@ -11,7 +11,7 @@ import gguf
 import pytest
 
 from dflash_jax.errors import DFlashError
-from dflash_jax.io.tokenizer import Tokenizer
+from dflash_jax.formats.tokenizer import Tokenizer
 
 CORPUS = ["the quick brown fox jumps over the lazy dog", "hello world, hello there", "naïve café déjà vu",
           "def main():\n    return 42\n", "tokens and merges and  spaces   here"] * 4
@@ -204,7 +204,7 @@ def test_qwen35_pretokenizer_is_transformers_qwen3_5():
 
     from transformers.models.qwen3_5.tokenization_qwen3_5 import Qwen3_5Tokenizer
 
-    from dflash_jax.io.pretokenize import pre_tokenizer
+    from dflash_jax.formats.pretokenize import pre_tokenizer
 
     ref = Qwen3_5Tokenizer(vocab={"a": 0}, merges=[]).backend_tokenizer.pre_tokenizer
     assert isinstance(ref, pre_tokenizers.Sequence)

@@ -16,9 +16,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dflash_jax import draft_vocab
-from dflash_jax.decoding import Decoding, Params
-from dflash_jax.models import drafter
+from dflash_jax.drafter import vocab as draft_vocab
+from dflash_jax.decode.static import Decoding, Params
+from dflash_jax.drafter import model as drafter
 from dflash_jax.testing import tiny_drafter, tiny_target
 from dflash_jax.train import objective
 from dflash_jax.train import data as data_mod
@@ -261,7 +261,7 @@ def test_bf16_compute_close_to_f32(models):
 
 def greedy_dataset(t_cfg, t_params, n=12, seed=0):
     """Self-distillation in miniature: the tiny target's greedy continuations of random prompts."""
-    from dflash_jax import decode
+    from dflash_jax.decode import loop as decode
 
     rs = np.random.RandomState(seed)
     prompts = [rs.randint(0, 127, rs.randint(3, 7)).tolist() for _ in range(n)]
@@ -340,7 +340,7 @@ def test_target_labels_are_the_targets_greedy_next_tokens(tmp_path, models):
     position ``q`` with the next token after ``q - 1``; a cache without next tokens is refused for
     target labels and not reused when they are wanted; reused rows bring their next tokens."""
     from dflash_jax.errors import DFlashError
-    from dflash_jax.registry import module_for
+    from dflash_jax.families.registry import module_for
 
     t_cfg, t_params, d_cfg, _ = models
     rs = np.random.RandomState(3)
@@ -353,7 +353,7 @@ def test_target_labels_are_the_targets_greedy_next_tokens(tmp_path, models):
         Batcher(ds, 2, 16, features=plain, labels="target")
     with pytest.raises(DFlashError, match="labels"):
         Batcher(ds, 2, 16, features=plain, labels="teacher")
-    from dflash_jax.models.dense import unstack_layers
+    from dflash_jax.families.dense.model import unstack_layers
 
     per = unstack_layers(t_params)  # load_target's layout on CPU: same target, same fingerprint
     assert data_mod.target_fingerprint(t_cfg, per) == plain.meta["target"]
@@ -386,8 +386,8 @@ def test_target_labels_are_the_targets_greedy_next_tokens(tmp_path, models):
 def test_fingerprint_is_the_same_for_both_layer_layouts(models, samples):
     """Per-layer parameters hash as their stacked leaves (sampled values that straddle layers
     included), without building the stacked copy; a changed value in one layer changes it."""
-    from dflash_jax.models.dense import unstack_layers
-    from dflash_jax.models.params import PerLayer
+    from dflash_jax.families.dense.model import unstack_layers
+    from dflash_jax.nn.params import PerLayer
 
     t_cfg, t_params, _, d_params = models
     for tree in (t_params, d_params):
@@ -431,7 +431,7 @@ def test_train_config_refuses_bad_settings(kwargs, option):
 ])
 def test_drafter_config_for_refuses_bad_shapes(layers, ids, block, option):
     from dflash_jax.errors import DFlashError
-    from dflash_jax.train.cli import drafter_config_for
+    from dflash_jax.cli.train import drafter_config_for
 
     t_cfg, _ = tiny_target("llama", seed=0)
     with pytest.raises(DFlashError) as e:
@@ -505,7 +505,7 @@ def test_continue_from_trained_weights(tmp_path, tiny_run, full_run):
     assert json.loads((tmp_path / "c" / "run.json").read_text())["signature"]["init"] == params_fingerprint(full.params)
     with pytest.raises(ValueError, match=r"settings differ from the checkpointed run.s \(init\)"):
         train(tmp_path / "c", t_params, t_cfg, d_cfg, batcher, tc, progress=False)
-    from dflash_jax.models.dense import unstack_layers
+    from dflash_jax.families.dense.model import unstack_layers
 
     # the same weights per layer (load_drafter's CPU layout): the same run, found finished
     _, again = train(tmp_path / "c", t_params, t_cfg, d_cfg, batcher, tc, progress=False, init_params=unstack_layers(full.params))
@@ -520,7 +520,7 @@ def test_continue_from_trained_weights(tmp_path, tiny_run, full_run):
 
 @pytest.mark.parametrize("variant", ["plain", "sliding"])
 def test_export_config_roundtrip(variant, models):
-    from dflash_jax.registry import drafter_config_from_hf
+    from dflash_jax.families.registry import drafter_config_from_hf
 
     t_cfg = models[0]
     over = {} if variant == "plain" else dict(layer_causal=(True, False), layer_window=(5, 0))
@@ -531,7 +531,7 @@ def test_export_config_roundtrip(variant, models):
 def test_export_loads_in_our_loader_and_the_zlab_reference(tmp_path, models):
     torch = pytest.importorskip("torch")
     zlab = pytest.importorskip("dflash.model")
-    from dflash_jax.registry import load_hf_drafter as load_drafter
+    from dflash_jax.families.registry import load_hf_drafter as load_drafter
 
     t_cfg, t_params, d_cfg, d_params = models
     f32 = export_drafter(tmp_path / "f32", d_cfg, d_params, dtype="float32", extra={"dflash_jax": {"note": "test"}})
@@ -567,9 +567,9 @@ def test_cli_trains_resumes_and_exports(tmp_path, capsys):
     sys.path.insert(0, str(Path(__file__).parent))
     from tiny_hf import make_tiny_hf
 
-    from dflash_jax.registry import load_hf_drafter as load_drafter
-    from dflash_jax.io.hf import load_hf_target
-    from dflash_jax.train.cli import main
+    from dflash_jax.families.registry import load_hf_drafter as load_drafter
+    from dflash_jax.families.dense.safetensors import load_hf_target
+    from dflash_jax.cli.train import main
 
     target = make_tiny_hf(tmp_path / "target")
     rs = np.random.RandomState(0)
@@ -664,7 +664,7 @@ def test_checkpoints_roundtrip_and_an_older_safetensors_checkpoint_still_resumes
     """A checkpoint of the earlier writer (safetensors + state.json) is found and restored exactly;
     the orbax checkpoint written after it restores the same state bit for bit (step, PRNG key,
     cursor) and, with ``keep=1``, replaces it."""
-    from dflash_jax.io.files import write_safetensors
+    from dflash_jax.formats.files import write_safetensors
     from dflash_jax.testing import tiny_drafter_config, tiny_target_config
     from dflash_jax.train.checkpoint import load_checkpoint, save_checkpoint
     from dflash_jax.train.step import TrainState, init_train_state

@@ -48,7 +48,7 @@ _COMMON = textwrap.dedent(
 _MESH = _COMMON + textwrap.dedent(
     """
     from dflash_jax.errors import DFlashError
-    from dflash_jax.train.cli import main
+    from dflash_jax.cli.train import main
     assert len(jax.devices()) == 4
     tc = TrainConfig(steps=5, batch_size=4, max_len=24, num_anchors=4, lr=1e-2, warmup_ratio=0.2, seed=3, draft_vocab=64)
     tmp = pathlib.Path(tempfile.mkdtemp())
@@ -133,7 +133,7 @@ def test_two_processes_resume_from_a_checkpoint_to_the_uninterrupted_parameters(
     import safetensors.numpy
     import tiny_gguf
 
-    from dflash_jax.models import dense
+    from dflash_jax.families.dense import model as dense
     from dflash_jax.train.data import TokenDataset
 
     cfg = tiny_gguf.tiny_cfg()
@@ -173,7 +173,7 @@ def test_two_processes_resume_from_a_checkpoint_to_the_uninterrupted_parameters(
                                        (["--coordinator", "nohost"], "error: --coordinator: "),
                                        (["--coordinator", "127.0.0.1:1", "--num-processes", "2", "--process-id", "2"], "error: --process-id: ")])
 def test_bad_mesh_and_process_options_of_train_are_refused_before_anything_loads(capsys, tmp_path, argv, what):
-    from dflash_jax.train.cli import main
+    from dflash_jax.cli.train import main
 
     assert main(["--data", str(tmp_path / "nowhere"), "--out", str(tmp_path / "o"), "--mask-token-id", "16", *argv]) == 2
     err = capsys.readouterr().err

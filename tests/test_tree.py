@@ -1,4 +1,4 @@
-"""Tree verification (dflash_jax.speculative.tree): best-first trees, the accept rule over a tree,
+"""Tree verification (dflash_jax.decode.tree): best-first trees, the accept rule over a tree,
 the accepted path's K/V compacted to a chain's slots, for dense and Laguna targets.
 
 Oracles: the target's plain greedy decode, the caches of plain decoding and of a fresh prefill
@@ -12,12 +12,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dflash_jax import decode
-from dflash_jax.decoding import Decoding, Params
+from dflash_jax.decode import loop as decode
+from dflash_jax.decode.static import Decoding, Params
 from dflash_jax.errors import DFlashError
-from dflash_jax.sampling import SamplingConfig
-from dflash_jax.speculative.commit import commit_block
-from dflash_jax.speculative.tree import DraftTree, accept_tree, build_tree, verify_tree_fn
+from dflash_jax.decode.sampling import SamplingConfig
+from dflash_jax.decode.step import commit_block
+from dflash_jax.decode.tree import DraftTree, accept_tree, build_tree, verify_tree_fn
 from dflash_jax.testing import tiny_drafter, tiny_target
 from laguna_tiny import PER_HEAD, tiny_laguna
 from test_spec import PROMPTS, assert_follows_target, outputs, plain_greedy
@@ -130,7 +130,7 @@ def committed_rows(cfg, cache, n):
     slot, and the ring rows of a sliding layer that hold the last ``sliding_window`` positions."""
     if not hasattr(cache, "ring_pos"):
         return [np.asarray(cache.k[:, :, :n]), np.asarray(cache.v[:, :, :n])]
-    from dflash_jax.models.laguna import cache_entries
+    from dflash_jax.families.laguna.model import cache_entries
 
     pos = np.asarray(cache.ring_pos[0])
     live = np.nonzero((pos < n) & (pos >= n - cfg.sliding_window))[0]
@@ -216,8 +216,8 @@ def test_tree_settings_that_do_not_go_together_are_named(dense, laguna_target):
 
 def run_auto_tree(target, d, prompts, n_new, model, tree=7, calibration=None, sampling=SamplingConfig(), seed=0, chunk=4, max_len=64):
     """Decodes under ``n_max="auto"`` over a best-first tree of ``tree`` nodes with the cost model given."""
-    from dflash_jax.costs import depth_policy
-    from dflash_jax.speculative.depth import Calibration
+    from dflash_jax.decode.auto.costs import depth_policy
+    from dflash_jax.decode.auto.policy import Calibration
 
     (cfg, params), (dcfg, dparams) = target, d
     static = Decoding(cfg, dcfg, n_max="auto", tree=tree)
@@ -232,9 +232,9 @@ def test_auto_over_a_tree_is_lossless_at_every_width_it_may_choose(dense):
     tree (``tree_widths``), or takes a plain step: greedy output equals plain greedy at each forced
     width, with a policy that chooses, and when drafting never pays; ``widths`` counts the nodes
     verified; one compiled loop serves them all (the policy is traced)."""
-    from dflash_jax.compile_count import count_compilations
-    from dflash_jax.costs import CostModel
-    from dflash_jax.speculative.depth import tree_widths
+    from dflash_jax.runtime.compiled import count_compilations
+    from dflash_jax.decode.auto.costs import CostModel
+    from dflash_jax.decode.auto.policy import tree_widths
 
     assert (tree_widths(1), tree_widths(2), tree_widths(3), tree_widths(7), tree_widths(15)) == ((1,), (2,), (3,), (3, 7), (3, 7, 15))
     d = tiny_drafter(dense[0], seed=0, block_size=4, layer_ids=(0, 2))
@@ -258,7 +258,7 @@ def test_auto_over_a_tree_is_lossless_at_every_width_it_may_choose(dense):
 def test_auto_over_a_tree_samples_the_target_s_own_tokens(dense):
     """At T > 0 a seeded row under auto over a tree commits exactly the tokens plain sampling with
     that seed commits (every committed token is the target's own draw with the row's key)."""
-    from dflash_jax.costs import CostModel
+    from dflash_jax.decode.auto.costs import CostModel
 
     d = tiny_drafter(dense[0], seed=0, block_size=4, layer_ids=(0, 2))
     sampling = SamplingConfig(temperature=0.8, top_k=20)
@@ -273,9 +273,9 @@ def test_expected_tokens_of_a_tree_follow_its_paths():
     """``tree_expected_tokens`` against a hand count: a top candidate is right with the calibrated
     acceptance ``a`` of its slot, another with ``(1 - a) * p / (1 - c)``; a node counts with the
     product along its path. A chain of top candidates gives ``expected_tokens``."""
-    from dflash_jax.costs import CostModel, depth_policy
-    from dflash_jax.speculative import depth
-    from dflash_jax.speculative.depth import Calibration
+    from dflash_jax.decode.auto.costs import CostModel, depth_policy
+    from dflash_jax.decode.auto import policy as depth
+    from dflash_jax.decode.auto.policy import Calibration
 
     probs = np.array([[0.6, 0.3, 0.05, 0.05], [0.02, 0.03, 0.9, 0.05]])
     lg = jnp.asarray(np.log(probs)[None], jnp.float32)
@@ -303,7 +303,7 @@ def test_generate_drafts_the_recorded_tree_and_tree_0_a_chain(dense, tmp_path, m
     import json
 
     import dflash_jax as dj
-    from dflash_jax import costs
+    from dflash_jax.decode.auto import costs
     from dflash_jax.serve.jobs import ServedModel
     from dflash_jax.train.export import export_drafter
 
@@ -346,8 +346,8 @@ def test_continuous_batching_with_trees_answers_as_plain_greedy(dense):
     """``generate_until`` with a fixed tree and under auto over a tree stops once a row is done;
     that row, given a new prompt with ``replace_rows`` (its drafter context and statistics swapped
     with it), and the rows that kept running answer as plain greedy decoding."""
-    from dflash_jax.costs import CostModel, depth_policy
-    from dflash_jax.speculative.depth import Calibration
+    from dflash_jax.decode.auto.costs import CostModel, depth_policy
+    from dflash_jax.decode.auto.policy import Calibration
 
     (cfg, params), d = dense, tiny_drafter(dense[0], seed=0, block_size=4, layer_ids=(0, 2))
     want = plain_greedy(dense, [PROMPTS[1], PROMPTS[1], PROMPTS[2]], 20)

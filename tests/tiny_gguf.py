@@ -7,8 +7,8 @@ import gguf
 import jax
 import numpy as np
 
-from dflash_jax.config import TargetConfig
-from dflash_jax.io import gguf as G
+from dflash_jax.families.dense.config import TargetConfig
+from dflash_jax.families.dense import gguf as G
 
 Q = gguf.GGMLQuantizationType
 

@@ -1,4 +1,4 @@
-"""Key-block size of the live-length attention (``dflash_jax.nn.live_attention.KEY_BLOCK``), side by side.
+"""Key-block size of the live-length attention (``dflash_jax.nn.attention.KEY_BLOCK``), side by side.
 
 Two measurements, each alternating the block sizes in one process (medians):
 
@@ -36,11 +36,11 @@ from prompts import CHAT_PROMPTS, humaneval_chat_prompts  # noqa: E402
 
 def kernel_fn(cfg, capacity: int, key_block: int):
     """Jitted ``(q [B, T, Hq, D], k_all, v_all, positions [B, T]) -> [B, T, Hq, D]``: every layer's
-    :func:`~dflash_jax.nn.live_attention.cache_attention`, the output of one the queries of the next."""
+    :func:`~dflash_jax.nn.attention.cache_attention`, the output of one the queries of the next."""
     import jax
 
     from dflash_jax.nn.attention import causal_visible
-    from dflash_jax.nn.live_attention import cache_attention, live_keys
+    from dflash_jax.nn.attention import cache_attention, live_keys
 
     def run(q, k_all, v_all, positions):
         visible = functools.partial(causal_visible, positions)
@@ -97,9 +97,9 @@ def decode_runs(target, blocks, batch: int, n_max: int, max_new: int, runs: int)
 
     import dflash_jax as dj
     from bench_spec import fresh_state, setup, state_for
-    from dflash_jax import decode
+    from dflash_jax.decode import loop as decode
     from dflash_jax.arguments import default_max_len
-    from dflash_jax.nn import live_attention
+    from dflash_jax.nn import attention as live_attention
 
     drafter = dj.shipped_drafter(target)
     args = argparse.Namespace(max_new_tokens=max_new)

@@ -1,13 +1,13 @@
 """Compile time of a Qwen3.5 hybrid target's forward: its layers as one ``lax.scan`` over the
-repetitions of the layer-type pattern (what :func:`dflash_jax.models.qwen3_5.forward_hidden` does)
-against all layers unrolled (the same body with :func:`~dflash_jax.models.qwen3_5.period` forced to
+repetitions of the layer-type pattern (what :func:`dflash_jax.families.qwen3_5.model.forward_hidden` does)
+against all layers unrolled (the same body with :func:`~dflash_jax.families.qwen3_5.model.period` forced to
 the layer count: a scan of one step holding every layer).
 
 The target is transformers' default ``Qwen3_5TextConfig`` (32 layers, 24 Gated DeltaNet + 8 full
 attention, hidden 4096, vocab 248320: the "Qwen3.5-9B style") unless ``--layers`` changes the layer
 count. Nothing is allocated: parameters and cache are abstract (``jax.ShapeDtypeStruct``), so only
 tracing, lowering and XLA's compilation are timed, with the persistent compilation cache off and
-the project's compiler options (:data:`dflash_jax.executables.FRESH`). The variants alternate over
+the project's compiler options (:data:`dflash_jax.runtime.compiled.FRESH`). The variants alternate over
 ``--rounds`` rounds; each round compiles anew. Wall and CPU seconds (this process, all threads)
 are reported: on a shared machine the wall time follows the load, the CPU time much less. Prints a
 table; nothing is written::
@@ -34,7 +34,7 @@ def target_config(layers: int, dtype: str):
     layers (the pattern of three linear layers then a full one kept)."""
     import transformers
 
-    from dflash_jax import registry
+    from dflash_jax.families import registry
 
     hf = transformers.Qwen3_5TextConfig(num_hidden_layers=layers).to_dict()
     hf["architectures"] = ["Qwen3_5ForCausalLM"]
@@ -50,8 +50,8 @@ def compile_seconds(cfg, batch: int, tokens: int, capacity: int, unrolled: bool)
     import jax
     import jax.numpy as jnp
 
-    from dflash_jax import executables
-    from dflash_jax.models import qwen3_5
+    from dflash_jax.runtime import compiled as executables
+    from dflash_jax.families.qwen3_5 import model as qwen3_5
 
     params = jax.tree_util.tree_map(lambda s: jax.ShapeDtypeStruct(s, jnp.dtype(cfg.dtype)), qwen3_5.param_shapes(cfg),
                                     is_leaf=lambda x: isinstance(x, tuple))

@@ -68,7 +68,7 @@ def main(argv=None) -> int:
         return ttft.main(args, argv if argv is not None else sys.argv[1:])
 
     import dflash_jax as dj
-    from dflash_jax.models.params import is_per_layer
+    from dflash_jax.nn.params import is_per_layer
 
     layouts = [x.strip() for x in args.layers.split(",") if x.strip()]
     targets = {lay: dj.load_target(args.target, dtype=args.dtype, layers=lay) for lay in layouts}

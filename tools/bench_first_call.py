@@ -1,7 +1,7 @@
 """A target pass's first call in a process against its later calls, with and without XLA:CPU's
-YNNPACK fusions (the evidence for :data:`dflash_jax.prefill.FEW_ROWS_OPTIONS`).
+YNNPACK fusions (the evidence for :data:`dflash_jax.decode.prefill.FEW_ROWS_OPTIONS`).
 
-The loaded default target's :func:`dflash_jax.models.dense.forward` over ``B x T`` tokens (a
+The loaded default target's :func:`dflash_jax.families.dense.model.forward` over ``B x T`` tokens (a
 donated KV cache of 1024 slots) is compiled twice per shape, with XLA's defaults and with
 ``FEW_ROWS_OPTIONS``; each program's first call is timed, then the median of ``--calls`` later
 calls, the variants alternating over ``--rounds`` rounds (the first call counts once: later
@@ -33,10 +33,10 @@ def main(argv=None) -> int:
     import jax
     import jax.numpy as jnp
 
-    from dflash_jax import executables
+    from dflash_jax.runtime import compiled as executables
     from dflash_jax.loading import load_target
-    from dflash_jax.models import dense
-    from dflash_jax.prefill import FEW_ROWS_OPTIONS
+    from dflash_jax.families.dense import model as dense
+    from dflash_jax.decode.prefill import FEW_ROWS_OPTIONS
 
     target = load_target()
     cfg, params = target.cfg, target.params

@@ -16,9 +16,9 @@ rounds counts; the ratio ``[in,out] / [out,in]`` above 1 means the transposed la
 The LM head of a tied embedding is already ``[out, in]`` (``embed [V, H]``).
 
 ``--passes`` times what a step runs instead: the loaded default target's whole forward
-(:func:`dflash_jax.models.dense.forward`, per-layer weights, a donated KV cache at ``--capacity``)
+(:func:`dflash_jax.families.dense.model.forward`, per-layer weights, a donated KV cache at ``--capacity``)
 over ``B x T`` tokens, without and with the ``[out, in]`` copies of
-:mod:`dflash_jax.nn.layouts` (gate/up, the LM head, both), plus a control that runs the weights
+:mod:`dflash_jax.nn.params` (gate/up, the LM head, both), plus a control that runs the weights
 without copies again (the same program: its ratio shows the run's noise and any order effect). The
 variants rotate their order every round.
 Results go to sections of ``BENCHMARKS.md``::
@@ -178,8 +178,8 @@ def measure_passes(target, shapes_bt, repeats, capacity, rng) -> dict:
     import jax.numpy as jnp
     import numpy as np
 
-    from dflash_jax.models import dense
-    from dflash_jax.nn import layouts
+    from dflash_jax.families.dense import model as dense
+    from dflash_jax.nn import params as layouts
 
     p = layouts.canonical(target.params)
     variants = {"no copies": p, "control": p, "gate/up": layouts.with_wide_layouts(p, ("gate_up",)),
@@ -228,7 +228,7 @@ def passes_section(res, argv, when, capacity) -> str:
 (SmolLM2-135M-Instruct Q4_1 in float32), per-layer weights, a donated KV cache of {capacity} slots, the pass at
 position {capacity // 2}. Each cell: the median milliseconds of one forward over `B x T` tokens and, bold, the time
 without copies over the variant's (above 1: the variant is faster). `control` runs the weights without copies again:
-its ratio is the run's noise and order effect. The variants add `[out, in]` copies (`dflash_jax.nn.layouts`) used
+its ratio is the run's noise and order effect. The variants add `[out, in]` copies (`dflash_jax.nn.params`) used
 from 2 rows (`B x T`) on for gate/up and from 3 rows on for the LM head; every variant's logits match those without
 copies (float32 tolerance, same argmax).
 

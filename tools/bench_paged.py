@@ -31,7 +31,7 @@ from benchlib import int_list, machine, publish  # noqa: E402
 def batches(args, context: int):
     import jax
 
-    from dflash_jax.decoding import Decoding, Params
+    from dflash_jax.decode.static import Decoding, Params
     from dflash_jax.loading import load_target, shipped_drafter
     from dflash_jax.serve.batch import Batch
     from dflash_jax.serve.pages import PAGE_SIZE, row_bytes

@@ -43,10 +43,10 @@ def main(argv=None) -> int:
 
     import dflash_jax as dj
     from bench_spec import fresh_state, setup, state_for
-    from dflash_jax import decode
+    from dflash_jax.decode import loop as decode
     from dflash_jax.arguments import default_max_len
-    from dflash_jax.costs import NEVER, CostModel, depth_policy
-    from dflash_jax.speculative.depth import MAX_BACKOFF, Calibration
+    from dflash_jax.decode.auto.costs import NEVER, CostModel, depth_policy
+    from dflash_jax.decode.auto.policy import MAX_BACKOFF, Calibration
 
     target = dj.load_target()
     drafter = dj.shipped_drafter(target)

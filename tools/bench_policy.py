@@ -5,7 +5,7 @@ Each set runs as continuous batching at ``--batch`` slots (``tools/spec_continuo
 server's shape; 1: one request at a time): the configurations take turns in segments of
 ``batch`` finished rows. Auto's variants share one compiled loop and one cost model (kept on disk
 or measured, as ``tools/bench_spec.py`` does): the constants and the calibration are fields of the
-traced ``DepthPolicy`` (:func:`dflash_jax.costs.depth_policy`); a variant ending in ``:raw`` takes
+traced ``DepthPolicy`` (:func:`dflash_jax.decode.auto.costs.depth_policy`); a variant ending in ``:raw`` takes
 the drafter's confidences as acceptance predictions (the identity calibration). Reported per
 configuration: decode tokens/s against plain (ratio of sums; in brackets the lowest and highest
 ratio of one round of segments), the steps that drafted and the plain steps, and whether every
@@ -36,7 +36,7 @@ def parse_variants(text: str) -> dict:
     """``"16:0.15,8:0.05:raw"`` -> ``{"16 / 0.15": dict(max_backoff=16, pay_margin=0.15), "8 / 0.05 / raw":
     dict(max_backoff=8, pay_margin=0.05, raw=True)}``; ``raw``: the drafter's confidences taken as
     acceptance predictions (the identity calibration) instead of its fitted calibration."""
-    from dflash_jax.costs import check_constants
+    from dflash_jax.decode.auto.costs import check_constants
     from dflash_jax.errors import DFlashError
 
     out = {}

@@ -81,14 +81,14 @@ def parse_prompts(text: str) -> list[tuple[str, int]]:
 def build_fns(static, topk: int):
     """``(slot_topk, advance)``: the jitted drafter pass that returns ``(ids [B, n, topk] int32,
     logp [B, n, topk] float32)`` per draft slot, sorted by probability (the pass propose_fn
-    drafts from, :func:`~dflash_jax.speculative.propose.draft_logits`), and one verify of no
+    drafts from, :func:`~dflash_jax.decode.step.draft_logits`), and one verify of no
     drafts (commits the greedy token)."""
     import jax
     import jax.numpy as jnp
 
-    from dflash_jax import speculative
-    from dflash_jax.models import drafter
-    from dflash_jax.speculative.propose import draft_logits
+    from dflash_jax.decode import step as speculative
+    from dflash_jax.drafter import model as drafter
+    from dflash_jax.decode.step import draft_logits
 
     @jax.jit
     def slot_topk(params, state):
@@ -110,8 +110,8 @@ def teacher_forced(target, drafter, prompts: list[list[int]], max_new: int, topk
     verify points ``t = 0..T-1`` (anchor ``greedy[t]``)."""
     import jax
 
-    from dflash_jax import decode
-    from dflash_jax.decoding import Decoding, Params
+    from dflash_jax.decode import loop as decode
+    from dflash_jax.decode.static import Decoding, Params
 
     n = drafter.cfg.block_size - 1
     static = Decoding(target.cfg, drafter.cfg, n_max=n)

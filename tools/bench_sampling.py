@@ -1,4 +1,4 @@
-"""What a sampled token costs: ``dflash_jax.sampling.sample_at`` (inverse transform, one uniform
+"""What a sampled token costs: ``dflash_jax.decode.sampling.sample_at`` (inverse transform, one uniform
 per token) against a Gumbel-max draw (``V`` random numbers per token, the alternative it replaced)
 and the greedy argmax, at the shapes of a plain step (``T = 1``) and a verify of 8 slots, on the
 default target's vocabulary.
@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dflash_jax.sampling import SamplingConfig, row_keys, sample_at, warp_logits
+from dflash_jax.decode.sampling import SamplingConfig, row_keys, sample_at, warp_logits
 
 SHAPES = ((1, 1), (8, 1), (1, 8), (4, 8), (8, 8))  # (rows B, slots T)
 

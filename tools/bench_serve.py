@@ -88,7 +88,7 @@ def start(name: str, argv: list[str], port: int, log: Path) -> subprocess.Popen:
 
 def servers(args, logs: Path) -> dict:
     """``{name: {proc, url, model}}`` of the servers, started one after the other."""
-    from dflash_jax.assets import default_target_path
+    from dflash_jax.assets.default_model import default_target_path
 
     gguf = str(default_target_path())
     spec = [("dflash", [sys.executable, "-m", "dflash_jax", "serve"]),
@@ -237,7 +237,7 @@ def round_trips(gen: Generate, prompt: str, max_tokens: int, reps: int) -> dict:
     import jax
     import jax.numpy as jnp
 
-    from dflash_jax import decode
+    from dflash_jax.decode import loop as decode
     from dflash_jax.arguments import default_max_len
     from dflash_jax.serve.jobs import ServedModel
 

@@ -37,7 +37,7 @@ from prompts import CHAT_PROMPTS  # noqa: E402
 
 def fresh_cache() -> Path:
     """A new cache folder holding links to the default model's cached files only."""
-    from dflash_jax.assets import cache_dir, default_target_path
+    from dflash_jax.assets.default_model import cache_dir, default_target_path
 
     folder = Path(tempfile.mkdtemp(prefix="dflash_jax_serve_start_"))
     gguf = Path(default_target_path())
@@ -76,7 +76,7 @@ def main(argv=None) -> int:
     p.add_argument("--output", default=str(ROOT / "BENCHMARKS.md"))
     p.add_argument("--no-write", action="store_true", help="print the section; leave BENCHMARKS.md alone")
     args = p.parse_args(argv)
-    from dflash_jax.assets import default_target_path
+    from dflash_jax.assets.default_model import default_target_path
 
     cache, port = fresh_cache(), free_port()
     argv_srv = [sys.executable, "-m", "dflash_jax", "serve", "--max-batch", str(args.max_batch), *shlex.split(args.server_args),

@@ -43,7 +43,7 @@ def configs(drafter) -> list:
 
 def setup(target, drafter, config):
     """``(static, params)`` of one configuration (``params.depth`` is filled in later for auto)."""
-    from dflash_jax.decoding import Decoding, Params
+    from dflash_jax.decode.static import Decoding, Params
 
     if config == "plain":
         return Decoding(target.cfg), Params(target.params)
@@ -63,7 +63,7 @@ def is_auto(config) -> bool:
 
 
 def fresh_state(target, static, params, prompts, args, capacity):
-    from dflash_jax import decode
+    from dflash_jax.decode import loop as decode
 
     st = decode.init_state(static, prompts, capacity, args.max_new_tokens, target.eos_ids)
     return decode.prefill(params, st, static, 256, max(len(p) for p in prompts))
@@ -75,8 +75,9 @@ def compile_all(target, drafter, prompts, args, capacity, names=None):
     does)."""
     import jax.numpy as jnp
 
-    from dflash_jax import costs, decode
-    from dflash_jax.speculative.depth import Calibration
+    from dflash_jax.decode.auto import costs
+    from dflash_jax.decode import loop as decode
+    from dflash_jax.decode.auto.policy import Calibration
 
     out = {}
     for config in names or configs(drafter):
@@ -122,7 +123,7 @@ def run_config(prepared, config, states):
     """One timed generation of a batch: ids, gaps, seconds, decode tokens and statistics."""
     import jax
 
-    from dflash_jax.compile_count import count_compilations
+    from dflash_jax.runtime.compiled import count_compilations
 
     static, params, run, _ = prepared[config]
     st = state_for(states, static)
@@ -156,7 +157,7 @@ def compare(plain, other) -> str:
 def batches(prompts, batch, args):
     """Batches of ``batch`` prompts (sorted by length, so a batch shares a capacity), each with
     the API's default capacity, grouped by capacity."""
-    from dflash_jax.api import default_max_len
+    from dflash_jax.arguments import default_max_len
 
     order = sorted(prompts, key=len) if batch > 1 else prompts
     groups = [order[i : i + batch] for i in range(0, len(order), batch)]

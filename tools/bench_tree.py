@@ -56,12 +56,12 @@ def main(argv=None) -> int:
     import jax.numpy as jnp
 
     import dflash_jax as dj
-    from dflash_jax import decode
+    from dflash_jax.decode import loop as decode
     from dflash_jax.arguments import default_max_len
-    from dflash_jax.decoding import Decoding, Params
+    from dflash_jax.decode.static import Decoding, Params
 
-    from dflash_jax import costs
-    from dflash_jax.speculative.depth import Calibration
+    from dflash_jax.decode.auto import costs
+    from dflash_jax.decode.auto.policy import Calibration
 
     target = dj.load_target()
     drafter = dj.shipped_drafter(target)

@@ -209,7 +209,7 @@ def rows(srv: dict, n_short: int, max_tokens: int, reps: int) -> dict:
 def servers(spec: list[tuple[str, str | None, list[str]]], logs: Path) -> tuple[dict, list]:
     """``{name: server}`` of ``(name, revision or None for this tree, extra serve options)``, one
     after the other (a revision serves from a git worktree of it); and the worktrees to remove."""
-    from dflash_jax.assets import default_target_path
+    from dflash_jax.assets.default_model import default_target_path
 
     trees, srv = [], {}
     for name, rev, extra in spec:
@@ -219,7 +219,7 @@ def servers(spec: list[tuple[str, str | None, list[str]]], logs: Path) -> tuple[
             subprocess.run(["git", "worktree", "add", "--detach", str(root), rev], cwd=ROOT, check=True, capture_output=True)
             trees.append(root)
         port = free_port()
-        argv = [sys.executable, "-c", f"import sys; sys.path.insert(0, {str(root)!r}); from dflash_jax.cli import entry; entry()",
+        argv = [sys.executable, "-c", f"import sys; sys.path.insert(0, {str(root)!r}); from dflash_jax.cli.main import entry; entry()",
                 "serve", "--port", str(port), *extra]
         srv[name] = dict(proc=start(name, argv, port, logs / f"{name.split()[0]}.log"), url=f"http://127.0.0.1:{port}",
                          model=Path(default_target_path()).name)
@@ -266,7 +266,7 @@ def report_rows(results: dict, args, budget_mb: float) -> list[str]:
 
 def _budget_mb(rows_budget: int) -> float:
     """MiB of ``rows_budget`` unpaged rows of 2048 tokens of the default pair (its ``n_max="auto"`` set-up)."""
-    from dflash_jax.decoding import Decoding
+    from dflash_jax.decode.static import Decoding
     from dflash_jax.loading import load_target, shipped_drafter
     from dflash_jax.serve.pages import row_bytes
 

@@ -42,9 +42,10 @@ def record_steps(target, drafter, prompts: list[list[int]], max_new: int, max_le
     import jax
     import jax.numpy as jnp
 
-    from dflash_jax import decode, speculative
-    from dflash_jax.decoding import Decoding, Params
-    from dflash_jax.speculative.propose import block_positions, propose_fn
+    from dflash_jax.decode import loop as decode
+    from dflash_jax.decode import step as speculative
+    from dflash_jax.decode.static import Decoding, Params
+    from dflash_jax.decode.step import block_positions, propose_fn
 
     n = drafter.cfg.block_size - 1
     static, params = Decoding(target.cfg, drafter.cfg, n_max=n), Params(target.params, drafter.params)
@@ -163,7 +164,7 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
 
     import dflash_jax as dj
-    from dflash_jax.assets import shipped_drafter_path
+    from dflash_jax.assets.default_model import shipped_drafter_path
 
     target = dj.load_target()
     drafter = dj.shipped_drafter(target)

@@ -21,19 +21,19 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dflash_jax import decode
-from dflash_jax.decoding import Decoding, Params
-from dflash_jax.registry import module_for
-from dflash_jax.speculative.commit import commit_block
-from dflash_jax.speculative.propose import propose_fn
-from dflash_jax.speculative.tree import propose_tree_fn, verify_tree_fn
-from dflash_jax.speculative.verify import verify_fn
+from dflash_jax.decode import loop as decode
+from dflash_jax.decode.static import Decoding, Params
+from dflash_jax.families.registry import module_for
+from dflash_jax.decode.step import commit_block
+from dflash_jax.decode.step import propose_fn
+from dflash_jax.decode.tree import propose_tree_fn, verify_tree_fn
+from dflash_jax.decode.step import verify_fn
 
 from gpu_shapes import REPO, kv_bytes_live, weight_bytes_per_token
 
 
 def fixed_acceptance_step(params: Params, state, static: Decoding, accept):
-    """One DFlash step (propose -> verify -> commit, as :func:`dflash_jax.speculative.step.step_fn`)
+    """One DFlash step (propose -> verify -> commit, as :func:`dflash_jax.decode.loop.speculative_step_fn`)
     whose verdict accepts exactly ``accept`` drafts per row (``[]`` int32, at most what the block
     allows): the drafter's and the target's passes run as in a real step, so it costs what a real
     step costs, while the acceptance is scripted (the committed tokens are not the target's). With
@@ -214,9 +214,10 @@ def mesh_check() -> dict:
     DFlash, against the same generation on one device. ``{devices, mesh, runs, same_tokens,
     seconds, error}``."""
     import dflash_jax as dj
-    from dflash_jax import sharding
+    from dflash_jax.runtime import sharding
     from dflash_jax.loading import Drafter, Target
-    from dflash_jax.models import dense, drafter
+    from dflash_jax.families.dense import model as dense
+    from dflash_jax.drafter import model as drafter
     from dflash_jax.testing import tiny_drafter, tiny_target
 
     t0, n = time.perf_counter(), jax.device_count()

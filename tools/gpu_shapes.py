@@ -6,10 +6,10 @@ that travels to a lent GPU) are replaced by random weights of their exact shapes
 ``config.json``-style dicts parsed by the package's own parsers:
 
 - ``smollm2-135m``: SmolLM2-135M-Instruct (the default target) with the drafter shipped for it
-  (``dflash_jax/drafters/smollm2-135m-instruct/config.json``, draft vocabulary 8192).
+  (``dflash_jax/assets/drafters/smollm2-135m-instruct/config.json``, draft vocabulary 8192).
 - ``qwen3-8b``: Qwen3-8B with the z-lab ``Qwen3-8B-DFlash-b16`` drafter (docs/specs/dflash.md 1.3).
 - ``laguna-xs-2.1``: Laguna XS-2.1 (256 experts, top-8) with its DFlash drafter
-  (:mod:`dflash_jax.models.laguna_presets`).
+  (:mod:`dflash_jax.families.laguna.presets`).
 - ``qwen3-coder-30b-a3b``: Qwen3-Coder-30B-A3B-Instruct (``Qwen3MoeForCausalLM``: hidden 2048, 48
   layers all sparse, 32 heads, 4 KV heads, head_dim 128, 128 experts of 768, top-8 renormalised,
   vocab 151936; its published ``config.json``) with a DFlash drafter of z-lab's Qwen3-8B layout
@@ -33,10 +33,10 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from dflash_jax.models import drafter as drafter_mod
-from dflash_jax.models import params as P
-from dflash_jax.models.laguna_presets import DRAFTERS, PUBLISHED
-from dflash_jax.registry import drafter_config_from_hf, family_for_hf, module_for
+from dflash_jax.drafter import model as drafter_mod
+from dflash_jax.nn import params as P
+from dflash_jax.families.laguna.presets import DRAFTERS, PUBLISHED
+from dflash_jax.families.registry import drafter_config_from_hf, family_for_hf, module_for
 
 REPO = Path(__file__).resolve().parents[1]
 SHIPPED_DRAFTER = REPO / "dflash_jax" / "drafters" / "smollm2-135m-instruct" / "config.json"

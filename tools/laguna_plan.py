@@ -2,11 +2,11 @@
 
 Usage: ``python tools/laguna_plan.py [--context 32768] [--accept 4.0] [--block 16] [--batch 1]``
 
-Counts come from the published configs (``dflash_jax.models.laguna_presets``) and the parameter
-shapes of ``dflash_jax.models.laguna`` / ``laguna_drafter``; nothing is loaded. Assumptions:
+Counts come from the published configs (``dflash_jax.families.laguna.presets``) and the parameter
+shapes of ``dflash_jax.families.laguna.model`` / ``laguna_drafter``; nothing is loaded. Assumptions:
 bf16 weights and KV; full-attention layers cache every position, sliding layers a ring of
 ``window + block`` rows (this package's cache); the drafter keeps context K/V for every position
-(``dflash_jax.speculative.state``) but attends only the last ``window`` of them; FLOPs count 2 per
+(``dflash_jax.decode.state``) but attends only the last ``window`` of them; FLOPs count 2 per
 multiply-add of the matmuls and attention score/value products (no softmax, norms, rope); a
 verify step runs ``block`` target tokens and is amortised over ``accept`` committed tokens
 (mean accepted length incl. the bonus token). Devices: H200 with 141 GB, 90 % usable.
@@ -21,10 +21,10 @@ import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-from dflash_jax.registry import drafter_config_from_hf  # noqa: E402
-from dflash_jax.config_laguna import laguna_config_from_hf  # noqa: E402
-from dflash_jax.io.laguna import parameter_count  # noqa: E402
-from dflash_jax.models.laguna_presets import DRAFTERS, PUBLISHED  # noqa: E402
+from dflash_jax.families.registry import drafter_config_from_hf  # noqa: E402
+from dflash_jax.families.laguna.config import laguna_config_from_hf  # noqa: E402
+from dflash_jax.families.laguna.safetensors import parameter_count  # noqa: E402
+from dflash_jax.families.laguna.presets import DRAFTERS, PUBLISHED  # noqa: E402
 
 GB = 1e9
 H200 = 141 * GB

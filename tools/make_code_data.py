@@ -163,9 +163,9 @@ def main(argv=None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
 
-    from dflash_jax.api import load_target
+    from dflash_jax.loading import load_target
     from dflash_jax.errors import DFlashError
-    from dflash_jax.io.files import write_text
+    from dflash_jax.formats.files import write_text
 
     target = load_target(args.target)
     tok = target.tokenizer

@@ -20,7 +20,7 @@ Recipe (deterministic; recorded in ``<out>/meta.json``; ``docs/specs/dflash.md``
     asks are skipped, so one feature cache serves both and its rows are reused;
 * responses: the target's own greedy continuation (SmolLM2-135M-Instruct by default) of each
   prompt rendered with its chat template (default system prompt), by continuous batching with
-  ``dflash_jax.decode`` (``--batch-size`` rows of ``--prompt-cap + --max-new`` slots; finished
+  ``dflash_jax.decode.loop`` (``--batch-size`` rows of ``--prompt-cap + --max-new`` slots; finished
   rows take the next prompts ``--refill`` at a time), stopping at the tokenizer's
   end-of-generation ids (the stop token is kept);
 * stored as token ids (prompt + response) with ``loss_mask`` 1 on the response
@@ -300,7 +300,7 @@ class Base:
     def save_with(self, out: Path, seqs, masks, prompts: list[dict], meta: dict):
         """Saves the base's sequences then ``seqs`` as a TokenDataset at ``out`` (``meta`` with
         ``base`` set) and ``prompts.jsonl`` (line i: the prompt of sequence i)."""
-        from dflash_jax.io.files import write_text
+        from dflash_jax.formats.files import write_text
         from dflash_jax.train.data import TokenDataset
 
         ds = TokenDataset.from_sequences(self.seqs + list(seqs), self.masks + list(masks), dict(meta, base=self.meta))
@@ -337,10 +337,10 @@ def _read_shard(path: Path, ids: list[list[int]], settings: str):
 def generate_answers(target, ids: list[list[int]], todo: list[int], rows: int, refill: int, max_new: int, cap: int,
                      save, deadline: float | None = None) -> None:
     """The target's greedy answers to the prompts ``ids[j]``, ``j`` in ``todo`` (in that order),
-    by continuous batching: ``rows`` rows decode together (:func:`dflash_jax.decode.generate_until`);
+    by continuous batching: ``rows`` rows decode together (:func:`dflash_jax.decode.loop.generate_until`);
     whenever ``refill`` of them have finished, they are handed to ``save`` and the next ``refill``
     prompts, prefilled as a batch of their own, take their rows
-    (:func:`dflash_jax.decode.replace_rows`), so no row idles until the longest answer ends.
+    (:func:`dflash_jax.decode.loop.replace_rows`), so no row idles until the longest answer ends.
 
     Args:
       target: a loaded target (``load_target``).
@@ -354,8 +354,8 @@ def generate_answers(target, ids: list[list[int]], todo: list[int], rows: int, r
     import jax
     import jax.numpy as jnp
 
-    from dflash_jax import decode
-    from dflash_jax.decoding import Decoding, Params
+    from dflash_jax.decode import loop as decode
+    from dflash_jax.decode.static import Decoding, Params
 
     params, static = Params(target.params), Decoding(target.cfg)
     queue = list(todo)
@@ -438,8 +438,8 @@ def main(argv=None) -> int:
             print(json.dumps(p))
         return 0
 
-    from dflash_jax.api import load_target
-    from dflash_jax.io.files import atomic_path, write_text
+    from dflash_jax.loading import load_target
+    from dflash_jax.formats.files import atomic_path, write_text
 
     t0 = time.time()
     target = load_target(args.target)

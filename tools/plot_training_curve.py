@@ -1,6 +1,6 @@
 """Plots tau versus training tokens from a drafter's ``training_curve.csv``.
 
-    python tools/plot_training_curve.py dflash_jax/drafters/smollm2-135m-instruct/training_curve.csv
+    python tools/plot_training_curve.py dflash_jax/assets/drafters/smollm2-135m-instruct/training_curve.csv
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("csv", nargs="?", type=Path, default=ROOT / "dflash_jax/drafters/smollm2-135m-instruct/training_curve.csv",
+    ap.add_argument("csv", nargs="?", type=Path, default=ROOT / "dflash_jax/assets/drafters/smollm2-135m-instruct/training_curve.csv",
                     help="training_curve.csv of an exported drafter (default: the shipped SmolLM2 drafter's)")
     ap.add_argument("out", nargs="?", type=Path, default=ROOT / "tools/results/tau_curve.png", help="PNG to write")
     args = ap.parse_args(argv)

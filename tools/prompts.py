@@ -99,7 +99,7 @@ def humaneval_prompts(cache: Path | None = None) -> list[str]:
     """
     import hashlib
 
-    from dflash_jax.assets import cache_dir
+    from dflash_jax.assets.default_model import cache_dir
 
     cache = Path(cache or cache_dir())
     wheel = cache / HUMANEVAL_WHEEL

@@ -1,8 +1,8 @@
 """Continuous batching for ``tools/bench_spec.py``: what a server runs at a batch of ``B`` slots.
 
 Each configuration keeps its own state of ``B`` rows. Its compiled loop
-(:func:`dflash_jax.decode.generate_until`) runs until one more row finishes; the finished rows are
-read and replaced by the next prompts of the set (:func:`dflash_jax.decode.replace_rows`), taken
+(:func:`dflash_jax.decode.loop.generate_until`) runs until one more row finishes; the finished rows are
+read and replaced by the next prompts of the set (:func:`dflash_jax.decode.loop.replace_rows`), taken
 cyclically, so every slot stays busy to the end (a server under load) and no row waits for the
 longest of its batch. A configuration stops once every prompt of the set has finished; the tokens
 of the rows still running then (prompts taken again) count as far as they got. The
@@ -68,8 +68,8 @@ def _segment(run: dict, s: dict, prep, pool, batch: int, n_prompts: int) -> None
     import jax
     import jax.numpy as jnp
 
-    from dflash_jax import decode
-    from dflash_jax.compile_count import count_compilations
+    from dflash_jax.decode import loop as decode
+    from dflash_jax.runtime.compiled import count_compilations
 
     static, params, _, loop = prep
     goal = run["finished"] + batch
@@ -116,9 +116,9 @@ def run_set(target, drafter, name, prompts, batch, args, variants: dict | None =
     import jax.numpy as jnp
 
     from bench_spec import compare, compile_all, configs, prefilled, state_for
-    from dflash_jax import costs
+    from dflash_jax.decode.auto import costs
     from dflash_jax.arguments import default_max_len
-    from dflash_jax.speculative.depth import Calibration
+    from dflash_jax.decode.auto.policy import Calibration
 
     capacity = default_max_len(prompts, args.max_new_tokens)
     if variants:

@@ -1,5 +1,5 @@
 #!/usr/bin/env sh
-# Reproduces the shipped drafter dflash_jax/drafters/smollm2-135m-instruct from scratch, in eight
+# Reproduces the shipped drafter dflash_jax/assets/drafters/smollm2-135m-instruct from scratch, in eight
 # stages, on a 2-core CPU (about 12 h in all; no single command runs over two hours):
 #   1. self-distillation answers to round 1 of the recorded prompt list (2193 prompts, about
 #      35 min), cached target features (about 12 min), a first run of 1500 steps (about 60 min);
@@ -43,7 +43,7 @@ DRAFTER="--mask-token-id 16 --layers 2 --target-layer-ids 1,10,18,27 --block-siz
 RUN="--batch-size 16 --max-len 288 --num-anchors 16 --ckpt-every 50 --eval-max-new 64"
 
 "$PY" tools/make_train_data.py --out "$WORK/data1" --num-prompts 2193 $DATA
-"$PY" -m dflash_jax.train.cli --data "$WORK/data1" --out "$WORK/run1" --features "$WORK/features1" $DRAFTER $RUN \
+"$PY" -m dflash_jax.cli.train --data "$WORK/data1" --out "$WORK/run1" --features "$WORK/features1" $DRAFTER $RUN \
     --steps 1500 --lr 8e-4 --eval-every 250 --export "$WORK/drafter1"
 
 # stage 1's answers (checked against their prompts) and feature rows (matched by sequence) are reused
@@ -54,13 +54,13 @@ for f in "$WORK"/data1/shards/answers_*.npz; do
 done
 [ -f "$WORK/features/features.json" ] || ln -f "$WORK"/features1/* "$WORK/features/"
 "$PY" tools/make_train_data.py --out "$WORK/data" --num-prompts 3526 $DATA
-"$PY" -m dflash_jax.train.cli --data "$WORK/data" --out "$WORK/run2" --features "$WORK/features" $DRAFTER $RUN \
+"$PY" -m dflash_jax.cli.train --data "$WORK/data" --out "$WORK/run2" --features "$WORK/features" $DRAFTER $RUN \
     --init-from "$WORK/drafter1" --steps 1300 --lr 5e-4 --warmup-ratio 0.03 --eval-every 325 --export "$WORK/drafter2"
 
 # real source, labelled by the target: no generation; the features are computed again because
 # the cache now also holds the target's next tokens
 "$PY" tools/make_code_data.py --out "$WORK/data3" --base "$WORK/data"
-"$PY" -m dflash_jax.train.cli --data "$WORK/data3" --out "$WORK/run3" --features "$WORK/features3" --labels target $DRAFTER $RUN \
+"$PY" -m dflash_jax.cli.train --data "$WORK/data3" --out "$WORK/run3" --features "$WORK/features3" --labels target $DRAFTER $RUN \
     --init-from "$WORK/drafter2" --steps 1300 --lr 5e-4 --warmup-ratio 0.03 --eval-every 325 --export "$WORK/drafter3"
 
 # installed packages' source, labelled by the target; stage 3's feature rows are reused
@@ -68,7 +68,7 @@ SOURCES=sympy,networkx,mpmath,numpy,scipy,jinja2,pip,setuptools,packaging,dateut
 "$PY" tools/make_code_data.py --out "$WORK/data4" --base "$WORK/data3" --sources "$SOURCES" --num-sequences 5000
 mkdir -p "$WORK/features4"
 [ -f "$WORK/features4/features.json" ] || ln -f "$WORK"/features3/* "$WORK/features4/"
-"$PY" -m dflash_jax.train.cli --data "$WORK/data4" --out "$WORK/run4" --features "$WORK/features4" --labels target $DRAFTER $RUN \
+"$PY" -m dflash_jax.cli.train --data "$WORK/data4" --out "$WORK/run4" --features "$WORK/features4" --labels target $DRAFTER $RUN \
     --init-from "$WORK/drafter3" --steps 1300 --lr 5e-4 --warmup-ratio 0.03 --eval-every 325 --export "$WORK/drafter4"
 
 # 5000 more package functions, from those packages and more; stage 4's feature rows are reused
@@ -76,7 +76,7 @@ SOURCES5=$SOURCES,torch,transformers,jax,flax,optax,rich,pygments,tornado,_pytes
 "$PY" tools/make_code_data.py --out "$WORK/data5" --base "$WORK/data4" --sources "$SOURCES5" --num-sequences 5000
 mkdir -p "$WORK/features5"
 [ -f "$WORK/features5/features.json" ] || ln -f "$WORK"/features4/* "$WORK/features5/"
-"$PY" -m dflash_jax.train.cli --data "$WORK/data5" --out "$WORK/run5" --features "$WORK/features5" --labels target $DRAFTER $RUN \
+"$PY" -m dflash_jax.cli.train --data "$WORK/data5" --out "$WORK/run5" --features "$WORK/features5" --labels target $DRAFTER $RUN \
     --init-from "$WORK/drafter4" --steps 1300 --lr 5e-4 --warmup-ratio 0.03 --eval-every 325 --export "$WORK/drafter5"
 
 # the target's own answers (self-distillation) to the HumanEval-format prompt over functions of
@@ -85,7 +85,7 @@ mkdir -p "$WORK/features5"
 "$PY" tools/make_train_data.py --out "$WORK/data6" --base "$WORK/data5" --sources "stdlib,$SOURCES5" --seed 1 --num-prompts 1664 $DATA
 mkdir -p "$WORK/features6"
 [ -f "$WORK/features6/features.json" ] || ln -f "$WORK"/features5/* "$WORK/features6/"
-"$PY" -m dflash_jax.train.cli --data "$WORK/data6" --out "$WORK/run6" --features "$WORK/features6" --labels target $DRAFTER $RUN \
+"$PY" -m dflash_jax.cli.train --data "$WORK/data6" --out "$WORK/run6" --features "$WORK/features6" --labels target $DRAFTER $RUN \
     --init-from "$WORK/drafter5" --steps 1300 --lr 5e-4 --warmup-ratio 0.03 --eval-every 325 --export "$WORK/drafter6"
 
 # the target's answers to the next 3272 prompts of that list (prompts data6 asks are skipped);
@@ -93,12 +93,12 @@ mkdir -p "$WORK/features6"
 "$PY" tools/make_train_data.py --out "$WORK/data7" --base "$WORK/data6" --sources "stdlib,$SOURCES5" --seed 1 --num-prompts 3272 $DATA
 mkdir -p "$WORK/features7"
 [ -f "$WORK/features7/features.json" ] || ln -f "$WORK"/features6/* "$WORK/features7/"
-"$PY" -m dflash_jax.train.cli --data "$WORK/data7" --out "$WORK/run7" --features "$WORK/features7" --labels target $DRAFTER $RUN \
+"$PY" -m dflash_jax.cli.train --data "$WORK/data7" --out "$WORK/run7" --features "$WORK/features7" --labels target $DRAFTER $RUN \
     --init-from "$WORK/drafter6" --steps 1300 --lr 5e-4 --warmup-ratio 0.03 --eval-every 325 --export "$WORK/drafter7"
 
 # the target's answers to the next 2104 prompts of that list; stage 7's rows are reused
 "$PY" tools/make_train_data.py --out "$WORK/data8" --base "$WORK/data7" --sources "stdlib,$SOURCES5" --seed 1 --num-prompts 2104 $DATA
 mkdir -p "$WORK/features8"
 [ -f "$WORK/features8/features.json" ] || ln -f "$WORK"/features7/* "$WORK/features8/"
-"$PY" -m dflash_jax.train.cli --data "$WORK/data8" --out "$WORK/run8" --features "$WORK/features8" --labels target $DRAFTER $RUN \
+"$PY" -m dflash_jax.cli.train --data "$WORK/data8" --out "$WORK/run8" --features "$WORK/features8" --labels target $DRAFTER $RUN \
     --init-from "$WORK/drafter7" --steps 1300 --lr 5e-4 --warmup-ratio 0.03 --eval-every 325 --export "$WORK/drafter8"

@@ -10,7 +10,6 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 from jax import lax
-
 from dflash_jax.nn.attention import swiglu
 
 

@@ -7,5 +7,5 @@ Modules, one job each: :mod:`~dflash_jax.serve.schemas` (request and response mo
 :mod:`~dflash_jax.serve.tool_calls` and :mod:`~dflash_jax.serve.harmony` (pure streaming text parsers),
 :mod:`~dflash_jax.serve.responses` (events to OpenAI responses and server-sent events),
 :mod:`~dflash_jax.serve.errors` (OpenAI error objects), :mod:`~dflash_jax.serve.metrics`
-(Prometheus), :mod:`~dflash_jax.serve.app` (the FastAPI app) and :mod:`~dflash_jax.serve.cli`.
+(Prometheus), :mod:`~dflash_jax.serve.app` (the FastAPI app) and :mod:`~dflash_jax.cli.serve`.
 """

@@ -1,12 +1,12 @@
 """The device side of the serving engine: ``B`` rows decoded together under one
-:class:`~dflash_jax.decoding.Decoding`, new prompts prefilled in chunks and swapped into free rows.
+:class:`~dflash_jax.decode.static.Decoding`, new prompts prefilled in chunks and swapped into free rows.
 Each row keeps its request's sampling settings, seed, stop ids and budget in the state, so any
 mix of requests shares the batch and its compiled steps.
 
-Everything here is a call of the public decode functions: :func:`dflash_jax.decode.init_state`,
-:func:`~dflash_jax.decode.prefill_chunk` / :func:`~dflash_jax.decode.finish_prefill` (one chunk per
-engine round, so a long prompt does not stall the running rows), :func:`~dflash_jax.decode.replace_rows`
-and :func:`~dflash_jax.decode.generate_until` with a step bound (a few steps on device per host
+Everything here is a call of the public decode functions: :func:`dflash_jax.decode.loop.init_state`,
+:func:`~dflash_jax.decode.loop.prefill_chunk` / :func:`~dflash_jax.decode.loop.finish_prefill` (one chunk per
+engine round, so a long prompt does not stall the running rows), :func:`~dflash_jax.decode.loop.replace_rows`
+and :func:`~dflash_jax.decode.loop.generate_until` with a step bound (a few steps on device per host
 round trip). A free row is a done row (its finish code is not ``RUNNING``) of length 1: done rows
 never change, so they cost compute but never alter the others, and at length 1 they add nothing
 to the attention span.
@@ -21,25 +21,26 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dflash_jax import decode, sharding
+from dflash_jax.decode import loop as decode
+from dflash_jax.runtime import sharding
 from dflash_jax.arguments import effective_chunk_size
-from dflash_jax.axes import flat_axes
-from dflash_jax.cache import PagedKVCache
-from dflash_jax.decoding import Decoding, Params
-from dflash_jax.distributed import fetch
+from dflash_jax.runtime.carry import flat_axes
+from dflash_jax.runtime.carry import PagedKVCache
+from dflash_jax.decode.static import Decoding, Params
+from dflash_jax.runtime.distributed import fetch
 from dflash_jax.errors import DFlashError
-from dflash_jax.results import spec_stats
-from dflash_jax.sampling import SamplingConfig
+from dflash_jax.driver import spec_stats
+from dflash_jax.decode.sampling import SamplingConfig
 from dflash_jax.serve import pages as paging
 from dflash_jax.serve import prefix_cache
-from dflash_jax.state import STOP, DecodeState
+from dflash_jax.decode.state import STOP, DecodeState
 
 
 @functools.partial(jax.jit, donate_argnames=("state",))
 def release_rows(state: DecodeState, rows_mask) -> DecodeState:
     """Frees the rows of ``rows_mask`` (``[B]`` bool): ends those still running (finish code
     ``STOP``) and sets their length to 1. Attention reads the cache up to the longest row of the
-    batch, done or not (:func:`~dflash_jax.nn.live_attention.live_keys`), so a free row that kept
+    batch, done or not (:func:`~dflash_jax.nn.attention.live_keys`), so a free row that kept
     a long answer's length would make every step of the others read that far. In a paged batch
     their page tables go back to the trash page (:func:`~dflash_jax.serve.pages.clear_tables`)."""
     if isinstance(state.cache, PagedKVCache):  # other families' caches (rings, recurrent states) are never paged
@@ -90,7 +91,7 @@ class Batch:
     """``rows`` decode rows of capacity ``max_len`` under ``static``, all free at first.
 
     Args:
-      params: the weights (:class:`~dflash_jax.decoding.Params`).
+      params: the weights (:class:`~dflash_jax.decode.static.Params`).
       static: the decoding set-up every row shares.
       rows: the batch size (``--max-batch``).
       max_len: tokens per row, prompt included (``--max-len``).

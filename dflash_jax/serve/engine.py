@@ -6,7 +6,7 @@ queued requests are prefilled one chunk per round and swapped into free rows
 ids and budget (greedy and sampled requests share the batch and its compiled steps); (3) runs up
 to ``steps_per_round`` decode steps on device (fewer when a row finishes) and hands every request
 its new text. Only a request that asks its own draft depth (``n_max``, an extension for
-experiments) runs under another :class:`~dflash_jax.decoding.Decoding`: it waits until the batch
+experiments) runs under another :class:`~dflash_jax.decode.static.Decoding`: it waits until the batch
 drains, then the batch switches to it (one compile per set-up, cached after).
 
 A request whose client disconnects is flagged at once (a stream's disconnect, or a task that waits
@@ -40,7 +40,7 @@ from dflash_jax.serve.jobs import MAX_STOPS, Done, Failed, Job, ServedModel, Tex
 from dflash_jax.serve.pages import kv_layout
 from dflash_jax.serve.prefix_cache import PrefixCache
 from dflash_jax.serve.running import RunningRequest
-from dflash_jax.state import FINISH_REASONS, RUNNING
+from dflash_jax.decode.state import FINISH_REASONS, RUNNING
 from dflash_jax.text import cut_at_stop_text
 
 
@@ -71,7 +71,7 @@ class Engine:
         ``max_batch`` (else every row owns ``max_len`` slots and the budget caps the rows).
       metrics: a :class:`~dflash_jax.serve.metrics.Metrics` or ``None``.
       on_death: called (from the engine thread) with the exception that ended the engine.
-      channel: with several processes, process 0's :class:`~dflash_jax.distributed.Broadcast` to
+      channel: with several processes, process 0's :class:`~dflash_jax.runtime.distributed.Broadcast` to
         the followers (:mod:`~dflash_jax.serve.follow`): the batch's device calls are sent on it.
     """
 

@@ -4,7 +4,7 @@ Every device call of the engine's :class:`~dflash_jax.serve.batch.Batch` runs a 
 global mesh (and reading rows back is a collective), so every process must make the same calls,
 with the same arguments, in the same order. Process 0's engine runs as it does alone, but on a
 :class:`Mirrored` batch: each such call is first sent on a
-:class:`~dflash_jax.distributed.Broadcast`; every other process runs :func:`follow`, which makes
+:class:`~dflash_jax.runtime.distributed.Broadcast`; every other process runs :func:`follow`, which makes
 the same call on a batch of its own. The host's decisions (admission, which rows end, the prefix
 cache's lookups and evictions) are made once, by process 0; a follower's prefix cache sees the
 same calls and so holds the same blocks.
@@ -20,7 +20,7 @@ from __future__ import annotations
 import sys
 import traceback
 
-from dflash_jax import distributed
+from dflash_jax.runtime import distributed
 from dflash_jax.errors import DFlashError
 
 CALLS = ("resize", "warm_up", "start_prefill", "prefill_step", "run", "read", "release", "row_stats", "grow")

@@ -47,7 +47,7 @@ REASONING, CONTENT, TOOL_CALL = "reasoning", "content", "call"
 
 def is_harmony(tokenizer) -> bool:
     """Whether a tokenizer's vocabulary is harmony's (it has a ``<|return|>`` token, the test
-    :func:`dflash_jax.io.tokenizer._with_harmony_stops` uses for the stops)."""
+    :func:`dflash_jax.formats.tokenizer._with_harmony_stops` uses for the stops)."""
     return tokenizer is not None and tokenizer.token_to_id(RETURN) is not None
 
 

@@ -2,7 +2,7 @@
 
 Without pages every row of a batch owns ``max_len`` slots of target K/V and drafter context, used
 or not. With pages, the batch's target cache and drafter context are
-:class:`~dflash_jax.cache.PagedKVCache` pools shared by all rows, and each row holds only the
+:class:`~dflash_jax.runtime.carry.PagedKVCache` pools shared by all rows, and each row holds only the
 pages of the positions it has reached: its prompt's when its prefill starts, then, before every
 round of decode steps, as many as that round can write (:meth:`PagePool.grow`); all are given back
 when it ends. The pool is sized by a byte budget, the rows by ``--max-batch``, so short requests
@@ -32,12 +32,12 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from dflash_jax.cache import PAGE_SIZE, KVCache, PagedKVCache, init_kv_cache, init_paged_kv_cache
-from dflash_jax.decode import replace_rows
-from dflash_jax.decoding import Decoding
+from dflash_jax.runtime.carry import PAGE_SIZE, KVCache, PagedKVCache, init_kv_cache, init_paged_kv_cache
+from dflash_jax.decode.loop import replace_rows
+from dflash_jax.decode.static import Decoding
 from dflash_jax.errors import DFlashError
-from dflash_jax.registry import module_for
-from dflash_jax.state import DecodeState
+from dflash_jax.families.registry import module_for
+from dflash_jax.decode.state import DecodeState
 
 MIN_PREFILL_LEN = 256
 """The smallest ``cache_len`` of a prefill group: prompts under 256 tokens (most chat turns) share
@@ -81,7 +81,7 @@ def kv_layout(static: Decoding, max_batch: int, max_len: int, budget: int | None
 
     ``budget`` defaults to what ``max_batch`` unpaged rows of ``max_len`` tokens hold. Pages are
     used when asked for, the target's family supports them
-    (:attr:`~dflash_jax.family.FamilyModel.paged_kv`) and the target is on one device (a pool is
+    (:attr:`~dflash_jax.families.contract.FamilyModel.paged_kv`) and the target is on one device (a pool is
     not split by rows, and paged attention on a mesh is not tested yet); otherwise the budget caps
     the rows.
 
@@ -212,7 +212,7 @@ def adopt_rows(state: DecodeState, fresh: DecodeState, rows: jnp.ndarray, tables
     """A paged ``state`` (donated) with its rows ``rows [R]`` replaced by the prefilled rows of
     ``fresh`` (contiguous caches of ``cache_len`` slots): the rows take the page tables ``tables
     [R, n]`` and ``fresh``'s K/V and drafter context are written into those pages; every other
-    per-row array is swapped as :func:`~dflash_jax.decode.replace_rows` does."""
+    per-row array is swapped as :func:`~dflash_jax.decode.loop.replace_rows` does."""
     positions = jnp.broadcast_to(jnp.arange(fresh.cache.capacity, dtype=jnp.int32), (rows.shape[0], fresh.cache.capacity))
 
     def into(pool: PagedKVCache, part: KVCache) -> PagedKVCache:

@@ -26,8 +26,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dflash_jax.axes import flat_axes
-from dflash_jax.state import DecodeState
+from dflash_jax.runtime.carry import flat_axes
+from dflash_jax.decode.state import DecodeState
 
 BLOCK = 64
 """Prompt tokens per cached block (the smallest prefill chunk: blocks align with every chunk)."""

@@ -11,7 +11,7 @@ import json
 import secrets
 
 from dflash_jax.errors import DFlashError
-from dflash_jax.sampling import SamplingConfig
+from dflash_jax.decode.sampling import SamplingConfig
 from dflash_jax.serve.errors import APIError, from_dflash
 from dflash_jax.serve.harmony import is_harmony
 from dflash_jax.serve.jobs import MAX_STOPS, JobSpec, ServedModel

@@ -14,5 +14,5 @@ Modules:
 * :mod:`dflash_jax.train.evaluation` -- tau with the speculative loop, the training curve;
 * :mod:`dflash_jax.train.trainer` -- the driver that runs, pauses and resumes a run;
 * :mod:`dflash_jax.train.export` -- writing the z-lab checkpoint layout;
-* :mod:`dflash_jax.train.cli` -- ``dflash-jax train`` (:func:`dflash_jax.train.cli.main`).
+* :mod:`dflash_jax.cli.train` -- ``dflash-jax train`` (:func:`dflash_jax.cli.train.main`).
 """

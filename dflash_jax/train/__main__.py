@@ -2,6 +2,6 @@
 
 import sys
 
-from dflash_jax.train.cli import main
+from dflash_jax.cli.train import main
 
 sys.exit(main())

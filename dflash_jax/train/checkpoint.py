@@ -37,9 +37,9 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from dflash_jax import distributed, sharding
+from dflash_jax.runtime import distributed, sharding
 from dflash_jax.errors import DFlashError
-from dflash_jax.io.files import write_text
+from dflash_jax.formats.files import write_text
 from dflash_jax.train.step import TrainState
 
 _STEP_DIR = re.compile(r"step_\d{8}")

@@ -19,7 +19,7 @@ from typing import Sequence
 import numpy as np
 
 from dflash_jax.errors import DFlashError
-from dflash_jax.io.files import save_npy, write_text
+from dflash_jax.formats.files import save_npy, write_text
 
 class TokenDataset:
     """Sequences of token ids with per-token loss masks (flat arrays + offsets).

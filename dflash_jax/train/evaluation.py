@@ -13,9 +13,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dflash_jax import draft_vocab
-from dflash_jax.config import DrafterConfig, TargetConfig
-from dflash_jax.io.files import atomic_path
+from dflash_jax.drafter import vocab as draft_vocab
+from dflash_jax.drafter.config import DrafterConfig
+from dflash_jax.families.dense.config import TargetConfig
+from dflash_jax.formats.files import atomic_path
 
 
 def evaluate_tau(
@@ -32,7 +33,7 @@ def evaluate_tau(
 ) -> dict:
     """Greedy DFlash speculative decoding of ``prompts`` (one batch) and its acceptance.
 
-    Uses :func:`dflash_jax.decode.generate` with the drafter (the inference path), drafter in float32, drafting over
+    Uses :func:`dflash_jax.decode.loop.generate` with the drafter (the inference path), drafter in float32, drafting over
     ``draft_ids`` when given.
 
     Returns:
@@ -40,8 +41,8 @@ def evaluate_tau(
       acceptance length), ``accept_per_position`` (fraction of verify steps in which draft
       position ``i + 1`` was accepted), ``new_tokens``, ``verify_steps``, ``seconds``.
     """
-    from dflash_jax import decode
-    from dflash_jax.decoding import Decoding, Params
+    from dflash_jax.decode import loop as decode
+    from dflash_jax.decode.static import Decoding, Params
     cfg32 = cfg.with_dtype("float32")
     p32 = jax.tree_util.tree_map(lambda a: jnp.asarray(a, jnp.float32), params)
     if draft_ids is not None:

@@ -1,6 +1,6 @@
 """Writes a trained drafter in z-lab's checkpoint layout (``config.json`` + ``model.safetensors``).
 
-The folder loads with :func:`dflash_jax.io.drafter.load_drafter` and with the reference
+The folder loads with :func:`dflash_jax.drafter.generic.load_drafter` and with the reference
 ``dflash.model.DFlashDraftModel.from_pretrained`` (PyPI ``dflash==0.1.0``): a Qwen3-style
 ``config.json`` with ``architectures: ["DFlashDraftModel"]``, ``num_target_layers`` and
 ``dflash_config: {block_size, mask_token_id, target_layer_ids}``; tensors named ``fc.weight``,
@@ -19,9 +19,9 @@ import jax
 import ml_dtypes
 import numpy as np
 
-from dflash_jax import draft_vocab
-from dflash_jax.io.files import write_safetensors, write_text
-from dflash_jax.config import DrafterConfig
+from dflash_jax.drafter import vocab as draft_vocab
+from dflash_jax.formats.files import write_safetensors, write_text
+from dflash_jax.drafter.config import DrafterConfig
 from dflash_jax.errors import DFlashError
 
 def _rope_fields(cfg: DrafterConfig) -> dict:
@@ -43,7 +43,7 @@ def _rope_fields(cfg: DrafterConfig) -> dict:
 
 def _attention_fields(cfg: DrafterConfig) -> dict:
     """``layer_types`` / ``sliding_window`` / ``is_causal`` reproducing ``layer_causal`` and
-    ``layer_window`` under :func:`dflash_jax.config.dflash_drafter_config_from_hf`'s rules."""
+    ``layer_window`` under :func:`dflash_jax.drafter.config.dflash_drafter_config_from_hf`'s rules."""
     windows = sorted({w for w in cfg.layer_window if w > 0})
     if len(windows) > 1:
         raise DFlashError("drafter config: layer_window", f"several sliding windows {windows}", "one sliding_window for all sliding layers")
@@ -111,9 +111,9 @@ def drafter_hf_config(cfg: DrafterConfig, dtype: str = "bfloat16", extra: Mappin
 def drafter_tensors(cfg: DrafterConfig, params: dict, dtype: str = "bfloat16") -> dict[str, np.ndarray]:
     """The drafter parameters as z-lab tensors (``[out, in]`` layout) in ``dtype``.
 
-    Inverse of :func:`dflash_jax.io.drafter.load_drafter`'s mapping (``drafter_names``).
+    Inverse of :func:`dflash_jax.drafter.generic.load_drafter`'s mapping (``drafter_names``).
     """
-    from dflash_jax.io.drafter import drafter_names
+    from dflash_jax.drafter.generic import drafter_names
 
     np_dtype = np.dtype(ml_dtypes.bfloat16) if dtype == "bfloat16" else np.dtype(dtype)
     host = jax.tree_util.tree_map(lambda a: np.asarray(jax.device_get(a), np.float32), params)
@@ -136,11 +136,11 @@ def export_drafter(folder: str | os.PathLike, cfg: DrafterConfig, params: dict, 
     atomically).
 
     Args:
-      cfg, params: the drafter (:mod:`dflash_jax.models.drafter` pytree, any float dtype).
+      cfg, params: the drafter (:mod:`dflash_jax.drafter.model` pytree, any float dtype).
       dtype: stored dtype, ``"bfloat16"`` (default), ``"float16"`` or ``"float32"``.
       extra: provenance fields for ``config.json`` (see :func:`drafter_hf_config`).
       draft_ids: optional ``[Vd]`` draft vocabulary, written to ``draft_vocab.safetensors``
-        (:mod:`dflash_jax.draft_vocab`); without it a stale file of an earlier export is removed.
+        (:mod:`dflash_jax.drafter.vocab`); without it a stale file of an earlier export is removed.
     Returns:
       the folder path. Size: about ``2 * num_params`` bytes in bfloat16.
     """

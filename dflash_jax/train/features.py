@@ -29,12 +29,12 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
-from dflash_jax.cache import init_capture
-from dflash_jax.config import TargetConfig
+from dflash_jax.runtime.carry import init_capture
+from dflash_jax.families.dense.config import TargetConfig
 from dflash_jax.errors import DFlashError
-from dflash_jax.fingerprint import tree_fingerprint
-from dflash_jax.io.files import atomic_path, save_npy, write_text
-from dflash_jax.registry import module_for
+from dflash_jax.runtime.fingerprint import tree_fingerprint
+from dflash_jax.formats.files import atomic_path, save_npy, write_text
+from dflash_jax.families.registry import module_for
 from dflash_jax.train.dataset import TokenDataset
 
 
@@ -45,7 +45,7 @@ def target_features(target_params, target_cfg: TargetConfig, tokens: jnp.ndarray
     Args:
       tokens: ``[B, S]`` int32 (padding after each sequence's end is harmless: the target is causal).
       layer_ids: static tuple of captured target layer ids (HF convention: id ``i`` is
-        ``hidden_states[i + 1]``; ``dflash_jax.cache.Capture``).
+        ``hidden_states[i + 1]``; ``dflash_jax.runtime.carry.Capture``).
       post_norm_last: read the target's last layer after its final norm.
       next_tokens: also return the target's greedy next token after every position.
     Returns:
@@ -146,7 +146,7 @@ def target_fingerprint(target_cfg: TargetConfig, target_params, samples: int = 4
     """A short fingerprint of a target (hex, 16 chars): its config, and the name, shape and about
     ``samples`` evenly strided float32 values of every parameter (so a fine-tune that leaves
     some tensors unchanged still gets a fingerprint of its own). The same for stacked and
-    per-layer (:func:`dflash_jax.models.dense.unstack_layers`) parameters."""
+    per-layer (:func:`dflash_jax.families.dense.model.unstack_layers`) parameters."""
     return tree_fingerprint(target_params, repr(target_cfg.with_dtype("float32")).encode(), samples)
 
 

@@ -1,6 +1,6 @@
 """Training over a device mesh, in one process or several (``dflash-jax train --mesh data=D,model=M``).
 
-Layout (the rules of :mod:`dflash_jax.sharding`, :data:`~dflash_jax.sharding.DEFAULT_RULES`):
+Layout (the rules of :mod:`dflash_jax.runtime.sharding`, :data:`~dflash_jax.runtime.sharding.DEFAULT_RULES`):
 
 * the batch: rows over ``data``, the rest replicated. Each process builds only the rows its own
   devices hold, from the same deterministic :class:`~dflash_jax.train.data.Batcher` order (batch
@@ -26,11 +26,13 @@ import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from dflash_jax import registry, sharding
-from dflash_jax.config import DrafterConfig, TargetConfig
+from dflash_jax.families import registry
+from dflash_jax.runtime import sharding
+from dflash_jax.drafter.config import DrafterConfig
+from dflash_jax.families.dense.config import TargetConfig
 from dflash_jax.errors import DFlashError
-from dflash_jax.models import drafter as drafter_model
-from dflash_jax.models.params import is_per_layer
+from dflash_jax.drafter import model as drafter_model
+from dflash_jax.nn.params import is_per_layer
 from dflash_jax.train.optim import TrainConfig, make_optimizer
 from dflash_jax.train.step import TrainState, apply_step
 
@@ -79,7 +81,7 @@ def place_target(target_params, target_cfg: TargetConfig, mesh: Mesh):
 
 def rows_of_process(mesh: Mesh, batch_size: int) -> tuple[int, int]:
     """``(lo, hi)``: the span of the rows of a ``batch_size``-row batch that this process's
-    devices hold (rows over ``data``; contiguous for :func:`dflash_jax.sharding.make_mesh`, whose
+    devices hold (rows over ``data``; contiguous for :func:`dflash_jax.runtime.sharding.make_mesh`, whose
     processes own consecutive devices); ``(0, batch_size)`` with one process."""
     sh = NamedSharding(mesh, PartitionSpec("data"))
     spans = [idx[0].indices(batch_size)[:2] for idx in sh.addressable_devices_indices_map((batch_size,)).values()]

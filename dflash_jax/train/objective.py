@@ -11,9 +11,9 @@ and the captured target features ``f [S, K*H]`` of every position (the residual 
   ``a_j + 0 .. a_j + B - 1`` (section 3.4);
 * it attends the drafter context K/V of positions strictly before its anchor (``< a_j``) and its
   own block slots (bidirectionally, or causally / windowed where a drafter layer is; section 3.5);
-  blocks never see each other: each block is a separate :func:`dflash_jax.models.drafter.forward`
+  blocks never see each other: each block is a separate :func:`dflash_jax.drafter.layers.forward`
   pass (``jax.vmap`` over blocks) over one shared context K/V computed once per sequence with
-  :func:`dflash_jax.models.drafter.context_kv`, with ``ctx_len = a_j``. This is the inference
+  :func:`dflash_jax.drafter.model.context_kv`, with ``ctx_len = a_j``. This is the inference
   code path itself, so training and inference masks cannot diverge;
 * slot ``k`` (``k = 1 .. B-1``) predicts ``x[a_j + k]`` (same-position labels; slot 0 has no
   loss), weighted by ``exp(-(k - 1) / gamma) * loss_mask[a_j + k] * (a_j + k < S)`` (section 3.6);
@@ -30,9 +30,10 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from dflash_jax import draft_vocab
-from dflash_jax.config import DrafterConfig, TargetConfig
-from dflash_jax.models import drafter
+from dflash_jax.drafter import vocab as draft_vocab
+from dflash_jax.drafter.config import DrafterConfig
+from dflash_jax.families.dense.config import TargetConfig
+from dflash_jax.drafter import model as drafter
 
 
 def valid_anchors(loss_mask: jnp.ndarray) -> jnp.ndarray:
@@ -160,7 +161,7 @@ def loss_terms(
       tokens: ``[B, S]`` int32; loss_mask: ``[B, S]`` (0 on prompt and padding);
       features: ``[B, S, K*H]`` captured target features; anchors, block_valid: ``[B, N]``.
       gamma: position-decay constant (``docs/specs/dflash.md`` 3.6; 7 for block size 16).
-      draft_ids: optional ``[Vd]`` sorted token ids (:mod:`dflash_jax.draft_vocab`): the softmax
+      draft_ids: optional ``[Vd]`` sorted token ids (:mod:`dflash_jax.drafter.vocab`): the softmax
         runs over these columns of the target head only; a label outside them gets no
         cross-entropy weight and counts as a miss for ``correct`` and ``accept``.
       labels: optional ``[B, S]`` int32 token each position is labelled with (default

@@ -27,7 +27,7 @@ class TrainConfig:
         every position once per step on average).
       gamma: loss position decay (3.6; 7 for block size 16; <= 0: no decay).
       draft_vocab: 0 trains over the target's whole vocabulary; ``Vd > 0`` over the ``Vd``
-        tokens most frequent in the data's responses (:mod:`dflash_jax.draft_vocab`), which the
+        tokens most frequent in the data's responses (:mod:`dflash_jax.drafter.vocab`), which the
         exported drafter then drafts over.
       lr: peak learning rate; warmup_ratio: fraction of ``steps`` of linear warmup from 0;
       decay: ``"cosine"``, ``"linear"`` or ``"constant"`` after warmup, down to

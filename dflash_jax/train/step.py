@@ -9,10 +9,11 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from dflash_jax import pytree
-from dflash_jax.config import DrafterConfig, TargetConfig
-from dflash_jax.models import drafter
-from dflash_jax.models.dense import stack_layers
+from dflash_jax.runtime import carry as pytree
+from dflash_jax.drafter.config import DrafterConfig
+from dflash_jax.families.dense.config import TargetConfig
+from dflash_jax.drafter import model as drafter
+from dflash_jax.families.dense.model import stack_layers
 from dflash_jax.train import objective
 from dflash_jax.train.features import target_features, tree_fingerprint
 from dflash_jax.train.optim import TrainConfig, lr_schedule, make_optimizer
@@ -33,7 +34,7 @@ class TrainState:
 
 
 def init_train_state(cfg: DrafterConfig, tc: TrainConfig, init_params=None) -> TrainState:
-    """Drafter weights and a fresh optimizer state: random (:func:`dflash_jax.models.drafter.init_params`,
+    """Drafter weights and a fresh optimizer state: random (:func:`dflash_jax.drafter.model.init_params`,
     float32, from ``tc.seed``), or ``init_params`` (a drafter's weights to continue from, cast to
     float32, stacked when given per layer as ``load_drafter`` keeps them on CPU; the run's PRNG
     still comes from ``tc.seed``).
@@ -58,7 +59,7 @@ def init_train_state(cfg: DrafterConfig, tc: TrainConfig, init_params=None) -> T
 
 def params_fingerprint(params) -> str:
     """sha256 (hex, 16 chars) of a parameter pytree's names, shapes and all its float32 values
-    (:func:`dflash_jax.fingerprint.tree_fingerprint`)."""
+    (:func:`dflash_jax.runtime.fingerprint.tree_fingerprint`)."""
     return tree_fingerprint(params)
 
 

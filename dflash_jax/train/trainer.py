@@ -21,7 +21,7 @@ and the data cursor); batches are a pure function of ``(seed, step)``
 for bit on the same machine, backend and mesh.
 
 On a device mesh (``mesh=``, :mod:`dflash_jax.train.mesh`) the batch's rows split over its
-``data`` axis; with several processes (:mod:`dflash_jax.distributed`) every process calls
+``data`` axis; with several processes (:mod:`dflash_jax.runtime.distributed`) every process calls
 :func:`train` with the same arguments, reads only its own rows, and takes part in every step and
 checkpoint write; process 0 alone writes ``run.json``, the log and the tau curve (and measures
 tau, on its own devices).
@@ -42,10 +42,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dflash_jax import distributed, draft_vocab
-from dflash_jax.config import DrafterConfig, TargetConfig
+from dflash_jax.runtime import distributed
+from dflash_jax.drafter import vocab as draft_vocab
+from dflash_jax.drafter.config import DrafterConfig
+from dflash_jax.families.dense.config import TargetConfig
 from dflash_jax.errors import DFlashError
-from dflash_jax.io.files import write_text
+from dflash_jax.formats.files import write_text
 from dflash_jax.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from dflash_jax.train.data import Batcher
 from dflash_jax.train.mesh import MeshStep, check_batch_size, place_state, place_target, state_shardings
@@ -217,7 +219,7 @@ def _any_process(flag: bool) -> bool:
 def _evaluator(run: _RunLog, mesh, target_params, target_cfg, cfg, eval_prompts, eval_max_new, stop_ids, draft_ids):
     """``do_eval(step, state) -> tau record``: every process records the step (the same decisions
     follow) and reads the parameters back (a collective on a mesh); process 0 measures tau while
-    the others wait on a :class:`~dflash_jax.distributed.Broadcast` (a wait of any length: the
+    the others wait on a :class:`~dflash_jax.runtime.distributed.Broadcast` (a wait of any length: the
     next step's collective could time out)."""
     evaluated = distributed.Broadcast("dflash_jax/train/tau") if jax.process_count() > 1 else None
 
@@ -256,7 +258,7 @@ def train(out_dir: str | os.PathLike, target_params, target_cfg: TargetConfig, c
       init_params: a drafter's weights to start from instead of random ones (fine-tuning a
         trained drafter on more data; :func:`init_train_state`); part of the run's signature.
       mesh: ``None`` (one device), a :class:`jax.sharding.Mesh` or ``"data=D,model=M,expert=E"``
-        (:func:`dflash_jax.sharding.parse_mesh`): the step runs on it (module docstring); with
+        (:func:`dflash_jax.runtime.sharding.parse_mesh`): the step runs on it (module docstring); with
         several processes every process calls :func:`train` alike.
     Returns:
       ``(state, summary)``: summary has ``start`` (the step it resumed at, 0 for a new run), ``step``,
@@ -266,7 +268,7 @@ def train(out_dir: str | os.PathLike, target_params, target_cfg: TargetConfig, c
       DFlashError: settings that differ from the checkpointed run's; a batch size that the
         mesh's ``data`` axis does not divide (naming ``--batch-size`` and ``--mesh``).
     """
-    from dflash_jax.sharding import parse_mesh
+    from dflash_jax.runtime.sharding import parse_mesh
 
     mesh = None if mesh is None else parse_mesh(mesh)
     state, run, draft_ids, shardings = _start(Path(out_dir), cfg, tc, batcher, init_params, mesh)

@@ -1,0 +1,1 @@
+"""What ships inside the package: the embedded default model's fetcher and the shipped drafters."""

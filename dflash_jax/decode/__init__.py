@@ -1,0 +1,1 @@
+"""The decode core, read in this order: static (the set-up), state, prefill, step (capture, propose, verify, commit), loop (plain and speculative, stream, continuous batching), tree, and auto/ (the adaptive depth)."""

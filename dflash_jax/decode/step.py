@@ -1,0 +1,251 @@
+"""Capture: the target's hidden states at the drafter's chosen layers, into the drafter context.
+
+Every target pass of a speculative generation (prefill chunks and verify blocks) runs with a
+:class:`~dflash_jax.runtime.carry.Capture` buffer from :func:`block_capture`; :func:`absorb_context`
+projects the captured rows into the drafter's context K/V at their absolute positions, so the
+context never depends on how the tokens were split into passes.
+
+Propose: the drafter drafts one block ``[anchor, MASK, ...]`` in a single forward pass.
+
+Verify: one target pass over the block ``[anchor, drafts]`` and the accept rule.
+
+Accept rule (docs/specs/dflash.md 2.2, "sample and match"): the target chooses its own token at
+every slot of the block, the argmax when greedy, else its sample with the uniform of that token's
+position (:func:`dflash_jax.decode.sampling.sample_at`); the longest prefix of drafts equal to the
+target's tokens is accepted and the target's token after it is the bonus token. Every committed
+token is the target's own choice, so greedy output equals the target's greedy decode and sampled
+output is exactly the target's sample with the row's key (the same with or without a drafter).
+It equals Leviathan/Chen rejection sampling with a one-hot proposal; sampled drafts are coupled
+to the target's tokens through the shared uniform instead of a proposal distribution ``q``.
+
+Commit: the verified block joins the state (tokens, lengths, drafter context, statistics).
+
+Rollback of the rejected drafts is the length update of :func:`dflash_jax.decode.state.commit`: the
+target cache and the drafter context keep no length of their own, and their rows beyond a row's
+committed length stay masked until the next block overwrites them. A target family with recurrent
+state (Gated DeltaNet, :mod:`dflash_jax.families.qwen3_5.model`) also has ``commit_block_states``: the
+states after the committed block positions of each row, chosen from those its verify pass kept.
+
+One DFlash step: propose -> verify -> commit, pure (the on-device loop is
+:func:`dflash_jax.decode.loop.steps_until`, shared with plain decoding).
+
+``propose_block`` (from :mod:`~dflash_jax.decode.step`) and ``verify_block`` (verify
+and commit, state donated) are also exposed as separate jitted steps for notebooks and
+experiments. Under ``n_max="auto"`` the step is :func:`dflash_jax.decode.auto.adaptive.step_fn`.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from dflash_jax.decode.sampling import sample_at, top2_gap
+from dflash_jax.decode.state import DecodeState, SpeculativeState, commit
+from dflash_jax.decode.static import Decoding, Params, check_step_inputs
+from dflash_jax.drafter import model as drafter
+from dflash_jax.families.registry import module_for
+from dflash_jax.runtime.carry import Capture, init_capture
+
+
+def block_capture(static: Decoding, base: jnp.ndarray, width: int) -> Capture:
+    """An empty capture of ``width`` rows per row for the drafter's ``target_layer_ids``; the
+    token at absolute position ``p`` lands in row ``p - base[b]`` (``base``: ``[B]`` int32)."""
+    cfg_t, cfg_d = static.target, static.drafter
+    return init_capture(cfg_d.target_layer_ids, base.shape[0], width, cfg_t.hidden_size, cfg_t.dtype, base=base,
+                        post_norm_last=cfg_d.post_norm_last)
+
+
+def absorb_context(params_d, static: Decoding, ctx: SpeculativeState, capture: Capture) -> SpeculativeState:
+    """Projects the captured rows ``capture.hidden [B, T, K*H]`` (absolute positions
+    ``capture.base[b] + t``) into the drafter context.
+
+    Rows past a row's committed length may be written; they stay masked until overwritten.
+    """
+    positions = capture.base[:, None] + jnp.arange(capture.hidden.shape[1], dtype=jnp.int32)[None, :]
+    k, v = drafter.context_kv(params_d, static.drafter, capture.hidden, positions)
+    return ctx.replace(context=ctx.context.write_all(k, v, positions))
+
+
+def block_positions(state: DecodeState, width: int):
+    """``(start [B], positions [B, W], block_len [B])`` of the next block.
+
+    ``start`` is the anchor's position (the row's last committed token). ``block_len`` shortens
+    the final block to the tokens still allowed (budget and capacity), as z-lab's
+    ``dflash_generate`` does with ``verify_size``.
+    """
+    start = state.length - 1
+    positions = start[:, None] + jnp.arange(width, dtype=jnp.int32)[None, :]
+    room = jnp.minimum(state.prompt_len + state.max_new, state.capacity) - start
+    return start, positions, jnp.clip(room, 1, width).astype(jnp.int32)
+
+
+def propose_fn(params: Params, state: DecodeState, static: Decoding):
+    """Drafts ``static.depth`` tokens per row (pure; the state is read only).
+
+    ``static.draft_mode`` ``"argmax"`` proposes the drafter's argmax; ``"sample"`` draws each
+    draft from the drafter's distribution warped by the row's sampling settings
+    (``state.sampling``; a greedy row's draft is the argmax), with the uniform of the draft's
+    position, the uniform the target's token there is drawn with (:mod:`dflash_jax.decode.sampling`:
+    the two are coupled, what is committed does not change).
+
+    Returns:
+      ``(drafts [B, n] int32 target ids, conf [B, n] float32)``: ``conf`` is the top probability
+      of the drafter's (unwarped) distribution at each position, a function of the distribution
+      only, never of a sampled draft (:mod:`dflash_jax.decode.auto.policy` chooses the verify
+      width from it).
+    """
+    cfg_t, cfg_d = static.target, static.drafter
+    params_d = params.drafter
+    lg, positions = draft_logits(params, state, static)
+    conf = top_confidence(lg)
+    if static.draft_mode == "argmax":
+        return drafter.draft_token_ids(params_d, cfg_d, jnp.argmax(lg, axis=-1)), conf
+    ids = params_d["draft_ids"] if cfg_d.draft_vocab_size else None  # the target ids of the columns of lg
+    # the mask at position p drafts the token at index p: the target draws that token with the same uniform
+    return sample_at(state.rng, positions[:, 1:], lg, state.sampling, vocab=cfg_t.vocab_size, ids=ids), conf
+
+
+def top_confidence(logits: jnp.ndarray) -> jnp.ndarray:
+    """The top probability ``[B, n]`` float32 of the drafter's logits ``[B, n, V']`` at each slot."""
+    return 1.0 / jnp.sum(jnp.exp(logits - jnp.max(logits, axis=-1, keepdims=True)), axis=-1)
+
+
+def draft_logits(params: Params, state: DecodeState, static: Decoding):
+    """The drafter's one pass over each row's block ``[anchor, MASK x (width - 1)]`` (pure).
+
+    Returns:
+      ``(logits [B, width - 1, V'] float32, positions [B, width] int32)``: the drafter's logits at
+      each mask slot (``V'``: its draft vocabulary when it has one, else the target's) and the
+      block's positions (:func:`block_positions`).
+    """
+    cfg_t, cfg_d, width = static.target, static.drafter, static.width
+    params_d = params.drafter
+    start, positions, block_len = block_positions(state, width)
+    anchor = jnp.take_along_axis(state.tokens, start[:, None], axis=1)
+    block = jnp.concatenate([anchor, jnp.full((anchor.shape[0], width - 1), cfg_d.mask_token_id, jnp.int32)], axis=1)
+    ctx = state.speculative
+    hidden = drafter.forward(params_d, cfg_d, params.target, cfg_t, block, positions, ctx.ctx_k, ctx.ctx_v, start, block_len,
+                             pages=ctx.context.pages)
+    return drafter.logits(params_d, cfg_d, params.target, cfg_t, hidden[:, 1:]), positions
+
+
+@functools.partial(jax.jit, static_argnames=("static",))
+def propose_block(params: Params, state: DecodeState, static: Decoding):
+    """Jitted :func:`propose_fn`: ``(drafts [B, n] int32, conf [B, n] float32)``.
+    Raises DFlashError for arguments that do not go together
+    (:func:`~dflash_jax.decode.static.check_step_inputs`)."""
+    check_step_inputs(params, state, static)
+    return propose_fn(params, state, static)
+
+
+def accept(drafts: jnp.ndarray, chosen: jnp.ndarray, n_valid: jnp.ndarray):
+    """The accept rule (module docstring).
+
+    Args:
+      drafts: ``[B, n]`` int32.
+      chosen: ``[B, n + 1]`` int32 the target's token at each slot of ``[anchor, drafts]`` (the
+        token that follows that slot).
+      n_valid: ``[B]`` int32 drafts that may be accepted (shorter final block).
+    Returns:
+      ``(a [B] int32 accepted drafts, bonus [B] int32)``.
+    """
+    ok = (drafts == chosen[:, :-1]) & (jnp.arange(drafts.shape[1])[None, :] < n_valid[:, None])
+    a = jnp.sum(jnp.cumprod(ok.astype(jnp.int32), axis=1), axis=1).astype(jnp.int32)
+    return a, jnp.take_along_axis(chosen, a[:, None], axis=1)[:, 0]
+
+
+class Verdict(NamedTuple):
+    """What the target said about one block, for :func:`dflash_jax.decode.step.commit_block`.
+
+    Attributes:
+      tokens: ``[B, n + 1]`` int32: the ``accepted`` leading drafts, then the bonus token.
+      accepted: ``[B]`` int32 drafts accepted.
+      n_valid: ``[B]`` int32 drafts that could be accepted (shorter final block).
+      gaps: ``[B, n + 1]`` float32 top-2 logit gaps of the target at each block slot.
+      cache: the target cache with the block's K/V written.
+      capture: the block's captured target features (base = the anchor's position).
+    """
+
+    tokens: jnp.ndarray
+    accepted: jnp.ndarray
+    n_valid: jnp.ndarray
+    gaps: jnp.ndarray
+    cache: object
+    capture: Capture
+
+
+def verify_fn(params: Params, state: DecodeState, static: Decoding, drafts) -> Verdict:
+    """One target pass over ``[anchor, drafts]`` of each row, then the accept rule (module docstring).
+
+    Args:
+      drafts: ``[B, n]`` int32 from propose (``n = 0``: the anchor alone, a plain step that
+        keeps the drafter context).
+    Returns:
+      :class:`Verdict` (the state is read only).
+    """
+    cfg_t = static.target
+    mod = module_for(cfg_t)
+    width = drafts.shape[1] + 1
+    start, positions, block_len = block_positions(state, width)
+    anchor = jnp.take_along_axis(state.tokens, start[:, None], axis=1)
+    block = jnp.concatenate([anchor, drafts], axis=1)
+    capture = block_capture(static, start, width)
+    # a family with recurrent state (models/qwen3_5.py) keeps each block position's state for the
+    # commit to choose from; a KV-only family has no such hook (its rollback is the length update)
+    cache = state.cache if mod.keep_block_states is None else mod.keep_block_states(cfg_t, state.cache)
+    hidden, cache, capture = mod.forward_hidden(params.target, cfg_t, block, positions, cache, capture)
+    logits = mod.lm_head(params.target, cfg_t, hidden)
+    n_valid = block_len - 1
+    a, bonus = accept(drafts, sample_at(state.rng, positions + 1, logits, state.sampling), n_valid)
+    k = jnp.arange(width, dtype=jnp.int32)[None, :]
+    drafts_pad = jnp.pad(drafts, ((0, 0), (0, 1)))
+    tokens = jnp.where(k < a[:, None], drafts_pad, bonus[:, None])
+    return Verdict(tokens=tokens, accepted=a, n_valid=n_valid, gaps=top2_gap(logits), cache=cache, capture=capture)
+
+
+def commit_block(params: Params, state: DecodeState, static: Decoding, verdict: Verdict) -> DecodeState:
+    """Commits each running row's accepted drafts and bonus token (``accepted + 1`` tokens, cut at
+    stop ids, budget and capacity by :func:`dflash_jax.decode.state.commit`), projects the block's
+    captured rows into the drafter context and counts statistics for running rows and kept
+    tokens only. Counts one target pass (``steps``)."""
+    running = ~state.done
+    before = state.length
+    state = commit(state.replace(cache=verdict.cache), verdict.tokens, verdict.accepted + 1, verdict.gaps)
+    kept = state.length - before
+    settle = module_for(static.target).commit_block_states  # recurrent families only (verify.py)
+    if settle is not None:
+        state = state.replace(cache=settle(static.target, state.cache, kept))
+    ctx = absorb_context(params.drafter, static, state.speculative, verdict.capture)
+    acc_kept = jnp.minimum(verdict.accepted, kept)
+    pos = jnp.arange(1, ctx.n_max + 1, dtype=jnp.int32)[None, :]  # a verify may cover fewer positions
+    ctx = ctx.replace(
+        verify_steps=ctx.verify_steps + running,
+        drafted=ctx.drafted + jnp.where(running, verdict.n_valid, 0),
+        accepted=ctx.accepted + acc_kept,
+        accepted_per_position=ctx.accepted_per_position + (pos <= acc_kept[:, None]),
+    )
+    return state.replace(speculative=ctx, steps=state.steps + 1)
+
+
+def count_width(ctx, w, plain):
+    """Counts a step that proposed and verified ``w`` drafts in ``widths`` (not a plain step:
+    ``plain`` true). ``w``, ``plain``: scalars."""
+    return ctx.replace(widths=ctx.widths.at[w].add(jnp.where(plain, 0, 1).astype(jnp.int32)))
+
+
+def verify_commit(params: Params, state: DecodeState, static: Decoding, drafts) -> DecodeState:
+    """Verifies all of ``drafts [B, n]`` and commits, counting the step at width ``n``."""
+    state = commit_block(params, state, static, verify_fn(params, state, static, drafts))
+    return state.replace(speculative=count_width(state.speculative, drafts.shape[1], jnp.bool_(False)))
+
+
+@functools.partial(jax.jit, static_argnames=("static",), donate_argnames=("state",))
+def verify_block(params: Params, state: DecodeState, static: Decoding, drafts) -> DecodeState:
+    """Jitted verify and commit of given ``drafts [B, n]`` int32, state donated: the new state.
+    Raises DFlashError for arguments that do not go together
+    (:func:`~dflash_jax.decode.static.check_step_inputs`)."""
+    check_step_inputs(params, state, static)
+    return verify_commit(params, state, static, drafts)

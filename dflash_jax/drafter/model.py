@@ -1,0 +1,159 @@
+"""The DFlash drafter API, for every drafter kind, as pure functions over a parameter pytree.
+
+Captured target features are fused and injected as context K/V in every draft layer
+(:func:`context_kv`); queries come only from the block ``[anchor, MASK, ...]``, embedded with the
+target's embedding; the final hidden goes through the target's LM head (:func:`logits`) or the
+reduced draft vocabulary's head. Each kind (:data:`dflash_jax.families.registry.DRAFTER_KINDS`:
+:mod:`dflash_jax.drafter.generic` for z-lab ``DFlashDraftModel``,
+:mod:`dflash_jax.drafter.laguna` for ``DFlashLagunaForCausalLM``) gives its parameters,
+context K/V and draft pass; this module dispatches by ``cfg.architecture`` and adds what is
+common (draft vocabulary leaves, logits).
+
+Source: z-lab ``dflash/model.py`` (PyPI ``dflash==0.1.0``: ``compute_logits``) and
+``docs/specs/dflash.md`` sections 1.5-1.8.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from dflash_jax.families import registry
+from dflash_jax.drafter.config import DrafterConfig
+from dflash_jax.families.dense.config import TargetConfig
+from dflash_jax.errors import DFlashError
+from dflash_jax.nn import params as P
+from dflash_jax.nn.params import ParamSpec
+
+
+def _model(cfg: DrafterConfig):
+    """The model module of the drafter's kind (:data:`dflash_jax.families.registry.DRAFTER_KINDS`)."""
+    return registry.drafter_kind(cfg.architecture).model
+
+
+def param_specs(cfg: DrafterConfig) -> dict:
+    """The :class:`~dflash_jax.nn.params.ParamSpec` (shape, logical axes, initialiser) of every
+    drafter parameter, as a pytree shaped like the params: the kind's, plus the draft-vocabulary
+    leaves."""
+    return _with_draft_vocab(cfg, _model(cfg).param_specs(cfg))
+
+
+def _with_draft_vocab(cfg: DrafterConfig, specs: dict) -> dict:
+    """Adds the reduced-vocabulary leaves ``draft_ids [Vd]`` (int32, initialised ``0..Vd-1``) and
+    ``draft_head [H, Vd]`` when the config has a draft vocabulary."""
+    if not cfg.draft_vocab_size:
+        return specs
+    Vd = cfg.draft_vocab_size
+    return dict(specs, draft_ids=ParamSpec((Vd,), ("draft_vocab",), "arange"),
+                draft_head=ParamSpec((cfg.hidden_size, Vd), ("embed", "draft_vocab")))
+
+
+def param_shapes(cfg: DrafterConfig) -> dict:
+    """Expected shape of every drafter parameter, as a pytree shaped like the params."""
+    return P.shapes(param_specs(cfg))
+
+
+def param_axes(cfg: DrafterConfig, per_layer: bool = False) -> dict:
+    """Logical axis names of every drafter parameter leaf (with ``per_layer`` the tree of
+    :func:`dflash_jax.families.dense.model.unstack_layers`: ``Ld`` dicts without the layer axis).
+
+    Raises:
+      DFlashError: ``per_layer`` for a Laguna drafter (its layers stay stacked).
+    """
+    if per_layer and not registry.drafter_kind(cfg.architecture).per_layer:
+        raise DFlashError("param_axes(per_layer=True)", "Laguna drafters keep stacked layers", "per_layer=False")
+    return P.axes(param_specs(cfg), per_layer)
+
+
+def init_params(cfg: DrafterConfig, key: jax.Array, scale: float = 0.02) -> dict:
+    """Random drafter parameters (norm weights near 1) for tests and training from scratch."""
+    return P.init(param_specs(cfg), key, scale, cfg.dtype)
+
+
+def context_kv(params: dict, cfg: DrafterConfig, features: jnp.ndarray, positions: jnp.ndarray):
+    """Projects captured target features into every draft layer's context keys and values (the
+    kind's ``context_kv``: :func:`dflash_jax.drafter.generic.context_kv`,
+    :func:`dflash_jax.drafter.laguna.context_kv`).
+
+    Args:
+      features: ``[B, T, K*H]`` concatenated captured hidden states (K = len(target_layer_ids)).
+      positions: ``[B, T]`` int32 absolute positions of those tokens.
+    Returns:
+      ``(k, v)``, each ``[Ld, B, T, Hkv, D]``: ``k`` is ``k_norm``-ed and rotated, ``v`` raw.
+    """
+    return _model(cfg).context_kv(params, cfg, features, positions)
+
+
+def forward(
+    params: dict,
+    cfg: DrafterConfig,
+    target_params: dict,
+    target_cfg: TargetConfig,
+    block_tokens: jnp.ndarray,
+    positions: jnp.ndarray,
+    ctx_k: jnp.ndarray,
+    ctx_v: jnp.ndarray,
+    ctx_len: jnp.ndarray,
+    block_len: jnp.ndarray | None = None,
+    live_context: bool = True,
+    pages=None,
+) -> jnp.ndarray:
+    """One draft pass over a block.
+
+    Args:
+      block_tokens: ``[B, W]`` int32, ``[anchor, mask_token_id, ...]``.
+      positions: ``[B, W]`` int32 absolute positions (anchor at the row's last committed slot).
+      ctx_k, ctx_v: ``[Ld, B, S, Hkv, D]`` context K/V from :func:`context_kv`, slot = position.
+      ctx_len: ``[B]`` int32 valid context slots (``[0, ctx_len)``).
+      block_len: ``[B]`` int32 existing block slots (default all ``W``).
+      live_context: read only the context slots below ``max(ctx_len)`` (a loop with a traced
+        trip count: cost follows the live context, not ``S``); ``False`` reads all ``S`` slots
+        in one pass under the same mask (differentiable: training).
+      pages: the context's :class:`~dflash_jax.runtime.carry.PagedKVCache` when ``ctx_k``/``ctx_v`` are
+        paged pools ``[Ld, N, Hkv, D]`` (a paged serving batch), else ``None``.
+    Returns:
+      ``[B, W, H]`` final-normed hidden states; slot ``i`` predicts the token at
+      ``positions[:, i]`` (slot 0 is discarded by callers). The kind's ``forward``, on the block
+      embedded by the target's family (:attr:`dflash_jax.families.contract.FamilyModel.embed`: any family
+      scaling applied, as z-lab embeds with the target's ``embed_tokens``).
+    """
+    embeds = registry.module_for(target_cfg).embed(target_params, target_cfg, block_tokens)
+    return _model(cfg).forward(params, cfg, embeds, positions, ctx_k, ctx_v, ctx_len, block_len, live_context, pages)
+
+
+def logits(params: dict, cfg: DrafterConfig, target_params: dict, target_cfg, hidden: jnp.ndarray) -> jnp.ndarray:
+    """Draft logits float32 of final-normed drafter hidden states ``hidden [..., H]``.
+
+    Through the target family's LM head (``target_params``, ``target_cfg``;
+    :attr:`dflash_jax.families.contract.FamilyModel.lm_head`, so any family soft-cap applies), with the drafter's
+    ``output_multiplier`` and optional tanh soft-cap (z-lab ``compute_logits``). Returns
+    ``[..., V]``, or ``[..., Vd]`` through ``params["draft_head"]`` when ``cfg.draft_vocab_size``
+    is set (map indices back to target ids with :func:`draft_token_ids`).
+    """
+    if cfg.draft_vocab_size:
+        return head_logits(cfg, target_cfg, hidden, params["draft_head"])
+    return _finish_logits(cfg, registry.module_for(target_cfg).lm_head(target_params, target_cfg, hidden))
+
+
+def head_logits(cfg: DrafterConfig, target_cfg, hidden: jnp.ndarray, head: jnp.ndarray) -> jnp.ndarray:
+    """Draft logits ``[..., N]`` float32 of ``hidden [..., H]`` through ``head [H, N]`` (columns of the
+    target head, :func:`dflash_jax.drafter.vocab.head_columns`; cast to ``hidden``'s dtype), computed by
+    the target family's LM head as its head ``{"lm_head": head}`` (:attr:`dflash_jax.families.contract.FamilyModel.lm_head`),
+    so that any family soft-cap applies to these columns as to the full head's; then the drafter's
+    ``output_multiplier`` and soft-cap."""
+    head_only = {"lm_head": head.astype(hidden.dtype)}
+    return _finish_logits(cfg, registry.module_for(target_cfg).lm_head(head_only, target_cfg, hidden))
+
+
+def draft_token_ids(params: dict, cfg: DrafterConfig, index: jnp.ndarray) -> jnp.ndarray:
+    """Target token ids of draft-logit indices: ``index [...]`` int -> ``[...]`` int32
+    (``draft_ids[index]``; the identity without a draft vocabulary)."""
+    return (jnp.take(params["draft_ids"], index) if cfg.draft_vocab_size else index).astype(jnp.int32)
+
+
+def _finish_logits(cfg: DrafterConfig, out: jnp.ndarray) -> jnp.ndarray:
+    out = out * cfg.output_multiplier
+    if cfg.final_logit_softcapping > 0:
+        cap = cfg.final_logit_softcapping
+        out = jnp.tanh(out / cap) * cap
+    return out

@@ -1,0 +1,1 @@
+"""Dense decoder targets (Llama incl. SmolLM2, Mistral, Qwen2, Qwen3)."""

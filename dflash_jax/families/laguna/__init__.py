@@ -1,0 +1,1 @@
+"""The poolside Laguna target."""

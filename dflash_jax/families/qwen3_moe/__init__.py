@@ -1,0 +1,1 @@
+"""The Qwen3-MoE target."""

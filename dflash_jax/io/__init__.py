@@ -1,1 +1,0 @@
-"""Checkpoint, tokenizer and chat-template readers."""

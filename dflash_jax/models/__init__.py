@@ -1,1 +1,0 @@
-"""Model forwards as pure functions over parameter pytrees."""
