@@ -136,7 +136,7 @@ def store_dir() -> Path | None:
 @functools.cache
 def source_hash() -> str:
     """SHA-256 over the path and bytes of every ``.py`` file of the package, in path order."""
-    root = Path(__file__).resolve().parent
+    root = Path(__file__).resolve().parent.parent  # the package folder (this file is runtime/compiled.py)
     h = hashlib.sha256()
     for p in sorted(root.rglob("*.py")):
         h.update(str(p.relative_to(root)).encode() + b"\0" + p.read_bytes() + b"\0")
