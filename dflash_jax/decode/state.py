@@ -4,7 +4,8 @@ Positions, masks and rollback all derive from ``length``. The target KV cache ho
 positions ``[0, length - 1)``: the last committed token has not been fed to the target yet (it is
 the next decode input, or the anchor of the next speculative block).
 
-The speculative extension of the decode state: drafter context K/V and statistics.
+:class:`SpeculativeState` is its speculative extension (``state.speculative``): the drafter's
+context K/V and the statistics of the verify steps.
 """
 
 from __future__ import annotations

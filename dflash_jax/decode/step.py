@@ -1,37 +1,34 @@
-"""Capture: the target's hidden states at the drafter's chosen layers, into the drafter context.
+"""One DFlash step's stages, pure and in data-flow order: capture, propose, verify, commit.
 
-Every target pass of a speculative generation (prefill chunks and verify blocks) runs with a
-:class:`~dflash_jax.runtime.carry.Capture` buffer from :func:`block_capture`; :func:`absorb_context`
-projects the captured rows into the drafter's context K/V at their absolute positions, so the
-context never depends on how the tokens were split into passes.
+The loop that picks a step (chain, tree or adaptive) and runs it on device is
+:mod:`dflash_jax.decode.loop`; this module holds what every speculative step is made of.
 
-Propose: the drafter drafts one block ``[anchor, MASK, ...]`` in a single forward pass.
+- **Capture.** Every target pass of a speculative generation (prefill chunks and verify blocks)
+  runs with a :class:`~dflash_jax.runtime.carry.Capture` buffer from :func:`block_capture`;
+  :func:`absorb_context` projects the captured rows into the drafter's context K/V at their
+  absolute positions, so the context never depends on how the tokens were split into passes.
+- **Propose.** The drafter drafts one block ``[anchor, MASK, ...]`` in a single forward pass
+  (:func:`propose_fn`; jitted for notebooks as :func:`propose_block`).
+- **Verify.** One target pass over the block ``[anchor, drafts]`` and the accept rule
+  (:func:`verify_fn`). Accept rule (docs/specs/dflash.md 2.2, "sample and match"): the target
+  chooses its own token at every slot of the block, the argmax when greedy, else its sample with
+  the uniform of that token's position (:func:`dflash_jax.decode.sampling.sample_at`); the longest
+  prefix of drafts equal to the target's tokens is accepted and the target's token after it is the
+  bonus token. Every committed token is the target's own choice, so greedy output equals the
+  target's greedy decode and sampled output is exactly the target's sample with the row's key (the
+  same with or without a drafter). It equals Leviathan/Chen rejection sampling with a one-hot
+  proposal; sampled drafts are coupled to the target's tokens through the shared uniform instead of
+  a proposal distribution ``q``.
+- **Commit.** The verified block joins the state: tokens, lengths, drafter context, statistics
+  (:func:`commit_block`). Rollback of the rejected drafts is the length update of
+  :func:`dflash_jax.decode.state.commit`: the target cache and the drafter context keep no length
+  of their own, and their rows beyond a row's committed length stay masked until the next block
+  overwrites them. A target family with recurrent state (Gated DeltaNet,
+  :mod:`dflash_jax.families.qwen3_5.model`) also has ``commit_block_states``: the states after the
+  committed block positions of each row, chosen from those its verify pass kept.
 
-Verify: one target pass over the block ``[anchor, drafts]`` and the accept rule.
-
-Accept rule (docs/specs/dflash.md 2.2, "sample and match"): the target chooses its own token at
-every slot of the block, the argmax when greedy, else its sample with the uniform of that token's
-position (:func:`dflash_jax.decode.sampling.sample_at`); the longest prefix of drafts equal to the
-target's tokens is accepted and the target's token after it is the bonus token. Every committed
-token is the target's own choice, so greedy output equals the target's greedy decode and sampled
-output is exactly the target's sample with the row's key (the same with or without a drafter).
-It equals Leviathan/Chen rejection sampling with a one-hot proposal; sampled drafts are coupled
-to the target's tokens through the shared uniform instead of a proposal distribution ``q``.
-
-Commit: the verified block joins the state (tokens, lengths, drafter context, statistics).
-
-Rollback of the rejected drafts is the length update of :func:`dflash_jax.decode.state.commit`: the
-target cache and the drafter context keep no length of their own, and their rows beyond a row's
-committed length stay masked until the next block overwrites them. A target family with recurrent
-state (Gated DeltaNet, :mod:`dflash_jax.families.qwen3_5.model`) also has ``commit_block_states``: the
-states after the committed block positions of each row, chosen from those its verify pass kept.
-
-One DFlash step: propose -> verify -> commit, pure (the on-device loop is
-:func:`dflash_jax.decode.loop.steps_until`, shared with plain decoding).
-
-``propose_block`` (from :mod:`~dflash_jax.decode.step`) and ``verify_block`` (verify
-and commit, state donated) are also exposed as separate jitted steps for notebooks and
-experiments. Under ``n_max="auto"`` the step is :func:`dflash_jax.decode.auto.adaptive.step_fn`.
+:func:`verify_commit` verifies given drafts and commits them; :func:`verify_block` is its jitted
+form (state donated) for notebooks and experiments.
 """
 
 from __future__ import annotations
