@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 
 import dflash_jax as dj
-from dflash_jax import arguments, loading, text
+from dflash_jax import arguments, loading
+from dflash_jax.text import split_stop
 from dflash_jax.errors import DFlashError
 from dflash_jax.nn.params import PerLayer
 from dflash_jax.decode.sampling import SamplingConfig
@@ -215,10 +216,10 @@ def test_text_stream_releases_what_decoding_everything_at_each_step_releases(hf_
 
 def test_split_stop(hf_dir):
     tok = dj.load_target(hf_dir).tokenizer
-    ids, texts = text.split_stop(tok, ["x", "xy", "<|im_end|>"])
+    ids, texts = split_stop(tok, ["x", "xy", "<|im_end|>"])
     assert ids == [ord("x"), 257] and texts == ["xy"]
     with pytest.raises(DFlashError, match="--stop"):
-        text.split_stop(tok, [""])
+        split_stop(tok, [""])
 
 
 def test_compile_cache_is_on_by_default(tmp_path):
@@ -316,7 +317,7 @@ def test_one_token_stop_text_is_cut_from_the_text_like_a_longer_one(hf_dir):
     base = dj.generate(t, [ids], 40, ignore_eos=True)
     text = base.texts[0]
     ch = next(c for c in text[2:] if c.isascii() and c.isalnum())
-    assert text.split_stop(t.tokenizer, [ch])[0] == [ord(ch)]  # a one-token stop text: a stop id
+    assert split_stop(t.tokenizer, [ch])[0] == [ord(ch)]  # a one-token stop text: a stop id
     for on_tokens in (None, lambda new: None):
         res = dj.generate(t, [ids], 40, ignore_eos=True, stop=[ch], on_tokens=on_tokens)
         assert res.texts[0] == text[: text.index(ch)]
