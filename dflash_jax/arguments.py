@@ -14,7 +14,7 @@ from dflash_jax.loading import Drafter, Target
 from dflash_jax.decode.prefill import check_chunk_size
 from dflash_jax.decode.sampling import SamplingConfig
 from dflash_jax.decode.auto.policy import Calibration
-from dflash_jax.text import str_list, split_stop
+from dflash_jax.text import split_stop
 
 
 @dataclasses.dataclass(frozen=True)
@@ -129,13 +129,20 @@ def _resolve_max_len(cfg, prompts: list[list[int]], max_new_tokens: int, max_len
     return int(max_len)
 
 
+def str_list(value, name: str, option: str) -> list[str]:
+    """``value`` as a list of strings; raises DFlashError naming ``name`` (one ``option`` each) otherwise."""
+    if isinstance(value, (str, bytes)) or not isinstance(value, Sequence) or not all(isinstance(x, str) for x in value):
+        raise DFlashError(name, f"got {value!r}", f"a list of strings (one per {option})")
+    return list(value)
+
+
 def _stops(target: Target, stop_ids, stop, ignore_eos: bool) -> tuple[list[int], list[str]]:
     """``(stop ids, stop texts)``: EOS (unless ``ignore_eos``), ``stop_ids`` and the stop texts of
     one token; every stop text also cuts the text (see :mod:`dflash_jax`)."""
     stop = str_list(stop, "stop", "--stop")
     if isinstance(stop_ids, (str, bytes)) or not isinstance(stop_ids, (Sequence, np.ndarray)) or not all(_is_int(i) for i in stop_ids):
         raise DFlashError("stop_ids", f"got {stop_ids!r}", "a list of integer token ids")
-    stop_tok_ids, _ = split_stop(target.tokenizer, stop)
+    stop_tok_ids, _ = split_stop(target.tokenizer, stop) if stop else ([], [])
     stops = [] if ignore_eos else list(target.eos_ids)
     for i in list(stop_ids) + stop_tok_ids:
         if int(i) not in stops:

@@ -134,13 +134,6 @@ def find_stop(text: str, stop: Sequence[str], start: int = 0) -> int | None:
     return min(hits) if hits else None
 
 
-def str_list(value, name: str, option: str) -> list[str]:
-    """``value`` as a list of strings; raises DFlashError naming ``name`` (one ``option`` each) otherwise."""
-    if isinstance(value, (str, bytes)) or not isinstance(value, Sequence) or not all(isinstance(x, str) for x in value):
-        raise DFlashError(name, f"got {value!r}", f"a list of strings (one per {option})")
-    return list(value)
-
-
 def split_stop(tokenizer, stop: Sequence[str]) -> tuple[list[int], list[str]]:
     """Splits stop texts into single-token stop ids and texts checked on the decoded output.
 

@@ -183,3 +183,55 @@ def test_modules_and_functions_stay_small():
                 if n > MAX_FUNCTION_LINES:
                     too_long.append(f"{name}.{node.name}: {n} lines")
     assert not too_long, "over the size limits: " + "; ".join(too_long)
+
+
+# One speculative generation, traced afresh, as a reader follows it: the files of the package it
+# enters (Python's profiler, call events). Run in a process of its own with no compile cache, so
+# every step is traced.
+_FILES_ENTERED = r"""
+import os, sys
+import dflash_jax as dj
+from dflash_jax.testing import tiny_drafter, tiny_target
+cfg, params = tiny_target()
+dcfg, dparams = tiny_drafter(cfg, layer_ids=(0, 2), block_size=4)
+target, drafter = dj.Target(cfg=cfg, params=params), dj.Drafter(cfg=dcfg, params=dparams)
+pkg = os.path.dirname(dj.__file__) + os.sep
+files = set()
+def profile(frame, event, arg):
+    if event == "call" and frame.f_code.co_filename.startswith(pkg):
+        files.add(os.path.relpath(frame.f_code.co_filename, pkg))
+sys.setprofile(profile)
+dj.generate(target, [[1, 2, 3, 4, 5]], max_new_tokens=8, drafter=drafter, n_max=3)
+sys.setprofile(None)
+print("\n".join(sorted(files)))
+"""
+MAX_FILES_ENTERED = 20
+
+
+def test_one_generation_enters_few_files():
+    """A reader follows one speculative ``dj.generate`` (tiny pair, n_max 3, traced afresh) through at
+    most :data:`MAX_FILES_ENTERED` of the package's files."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "JAX_COMPILATION_CACHE_DIR"}
+    env.update(DFLASH_JAX_NO_COMPILE_CACHE="1", JAX_PLATFORMS="cpu")
+    out = subprocess.run([sys.executable, "-c", _FILES_ENTERED], env=env, capture_output=True, text=True,
+                         timeout=600, cwd=ROOT.parent)
+    assert out.returncode == 0, out.stderr[-3000:]
+    files = out.stdout.split()
+    assert "driver.py" in files and "decode/step.py" in files  # the profile saw the generation
+    assert len(files) <= MAX_FILES_ENTERED, f"{len(files)} files entered: {files}"
+
+
+def test_package_root_and_family_folders():
+    """At most 12 modules at the package root (besides ``__init__``/``__main__``); each target family
+    in one folder of ``families/`` with its config, model and loaders."""
+    root = sorted(p.name for p in ROOT.glob("*.py") if p.name not in ("__init__.py", "__main__.py"))
+    assert len(root) <= 12, root
+    from dflash_jax.families import registry
+
+    for fam in registry.TARGET_FAMILIES:
+        folder = ROOT / "families" / fam.name
+        assert {"config.py", "model.py", "safetensors.py", "gguf.py"} <= {p.name for p in folder.glob("*.py")}, fam.name
