@@ -103,6 +103,34 @@ def parse_rope(cfg: Mapping[str, Any], source: str, head_dim: int) -> RopeConfig
     raise DFlashError(where, f"unsupported rope_type {kind!r}", "default, linear or llama3")
 
 
+def rope_from_parameters(sub: Mapping[str, Any], where: str, truncate: bool) -> RopeConfig:
+    """A :class:`RopeConfig` from one ``rope_parameters`` object (``rope_type`` default or yarn,
+    ``rope_theta``, ``partial_rotary_factor``, YaRN's ``factor``, ``original_max_position_embeddings``,
+    ``beta_fast``/``beta_slow``, ``attention_factor``/``mscale``/``mscale_all_dim``): Laguna's
+    and gpt-oss's. Raises DFlashError naming ``where`` and the field."""
+    if not isinstance(sub, Mapping):
+        raise DFlashError(where, f"got {sub!r}", "a rope parameter object")
+    kind = sub.get("rope_type", sub.get("type", "default"))
+    theta = float(_get(sub, "rope_theta", where, (int, float)))
+    partial = float(_get(sub, "partial_rotary_factor", where, (int, float), 1.0))
+    if not 0 < partial <= 1:
+        raise DFlashError(f"{where}: field partial_rotary_factor", f"got {partial}", "a value in (0, 1]")
+    if kind == "default":
+        return RopeConfig(theta=theta, partial=partial)
+    if kind != "yarn":
+        raise DFlashError(f"{where}: field rope_type", f"unsupported value {kind!r}", "default or yarn")
+    opt = lambda k: None if sub.get(k) is None else float(_get(sub, k, where, (int, float)))  # noqa: E731
+    return RopeConfig(
+        theta=theta, partial=partial, kind="yarn",
+        factor=float(_get(sub, "factor", where, (int, float))),
+        original_max_position_embeddings=_positive(_get(sub, "original_max_position_embeddings", where, (int,)),
+                                                   "original_max_position_embeddings", where),
+        beta_fast=float(sub.get("beta_fast") or 32), beta_slow=float(sub.get("beta_slow") or 1),
+        attention_factor=opt("attention_factor"), mscale=opt("mscale"), mscale_all_dim=opt("mscale_all_dim"),
+        truncate=truncate,
+    )
+
+
 def read_json(path: str | os.PathLike) -> dict:
     """Reads a JSON file; raises DFlashError naming the file when it is missing or malformed."""
     try:

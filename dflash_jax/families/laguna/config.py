@@ -25,7 +25,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Mapping
 from dflash_jax.drafter.config import DrafterConfig, _dflash_value
-from dflash_jax.families.config import RopeConfig, _get
+from dflash_jax.families.config import RopeConfig, _get, rope_from_parameters
 from dflash_jax.errors import DFlashError
 
 
@@ -125,33 +125,6 @@ def _pos_int(cfg, key, where, default=dataclasses.MISSING) -> int:
     if v <= 0:
         raise DFlashError(f"{where}: field {key}", f"got {v}", "a positive integer")
     return int(v)
-
-
-def rope_from_parameters(sub: Mapping[str, Any], where: str, truncate: bool) -> RopeConfig:
-    """A :class:`RopeConfig` from one ``rope_parameters`` object (``rope_type`` default or yarn,
-    ``rope_theta``, ``partial_rotary_factor``, YaRN's ``factor``, ``original_max_position_embeddings``,
-    ``beta_fast``/``beta_slow``, ``attention_factor``/``mscale``/``mscale_all_dim``); shared with
-    gpt-oss. Raises DFlashError naming ``where`` and the field."""
-    if not isinstance(sub, Mapping):
-        raise DFlashError(where, f"got {sub!r}", "a rope parameter object")
-    kind = sub.get("rope_type", sub.get("type", "default"))
-    theta = float(_num(sub, "rope_theta", where, (int, float)))
-    partial = float(_num(sub, "partial_rotary_factor", where, (int, float), 1.0))
-    if not 0 < partial <= 1:
-        raise DFlashError(f"{where}: field partial_rotary_factor", f"got {partial}", "a value in (0, 1]")
-    if kind == "default":
-        return RopeConfig(theta=theta, partial=partial)
-    if kind != "yarn":
-        raise DFlashError(f"{where}: field rope_type", f"unsupported value {kind!r}", "default or yarn")
-    opt = lambda k: None if sub.get(k) is None else float(_num(sub, k, where, (int, float)))  # noqa: E731
-    return RopeConfig(
-        theta=theta, partial=partial, kind="yarn",
-        factor=float(_num(sub, "factor", where, (int, float))),
-        original_max_position_embeddings=_pos_int(sub, "original_max_position_embeddings", where),
-        beta_fast=float(sub.get("beta_fast") or 32), beta_slow=float(sub.get("beta_slow") or 1),
-        attention_factor=opt("attention_factor"), mscale=opt("mscale"), mscale_all_dim=opt("mscale_all_dim"),
-        truncate=truncate,
-    )
 
 
 def _layer_list(cfg, key, where, n, allowed, default):
