@@ -50,7 +50,7 @@ def check_logits_and_capture(model, cfg, params, module, layer_ids=(0, 2), tol: 
     """Our float32 logits of 2 x 14 random tokens equal transformers' (one pass, and prefill
     chunks of ``chunk`` through the cache), and the hidden states captured after ``layer_ids``
     equal transformers' ``hidden_states[i + 1]`` (relative error below ``tol``). ``module``: the
-    family's model module. Returns transformers' logits."""
+    family's :class:`~dflash_jax.families.contract.FamilyModel`. Returns transformers' logits."""
     import jax
     import jax.numpy as jnp
 

@@ -80,7 +80,7 @@ def test_unsupported_options_refused_by_name(case):
 
 def test_logits_and_capture_match_transformers(case):
     model, cfg, params, _ = case
-    want = check_logits_and_capture(model, cfg, params, gemma4, (1, 3), TOL)
+    want = check_logits_and_capture(model, cfg, params, gemma4.MODEL, (1, 3), TOL)
     assert np.abs(want).max() > 2.0  # the soft-cap bites
 
 
@@ -193,7 +193,7 @@ def test_kv_sharing_k_eq_v_and_no_per_layer_inputs_match_transformers(shared_cas
     assert cfg.num_kv_shared_layers == 2 and "wk" not in params["layer3"] and params["layer4"]["w_up"].shape == (64, 192)
     assert gemma4.MODEL.init_cache(cfg, 1, 8).k_sliding.shape[0] == 2 and "embed_pl" not in params and "lm_head" in params
     assert cfg.attention_k_eq_v and cfg.kv_heads == (2, 1) and "wv" not in params["layer1"] and "wv" in params["layer2"]
-    check_logits_and_capture(model, cfg, params, gemma4, (1, 3), TOL, chunk=4)
+    check_logits_and_capture(model, cfg, params, gemma4.MODEL, (1, 3), TOL, chunk=4)
     prompt, n = [3, 17, 42, 8, 11, 5, 29], 10
     want = hf_greedy(model, prompt, n)
     assert ours_greedy(cfg, params, prompt, n, 3)[0] == want
@@ -214,7 +214,7 @@ def test_moe_block_matches_transformers(moe_case, tmp_path):
     model, cfg, params, folder = moe_case
     assert cfg.num_experts == 4 and params["layer2"]["e_gate"].shape == (4, 64, 32) and params["layer0"]["e_down"].shape == (4, 32, 64)
     assert gemma4.MODEL.param_axes(cfg)["layer1"]["e_up"] == ("experts", "embed", "expert_mlp")
-    check_logits_and_capture(model, cfg, params, gemma4, (0, 1), TOL)
+    check_logits_and_capture(model, cfg, params, gemma4.MODEL, (0, 1), TOL)
     prompt, n = [3, 17, 42, 8, 11, 5, 29], 10
     want = hf_greedy(model, prompt, n)
     assert ours_greedy(cfg, params, prompt, n, 3)[0] == want

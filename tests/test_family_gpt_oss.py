@@ -43,7 +43,7 @@ def target(tmp_path_factory):
 def test_logits_and_capture_match_transformers(target):
     model, cfg, params, _ = target
     assert isinstance(cfg, GptOssConfig) and cfg.layer_types == ("sliding_attention", "full_attention") * 2 and cfg.rope.kind == "yarn"
-    check_logits_and_capture(model, cfg, params, gpt_oss, (0, 2), TOL)
+    check_logits_and_capture(model, cfg, params, gpt_oss.MODEL, (0, 2), TOL)
 
 
 def test_the_pieces_matter(target):

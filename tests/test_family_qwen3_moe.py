@@ -55,7 +55,7 @@ def test_config_and_params(case):
 
 def test_logits_and_capture_match_transformers(case):
     _, model, cfg, params, _, _ = case
-    check_logits_and_capture(model, cfg, params, qwen3_moe, (0, 2), TOL)
+    check_logits_and_capture(model, cfg, params, qwen3_moe.MODEL, (0, 2), TOL)
 
 
 def test_greedy_plain_and_dflash_match_transformers(case):
