@@ -306,7 +306,9 @@ import sys
 sys.path.insert(0, "tests")
 import jax, numpy as np
 jax.config.update("jax_default_matmul_precision", "highest")
-from dflash_jax import decode, sharding as shd
+from dflash_jax.decode import loop as decode
+from dflash_jax.decode.prefill import prefill
+from dflash_jax.runtime import sharding as shd
 from dflash_jax.decode.static import Decoding, Params
 from dflash_jax.families.registry import family_for_hf, module_for
 from dflash_jax.testing import tiny_drafter
@@ -324,7 +326,7 @@ static = Decoding(cfg, dcfg)
 def run(p, mesh=None):
     st = decode.init_state(static, [[5, 9, 17, 3], [40, 2, 7]], 32, 12)
     st = st if mesh is None else shd.shard_state(st, mesh)
-    return decode.generate(Params(p, dp), decode.prefill(Params(p, dp), st, static, 4), static)
+    return decode.generate(Params(p, dp), prefill(Params(p, dp), st, static, 4), static)
 
 a = run(p)
 for mesh in (shd.make_mesh(data=2, model=2), shd.make_mesh(model=2, expert=2)):

@@ -19,7 +19,6 @@ from dflash_jax.drafter import knobs as drafter_knobs
 from dflash_jax.drafter import laguna as laguna_drafter
 from dflash_jax.errors import DFlashError
 from dflash_jax.families import config as family_config
-from dflash_jax.families.laguna import config as config_laguna
 from dflash_jax.formats import gguf as gguf_file
 from dflash_jax.formats.safetensors import numpy_dtype
 
@@ -51,7 +50,7 @@ class DrafterKind:
 DRAFTER_KINDS: tuple[DrafterKind, ...] = (
     DrafterKind(architecture=drafter_config.DFLASH_DRAFTER, parse_hf=drafter_config.dflash_drafter_config_from_hf, model=dflash_drafter,
                 load_hf=dflash_drafter.load_dflash_drafter_weights, per_layer=True),
-    DrafterKind(architecture=drafter_config.LAGUNA_DRAFTER, parse_hf=config_laguna.laguna_drafter_config_from_hf, model=laguna_drafter,
+    DrafterKind(architecture=drafter_config.LAGUNA_DRAFTER, parse_hf=drafter_config.laguna_drafter_config_from_hf, model=laguna_drafter,
                 load_hf=laguna_drafter.load_laguna_drafter_safetensors, gguf_architectures=("dflash-draft", "dflash"),
                 load_gguf=laguna_drafter.load_laguna_drafter_gguf),
 )

@@ -3,6 +3,17 @@
 Configs are frozen dataclasses: they are passed to jitted functions as static arguments, so two
 equal configs share one compilation. Parsing is strict: a missing or ill-typed field raises
 :class:`~dflash_jax.errors.DFlashError` naming the file and field; nothing is guessed silently.
+
+The dimension fields the targets share, by the same names: every family's config has
+``vocab_size``, ``hidden_size``, ``intermediate_size``, ``num_hidden_layers`` (no default),
+``rms_norm_eps``, ``tie_word_embeddings``, ``max_position_embeddings`` and ``dtype``; all but
+Laguna (per-layer query heads: a property) have ``num_attention_heads``, all but Gemma 4 (per
+layer type) ``num_key_value_heads`` and ``head_dim`` (what the plain KV cache of
+:class:`~dflash_jax.families.contract.FamilyModel` reads). They are not one base class: the
+defaults differ (``rms_norm_eps`` 1e-5 in gpt-oss, ``tie_word_embeddings`` true in Gemma 4,
+``max_position_embeddings`` per family) and a dataclass base puts its fields first, which would
+reorder each config's fields (positional construction, ``repr`` and ``dataclasses.asdict``, which
+the GGUF weight cache's ``meta.json`` and compiled-executable keys read) for no gain in behaviour.
 """
 
 from __future__ import annotations
