@@ -164,11 +164,11 @@ _MULTI_DEVICE = textwrap.dedent(
     """
     import jax, numpy as np
     jax.config.update("jax_default_matmul_precision", "highest")
-    from dflash_jax import sharding as shd
+    from dflash_jax.runtime import sharding as shd
     from dflash_jax.families.dense import model as dense
-    from dflash_jax.nn.params import unstack_layers
     from dflash_jax.drafter import model as drafter
-    from dflash_jax import decode
+    from dflash_jax.decode import loop as decode
+    from dflash_jax.decode.prefill import prefill
     from dflash_jax.decode.static import Decoding, Params
     from dflash_jax.testing import tiny_drafter, tiny_target
 
@@ -183,7 +183,7 @@ _MULTI_DEVICE = textwrap.dedent(
         st = decode.init_state(static, prompts, 24, 10)
         if mesh is not None:
             st = shd.shard_state(st, mesh)
-        st = decode.prefill(Params(p, dp), st, static, 4)
+        st = prefill(Params(p, dp), st, static, 4)
         return decode.generate(Params(p, dp), st, static)
 
     ref = run(p, dp)
