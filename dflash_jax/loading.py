@@ -25,7 +25,8 @@ from dflash_jax.runtime.fingerprint import weights_fingerprint
 from dflash_jax.families.dense import gguf_cache
 from dflash_jax.formats import gguf as gguf_file
 from dflash_jax.formats.tokenizer import Tokenizer
-from dflash_jax.families.dense import model as dense
+from dflash_jax.nn.params import unstack_layers
+from dflash_jax.drafter import kinds as drafter_kinds
 from dflash_jax.drafter import model as drafter_model
 from dflash_jax.nn.params import is_per_layer
 from dflash_jax.nn import params as layouts
@@ -86,7 +87,7 @@ def load_target(path: str | os.PathLike | None = None, dtype: str = "float32", l
       layers: layout of a dense target's decoder layers: ``"stacked"`` (one array per weight
         with a leading layer axis, run with ``lax.scan``), ``"per_layer"`` (a ``PerLayer`` of per-layer
         dicts, run as a Python loop: XLA:CPU copies each stacked layer's weights in every scan
-        step; :func:`dflash_jax.families.dense.model.unstack_layers`) or ``"auto"`` (per layer on the CPU
+        step; :func:`dflash_jax.nn.params.unstack_layers`) or ``"auto"`` (per layer on the CPU
         backend, stacked elsewhere). Same values and outputs either way; Laguna targets are always
         stacked. On the CPU backend a dense target also holds the ``[out, in]`` copies of
         :data:`dflash_jax.nn.params.CPU_KINDS` for passes of several rows.
@@ -121,10 +122,10 @@ def load_target(path: str | os.PathLike | None = None, dtype: str = "float32", l
         if tok is not None and tok.vocab_size > cfg.vocab_size:
             raise DFlashError(f"{p}: tokenizer", f"{tok.vocab_size} ids but the embedding has {cfg.vocab_size} rows",
                               "a tokenizer no larger than the embedding")
-        if per_layer and registry.family_of(cfg).per_layer:
-            params = dense.unstack_layers(params)  # numpy views of a GGUF's cache: no copy
+        if per_layer and registry.module_for(cfg).per_layer:
+            params = unstack_layers(params)  # numpy views of a GGUF's cache: no copy
         params = with_output_head(jax.device_put(params))
-        if registry.family_of(cfg).per_layer and jax.default_backend() == "cpu":  # dense targets on XLA:CPU
+        if registry.module_for(cfg).per_layer and jax.default_backend() == "cpu":  # dense targets on XLA:CPU
             params = layouts.with_wide_layouts(params, layouts.CPU_KINDS, tied=cfg.tie_word_embeddings)
         if mesh is not None:
             params = sharding.shard_params(params, _axes(registry.module_for(cfg), cfg, params), mesh)
@@ -226,10 +227,10 @@ def load_drafter(path: str | os.PathLike, target: Target, dtype: str | None = No
     p = Path(path).expanduser()
     dtype = dtype or target.cfg.dtype
     if p.is_file() and p.suffix.lower() == ".gguf":
-        cfg, params = registry.load_gguf_drafter(p, target.cfg, dtype=dtype)
+        cfg, params = drafter_kinds.load_gguf_drafter(p, target.cfg, dtype=dtype)
         n_max = auto_depth = calibration = tree = None
     elif p.is_dir():
-        cfg, params = registry.load_hf_drafter(p, target.cfg, dtype=dtype)
+        cfg, params = drafter_kinds.load_hf_drafter(p, target.cfg, dtype=dtype)
         n_max, auto_depth, calibration, tree = _recorded_policy(p / "config.json", cfg.block_size)
         ids = dv.load(p, cfg.vocab_size) if draft_vocab else None
         if ids is not None:
@@ -239,8 +240,8 @@ def load_drafter(path: str | os.PathLike, target: Target, dtype: str | None = No
                           "a DFlash drafter checkpoint folder (config.json + safetensors) or a drafter .gguf file")
     else:
         raise DFlashError(str(p), "no such folder or .gguf file", "a DFlash drafter checkpoint")
-    if per_layer and registry.drafter_kind(cfg.architecture).per_layer:
-        params = dense.unstack_layers(params)
+    if per_layer and drafter_kinds.drafter_kind(cfg.architecture).per_layer:
+        params = unstack_layers(params)
     if target.mesh is not None:
         params = sharding.shard_params(params, _axes(drafter_model, cfg, params), target.mesh)
     return Drafter(cfg=cfg, params=params, source=str(p), n_max=n_max, calibration=calibration, auto_depth=auto_depth, tree=tree)

@@ -26,7 +26,7 @@ def tiny_target_config(family: str = "llama", **overrides) -> TargetConfig:
 def tiny_target(family: str = "llama", seed: int = 0, scale: float = 0.2, **overrides):
     """``(cfg, params)`` of a tiny random target whose greedy output is not degenerate."""
     cfg = tiny_target_config(family, **overrides)
-    return cfg, dense.init_params(cfg, jax.random.key(seed), scale=scale)
+    return cfg, dense.MODEL.init_params(cfg, jax.random.key(seed), scale=scale)
 
 
 def reference_greedy(params, cfg, prompt, n_new: int, stop_ids=()) -> list[int]:
@@ -54,7 +54,7 @@ def reference_greedy(params, cfg, prompt, n_new: int, stop_ids=()) -> list[int]:
 def _full_logits(params, cfg, tokens):
     """``[1, T, V]`` logits of one forward over ``tokens [1, T]`` from an empty cache of ``T`` slots."""
     t = tokens.shape[1]
-    logits, _, _ = dense.forward(params, cfg, tokens, jnp.arange(t, dtype=jnp.int32)[None], dense.init_cache(cfg, 1, t))
+    logits, _, _ = dense.MODEL.forward(params, cfg, tokens, jnp.arange(t, dtype=jnp.int32)[None], dense.MODEL.init_cache(cfg, 1, t))
     return logits
 
 

@@ -45,7 +45,7 @@ PER_ELEMENT = dict(
 def tiny_laguna(hf: dict = PER_HEAD, seed: int = 0, max_block: int = 4, scale: float = 0.25):
     """``(cfg, params)`` of a random tiny Laguna target (ring = window + ``max_block`` rows)."""
     cfg = dataclasses.replace(laguna_config_from_hf(hf), max_block=max_block)
-    return cfg, laguna.init_params(cfg, jax.random.key(seed), scale=scale)
+    return cfg, laguna.MODEL.init_params(cfg, jax.random.key(seed), scale=scale)
 
 
 LAGUNA_DRAFTER = dict(
@@ -67,7 +67,7 @@ def write_config(folder, cfg: dict) -> str:
 def recompute_greedy(params, cfg, prompt, n_new: int, buf: int) -> list[int]:
     """Greedy tokens by a full no-cache forward over a fixed ``buf``-long buffer each step
     (causal: the padding after the current token does not change its logits)."""
-    fwd = jax.jit(lambda p, t: laguna.forward(p, cfg, t, jnp.arange(buf, dtype=jnp.int32)[None], laguna.init_cache(cfg, 1, buf))[0])
+    fwd = jax.jit(lambda p, t: laguna.MODEL.forward(p, cfg, t, jnp.arange(buf, dtype=jnp.int32)[None], laguna.MODEL.init_cache(cfg, 1, buf))[0])
     toks = list(prompt)
     for _ in range(n_new):
         arr = np.zeros((1, buf), np.int32)

@@ -90,7 +90,7 @@ def scripted_target():
     cfg = tiny_target_config("llama", vocab_size=vocab, hidden_size=hidden, num_hidden_layers=1, num_attention_heads=2,
                              num_key_value_heads=1, head_dim=16, intermediate_size=32, tie_word_embeddings=False,
                              max_position_embeddings=512)
-    params = dense.init_params(cfg, jax.random.key(0), scale=0.1)
+    params = dense.MODEL.init_params(cfg, jax.random.key(0), scale=0.1)
     succ = np.full(vocab, IM_END)
     for script, trigger in ((HERMES_SCRIPT, ord("\n")), (POOLSIDE_SCRIPT, ord("P"))):
         ids = [IM_END + 1 + pieces.index(p) for p in script]

@@ -146,6 +146,7 @@ def test_no_import_cycle_inside_the_package():
 def test_registry_finds_each_family_by_architecture_and_type():
     import pytest
 
+    from dflash_jax.drafter import kinds
     from dflash_jax.families import registry
     from dflash_jax.errors import DFlashError
     from dflash_jax.testing import tiny_target_config
@@ -161,10 +162,10 @@ def test_registry_finds_each_family_by_architecture_and_type():
         registry.family_for_hf({"architectures": ["DFlashLagunaForCausalLM"], "model_type": "laguna"}, "d/config.json")
     with pytest.raises(DFlashError, match="no registered family"):
         registry.module_for(object())
-    for kind in registry.DRAFTER_KINDS:
-        assert registry.drafter_kind(kind.architecture) is kind
+    for kind in kinds.DRAFTER_KINDS:
+        assert kinds.drafter_kind(kind.architecture) is kind
     with pytest.raises(DFlashError, match="DFlash2DraftModel"):
-        registry.drafter_config_from_hf({"architectures": ["DFlash2DraftModel"]})
+        kinds.drafter_config_from_hf({"architectures": ["DFlash2DraftModel"]})
 
 
 MAX_FILE_LINES, MAX_FUNCTION_LINES = 450, 80

@@ -97,27 +97,29 @@ def test_seeded_sampling_is_reproducible_and_varies_with_seed(target):
 
 
 def test_per_layer_parameters_give_the_stacked_results():
-    """``dense.unstack_layers`` (a Python loop over separate buffers, what ``load_target`` uses
+    """``unstack_layers`` (a Python loop over separate buffers, what ``load_target`` uses
     on CPU) computes what the stacked ``lax.scan`` computes: logits, K/V cache and captured
     features of a prefill, and the tokens of batched greedy and DFlash speculative decoding.
-    One family: the layer loop (``dense.run_layers``) is the same for every family, and the
+    One family: the layer loop (``run_layers``) is the same for every family, and the
     families' layer bodies are checked against transformers in test_parity_transformers.py."""
     from dflash_jax.runtime.carry import init_capture
     from dflash_jax.families.dense import model as dense
+    from dflash_jax.nn.params import stack_layers
+    from dflash_jax.nn.params import unstack_layers
     from dflash_jax.nn.params import PerLayer
     from dflash_jax.testing import tiny_drafter
 
     cfg, p = tiny_target("qwen2", seed=2)
-    per = dense.unstack_layers(p)
+    per = unstack_layers(p)
     assert isinstance(per["layers"], PerLayer) and len(per["layers"]) == cfg.num_hidden_layers
-    assert jax.tree.all(jax.tree.map(lambda a, b: bool((a == b).all()), dense.stack_layers(per), p))
+    assert jax.tree.all(jax.tree.map(lambda a, b: bool((a == b).all()), stack_layers(per), p))
     toks = jnp.asarray([PROMPTS[2]], jnp.int32)
     pos = jnp.arange(toks.shape[1], dtype=jnp.int32)[None]
 
     @jax.jit
     def prefill_outputs(params):
         cap = init_capture((0, 2), 1, 16, cfg.hidden_size, cfg.dtype)
-        logits, cache, cap = dense.forward(params, cfg, toks, pos, dense.init_cache(cfg, 1, 16), cap)
+        logits, cache, cap = dense.MODEL.forward(params, cfg, toks, pos, dense.MODEL.init_cache(cfg, 1, 16), cap)
         return logits, cache.k, cache.v, cap.hidden
 
     for a, b in zip(prefill_outputs(p), prefill_outputs(per)):
@@ -132,7 +134,7 @@ def test_per_layer_parameters_give_the_stacked_results():
 
 
 def test_per_layer_layers_are_a_typed_pytree(target):
-    """``dense.unstack_layers`` gives a ``PerLayer``: ``jit``, ``tree_map``, pickling and the
+    """``unstack_layers`` gives a ``PerLayer``: ``jit``, ``tree_map``, pickling and the
     per-layer axes tree keep that type (key paths ``['layers'][i]`` as a tuple's), the store keys
     it apart from stacked layers, and a plain tuple of layer dicts is refused with a DFlashError
     (by ``is_per_layer`` and a forward pass alike) instead of being run as stacked layers."""
@@ -140,10 +142,11 @@ def test_per_layer_layers_are_a_typed_pytree(target):
 
     from dflash_jax.runtime import compiled as executables
     from dflash_jax.families.dense import model as dense
+    from dflash_jax.nn.params import unstack_layers
     from dflash_jax.nn.params import PerLayer, is_per_layer
 
     cfg, p = target
-    per = dense.unstack_layers(p)
+    per = unstack_layers(p)
     assert is_per_layer(per["layers"]) and not is_per_layer(p["layers"]) and not is_per_layer(None)
     for again in (jax.jit(lambda t: t)(per), jax.tree.map(lambda a: a + 0, per), pickle.loads(pickle.dumps(jax.device_get(per))),
                   jax.tree.unflatten(jax.tree.structure(per), jax.tree.leaves(per))):
@@ -151,15 +154,15 @@ def test_per_layer_layers_are_a_typed_pytree(target):
         assert jax.tree.all(jax.tree.map(lambda a, b: bool((np.asarray(a) == np.asarray(b)).all()), again, per))
     assert type(per["layers"][1:]) is PerLayer and len(per["layers"][1:]) == cfg.num_hidden_layers - 1
     assert "['layers'][1]['wq']" in {jax.tree_util.keystr(k) for k, _ in jax.tree_util.tree_leaves_with_path(per)}
-    assert type(dense.param_axes(cfg, per_layer=True)["layers"]) is PerLayer
-    k = executables.key(dense.forward, (per,))
-    assert k == executables.key(dense.forward, (dense.unstack_layers(p),)) and k != executables.key(dense.forward, (p,))
+    assert type(dense.MODEL.param_axes(cfg, per_layer=True)["layers"]) is PerLayer
+    k = executables.key(dense.MODEL.forward, (per,))
+    assert k == executables.key(dense.MODEL.forward, (unstack_layers(p),)) and k != executables.key(dense.MODEL.forward, (p,))
     plain = dict(per, layers=tuple(per["layers"]))
     with pytest.raises(DFlashError, match=rf'params\["layers"\]: a plain tuple of {cfg.num_hidden_layers} layers .*PerLayer'):
         is_per_layer(plain["layers"])
     toks = jnp.asarray([PROMPTS[1]], jnp.int32)
     with pytest.raises(DFlashError, match="PerLayer"):
-        dense.forward(plain, cfg, toks, jnp.arange(3, dtype=jnp.int32)[None], dense.init_cache(cfg, 1, 8))
+        dense.MODEL.forward(plain, cfg, toks, jnp.arange(3, dtype=jnp.int32)[None], dense.MODEL.init_cache(cfg, 1, 8))
 
 
 def test_continuous_batching_rows_answer_as_alone(target):

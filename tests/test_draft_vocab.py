@@ -28,6 +28,7 @@ from dflash_jax.decode.sampling import SamplingConfig
 from dflash_jax.testing import tiny_drafter, tiny_target
 from dflash_jax.train import objective
 from dflash_jax.train.export import export_drafter
+from dflash_jax.families.registry import module_for
 
 # prompt tokens (mask 0) 9 x4; supervised counts: 3 x3, 7 x2, 1 x2, 5 x1
 TOKENS = np.array([9, 9, 9, 9, 3, 7, 3, 1, 7, 5, 1, 3])
@@ -129,8 +130,8 @@ def _prefilled_and_full_logits(target, d):
     anchor = np.asarray(st.tokens)[np.arange(len(PROMPTS)), start]
     block = jnp.asarray([[int(a)] + [dcfg.mask_token_id] * (w - 1) for a in anchor], jnp.int32)
     pos = jnp.asarray(start[:, None] + np.arange(w), jnp.int32)
-    h = drafter.forward(dparams, dcfg, params, cfg, block, pos, st.speculative.ctx_k, st.speculative.ctx_v, jnp.asarray(start, jnp.int32))
-    return st, np.asarray(drafter.logits(dparams, dcfg, params, cfg, h[:, 1:]))
+    h = drafter.forward(dparams, dcfg, module_for(cfg), params, cfg, block, pos, st.speculative.ctx_k, st.speculative.ctx_v, jnp.asarray(start, jnp.int32))
+    return st, np.asarray(drafter.logits(dparams, dcfg, module_for(cfg), params, cfg, h[:, 1:]))
 
 
 def test_argmax_drafts_are_the_best_listed_token(target):
@@ -213,9 +214,9 @@ def test_listed_logits_are_the_full_logits_columns_on_a_soft_capped_family():
     head = jnp.asarray(rng.normal(size=(cfg.hidden_size, cfg.vocab_size)) * 0.3, jnp.float32)
     ids = np.array([0, 5, 17, 40, 63])
     for params in ({"lm_head": head}, {"embed": head.T}):  # the logits read only the target's head
-        full = np.asarray(drafter.logits(dparams, dcfg, params, cfg, hidden))
+        full = np.asarray(drafter.logits(dparams, dcfg, module_for(cfg), params, cfg, hidden))
         rcfg, rparams = dv.attach(dcfg, dparams, params, ids)
-        got = np.asarray(drafter.logits(rparams, rcfg, params, cfg, hidden))
+        got = np.asarray(drafter.logits(rparams, rcfg, module_for(cfg), params, cfg, hidden))
         np.testing.assert_allclose(got, full[..., ids], rtol=1e-5, atol=1e-5)
         assert np.abs(np.asarray(lm_head(params, cfg, hidden))[..., ids]).max() > 10
 

@@ -13,9 +13,10 @@ zlab = pytest.importorskip("dflash.model")
 
 from dflash_jax.decode import loop as decode  # noqa: E402
 from dflash_jax.decode.static import Decoding, Params  # noqa: E402
-from dflash_jax.families.registry import load_hf_drafter as load_drafter  # noqa: E402
+from dflash_jax.drafter.kinds import load_hf_drafter as load_drafter  # noqa: E402
 from dflash_jax.families.dense.safetensors import load_hf_target  # noqa: E402
 from dflash_jax.drafter import model as drafter  # noqa: E402
+from dflash_jax.families.registry import module_for
 
 H, V, TARGET_LAYERS = 64, 96, 4
 
@@ -91,8 +92,8 @@ def test_drafter_logits_match_reference(tmp_path, target, variant):
     ck = jnp.zeros((cfg.num_hidden_layers, 1, s) + k.shape[3:]).at[:, :, :ctx_len].set(k)
     cv = jnp.zeros_like(ck).at[:, :, :ctx_len].set(v)
     pos = ctx_len + jnp.arange(w, dtype=jnp.int32)[None]
-    out = drafter.forward(params, cfg, t_params, t_cfg, jnp.asarray(block), pos, ck, cv, jnp.array([ctx_len]))
-    got = np.asarray(drafter.logits(params, cfg, t_params, t_cfg, out))
+    out = drafter.forward(params, cfg, module_for(t_cfg), t_params, t_cfg, jnp.asarray(block), pos, ck, cv, jnp.array([ctx_len]))
+    got = np.asarray(drafter.logits(params, cfg, module_for(t_cfg), t_params, t_cfg, out))
     assert np.abs(got - want).max() / np.abs(want).max() < 1e-4
 
 
@@ -133,7 +134,7 @@ def test_same_tokens_and_verify_steps_as_dflash_generate(tmp_path, target, monke
 
 def test_config_field_locations(tmp_path):
     """block_size / mask_token_id / target_layer_ids at top level or in dflash_config."""
-    from dflash_jax.families.registry import drafter_config_from_hf
+    from dflash_jax.drafter.kinds import drafter_config_from_hf
 
     base = drafter_hf_config().to_dict()
     nested = drafter_config_from_hf(base)

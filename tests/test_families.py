@@ -52,14 +52,13 @@ def test_every_family_has_a_tiny_config():
 @pytest.mark.parametrize("fam", registry.TARGET_FAMILIES, ids=lambda f: f.name)
 def test_signatures(fam):
     assert isinstance(fam.model, family.FamilyModel)
-    for f in dataclasses.fields(family.FamilyModel):
-        if f.name == "paged_kv":
-            assert isinstance(fam.model.paged_kv, bool)
+    for name in family.CAPABILITIES:
+        assert isinstance(getattr(fam.model, name), bool)
+    for name in family.SIGNATURES:
+        if getattr(fam.model, name) is None:
+            assert name in family.OPTIONAL
             continue
-        if getattr(fam.model, f.name) is None:
-            assert f.name in family.OPTIONAL
-            continue
-        family.check_signature(f.name, getattr(fam.model, f.name), fam.name)
+        family.check_signature(name, getattr(fam.model, name), fam.name)
 
 
 def test_a_wrong_signature_is_refused():
@@ -98,7 +97,8 @@ def test_behaviour_on_a_tiny_config(fam):
     first, c, _ = forward(params, cfg, tokens[:, :4], pos[:, :4], c)
     rest, c, _ = forward(params, cfg, tokens[:, 4:], pos[:, 4:], c)
     np.testing.assert_allclose(jnp.concatenate([first, rest], 1), logits, rtol=1e-4, atol=1e-4)
-    if m.keep_block_states is not None:  # a recurrent (hybrid) family: no trees; its verify keeps per-position states
+    if m.recurrent_state:  # a recurrent (hybrid) family: no trees; its verify keeps per-position states
+        assert not m.trees
         with pytest.raises(DFlashError, match="tree"):
             m.move_rows(cfg, c, pos[:, 4:], pos[:, 4:] + 2)
         kept = m.commit_block_states(cfg, jax.jit(m.forward_hidden, static_argnums=1)(params, cfg, tokens[:, 4:], pos[:, 4:],
@@ -127,7 +127,7 @@ def _check_paged(m, cfg, params, tokens, pos, logits, moved):
     np.testing.assert_allclose(pm.k[:, every], moved.k, rtol=1e-4, atol=1e-4)
 
 
-def test_the_drafter_embeds_and_projects_through_the_family(monkeypatch):
+def test_the_drafter_embeds_and_projects_through_the_family():
     """A family that scales its embedding and caps its logits reaches the drafter: the drafter's
     hidden equals the unscaled family's with ``input_embedding_scale`` doing the same scaling, and
     its logits carry the family's cap."""
@@ -137,19 +137,18 @@ def test_the_drafter_embeds_and_projects_through_the_family(monkeypatch):
     k, v = drafter.context_kv(dparams, dcfg, ctx, jnp.arange(5, dtype=jnp.int32)[None])
     block, bpos = jnp.asarray([[3, dcfg.mask_token_id, dcfg.mask_token_id, dcfg.mask_token_id]]), 5 + jnp.arange(4, dtype=jnp.int32)[None]
 
-    def run(dc):
+    def run(dc, family):
         @jax.jit
         def go(dparams, params):
-            h = drafter.forward(dparams, dc, params, cfg, block, bpos, k, v, jnp.asarray([5]))
-            return h, drafter.logits(dparams, dc, params, cfg, h)
+            h = drafter.forward(dparams, dc, family, params, cfg, block, bpos, k, v, jnp.asarray([5]))
+            return h, drafter.logits(dparams, dc, family, params, cfg, h)
 
         return go(dparams, params)
 
-    h_scaled_by_drafter, _ = run(dataclasses.replace(dcfg, input_embedding_scale=3.0))
     model = registry.module_for(cfg)
-    scaled = dataclasses.replace(model, embed=lambda p, c, t: 3.0 * model.embed(p, c, t),
-                                 lm_head=lambda p, c, h: jnp.tanh(model.lm_head(p, c, h) / 0.5) * 0.5)
-    monkeypatch.setattr(registry, "module_for", lambda c: scaled)
-    h, logits = run(dcfg)
+    h_scaled_by_drafter, _ = run(dataclasses.replace(dcfg, input_embedding_scale=3.0), model)
+    scaled = dataclasses.replace(model, embed=lambda params, cfg, tokens: 3.0 * model.embed(params, cfg, tokens),
+                                 lm_head=lambda params, cfg, hidden: jnp.tanh(model.lm_head(params, cfg, hidden) / 0.5) * 0.5)
+    h, logits = run(dcfg, scaled)
     np.testing.assert_allclose(h, h_scaled_by_drafter, rtol=1e-5, atol=1e-5)
     assert float(jnp.max(jnp.abs(logits))) <= 0.5

@@ -33,7 +33,7 @@ CONF = dict(vocab_size=V, hidden_size=64, intermediate_size=96, num_hidden_layer
             head_dim=8, global_head_dim=16, sliding_window=4, layer_types=TYPES, hidden_size_per_layer_input=8,
             vocab_size_per_layer_input=V, final_logit_softcapping=3.0, rms_norm_eps=1e-6, initializer_range=0.1,
             max_position_embeddings=256)
-_forward = jax.jit(gemma4.forward, static_argnums=1)
+_forward = jax.jit(gemma4.MODEL.forward, static_argnums=1)
 
 
 
@@ -56,7 +56,7 @@ def test_config_and_params(case):
     assert cfg.head_dims == (8, 16) and cfg.kv_heads == (2, 2) and cfg.per_layer_input == 8 and cfg.final_logit_softcapping == 3.0
     assert cfg.ropes[1] == ("proportional", 1e6, 0.25, 1.0) and "lm_head" not in params
     shapes = jax.tree_util.tree_map(lambda a: tuple(a.shape), params)
-    assert shapes == jax.tree_util.tree_map(tuple, gemma4.param_shapes(cfg), is_leaf=lambda x: isinstance(x, tuple))
+    assert shapes == jax.tree_util.tree_map(tuple, gemma4.MODEL.param_shapes(cfg), is_leaf=lambda x: isinstance(x, tuple))
     assert abs(float(params["layer4"]["scalar"][0]) - 1.3) < 1e-6
 
 
@@ -80,7 +80,7 @@ def test_unsupported_options_refused_by_name(case):
 
 def test_logits_and_capture_match_transformers(case):
     model, cfg, params, _ = case
-    want = check_logits_and_capture(model, cfg, params, gemma4, (1, 3), TOL)
+    want = check_logits_and_capture(model, cfg, params, gemma4.MODEL, (1, 3), TOL)
     assert np.abs(want).max() > 2.0  # the soft-cap bites
 
 
@@ -101,6 +101,7 @@ def _draft_logits_match_zlab(zlab, draft, model, cfg, params, d_cfg, d_params, c
     """One draft block's logits: z-lab's drafter (raw embedding times its scale, raw head, its cap)
     against ours (through the family's embed and lm_head)."""
     from dflash_jax.drafter import model as drafter
+    from dflash_jax.families.registry import module_for
 
     c = len(context)
     block = [context[-1]] + [V - 1] * 3
@@ -112,8 +113,8 @@ def _draft_logits_match_zlab(zlab, draft, model, cfg, params, d_cfg, d_params, c
         want = draft.compute_logits(h, model.lm_head).numpy()
     k, v = drafter.context_kv(d_params, d_cfg, jnp.asarray(ctx.numpy()), jnp.arange(c, dtype=jnp.int32)[None])
     bpos = c + jnp.arange(4, dtype=jnp.int32)[None]
-    h = drafter.forward(d_params, d_cfg, params, cfg, jnp.asarray([block]), bpos, k, v, jnp.asarray([c]))
-    assert rel_err(drafter.logits(d_params, d_cfg, params, cfg, h), want) < TOL
+    h = drafter.forward(d_params, d_cfg, module_for(cfg), params, cfg, jnp.asarray([block]), bpos, k, v, jnp.asarray([c]))
+    assert rel_err(drafter.logits(d_params, d_cfg, module_for(cfg), params, cfg, h), want) < TOL
 
 
 def test_same_tokens_and_verify_steps_as_zlab_dflash_generate(case, tmp_path):
@@ -122,7 +123,7 @@ def test_same_tokens_and_verify_steps_as_zlab_dflash_generate(case, tmp_path):
     ``final_logit_softcapping``), gives the tokens and verify steps ours gives on the loaded
     checkpoints (the knobs restated against the family: applied once, through it)."""
     zlab = pytest.importorskip("dflash.model")
-    from dflash_jax.families.registry import load_hf_drafter
+    from dflash_jax.drafter.kinds import load_hf_drafter
     from hf_oracle import steer_to, zlab_generate
 
     model, cfg, params, _ = case
@@ -190,9 +191,9 @@ def test_kv_sharing_k_eq_v_and_no_per_layer_inputs_match_transformers(shared_cas
     heads from ``num_global_key_value_heads`` under ``attention_k_eq_v`` only."""
     model, cfg, params, folder = shared_case
     assert cfg.num_kv_shared_layers == 2 and "wk" not in params["layer3"] and params["layer4"]["w_up"].shape == (64, 192)
-    assert gemma4.init_cache(cfg, 1, 8).k_sliding.shape[0] == 2 and "embed_pl" not in params and "lm_head" in params
+    assert gemma4.MODEL.init_cache(cfg, 1, 8).k_sliding.shape[0] == 2 and "embed_pl" not in params and "lm_head" in params
     assert cfg.attention_k_eq_v and cfg.kv_heads == (2, 1) and "wv" not in params["layer1"] and "wv" in params["layer2"]
-    check_logits_and_capture(model, cfg, params, gemma4, (1, 3), TOL, chunk=4)
+    check_logits_and_capture(model, cfg, params, gemma4.MODEL, (1, 3), TOL, chunk=4)
     prompt, n = [3, 17, 42, 8, 11, 5, 29], 10
     want = hf_greedy(model, prompt, n)
     assert ours_greedy(cfg, params, prompt, n, 3)[0] == want
@@ -212,8 +213,8 @@ def test_moe_block_matches_transformers(moe_case, tmp_path):
 
     model, cfg, params, folder = moe_case
     assert cfg.num_experts == 4 and params["layer2"]["e_gate"].shape == (4, 64, 32) and params["layer0"]["e_down"].shape == (4, 32, 64)
-    assert gemma4.param_axes(cfg)["layer1"]["e_up"] == ("experts", "embed", "expert_mlp")
-    check_logits_and_capture(model, cfg, params, gemma4, (0, 1), TOL)
+    assert gemma4.MODEL.param_axes(cfg)["layer1"]["e_up"] == ("experts", "embed", "expert_mlp")
+    check_logits_and_capture(model, cfg, params, gemma4.MODEL, (0, 1), TOL)
     prompt, n = [3, 17, 42, 8, 11, 5, 29], 10
     want = hf_greedy(model, prompt, n)
     assert ours_greedy(cfg, params, prompt, n, 3)[0] == want
@@ -289,7 +290,7 @@ def test_gguf_loads_what_safetensors_load(which, request, tmp_path):
     assert g_cfg == cfg
     assert jax.tree.all(jax.tree.map(lambda a, b: bool((a == b).all()), g_params, params))
     tokens = np.random.default_rng(2).integers(0, V, (1, 9)).astype(np.int32)
-    got, _, _ = _forward(g_params, g_cfg, jnp.asarray(tokens), jnp.arange(9, dtype=jnp.int32)[None], gemma4.init_cache(g_cfg, 1, 9))
+    got, _, _ = _forward(g_params, g_cfg, jnp.asarray(tokens), jnp.arange(9, dtype=jnp.int32)[None], gemma4.MODEL.init_cache(g_cfg, 1, 9))
     assert rel_err(got, hf_logits(model, tokens)) < TOL
     if which != "shared_case":
         return
@@ -305,7 +306,9 @@ import sys
 sys.path.insert(0, "tests")
 import jax, numpy as np
 jax.config.update("jax_default_matmul_precision", "highest")
-from dflash_jax import decode, sharding as shd
+from dflash_jax.decode import loop as decode
+from dflash_jax.decode.prefill import prefill
+from dflash_jax.runtime import sharding as shd
 from dflash_jax.decode.static import Decoding, Params
 from dflash_jax.families.registry import family_for_hf, module_for
 from dflash_jax.testing import tiny_drafter
@@ -323,7 +326,7 @@ static = Decoding(cfg, dcfg)
 def run(p, mesh=None):
     st = decode.init_state(static, [[5, 9, 17, 3], [40, 2, 7]], 32, 12)
     st = st if mesh is None else shd.shard_state(st, mesh)
-    return decode.generate(Params(p, dp), decode.prefill(Params(p, dp), st, static, 4), static)
+    return decode.generate(Params(p, dp), prefill(Params(p, dp), st, static, 4), static)
 
 a = run(p)
 for mesh in (shd.make_mesh(data=2, model=2), shd.make_mesh(model=2, expert=2)):
@@ -386,5 +389,5 @@ def test_conditional_generation_checkpoint_text_part(tmp_path):
     cfg, params = load_hf_target(tmp_path)
     assert isinstance(cfg, Gemma4Config) and cfg.num_hidden_layers == 2 and cfg.per_layer_input == 8
     tokens = np.random.default_rng(3).integers(0, V, (1, 9)).astype(np.int32)
-    got, _, _ = _forward(params, cfg, jnp.asarray(tokens), jnp.arange(9, dtype=jnp.int32)[None], gemma4.init_cache(cfg, 1, 9))
+    got, _, _ = _forward(params, cfg, jnp.asarray(tokens), jnp.arange(9, dtype=jnp.int32)[None], gemma4.MODEL.init_cache(cfg, 1, 9))
     assert rel_err(got, hf_logits(model, tokens)) < TOL

@@ -27,7 +27,7 @@ CONF = dict(vocab_size=V, hidden_size=64, intermediate_size=32, num_hidden_layer
             initializer_range=0.1, max_position_embeddings=256, tie_word_embeddings=False,
             rope_parameters={"rope_type": "yarn", "factor": 8.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
                              "original_max_position_embeddings": 16, "rope_theta": 150000.0})
-_forward = jax.jit(gpt_oss.forward, static_argnums=1)
+_forward = jax.jit(gpt_oss.MODEL.forward, static_argnums=1)
 
 
 
@@ -43,7 +43,7 @@ def target(tmp_path_factory):
 def test_logits_and_capture_match_transformers(target):
     model, cfg, params, _ = target
     assert isinstance(cfg, GptOssConfig) and cfg.layer_types == ("sliding_attention", "full_attention") * 2 and cfg.rope.kind == "yarn"
-    check_logits_and_capture(model, cfg, params, gpt_oss, (0, 2), TOL)
+    check_logits_and_capture(model, cfg, params, gpt_oss.MODEL, (0, 2), TOL)
 
 
 def test_the_pieces_matter(target):
@@ -56,7 +56,7 @@ def test_the_pieces_matter(target):
     pos = jnp.arange(14, dtype=jnp.int32)[None]
     no_sinks = {k: dict(v, sinks=jnp.full_like(v["sinks"], -1e9)) if isinstance(v, dict) else v for k, v in params.items()}
     for p, c in ((no_sinks, cfg), (params, dataclasses.replace(cfg, sliding_window=0)), (params, dataclasses.replace(cfg, swiglu_limit=1e9))):
-        got, _, _ = _forward(p, c, jnp.asarray(tokens), pos, gpt_oss.init_cache(c, 1, 14))
+        got, _, _ = _forward(p, c, jnp.asarray(tokens), pos, gpt_oss.MODEL.init_cache(c, 1, 14))
         assert rel_err(got, want) > 1e-3
 
 
@@ -109,7 +109,7 @@ def test_mxfp4_checkpoint_loads(target, tmp_path):
     save_file(tensors, str(tmp_path / "model.safetensors"))
     q_cfg, q_params = load_hf_target(tmp_path)
     tokens = np.random.default_rng(3).integers(0, V, (1, 10)).astype(np.int32)
-    got, _, _ = _forward(q_params, q_cfg, jnp.asarray(tokens), jnp.arange(10, dtype=jnp.int32)[None], gpt_oss.init_cache(q_cfg, 1, 10))
+    got, _, _ = _forward(q_params, q_cfg, jnp.asarray(tokens), jnp.arange(10, dtype=jnp.int32)[None], gpt_oss.MODEL.init_cache(q_cfg, 1, 10))
     assert rel_err(got, hf_logits(model, tokens)) < TOL
 
 
@@ -190,7 +190,7 @@ def test_gguf_loads_what_safetensors_load(tmp_path):
     assert g_cfg == cfg
     assert jax.tree.all(jax.tree.map(lambda a, b: a.dtype == b.dtype and bool((a == b).all()), g_params, params))
     tokens = np.random.default_rng(2).integers(0, V, (1, 9)).astype(np.int32)
-    got, _, _ = _forward(g_params, g_cfg, jnp.asarray(tokens), jnp.arange(9, dtype=jnp.int32)[None], gpt_oss.init_cache(g_cfg, 1, 9))
+    got, _, _ = _forward(g_params, g_cfg, jnp.asarray(tokens), jnp.arange(9, dtype=jnp.int32)[None], gpt_oss.MODEL.init_cache(g_cfg, 1, 9))
     assert rel_err(got, hf_logits(model, tokens)) < TOL
     for change, key in (({"attention.sliding_window": None}, "attention.sliding_window"),
                         ({"rope.scaling.type": "linear"}, "rope.scaling.type"), ({"expert_count": None}, "expert_count")):

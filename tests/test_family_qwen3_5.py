@@ -86,8 +86,8 @@ def test_config_and_loader(pair):
     _, cfg, params = pair
     assert cfg.linear_layers == (0, 2) and cfg.full_layers == (1, 3) and cfg.rope.partial == 0.5 and qwen3_5.period(cfg) == 2
     assert params["linear"]["wq"].shape == (2, 32, 16) and params["full"]["wg"].shape == (2, 32, 64)
-    axes = qwen3_5.param_axes(cfg)
-    jax.tree_util.tree_map(lambda s, a: None if len(s) == len(a) else pytest.fail(f"{s} vs {a}"), qwen3_5.param_shapes(cfg), axes,
+    axes = qwen3_5.MODEL.param_axes(cfg)
+    jax.tree_util.tree_map(lambda s, a: None if len(s) == len(a) else pytest.fail(f"{s} vs {a}"), qwen3_5.MODEL.param_shapes(cfg), axes,
                            is_leaf=lambda x: isinstance(x, tuple))
     with pytest.raises(DFlashError, match="layer_types"):
         qwen3_5_config_from_hf(dict(HF, layer_types=["linear_attention"] * 3), "c.json")
@@ -123,10 +123,10 @@ def test_forward_matches_transformers_one_and_several_chunks(pair):
     model, cfg, params = pair
     with torch.no_grad():
         ref = model(torch.tensor([SEQ])).logits[0].numpy()
-    step = jax.jit(lambda p, t, pos, c: qwen3_5.forward(p, cfg, t, pos, c))
-    logits, _, _ = step(params, jnp.asarray([SEQ]), jnp.arange(len(SEQ))[None], qwen3_5.init_cache(cfg, 1, 32))
+    step = jax.jit(lambda p, t, pos, c: qwen3_5.MODEL.forward(p, cfg, t, pos, c))
+    logits, _, _ = step(params, jnp.asarray([SEQ]), jnp.arange(len(SEQ))[None], qwen3_5.MODEL.init_cache(cfg, 1, 32))
     assert rel(logits[0], ref) < 1e-4
-    cache, out = qwen3_5.init_cache(cfg, 1, 32), []
+    cache, out = qwen3_5.MODEL.init_cache(cfg, 1, 32), []
     for s in range(0, len(SEQ), 6):  # chunks of 6, the last one padded past the capacity
         toks = (SEQ[s : s + 6] + [0] * 6)[:6]
         pos = [p if p < len(SEQ) else 32 for p in range(s, s + 6)]
@@ -245,7 +245,7 @@ def test_conditional_generation_checkpoint_text_part(tmp_path):
     model.save_pretrained(str(tmp_path))
     cfg, params = load_hf_target(str(tmp_path))
     assert qwen3_5.period(cfg) == 4
-    logits, _, _ = qwen3_5.forward(params, cfg, jnp.asarray([SEQ[:12]]), jnp.arange(12)[None], qwen3_5.init_cache(cfg, 1, 16))
+    logits, _, _ = qwen3_5.MODEL.forward(params, cfg, jnp.asarray([SEQ[:12]]), jnp.arange(12)[None], qwen3_5.MODEL.init_cache(cfg, 1, 16))
     assert rel(logits[0], ref) < 1e-4
 
 
@@ -276,7 +276,7 @@ def test_rows_roll_back_to_their_own_acceptance(pair, rollback):
     for b, q in enumerate(prompts):
         n = int(st.length[b])
         assert np.asarray(st.tokens[b, len(q) : n]).tolist() == full[b][len(q) : len(q) + n_new]
-        _, cache, _ = qwen3_5.forward(params, cfg, st.tokens[b : b + 1, : n - 1], jnp.arange(n - 1)[None], qwen3_5.init_cache(cfg, 1, 40))
+        _, cache, _ = qwen3_5.MODEL.forward(params, cfg, st.tokens[b : b + 1, : n - 1], jnp.arange(n - 1)[None], qwen3_5.MODEL.init_cache(cfg, 1, 40))
         np.testing.assert_allclose(np.asarray(st.cache.rec[:, b]), np.asarray(cache.rec[:, 0]), rtol=1e-4, atol=1e-5)
         np.testing.assert_allclose(np.asarray(st.cache.conv[:, b]), np.asarray(cache.conv[:, 0]), rtol=1e-4, atol=1e-5)
     assert st.cache.block_rec is None and st.cache.block_inputs is None and not st.cache.keep_block  # one verify only
@@ -309,7 +309,7 @@ def test_qwen3_next_logits_and_greedy_match_transformers(next_pair):
     assert cfg.family == "qwen3_next" and params["linear"]["e_gate"].shape == (2, 4, 32, 16) and cfg.rope.partial == 0.25
     with torch.no_grad():
         ref = model(torch.tensor([SEQ])).logits[0].numpy()
-    logits, _, _ = qwen3_5.forward(params, cfg, jnp.asarray([SEQ]), jnp.arange(len(SEQ))[None], qwen3_5.init_cache(cfg, 1, 32))
+    logits, _, _ = qwen3_5.MODEL.forward(params, cfg, jnp.asarray([SEQ]), jnp.arange(len(SEQ))[None], qwen3_5.MODEL.init_cache(cfg, 1, 32))
     assert rel(logits[0], ref) < 1e-4
     assert run(cfg, params, PROMPT, N_NEW, 3)[1] == hf_greedy(model, PROMPT, N_NEW)
 

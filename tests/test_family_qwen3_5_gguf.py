@@ -65,10 +65,10 @@ def test_qwen3_5_moe_and_its_gguf_match_transformers(saved, tmp_path):
     model, folder = saved["qwen3_5_moe"]
     cfg, params = load_hf_target(folder)
     assert cfg.variant == "qwen3_5_moe" and cfg.sparse and params["linear"]["e_gate"].shape == (2, 4, 32, 16)
-    check_logits_and_capture(model, cfg, params, qwen3_5, layer_ids=(0, 2))
+    check_logits_and_capture(model, cfg, params, qwen3_5.MODEL, layer_ids=(0, 2))
     g_cfg, g_params = load_gguf_target(_write_gguf("qwen3_5_moe", folder, tmp_path / "m.gguf"), use_cache=False)
     assert g_cfg == cfg
-    check_logits_and_capture(model, g_cfg, g_params, qwen3_5, layer_ids=(0, 2))  # compiled above: seconds
+    check_logits_and_capture(model, g_cfg, g_params, qwen3_5.MODEL, layer_ids=(0, 2))  # compiled above: seconds
 
 
 @pytest.mark.slow

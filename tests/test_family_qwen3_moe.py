@@ -31,7 +31,7 @@ CASES = {
     "step2": (dict(decoder_sparse_step=2, norm_topk_prob=False, tie_word_embeddings=False), (False, True, False, True)),
     "mlp_only": (dict(decoder_sparse_step=1, mlp_only_layers=[1], norm_topk_prob=True, tie_word_embeddings=True), (True, False, True, True)),
 }
-_forward = jax.jit(qwen3_moe.forward, static_argnums=1)
+_forward = jax.jit(qwen3_moe.MODEL.forward, static_argnums=1)
 
 
 
@@ -50,12 +50,12 @@ def test_config_and_params(case):
     assert isinstance(cfg, Qwen3MoeConfig) and cfg.sparse_layers == sparse and cfg.num_experts == 8
     assert cfg.norm_topk_prob == (name == "mlp_only") and ("lm_head" in params) == (name == "step2")
     shapes = jax.tree_util.tree_map(lambda a: tuple(a.shape), params)
-    assert shapes == jax.tree_util.tree_map(tuple, qwen3_moe.param_shapes(cfg), is_leaf=lambda x: isinstance(x, tuple))
+    assert shapes == jax.tree_util.tree_map(tuple, qwen3_moe.MODEL.param_shapes(cfg), is_leaf=lambda x: isinstance(x, tuple))
 
 
 def test_logits_and_capture_match_transformers(case):
     _, model, cfg, params, _, _ = case
-    check_logits_and_capture(model, cfg, params, qwen3_moe, (0, 2), TOL)
+    check_logits_and_capture(model, cfg, params, qwen3_moe.MODEL, (0, 2), TOL)
 
 
 def test_greedy_plain_and_dflash_match_transformers(case):
@@ -165,7 +165,7 @@ def test_gguf_loads_what_safetensors_load(tmp_path):
     assert g_cfg == cfg
     assert jax.tree.all(jax.tree.map(lambda a, b: bool((a == b).all()), g_params, params))
     tokens = np.random.default_rng(2).integers(0, V, (1, 9)).astype(np.int32)
-    got, _, _ = _forward(g_params, g_cfg, jnp.asarray(tokens), jnp.arange(9, dtype=jnp.int32)[None], qwen3_moe.init_cache(g_cfg, 1, 9))
+    got, _, _ = _forward(g_params, g_cfg, jnp.asarray(tokens), jnp.arange(9, dtype=jnp.int32)[None], qwen3_moe.MODEL.init_cache(g_cfg, 1, 9))
     assert rel_err(got, hf_logits(model, tokens)) < TOL
     dense_layer = dict(conf, mlp_only_layers=[1])
     save_tiny("Qwen3MoeConfig", "Qwen3MoeForCausalLM", tmp_path / "hf2", seed=5, **dense_layer)
@@ -178,7 +178,9 @@ def test_gguf_loads_what_safetensors_load(tmp_path):
 _EXPERT_MESH = """
 import jax, numpy as np
 jax.config.update("jax_default_matmul_precision", "highest")
-from dflash_jax import decode, sharding as shd
+from dflash_jax.decode import loop as decode
+from dflash_jax.decode.prefill import prefill
+from dflash_jax.runtime import sharding as shd
 from dflash_jax.decode.static import Decoding, Params
 from dflash_jax.families.registry import family_for_hf, module_for
 from dflash_jax.testing import tiny_drafter
@@ -195,7 +197,7 @@ static = Decoding(cfg, dcfg)
 def run(p, mesh=None):
     st = decode.init_state(static, [[5, 9, 17, 3], [40, 2, 7]], 24, 10)
     st = st if mesh is None else shd.shard_state(st, mesh)
-    return decode.generate(Params(p, dp), decode.prefill(Params(p, dp), st, static, 4), static)
+    return decode.generate(Params(p, dp), prefill(Params(p, dp), st, static, 4), static)
 
 mesh = shd.make_mesh(model=2, expert=2)
 sp = shd.shard_params(p, m.param_axes(cfg), mesh)

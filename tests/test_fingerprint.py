@@ -16,10 +16,11 @@ from dflash_jax.assets import default_model as assets
 from dflash_jax import loading
 from dflash_jax.runtime.fingerprint import weights_fingerprint
 from dflash_jax.families.dense import model as dense
+from dflash_jax.nn.params import unstack_layers
 
 
 def _params(cfg, seed):
-    return jax.tree_util.tree_map(np.asarray, dense.init_params(cfg, jax.random.PRNGKey(seed)))
+    return jax.tree_util.tree_map(np.asarray, dense.MODEL.init_params(cfg, jax.random.PRNGKey(seed)))
 
 
 def test_fingerprint_ignores_layout_and_the_derived_head_and_sees_every_weight():
@@ -27,7 +28,7 @@ def test_fingerprint_ignores_layout_and_the_derived_head_and_sees_every_weight()
     p = _params(cfg, 0)
     fp = weights_fingerprint(cfg, p)
     assert fp.startswith("f32-sha256:") and len(fp) == len("f32-sha256:") + 64
-    assert weights_fingerprint(cfg, dense.unstack_layers(p)) == fp  # per-layer layout
+    assert weights_fingerprint(cfg, unstack_layers(p)) == fp  # per-layer layout
     on_device = loading.with_output_head(jax.device_put(p))  # JAX leaves, with the [H, V] copy of the tied embedding
     assert "lm_head" in on_device and weights_fingerprint(cfg, on_device) == fp
     changed = jax.tree_util.tree_map(np.copy, p)

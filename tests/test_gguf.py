@@ -183,7 +183,7 @@ def test_dequantize_k_quants(tmp_path, qtype):
 @pytest.mark.parametrize("family,tie", [("llama", False), ("llama", True), ("qwen2", False), ("qwen3", True)])
 def test_tiny_model_round_trip(tmp_path, family, tie):
     cfg = tiny_cfg(family, tie)
-    params = jax.tree_util.tree_map(np.asarray, dense.init_params(cfg, jax.random.PRNGKey(0)))
+    params = jax.tree_util.tree_map(np.asarray, dense.MODEL.init_params(cfg, jax.random.PRNGKey(0)))
     path = write_model(tmp_path / "m.gguf", cfg, params)
     got_cfg, got = G.load_gguf_target(path, as_numpy=True)
     assert got_cfg == cfg
@@ -202,19 +202,19 @@ def test_tiny_model_round_trip(tmp_path, family, tie):
 def test_tiny_llama_forward_matches_after_quantized_load(tmp_path):
     """Q8_0 weights load, unpermute and run: logits close to the float params' logits."""
     cfg = tiny_cfg("llama")
-    params = dense.init_params(cfg, jax.random.PRNGKey(1), scale=0.2)
+    params = dense.MODEL.init_params(cfg, jax.random.PRNGKey(1), scale=0.2)
     path = write_model(tmp_path / "q.gguf", cfg, params, qtype=Q.Q8_0)
     got_cfg, got = G.load_gguf_target(path, use_cache=False)
     tokens = jax.numpy.arange(12, dtype=jax.numpy.int32)[None] % cfg.vocab_size
     pos = jax.numpy.arange(12, dtype=jax.numpy.int32)[None]
-    ref, _, _ = dense.forward(params, cfg, tokens, pos, dense.init_cache(cfg, 1, 12))
-    out, _, _ = dense.forward(got, got_cfg, tokens, pos, dense.init_cache(cfg, 1, 12))
+    ref, _, _ = dense.MODEL.forward(params, cfg, tokens, pos, dense.MODEL.init_cache(cfg, 1, 12))
+    out, _, _ = dense.MODEL.forward(got, got_cfg, tokens, pos, dense.MODEL.init_cache(cfg, 1, 12))
     np.testing.assert_allclose(np.asarray(out), np.asarray(ref), atol=0.05 * float(np.abs(ref).max()))
 
 
 def test_cache_is_used_and_invalidated(tmp_path, monkeypatch):
     cfg = tiny_cfg("llama")
-    params = jax.tree_util.tree_map(np.asarray, dense.init_params(cfg, jax.random.PRNGKey(2)))
+    params = jax.tree_util.tree_map(np.asarray, dense.MODEL.init_params(cfg, jax.random.PRNGKey(2)))
     path = write_model(tmp_path / "c.gguf", cfg, params)
     G.load_gguf_target(path, as_numpy=True)
     calls = []
@@ -223,7 +223,7 @@ def test_cache_is_used_and_invalidated(tmp_path, monkeypatch):
     _, p = G.load_gguf_target(path, as_numpy=True)
     assert calls == []
     # rewrite the GGUF with other weights: the stale cache must not be used
-    params2 = jax.tree_util.tree_map(np.asarray, dense.init_params(cfg, jax.random.PRNGKey(3)))
+    params2 = jax.tree_util.tree_map(np.asarray, dense.MODEL.init_params(cfg, jax.random.PRNGKey(3)))
     write_model(path, cfg, params2)
     st = os.stat(path)
     os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
@@ -249,7 +249,7 @@ def test_a_cached_load_does_not_parse_the_gguf(tmp_path, monkeypatch):
     import dflash_jax as dj
 
     cfg = tiny_cfg("qwen2")
-    params = jax.tree_util.tree_map(np.asarray, dense.init_params(cfg, jax.random.PRNGKey(5)))
+    params = jax.tree_util.tree_map(np.asarray, dense.MODEL.init_params(cfg, jax.random.PRNGKey(5)))
     path = write_model(tmp_path / "p.gguf", cfg, params)
     opened = []
     real = gguf.GGUFReader
@@ -267,7 +267,7 @@ def test_a_cached_load_does_not_parse_the_gguf(tmp_path, monkeypatch):
 @pytest.fixture
 def good_model(tmp_path):
     cfg = tiny_cfg("llama")
-    params = jax.tree_util.tree_map(np.asarray, dense.init_params(cfg, jax.random.PRNGKey(4)))
+    params = jax.tree_util.tree_map(np.asarray, dense.MODEL.init_params(cfg, jax.random.PRNGKey(4)))
     return cfg, params, model_tensors(cfg, params)
 
 
@@ -336,7 +336,7 @@ def test_unsupported_arch_and_missing_metadata(tmp_path, good_model):
 
 def test_llama3_rope_freqs(tmp_path):
     cfg = tiny_cfg("llama")
-    params = jax.tree_util.tree_map(np.asarray, dense.init_params(cfg, jax.random.PRNGKey(5)))
+    params = jax.tree_util.tree_map(np.asarray, dense.MODEL.init_params(cfg, jax.random.PRNGKey(5)))
     # Llama-3.1 factors as convert_hf_to_gguf computes them (a large theta so all three regimes appear)
     rot = cfg.head_dim
     kv = model_kv(cfg)

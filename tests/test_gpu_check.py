@@ -91,7 +91,7 @@ def test_bytes_per_decode_step(tools):
         total = gpu_shapes.tree_bytes(params)
         embed = params["embed"].size * 2
         assert gpu_shapes.weight_bytes_per_token(params, cfg) == (total if tied else total - embed + cfg.hidden_size * 2)
-        cache = jax.eval_shape(lambda: dense.init_cache(cfg, 1, 64))
+        cache = jax.eval_shape(lambda: dense.MODEL.init_cache(cfg, 1, 64))
         per_row = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * 2  # k and v, bf16
         assert gpu_shapes.kv_bytes_live(cache, 64, 10) == 10 * per_row
     cfg, dcfg = gpu_shapes.configs("laguna-xs-2.1", "bfloat16", tiny=True)
@@ -99,7 +99,7 @@ def test_bytes_per_decode_step(tools):
     experts = sum(x.size * 2 for k, x in jax.tree_util.tree_leaves_with_path(params) if jax.tree_util.keystr(k[-1:]) in ("['e_gate']", "['e_up']", "['e_down']"))
     rest = gpu_shapes.tree_bytes(params) - experts - params["embed"].size * 2 + cfg.hidden_size * 2
     assert gpu_shapes.weight_bytes_per_token(params, cfg) == rest + experts * cfg.num_experts_per_tok // cfg.num_experts
-    cache = jax.eval_shape(lambda: laguna.init_cache(cfg, 1, 256))
+    cache = jax.eval_shape(lambda: laguna.MODEL.init_cache(cfg, 1, 256))
     full = sum(cfg.layer_types[i] == "full_attention" for i in range(cfg.num_hidden_layers))
     per_row = 2 * cfg.num_key_value_heads * cfg.head_dim * 2
     live = cfg.sliding_window + 40

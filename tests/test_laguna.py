@@ -82,14 +82,14 @@ def test_full_forward_matches_transformers(pair):
     assert cfg.gate_per_head[0] == (hf["gating"] == "per-head")
     assert any(np.abs(np.asarray(params[k]["router_bias"])).max() > 0 for k in params if isinstance(params[k], dict) and "router_bias" in params[k])
     n = len(SEQ)
-    logits, _, _ = jax.jit(lambda p: laguna.forward(p, cfg, jnp.asarray([SEQ]), jnp.arange(n)[None], laguna.init_cache(cfg, 1, 32)))(params)
+    logits, _, _ = jax.jit(lambda p: laguna.MODEL.forward(p, cfg, jnp.asarray([SEQ]), jnp.arange(n)[None], laguna.MODEL.init_cache(cfg, 1, 32)))(params)
     assert rel(logits[0], ref) < 1e-4
 
 
 def test_chunked_prefill_then_decode_matches_transformers(pair):
     _, _, _, cfg, params, ref = pair
-    step = jax.jit(lambda p, t, pos, c: laguna.forward(p, cfg, t, pos, c))
-    cache = laguna.init_cache(cfg, 1, 32)
+    step = jax.jit(lambda p, t, pos, c: laguna.MODEL.forward(p, cfg, t, pos, c))
+    cache = laguna.MODEL.init_cache(cfg, 1, 32)
     toks = jnp.asarray([SEQ])
     out = []
     chunk = 5

@@ -14,8 +14,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dflash_jax.families.registry import drafter_config_from_hf
+from dflash_jax.drafter.kinds import drafter_config_from_hf
 from dflash_jax.drafter import model as drafter
+from dflash_jax.families.registry import module_for
 from laguna_tiny import LAGUNA_DRAFTER, PER_HEAD, tiny_laguna
 
 TOL = 1e-4  # max|delta| / max|ref|
@@ -153,9 +154,9 @@ def test_drafter_matches_numpy_oracle(gating, theta):
     bpos = ctx_len[:, None] + np.arange(W)[None]
 
     ck, cv = drafter.context_kv(params, cfg, jnp.asarray(feats, jnp.float32), jnp.asarray(pos, jnp.int32))
-    hid = drafter.forward(params, cfg, tparams, tcfg, jnp.asarray(blocks, jnp.int32), jnp.asarray(bpos, jnp.int32),
+    hid = drafter.forward(params, cfg, module_for(tcfg), tparams, tcfg, jnp.asarray(blocks, jnp.int32), jnp.asarray(bpos, jnp.int32),
                           ck, cv, jnp.asarray(ctx_len, jnp.int32))
-    lg = np.asarray(drafter.logits(params, cfg, tparams, tcfg, hid))
+    lg = np.asarray(drafter.logits(params, cfg, module_for(tcfg), tparams, tcfg, hid))
 
     sd = checkpoint_layout(cfg, params)
     hp = dict(H=H, nh=cfg.num_attention_heads, nkv=cfg.num_key_value_heads, d=cfg.head_dim, eps=cfg.rms_norm_eps,

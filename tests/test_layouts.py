@@ -10,6 +10,7 @@ import pytest
 import dflash_jax as dj
 from dflash_jax.loading import with_output_head
 from dflash_jax.families.dense import model as dense
+from dflash_jax.nn.params import unstack_layers
 from dflash_jax.nn.params import PerLayer
 from dflash_jax.nn import params as layouts
 from dflash_jax.testing import reference_greedy, tiny_drafter, tiny_target
@@ -20,14 +21,14 @@ PROMPT = [5, 9, 17, 3, 22, 8, 1]
 @pytest.fixture(scope="module")
 def pair():
     cfg, params = tiny_target()
-    params = with_output_head(dense.unstack_layers(params))
+    params = with_output_head(unstack_layers(params))
     return cfg, params, layouts.with_wide_layouts(params)
 
 
 def _logits(params, cfg, b, t):
     tokens = jnp.asarray(np.arange(b * t).reshape(b, t) % 50 + 3, jnp.int32)
     positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
-    return np.asarray(dense.forward(params, cfg, tokens, positions, dense.init_cache(cfg, b, 16))[0])
+    return np.asarray(dense.MODEL.forward(params, cfg, tokens, positions, dense.MODEL.init_cache(cfg, b, 16))[0])
 
 
 @pytest.mark.parametrize("b,t", [(1, 1), (1, 2), (1, 3), (2, 4)])
@@ -81,10 +82,10 @@ def test_fingerprints_and_sharding_see_through_the_copies(pair):
     cfg, params, wide = pair
     assert tree_fingerprint(wide) == tree_fingerprint(params) != tree_fingerprint(dict(params, lm_head=params["lm_head"] * 2))
     assert weights_fingerprint(cfg, wide) == weights_fingerprint(cfg, params)
-    axes = layouts.with_wide_axes(dense.param_axes(cfg, per_layer=True), wide)
+    axes = layouts.with_wide_axes(dense.MODEL.param_axes(cfg, per_layer=True), wide)
     assert axes["lm_head"] == ("embed", "vocab") and axes["lm_head_t"] == ("vocab", "embed")
     assert axes["layers"][0]["w_gate_t"] == ("mlp", "embed")
-    shardings = shd.param_shardings(wide, dense.param_axes(cfg, per_layer=True), shd.make_mesh())
+    shardings = shd.param_shardings(wide, dense.MODEL.param_axes(cfg, per_layer=True), shd.make_mesh())
     assert jax.tree_util.tree_structure(shardings) == jax.tree_util.tree_structure(wide)
 
 

@@ -87,8 +87,8 @@ def test_blocks_past_the_live_prefix_are_never_read():
 
 def _recomputed_greedy(cfg, params, seq, prompt_len):
     """Each generated token is the argmax of a fresh, cache-less forward over the sequence so far."""
-    logits, _, _ = jax.jit(dense.forward, static_argnums=1)(params, cfg, jnp.asarray([seq]), jnp.arange(len(seq))[None],
-                                                             dense.init_cache(cfg, 1, len(seq)))
+    logits, _, _ = jax.jit(dense.MODEL.forward, static_argnums=1)(params, cfg, jnp.asarray([seq]), jnp.arange(len(seq))[None],
+                                                             dense.MODEL.init_cache(cfg, 1, len(seq)))
     return [int(x) for x in np.argmax(np.asarray(logits[0, prompt_len - 1 : -1]), -1)]
 
 

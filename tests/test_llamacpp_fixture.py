@@ -63,8 +63,8 @@ def test_teacher_forced_argmax_matches_llamacpp(fixture, default_model):
     for b, s in enumerate(seqs):
         tokens[b, : len(s)] = s
     positions = np.broadcast_to(np.arange(T, dtype=np.int32), tokens.shape)
-    fwd = jax.jit(dense.forward, static_argnums=1)
-    logits, _, _ = fwd(params, cfg, jnp.asarray(tokens), jnp.asarray(positions), dense.init_cache(cfg, len(seqs), T))
+    fwd = jax.jit(dense.MODEL.forward, static_argnums=1)
+    logits, _, _ = fwd(params, cfg, jnp.asarray(tokens), jnp.asarray(positions), dense.MODEL.init_cache(cfg, len(seqs), T))
     pred = np.asarray(jnp.argmax(logits, axis=-1))
     checked, agree_low, n_low, mismatches = 0, 0, 0, []
     for b, c in enumerate(cases):

@@ -98,7 +98,7 @@ _LAGUNA = textwrap.dedent(
     from dflash_jax.loading import Drafter, Target
     from dflash_jax.drafter import model as drafter_model
     from dflash_jax.families.laguna import model as laguna
-    from dflash_jax.families.registry import drafter_config_from_hf
+    from dflash_jax.drafter.kinds import drafter_config_from_hf
     from laguna_tiny import LAGUNA_DRAFTER, PER_HEAD, tiny_laguna
 
     cfg, params = tiny_laguna(PER_HEAD, seed=4, max_block=4)
@@ -106,7 +106,7 @@ _LAGUNA = textwrap.dedent(
     dparams = drafter_model.init_params(dcfg, jax.random.key(7), scale=0.3)
     mesh = sharding.parse_mesh("data=1,model=2,expert=2")
     one = Target(cfg=cfg, params=params, source="tiny-laguna", eos_ids=())
-    meshed = Target(cfg=cfg, params=sharding.shard_params(params, laguna.param_axes(cfg), mesh), source="tiny-laguna", eos_ids=(), mesh=mesh)
+    meshed = Target(cfg=cfg, params=sharding.shard_params(params, laguna.MODEL.param_axes(cfg), mesh), source="tiny-laguna", eos_ids=(), mesh=mesh)
     experts = [x for x in jax.tree_util.tree_leaves(meshed.params) if x.ndim >= 3 and x.shape[-3:-2] == (cfg.num_experts,)]
     assert experts and all(x.sharding.shard_shape(x.shape)[-3] == cfg.num_experts // 2 for x in experts), [x.sharding for x in experts]
     drafters = (Drafter(cfg=dcfg, params=dparams, source="d"),

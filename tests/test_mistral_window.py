@@ -39,9 +39,9 @@ def test_window_parsed_and_logits_match(mistral):
     tokens = np.random.default_rng(0).integers(0, 97, (2, 16)).astype(np.int32)
     want = hf_logits(model, tokens)
     pos = jnp.broadcast_to(jnp.arange(16, dtype=jnp.int32), (2, 16))
-    got, _, _ = dense.forward(params, cfg, jnp.asarray(tokens), pos, dense.init_cache(cfg, 2, 20))
+    got, _, _ = dense.MODEL.forward(params, cfg, jnp.asarray(tokens), pos, dense.MODEL.init_cache(cfg, 2, 20))
     assert np.abs(np.asarray(got) - want).max() / np.abs(want).max() < 1e-4
-    unwindowed, _, _ = dense.forward(params, dataclasses.replace(cfg, sliding_window=0), jnp.asarray(tokens), pos, dense.init_cache(cfg, 2, 20))
+    unwindowed, _, _ = dense.MODEL.forward(params, dataclasses.replace(cfg, sliding_window=0), jnp.asarray(tokens), pos, dense.MODEL.init_cache(cfg, 2, 20))
     assert np.abs(np.asarray(unwindowed) - want).max() / np.abs(want).max() > 1e-3  # the window matters here
 
 
@@ -74,4 +74,4 @@ def test_a_tree_wider_than_the_window_is_refused(mistral):
     t = WINDOW + 1
     tree = TreeBlock(depth=jnp.arange(t, dtype=jnp.int32)[None], mask=jnp.tril(jnp.ones((t, t), bool))[None])
     with pytest.raises(DFlashError, match="tree: 6 tokens in one verify pass.*sliding_window=5"):
-        dense.forward_hidden(params, cfg, jnp.zeros((1, t), jnp.int32), jnp.arange(t, dtype=jnp.int32)[None], dense.init_cache(cfg, 1, 8), tree=tree)
+        dense.forward_hidden(params, cfg, jnp.zeros((1, t), jnp.int32), jnp.arange(t, dtype=jnp.int32)[None], dense.MODEL.init_cache(cfg, 1, 8), tree=tree)

@@ -33,7 +33,7 @@ CASES = {
     "qwen3_qk_norm": ("Qwen3Config", "Qwen3ForCausalLM", dict(head_dim=24, tie_word_embeddings=False, rope_theta=1e6)),
 }
 
-_forward = jax.jit(dense.forward, static_argnums=1)
+_forward = jax.jit(dense.MODEL.forward, static_argnums=1)
 
 
 def _rel(ours, ref) -> float:
@@ -82,7 +82,7 @@ def test_config_parsed(case):
     assert cfg.rope.kind == ("llama3" if name == "llama_llama3_rope" else "default")
     assert cfg.qkv_bias == (family == "qwen2") and cfg.qk_norm == (family == "qwen3")
     assert cfg.tie_word_embeddings == ("lm_head" not in params) == (name == "llama_tied")
-    shapes = dense.param_shapes(cfg)
+    shapes = dense.MODEL.param_shapes(cfg)
     assert jax.tree_util.tree_map(lambda x: tuple(x.shape), params) == jax.tree_util.tree_map(
         tuple, shapes, is_leaf=lambda x: isinstance(x, tuple))
 
@@ -97,7 +97,7 @@ def assert_slots_written(cache, n):
 def test_full_forward(case):
     _, cfg, params, tokens, ref = case
     positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
-    logits, cache, _ = _forward(params, cfg, jnp.asarray(tokens), positions, dense.init_cache(cfg, B, T + 4))
+    logits, cache, _ = _forward(params, cfg, jnp.asarray(tokens), positions, dense.MODEL.init_cache(cfg, B, T + 4))
     assert logits.shape == (B, T, cfg.vocab_size) and logits.dtype == jnp.float32
     assert _rel(logits, ref["logits"]) < TOL
     assert_slots_written(cache, T)
@@ -105,7 +105,7 @@ def test_full_forward(case):
 
 def test_chunked_prefill_then_decode(case):
     _, cfg, params, tokens, ref = case
-    cache = dense.init_cache(cfg, B, T + 4)
+    cache = dense.MODEL.init_cache(cfg, B, T + 4)
     ids = tuple(range(cfg.num_hidden_layers))
     capture = init_capture(ids, B, T, cfg.hidden_size, jnp.float32)
     n_prefill = 2 * CHUNK
@@ -132,7 +132,7 @@ def test_capture_matches_hidden_states(case):
     ids = (L - 1, 0, 1)  # out of order on purpose: features follow the listed order
     positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
     capture = init_capture(ids, B, T, cfg.hidden_size, jnp.float32)
-    _, _, capture = _forward(params, cfg, jnp.asarray(tokens), positions, dense.init_cache(cfg, B, T), capture)
+    _, _, capture = _forward(params, cfg, jnp.asarray(tokens), positions, dense.MODEL.init_cache(cfg, B, T), capture)
     feats = np.asarray(capture.hidden).reshape(B, T, len(ids), cfg.hidden_size)
     for s, i in enumerate(ids):
         want = ref["last_pre_norm"] if i == L - 1 else ref["hidden"][i + 1]
@@ -148,7 +148,7 @@ def test_capture_post_norm_reading_of_last_layer(case):
     L = cfg.num_hidden_layers
     positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
     capture = init_capture((0, L - 1), B, T, cfg.hidden_size, jnp.float32, post_norm_last=True)
-    _, _, capture = _forward(params, cfg, jnp.asarray(tokens), positions, dense.init_cache(cfg, B, T), capture)
+    _, _, capture = _forward(params, cfg, jnp.asarray(tokens), positions, dense.MODEL.init_cache(cfg, B, T), capture)
     feats = np.asarray(capture.hidden).reshape(B, T, 2, cfg.hidden_size)
     assert _rel(feats[:, :, 0], ref["hidden"][1]) < TOL
     assert _rel(feats[:, :, 1], ref["hidden"][L]) < TOL
@@ -163,5 +163,5 @@ def test_llama3_rope_scaling_matters(case):
 
     plain = dataclasses.replace(cfg, rope=dataclasses.replace(cfg.rope, kind="default"))
     positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
-    logits, _, _ = _forward(params, plain, jnp.asarray(tokens), positions, dense.init_cache(plain, B, T))
+    logits, _, _ = _forward(params, plain, jnp.asarray(tokens), positions, dense.MODEL.init_cache(plain, B, T))
     assert _rel(logits, ref["logits"]) > 1e-3

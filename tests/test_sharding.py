@@ -18,6 +18,7 @@ from dflash_jax.runtime.carry import KV_AXES
 from dflash_jax.decode.static import Decoding
 from dflash_jax.errors import DFlashError
 from dflash_jax.families.dense import model as dense
+from dflash_jax.nn.params import unstack_layers
 from dflash_jax.drafter import model as drafter
 from dflash_jax.testing import tiny_drafter, tiny_drafter_config, tiny_target, tiny_target_config
 
@@ -110,7 +111,7 @@ def test_every_state_array_declares_axes_and_replace_rows_swaps_every_batch_leaf
 
     from dflash_jax.decode import loop as decode
     from dflash_jax.runtime.carry import declared_axes, flat_axes
-    from dflash_jax.families.registry import drafter_config_from_hf
+    from dflash_jax.drafter.kinds import drafter_config_from_hf
     from laguna_tiny import LAGUNA_DRAFTER, PER_HEAD, tiny_laguna
 
     cfg = tiny_target_config("qwen3")
@@ -143,19 +144,19 @@ def test_every_state_array_declares_axes_and_replace_rows_swaps_every_batch_leaf
 
 def test_axes_tree_mismatch_raises():
     cfg = tiny_target_config("qwen3")
-    shapes = dense.param_shapes(cfg)
+    shapes = dense.MODEL.param_shapes(cfg)
     params = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s, cfg.dtype), shapes, is_leaf=lambda x: isinstance(x, tuple))
-    good = shd.param_shardings(params, dense.param_axes(cfg), shd.make_mesh())
+    good = shd.param_shardings(params, dense.MODEL.param_axes(cfg), shd.make_mesh())
     assert good["layers"]["wq"].spec == P(None, None, None)
     with pytest.raises(DFlashError, match="does not match"):
         shd.param_shardings(params, drafter.param_axes(tiny_drafter_config(cfg)), shd.make_mesh())
-    per = dense.unstack_layers(tiny_target("qwen3")[1])  # per-layer parameters (load_target on CPU)
-    sp = shd.param_shardings(per, dense.param_axes(cfg, per_layer=True), shd.make_mesh())
+    per = unstack_layers(tiny_target("qwen3")[1])  # per-layer parameters (load_target on CPU)
+    sp = shd.param_shardings(per, dense.MODEL.param_axes(cfg, per_layer=True), shd.make_mesh())
     assert len(sp["layers"]) == cfg.num_hidden_layers and sp["layers"][1]["wq"].spec == P(None, None)
     with pytest.raises(DFlashError, match="per_layer=True"):
-        shd.param_shardings(per, dense.param_axes(cfg), shd.make_mesh())
+        shd.param_shardings(per, dense.MODEL.param_axes(cfg), shd.make_mesh())
     dcfg, dp = tiny_drafter(cfg)  # the drafter's per-layer layout (load_drafter on CPU)
-    dsp = shd.param_shardings(dense.unstack_layers(dp), drafter.param_axes(dcfg, per_layer=True), shd.make_mesh())
+    dsp = shd.param_shardings(unstack_layers(dp), drafter.param_axes(dcfg, per_layer=True), shd.make_mesh())
     assert len(dsp["layers"]) == dcfg.num_hidden_layers and dsp["layers"][0]["wk"].spec == P(None, None)
 
 
@@ -163,10 +164,11 @@ _MULTI_DEVICE = textwrap.dedent(
     """
     import jax, numpy as np
     jax.config.update("jax_default_matmul_precision", "highest")
-    from dflash_jax import sharding as shd
+    from dflash_jax.runtime import sharding as shd
     from dflash_jax.families.dense import model as dense
     from dflash_jax.drafter import model as drafter
-    from dflash_jax import decode
+    from dflash_jax.decode import loop as decode
+    from dflash_jax.decode.prefill import prefill
     from dflash_jax.decode.static import Decoding, Params
     from dflash_jax.testing import tiny_drafter, tiny_target
 
@@ -181,12 +183,12 @@ _MULTI_DEVICE = textwrap.dedent(
         st = decode.init_state(static, prompts, 24, 10)
         if mesh is not None:
             st = shd.shard_state(st, mesh)
-        st = decode.prefill(Params(p, dp), st, static, 4)
+        st = prefill(Params(p, dp), st, static, 4)
         return decode.generate(Params(p, dp), st, static)
 
     ref = run(p, dp)
     mesh = shd.make_mesh(data=2, model=2)
-    sp = shd.shard_params(p, dense.param_axes(cfg), mesh)
+    sp = shd.shard_params(p, dense.MODEL.param_axes(cfg), mesh)
     sdp = shd.shard_params(dp, drafter.param_axes(dcfg), mesh)
     split = [k for k, x in jax.tree_util.tree_flatten_with_path({"t": sp, "d": sdp})[0]
              if x.sharding.shard_shape(x.shape) != x.shape]

@@ -21,6 +21,7 @@ from dflash_jax.decode.sampling import SamplingConfig
 from dflash_jax.decode.auto.policy import Calibration, verify_widths
 from dflash_jax.decode.state import LENGTH, STOP
 from dflash_jax.testing import tiny_drafter, tiny_target, verify_scripted
+from dflash_jax.families.registry import module_for
 
 GREEDY = SamplingConfig()
 
@@ -184,27 +185,27 @@ def test_bug_rollback_context_holds_only_committed_rows(target):
 
 
 def test_per_layer_drafter_gives_the_stacked_results(target):
-    """Drafter parameters as per-layer buffers (``dense.unstack_layers``, ``load_drafter``'s CPU
+    """Drafter parameters as per-layer buffers (``unstack_layers``, ``load_drafter``'s CPU
     layout, run as a Python loop) compute what the stacked ``lax.scan`` computes: context K/V,
     the hidden states of a draft pass, and the tokens and statistics of speculative decoding.
     One drafter whose layers differ (causal or not, a window or none) and with biases: a loop
     that handed a layer another layer's settings would fail; uniform layers add nothing."""
-    from dflash_jax.families.dense import model as dense
+    from dflash_jax.nn.params import unstack_layers
     from dflash_jax.drafter import model as dm
     from dflash_jax.nn.params import PerLayer
 
     cfg, params = target
     dcfg, dp = drafter_for(cfg, 4, seed=3, attention_bias=True, layer_causal=(True, False), layer_window=(0, 3))
-    per = dense.unstack_layers(dp)
+    per = unstack_layers(dp)
     assert isinstance(per["layers"], PerLayer) and len(per["layers"]) == dcfg.num_hidden_layers
     feats = jax.random.normal(jax.random.key(1), (1, 6, len(dcfg.target_layer_ids) * cfg.hidden_size))
     ctx_pos = jnp.arange(6, dtype=jnp.int32)[None]
     kv = [dm.context_kv(d, dcfg, feats, ctx_pos) for d in (dp, per)]
     block, pos = jnp.asarray([[3, dcfg.mask_token_id, dcfg.mask_token_id, dcfg.mask_token_id]]), ctx_pos[:, :4] + 5
-    hidden = [dm.forward(d, dcfg, params, cfg, block, pos, k, v, jnp.asarray([5])) for d, (k, v) in zip((dp, per), kv)]
+    hidden = [dm.forward(d, dcfg, module_for(cfg), params, cfg, block, pos, k, v, jnp.asarray([5])) for d, (k, v) in zip((dp, per), kv)]
     for a, b in [*zip(kv[0], kv[1]), hidden]:
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5)
-    assert not np.allclose(np.asarray(hidden[0]), np.asarray(dm.forward(dp, dcfg, params, cfg, block, pos + 1, *kv[0], jnp.asarray([5]))))
+    assert not np.allclose(np.asarray(hidden[0]), np.asarray(dm.forward(dp, dcfg, module_for(cfg), params, cfg, block, pos + 1, *kv[0], jnp.asarray([5]))))
     runs = [run_spec(target, (dcfg, d), PROMPTS, 20) for d in (dp, per)]
     assert outputs(runs[0]) == outputs(runs[1]) == plain_greedy(target, PROMPTS, 20)
     for name in ("verify_steps", "drafted", "accepted", "accepted_per_position"):
@@ -227,8 +228,8 @@ def test_bug_positions_block_uses_absolute_positions(target):
 
     def direct(offset):
         pos = jnp.arange(start, start + 4, dtype=jnp.int32)[None] + offset
-        h = dm.forward(dparams, dcfg, params, cfg, block, pos, st.speculative.ctx_k, st.speculative.ctx_v, jnp.asarray([start]))
-        return dm.logits(dparams, dcfg, params, cfg, h[:, 1:])
+        h = dm.forward(dparams, dcfg, module_for(cfg), params, cfg, block, pos, st.speculative.ctx_k, st.speculative.ctx_v, jnp.asarray([start]))
+        return dm.logits(dparams, dcfg, module_for(cfg), params, cfg, h[:, 1:])
 
     np.testing.assert_array_equal(np.asarray(drafts), np.asarray(jnp.argmax(direct(0), -1)))
     assert not np.allclose(np.asarray(direct(0)), np.asarray(direct(5)))
@@ -252,8 +253,8 @@ def test_bug_mask_id_block_is_anchor_then_mask_tokens(target):
 
     def direct(mask_id):
         block = jnp.asarray([[int(st.tokens[0, start])] + [mask_id] * 3])
-        h = dm.forward(dparams, dcfg, params, cfg, block, pos, st.speculative.ctx_k, st.speculative.ctx_v, jnp.asarray([start]))
-        return dm.logits(dparams, dcfg, params, cfg, h[:, 1:])
+        h = dm.forward(dparams, dcfg, module_for(cfg), params, cfg, block, pos, st.speculative.ctx_k, st.speculative.ctx_v, jnp.asarray([start]))
+        return dm.logits(dparams, dcfg, module_for(cfg), params, cfg, h[:, 1:])
 
     np.testing.assert_array_equal(np.asarray(drafts), np.asarray(jnp.argmax(direct(dcfg.mask_token_id), -1)))
     assert not np.allclose(np.asarray(direct(dcfg.mask_token_id)), np.asarray(direct(3)))
@@ -270,19 +271,19 @@ def test_bug_layer_id_convention_capture_is_output_of_layer(target):
     toks = jnp.asarray([PROMPTS[0]])
     pos = jnp.arange(len(PROMPTS[0]), dtype=jnp.int32)[None]
     cap = init_capture((0, 1), 1, len(PROMPTS[0]), cfg.hidden_size, jnp.float32)
-    _, _, cap = dense.forward(params, cfg, toks, pos, dense.init_cache(cfg, 1, 16), cap)
+    _, _, cap = dense.MODEL.forward(params, cfg, toks, pos, dense.MODEL.init_cache(cfg, 1, 16), cap)
     # run the stack truncated to 1 and 2 layers: its pre-norm output is hidden_states[i + 1]
     for i in (0, 1):
         sub = jax.tree.map(lambda x: x[: i + 1], params["layers"])
         cfg_i = __import__("dataclasses").replace(cfg, num_hidden_layers=i + 1)
         cap_i = init_capture((i,), 1, len(PROMPTS[0]), cfg.hidden_size, jnp.float32)
-        _, _, cap_i = dense.forward(dict(params, layers=sub), cfg_i, toks, pos, dense.init_cache(cfg_i, 1, 16), cap_i)
+        _, _, cap_i = dense.MODEL.forward(dict(params, layers=sub), cfg_i, toks, pos, dense.MODEL.init_cache(cfg_i, 1, 16), cap_i)
         h = cfg.hidden_size
         np.testing.assert_allclose(np.asarray(cap.hidden[..., i * h : (i + 1) * h]), np.asarray(cap_i.hidden), rtol=1e-6, atol=1e-6)
 
 
 def test_bug_config_schema_refuses_what_it_cannot_run(target):
-    from dflash_jax.families.registry import drafter_config_from_hf
+    from dflash_jax.drafter.kinds import drafter_config_from_hf
 
     base = {
         "architectures": ["DFlashDraftModel"], "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2,
@@ -304,7 +305,7 @@ def test_bug_config_schema_refuses_what_it_cannot_run(target):
 
 
 def test_config_fields_set_twice_must_agree_and_layer_ids_be_distinct():
-    from dflash_jax.families.registry import drafter_config_from_hf
+    from dflash_jax.drafter.kinds import drafter_config_from_hf
 
     base = {
         "architectures": ["DFlashDraftModel"], "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2,
@@ -425,7 +426,7 @@ def assert_follows_target(cfg, params, prompt, sampling, toks):
     assert len(prompt) == 3 and cfg.vocab_size == 8 and np.shape(toks)[1] == 3, "written for 3 + 3 tokens over 8 ids"
     n = len(toks)
     seqs = np.array([[*prompt, a, b] for a in range(8) for b in range(8)], np.int32)
-    logits, _, _ = dense.forward(params, cfg, jnp.asarray(seqs), jnp.broadcast_to(jnp.arange(5), seqs.shape), dense.init_cache(cfg, 64, 8))
+    logits, _, _ = dense.MODEL.forward(params, cfg, jnp.asarray(seqs), jnp.broadcast_to(jnp.arange(5), seqs.shape), dense.MODEL.init_cache(cfg, 64, 8))
     p = np.asarray(probabilities(logits, sampling))
     joint = p[0, 2][:, None, None] * p[::8, 3][:, :, None] * p[:, 4].reshape(8, 8, 8)  # p(t1) p(t2 | t1) p(t3 | t1 t2)
     counts = np.zeros((8, 8, 8))

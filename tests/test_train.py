@@ -353,7 +353,7 @@ def test_target_labels_are_the_targets_greedy_next_tokens(tmp_path, models):
         Batcher(ds, 2, 16, features=plain, labels="target")
     with pytest.raises(DFlashError, match="labels"):
         Batcher(ds, 2, 16, features=plain, labels="teacher")
-    from dflash_jax.families.dense.model import unstack_layers
+    from dflash_jax.nn.params import unstack_layers
 
     per = unstack_layers(t_params)  # load_target's layout on CPU: same target, same fingerprint
     assert data_mod.target_fingerprint(t_cfg, per) == plain.meta["target"]
@@ -386,7 +386,7 @@ def test_target_labels_are_the_targets_greedy_next_tokens(tmp_path, models):
 def test_fingerprint_is_the_same_for_both_layer_layouts(models, samples):
     """Per-layer parameters hash as their stacked leaves (sampled values that straddle layers
     included), without building the stacked copy; a changed value in one layer changes it."""
-    from dflash_jax.families.dense.model import unstack_layers
+    from dflash_jax.nn.params import unstack_layers
     from dflash_jax.nn.params import PerLayer
 
     t_cfg, t_params, _, d_params = models
@@ -505,7 +505,7 @@ def test_continue_from_trained_weights(tmp_path, tiny_run, full_run):
     assert json.loads((tmp_path / "c" / "run.json").read_text())["signature"]["init"] == params_fingerprint(full.params)
     with pytest.raises(ValueError, match=r"settings differ from the checkpointed run.s \(init\)"):
         train(tmp_path / "c", t_params, t_cfg, d_cfg, batcher, tc, progress=False)
-    from dflash_jax.families.dense.model import unstack_layers
+    from dflash_jax.nn.params import unstack_layers
 
     # the same weights per layer (load_drafter's CPU layout): the same run, found finished
     _, again = train(tmp_path / "c", t_params, t_cfg, d_cfg, batcher, tc, progress=False, init_params=unstack_layers(full.params))
@@ -520,7 +520,7 @@ def test_continue_from_trained_weights(tmp_path, tiny_run, full_run):
 
 @pytest.mark.parametrize("variant", ["plain", "sliding"])
 def test_export_config_roundtrip(variant, models):
-    from dflash_jax.families.registry import drafter_config_from_hf
+    from dflash_jax.drafter.kinds import drafter_config_from_hf
 
     t_cfg = models[0]
     over = {} if variant == "plain" else dict(layer_causal=(True, False), layer_window=(5, 0))
@@ -531,7 +531,8 @@ def test_export_config_roundtrip(variant, models):
 def test_export_loads_in_our_loader_and_the_zlab_reference(tmp_path, models):
     torch = pytest.importorskip("torch")
     zlab = pytest.importorskip("dflash.model")
-    from dflash_jax.families.registry import load_hf_drafter as load_drafter
+    from dflash_jax.drafter.kinds import load_hf_drafter as load_drafter
+    from dflash_jax.families.registry import module_for
 
     t_cfg, t_params, d_cfg, d_params = models
     f32 = export_drafter(tmp_path / "f32", d_cfg, d_params, dtype="float32", extra={"dflash_jax": {"note": "test"}})
@@ -556,8 +557,8 @@ def test_export_loads_in_our_loader_and_the_zlab_reference(tmp_path, models):
         hid = ref(position_ids=torch.arange(ctx + w)[None], noise_embedding=torch.tensor(emb[block]), target_hidden=torch.tensor(feats))
         want = (hid @ torch.tensor(emb).T).numpy()
     k, v = drafter.context_kv(d_params, d_cfg, jnp.asarray(feats), jnp.arange(ctx, dtype=jnp.int32)[None])
-    out = drafter.forward(d_params, d_cfg, t_params, t_cfg, jnp.asarray(block), ctx + jnp.arange(w, dtype=jnp.int32)[None], k, v, jnp.array([ctx]))
-    got = np.asarray(drafter.logits(d_params, d_cfg, t_params, t_cfg, out))
+    out = drafter.forward(d_params, d_cfg, module_for(t_cfg), t_params, t_cfg, jnp.asarray(block), ctx + jnp.arange(w, dtype=jnp.int32)[None], k, v, jnp.array([ctx]))
+    got = np.asarray(drafter.logits(d_params, d_cfg, module_for(t_cfg), t_params, t_cfg, out))
     assert np.abs(got - want).max() / np.abs(want).max() < 1e-4
 
 
@@ -567,7 +568,7 @@ def test_cli_trains_resumes_and_exports(tmp_path, capsys):
     sys.path.insert(0, str(Path(__file__).parent))
     from tiny_hf import make_tiny_hf
 
-    from dflash_jax.families.registry import load_hf_drafter as load_drafter
+    from dflash_jax.drafter.kinds import load_hf_drafter as load_drafter
     from dflash_jax.families.dense.safetensors import load_hf_target
     from dflash_jax.cli.train import main
 

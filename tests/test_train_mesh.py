@@ -137,7 +137,7 @@ def test_two_processes_resume_from_a_checkpoint_to_the_uninterrupted_parameters(
     from dflash_jax.train.data import TokenDataset
 
     cfg = tiny_gguf.tiny_cfg()
-    params = dense.init_params(cfg, jax.random.key(0), scale=0.2)
+    params = dense.MODEL.init_params(cfg, jax.random.key(0), scale=0.2)
     target = tiny_gguf.write_model(tmp_path / "t.gguf", cfg, params)
     rs = np.random.RandomState(0)
     seqs = [rs.randint(0, 60, rs.randint(10, 24)).tolist() for _ in range(10)]

@@ -44,7 +44,7 @@ def target_config(layers: int, dtype: str):
 
 
 def compile_seconds(cfg, batch: int, tokens: int, capacity: int, unrolled: bool) -> tuple[float, float, float, float]:
-    """``(trace + lower, compile)`` seconds of ``qwen3_5.forward`` over ``batch x tokens`` with a
+    """``(trace + lower, compile)`` seconds of ``qwen3_5.MODEL.forward`` over ``batch x tokens`` with a
     cache of ``capacity`` slots, wall then this process's CPU time (all its threads: what a busy
     machine does not inflate); ``unrolled``: every layer in one scan step."""
     import jax
@@ -53,16 +53,16 @@ def compile_seconds(cfg, batch: int, tokens: int, capacity: int, unrolled: bool)
     from dflash_jax.runtime import compiled as executables
     from dflash_jax.families.qwen3_5 import model as qwen3_5
 
-    params = jax.tree_util.tree_map(lambda s: jax.ShapeDtypeStruct(s, jnp.dtype(cfg.dtype)), qwen3_5.param_shapes(cfg),
+    params = jax.tree_util.tree_map(lambda s: jax.ShapeDtypeStruct(s, jnp.dtype(cfg.dtype)), qwen3_5.MODEL.param_shapes(cfg),
                                     is_leaf=lambda x: isinstance(x, tuple))
-    cache = jax.eval_shape(lambda: qwen3_5.init_cache(cfg, batch, capacity))
+    cache = jax.eval_shape(lambda: qwen3_5.MODEL.init_cache(cfg, batch, capacity))
     ids = jax.ShapeDtypeStruct((batch, tokens), jnp.int32)
     period = qwen3_5.period
     if unrolled:
         qwen3_5.period = lambda c: c.num_hidden_layers
     try:
         t0, c0 = time.perf_counter(), time.process_time()
-        fresh = lambda params, tokens, positions, cache: qwen3_5.forward(params, cfg, tokens, positions, cache)  # noqa: E731
+        fresh = lambda params, tokens, positions, cache: qwen3_5.MODEL.forward(params, cfg, tokens, positions, cache)  # noqa: E731
         lowered = jax.jit(fresh).lower(params, ids, ids, cache)  # a new function: nothing reused from JAX's trace caches
         t1, c1 = time.perf_counter(), time.process_time()
         lowered.compile(compiler_options=dict(executables.FRESH))

@@ -42,7 +42,7 @@ def main(argv=None) -> int:
     cfg, params = target.cfg, target.params
 
     def fwd(params, tokens, positions, cache):
-        logits, cache, _ = dense.forward(params, cfg, tokens, positions, cache)
+        logits, cache, _ = dense.MODEL.forward(params, cfg, tokens, positions, cache)
         return logits[:, -1], cache
 
     variants = {"YNN (default)": {}, "without YNN": FEW_ROWS_OPTIONS}
@@ -52,12 +52,12 @@ def main(argv=None) -> int:
         tokens = jnp.ones((b, t), jnp.int32)
         positions = jnp.broadcast_to(jnp.arange(300, 300 + t, dtype=jnp.int32), (b, t))
         for name, options in variants.items():
-            c = jax.jit(fwd, donate_argnums=3).lower(params, tokens, positions, dense.init_cache(cfg, b, 1024)).compile(
+            c = jax.jit(fwd, donate_argnums=3).lower(params, tokens, positions, dense.MODEL.init_cache(cfg, b, 1024)).compile(
                 compiler_options={**executables.FRESH, **options})  # as the project compiles
             progs[(b, t, name)] = (c, tokens, positions)
     for _ in range(args.rounds):
         for k, (c, tokens, positions) in progs.items():
-            cache = caches.pop(k, None) or dense.init_cache(cfg, k[0], 1024)
+            cache = caches.pop(k, None) or dense.MODEL.init_cache(cfg, k[0], 1024)
             s = time.perf_counter()
             out, cache = c(params, tokens, positions, cache)
             out.block_until_ready()

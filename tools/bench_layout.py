@@ -186,13 +186,13 @@ def measure_passes(target, shapes_bt, repeats, capacity, rng) -> dict:
                 "lm head": layouts.with_wide_layouts(p, ("lm_head",)), "both": layouts.with_wide_layouts(p)}
 
     def fwd(params, tokens, positions, cache):
-        logits, cache, _ = dense.forward(params, target.cfg, tokens, positions, cache)
+        logits, cache, _ = dense.MODEL.forward(params, target.cfg, tokens, positions, cache)
         return logits, cache
 
     f = jax.jit(fwd, donate_argnums=3)
     out = {}
     for b, t in shapes_bt:
-        cache = dense.init_cache(target.cfg, b, capacity)
+        cache = dense.MODEL.init_cache(target.cfg, b, capacity)
         tokens = jnp.asarray(rng.integers(0, 1000, (b, t)), jnp.int32)
         positions = jnp.broadcast_to(jnp.arange(capacity // 2, capacity // 2 + t, dtype=jnp.int32), (b, t))
         ref = None

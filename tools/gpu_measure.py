@@ -227,7 +227,7 @@ def mesh_check() -> dict:
         out["mesh"] = sharding.describe(mesh)
         cfg, p = tiny_target("qwen3", seed=3, num_attention_heads=8, num_key_value_heads=8)
         dcfg, dp = tiny_drafter(cfg, seed=1, num_attention_heads=8, num_key_value_heads=8)
-        one, meshed = Target(cfg=cfg, params=p), Target(cfg=cfg, params=sharding.shard_params(p, dense.param_axes(cfg), mesh), mesh=mesh)
+        one, meshed = Target(cfg=cfg, params=p), Target(cfg=cfg, params=sharding.shard_params(p, dense.MODEL.param_axes(cfg), mesh), mesh=mesh)
         d_one = Drafter(cfg=dcfg, params=dp)
         d_mesh = Drafter(cfg=dcfg, params=sharding.shard_params(dp, drafter.param_axes(dcfg), mesh))
         prompts, same = [[5, 9, 17, 3], [40, 2, 7]], True

@@ -36,7 +36,8 @@ import numpy as np
 from dflash_jax.drafter import model as drafter_mod
 from dflash_jax.nn import params as P
 from dflash_jax.families.laguna.presets import DRAFTERS, PUBLISHED
-from dflash_jax.families.registry import drafter_config_from_hf, family_for_hf, module_for
+from dflash_jax.families.registry import family_for_hf, module_for
+from dflash_jax.drafter.kinds import drafter_config_from_hf
 
 REPO = Path(__file__).resolve().parents[1]
 SHIPPED_DRAFTER = REPO / "dflash_jax" / "drafters" / "smollm2-135m-instruct" / "config.json"

@@ -53,10 +53,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="memory for prefilled prompt blocks reused by later prompts that start with them (default 1024; 0: off)")
     p.add_argument("--kv-cache-mb", type=number, default=None, metavar="MB",
                    help="memory for the target's K/V and the drafter's context of all rows (default: --max-batch rows of --max-len tokens)")
+    from dflash_jax.families.registry import TARGET_FAMILIES  # which families page: their declared paged_kv
+
+    unpaged = ", ".join(f.name for f in TARGET_FAMILIES if not f.model.paged_kv)
     p.add_argument("--kv-layout", choices=("paged", "rows"), default="paged",
                    help="paged (default): rows hold pages of 16 tokens from one pool, as many as their tokens fill so far, "
                    "so short requests fit more rows in --kv-cache-mb; rows: every row holds --max-len tokens. Families without "
-                   "paged support (Laguna, Gemma 4, Qwen3.5) and targets on a mesh use rows")
+                   f"paged support ({unpaged}) and targets on a mesh use rows")
     p.add_argument("--steps-per-round", type=integer, default=4, metavar="N",
                    help="decode steps on device per host round trip (default 4)")
     p.add_argument("--shutdown-timeout", type=number, default=30.0, metavar="S",

@@ -108,7 +108,7 @@ class Decoding:
         """Raises DFlashError for a ``tree`` that is not a node count or does not go with the rest."""
         if self.drafter is None:
             raise DFlashError("tree (--tree)", f"got {self.tree!r} without a drafter", "a drafter, or tree=None")
-        if family_of(self.target).model.keep_block_states is not None:  # recurrent state: one per sequence, not per branch
+        if not family_of(self.target).model.trees:  # e.g. recurrent state: one per sequence, not per branch
             raise DFlashError("tree (--tree)", f"got tree={self.tree} with a {self.target.family} target",
                               "a chain (tree=None; 0 for generate and --tree): its linear-attention states follow one sequence")
         top = min(MAX_TREE_NODES, getattr(self.target, "max_block", MAX_TREE_NODES + 1) - 1)

@@ -124,9 +124,9 @@ def draft_logits(params: Params, state: DecodeState, static: Decoding):
     anchor = jnp.take_along_axis(state.tokens, start[:, None], axis=1)
     block = jnp.concatenate([anchor, jnp.full((anchor.shape[0], width - 1), cfg_d.mask_token_id, jnp.int32)], axis=1)
     ctx = state.speculative
-    hidden = drafter.forward(params_d, cfg_d, params.target, cfg_t, block, positions, ctx.ctx_k, ctx.ctx_v, start, block_len,
+    hidden = drafter.forward(params_d, cfg_d, module_for(cfg_t), params.target, cfg_t, block, positions, ctx.ctx_k, ctx.ctx_v, start, block_len,
                              pages=ctx.context.pages)
-    return drafter.logits(params_d, cfg_d, params.target, cfg_t, hidden[:, 1:]), positions
+    return drafter.logits(params_d, cfg_d, module_for(cfg_t), params.target, cfg_t, hidden[:, 1:]), positions
 
 
 @functools.partial(jax.jit, static_argnames=("static",))
@@ -190,9 +190,9 @@ def verify_fn(params: Params, state: DecodeState, static: Decoding, drafts) -> V
     anchor = jnp.take_along_axis(state.tokens, start[:, None], axis=1)
     block = jnp.concatenate([anchor, drafts], axis=1)
     capture = block_capture(static, start, width)
-    # a family with recurrent state (models/qwen3_5.py) keeps each block position's state for the
-    # commit to choose from; a KV-only family has no such hook (its rollback is the length update)
-    cache = state.cache if mod.keep_block_states is None else mod.keep_block_states(cfg_t, state.cache)
+    # a family with recurrent state (families/qwen3_5/model.py) keeps each block position's state for
+    # the commit to choose from; a KV-only family has none (its rollback is the length update)
+    cache = mod.keep_block_states(cfg_t, state.cache) if mod.recurrent_state else state.cache
     hidden, cache, capture = mod.forward_hidden(params.target, cfg_t, block, positions, cache, capture)
     logits = mod.lm_head(params.target, cfg_t, hidden)
     n_valid = block_len - 1
@@ -212,9 +212,9 @@ def commit_block(params: Params, state: DecodeState, static: Decoding, verdict: 
     before = state.length
     state = commit(state.replace(cache=verdict.cache), verdict.tokens, verdict.accepted + 1, verdict.gaps)
     kept = state.length - before
-    settle = module_for(static.target).commit_block_states  # recurrent families only (verify.py)
-    if settle is not None:
-        state = state.replace(cache=settle(static.target, state.cache, kept))
+    mod = module_for(static.target)
+    if mod.recurrent_state:  # the recurrent states after the kept positions (verify_block kept them all)
+        state = state.replace(cache=mod.commit_block_states(static.target, state.cache, kept))
     ctx = absorb_context(params.drafter, static, state.speculative, verdict.capture)
     acc_kept = jnp.minimum(verdict.accepted, kept)
     pos = jnp.arange(1, ctx.n_max + 1, dtype=jnp.int32)[None, :]  # a verify may cover fewer positions

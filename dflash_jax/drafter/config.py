@@ -3,6 +3,10 @@
 Configs are frozen dataclasses: they are passed to jitted functions as static arguments, so two
 equal configs share one compilation. Parsing is strict: a missing or ill-typed field raises
 :class:`~dflash_jax.errors.DFlashError` naming the file and field; nothing is guessed silently.
+
+The drafter's config (:class:`DrafterConfig`), its fit to a target (:func:`check_drafter_fits`) and
+the parsers of both kinds' ``config.json``: z-lab's (:func:`dflash_drafter_config_from_hf`) and
+Laguna's (:func:`laguna_drafter_config_from_hf`, on the Laguna target config's field readers).
 """
 
 from __future__ import annotations
@@ -13,6 +17,8 @@ from typing import Any, Mapping
 from dflash_jax.errors import DFlashError
 from dflash_jax.families.config import RopeConfig, _get, _positive, _tname, parse_rope
 from dflash_jax.families.dense.config import TargetConfig
+from dflash_jax.families.laguna.config import LAYER_TYPES, _layer_list, parse_gating
+from dflash_jax.families.laguna.config import _num as _laguna_num, _pos_int as _laguna_pos_int
 
 DFLASH_DRAFTER = "DFlashDraftModel"
 LAGUNA_DRAFTER = "DFlashLagunaForCausalLM"
@@ -133,7 +139,7 @@ def _block_attention(cfg: Mapping[str, Any], source: str, n_layers: int) -> tupl
 
 def dflash_drafter_config_from_hf(cfg: Mapping[str, Any], source: str = "config.json") -> DrafterConfig:
     """Builds a :class:`DrafterConfig` from a z-lab ``DFlashDraftModel`` ``config.json`` (the
-    architecture is checked by :func:`dflash_jax.families.registry.drafter_config_from_hf`).
+    architecture is checked by :func:`dflash_jax.drafter.kinds.drafter_config_from_hf`).
 
     ``block_size``, ``mask_token_id`` and ``target_layer_ids`` may sit at the top level or in
     ``dflash_config``; all three are required (no default layer ids are invented). Causality:
@@ -206,3 +212,95 @@ def check_drafter_fits(d: DrafterConfig, t: TargetConfig, source: str = "drafter
     if max_block is not None and d.block_size > max_block:
         raise DFlashError(f"{source}: field block_size", f"{d.block_size} exceeds the target cache's max_block",
                           f"at most {max_block} (the sliding-window ring holds window + max_block rows)")
+
+
+# ----------------------------------------------------------------------------------- Laguna drafters
+
+
+def _dflash_int(cfg: Mapping[str, Any], key: str, where: str) -> int:
+    """A required integer drafter field (``dflash_config`` first, then the top level)."""
+    v = _dflash_value(cfg, key, source=where)
+    if v is None or isinstance(v, bool) or not isinstance(v, int):
+        raise DFlashError(f"{where}: field {key}", "missing (top level or dflash_config)" if v is None else f"got {v!r}", "an integer")
+    return int(v)
+
+
+def _drafter_layer_ids(cfg: Mapping[str, Any], where: str) -> tuple:
+    """``target_layer_ids`` from ``dflash_config``, else ``eagle_aux_hidden_state_layer_ids``
+    minus one (both present: they must agree); strictly increasing."""
+    ids = _dflash_value(cfg, "target_layer_ids", source=where)
+    eagle = cfg.get("eagle_aux_hidden_state_layer_ids")
+    if ids is None and eagle is not None:
+        ids = [int(i) - 1 for i in eagle]
+    if not isinstance(ids, (list, tuple)) or not ids or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
+        raise DFlashError(f"{where}: field target_layer_ids", f"got {ids!r}", "a non-empty list of layer indices (dflash_config)")
+    if eagle is not None and [int(i) - 1 for i in eagle] != list(ids):
+        raise DFlashError(f"{where}: field eagle_aux_hidden_state_layer_ids", f"{eagle} is not target_layer_ids + 1 ({list(ids)})", "ids + 1")
+    if any(b <= a for a, b in zip(ids, ids[1:])):
+        raise DFlashError(f"{where}: field target_layer_ids", f"got {list(ids)}", "strictly increasing ids")
+    return tuple(int(i) for i in ids)
+
+
+def _drafter_rope(cfg: Mapping[str, Any], where: str) -> RopeConfig:
+    """Plain NeoX RoPE: top-level ``rope_theta``, or a nested ``rope_parameters``' sliding sub-dict."""
+    rp = cfg.get("rope_parameters")
+    theta = cfg.get("rope_theta")
+    partial = cfg.get("partial_rotary_factor") or 1.0
+    if isinstance(rp, Mapping):
+        sub = rp.get("sliding_attention", rp) if ("sliding_attention" in rp or "full_attention" in rp) else rp
+        sub = sub if sub is not None else rp.get("full_attention")
+        if sub.get("rope_type", "default") != "default":
+            raise DFlashError(f"{where}: field rope_parameters.rope_type", f"got {sub.get('rope_type')!r}", "default")
+        theta = sub.get("rope_theta", theta)
+        partial = sub.get("partial_rotary_factor", partial)
+    if theta is None:
+        raise DFlashError(f"{where}: field rope_theta", "missing", "the drafter's RoPE base (500000 for the published drafters)")
+    return RopeConfig(theta=float(theta), partial=float(partial))
+
+
+def laguna_drafter_config_from_hf(cfg: Mapping[str, Any], source: str = "config.json") -> DrafterConfig:
+    """A :class:`~dflash_jax.drafter.config.DrafterConfig` for ``DFlashLagunaForCausalLM``.
+
+    Rules (``docs/specs/laguna.md`` 6.2, vLLM ``laguna_dflash.py``, mlx-vlm's validator):
+
+    * ``head_dim`` missing -> 128 (the Laguna default), never ``hidden_size // heads``.
+    * ``dflash_config.block_size`` / ``mask_token_id`` / ``num_target_layers`` required;
+      ``target_layer_ids`` from ``dflash_config`` or else ``eagle_aux_hidden_state_layer_ids``
+      minus one (when both are present they must agree), strictly increasing.
+    * Block attention causal per ``dflash_config.causal`` (default true); ``sliding_attention``
+      layers windowed by ``sliding_window`` (per query over ``[context | block]``).
+    * RoPE: plain NeoX, theta from top-level ``rope_theta``; a nested ``rope_parameters`` gives
+      its ``sliding_attention`` sub-dict (vLLM ``_resolve_rope_params``); YaRN is refused.
+    * ``gating``: per-head unless ``"per-element"``; ``draft_vocab_size`` must equal ``vocab_size``.
+
+    Raises:
+      DFlashError: naming ``source`` and the field.
+    """
+    where = source
+    n = _laguna_pos_int(cfg, "num_hidden_layers", where)
+    heads = _laguna_pos_int(cfg, "num_attention_heads", where)
+    vocab = _laguna_pos_int(cfg, "vocab_size", where)
+    dv = cfg.get("draft_vocab_size")
+    if dv is not None and dv != vocab:
+        raise DFlashError(f"{where}: field draft_vocab_size", f"{dv} differs from vocab_size", f"{vocab}")
+    block = _dflash_int(cfg, "block_size", where)
+    if block < 2:
+        raise DFlashError(f"{where}: field block_size", f"got {block}", "an integer >= 2")
+    ids = _drafter_layer_ids(cfg, where)
+    causal = _dflash_value(cfg, "causal", True, where)
+    types = _layer_list(cfg, "layer_types", where, n, LAYER_TYPES, ["sliding_attention"] * n)
+    window = 0
+    if "sliding_attention" in types:
+        window = _laguna_pos_int(cfg, "sliding_window", where)
+    per_head, explicit = parse_gating(cfg.get("gating", True), where)
+    return DrafterConfig(
+        hidden_size=_laguna_pos_int(cfg, "hidden_size", where), intermediate_size=_laguna_pos_int(cfg, "intermediate_size", where), num_hidden_layers=n,
+        num_attention_heads=heads, num_key_value_heads=_laguna_pos_int(cfg, "num_key_value_heads", where, heads),
+        head_dim=_laguna_pos_int(cfg, "head_dim", where, 128), vocab_size=vocab, block_size=block,
+        mask_token_id=_dflash_int(cfg, "mask_token_id", where), target_layer_ids=ids,
+        num_target_layers=_dflash_int(cfg, "num_target_layers", where), layer_causal=(bool(causal),) * n,
+        layer_window=tuple(window if t == "sliding_attention" else 0 for t in types),
+        rms_norm_eps=float(_laguna_num(cfg, "rms_norm_eps", where, (int, float), 1e-6)),
+        rope=_drafter_rope(cfg, where), architecture="DFlashLagunaForCausalLM",
+        gate="head" if per_head else "element", gating_explicit=explicit,
+    )

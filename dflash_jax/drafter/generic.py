@@ -12,7 +12,7 @@ context tokens' absolute positions. Queries come only from the block ``[anchor, 
 embedded with the target's embedding; the final hidden goes through the target's LM head.
 
 Parameter pytree (``[in, out]`` layout, layers stacked on ``Ld``, or a ``PerLayer`` of ``Ld`` per-layer
-dicts made by :func:`dflash_jax.families.dense.model.unstack_layers`, the CPU inference layout)::
+dicts made by :func:`dflash_jax.nn.params.unstack_layers`, the CPU inference layout)::
 
     {"fc": [K*H, H], "hidden_norm": [H], "norm": [H],
      "layers": {"attn_norm", "wq", "wk", "wv", "wo", "q_norm", "k_norm", "mlp_norm",
@@ -63,7 +63,7 @@ def drafter_names(cfg: DrafterConfig, prefix: str = "") -> dict:
 
 def load_dflash_drafter_weights(folder: str, cfg: DrafterConfig, target: np.dtype) -> tuple[DrafterConfig, dict]:
     """Reads the weights of a checked z-lab ``DFlashDraftModel`` config strictly (the folder's
-    config is parsed and checked by :func:`dflash_jax.families.registry.load_hf_drafter`).
+    config is parsed and checked by :func:`dflash_jax.drafter.kinds.load_hf_drafter`).
 
     Args:
       folder: holds ``model.safetensors`` (or a sharded index).

@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 
 from dflash_jax.drafter.config import DrafterConfig
-from dflash_jax.families.dense.model import run_layers
+from dflash_jax.nn.layer import run_layers
 from dflash_jax.nn.attention import cache_attention
 from dflash_jax.nn.layer import attention_output, mlp_residual, project_qkv, split_heads
 from dflash_jax.nn.layer import rms_norm
@@ -81,7 +81,7 @@ def forward(params_d: dict, cfg_d: DrafterConfig, embeds: jnp.ndarray, positions
 
     ``embeds [B, W, H]``: the block ``[anchor, MASK, ...]`` embedded by the target's family
     (:attr:`dflash_jax.families.contract.FamilyModel.embed`); it is multiplied by ``cfg_d.input_embedding_scale``;
-    layers run stacked (one scan) or per layer (:func:`dflash_jax.families.dense.model.run_layers`).
+    layers run stacked (one scan) or per layer (:func:`dflash_jax.nn.layer.run_layers`).
     Returns ``[B, W, H]`` final-normed hidden states in ``cfg_d.dtype``.
     """
     b, w = embeds.shape[:2]

@@ -3,11 +3,13 @@
 Captured target features are fused and injected as context K/V in every draft layer
 (:func:`context_kv`); queries come only from the block ``[anchor, MASK, ...]``, embedded with the
 target's embedding; the final hidden goes through the target's LM head (:func:`logits`) or the
-reduced draft vocabulary's head. Each kind (:data:`dflash_jax.families.registry.DRAFTER_KINDS`:
+reduced draft vocabulary's head. Each kind (:data:`dflash_jax.drafter.kinds.DRAFTER_KINDS`:
 :mod:`dflash_jax.drafter.generic` for z-lab ``DFlashDraftModel``,
 :mod:`dflash_jax.drafter.laguna` for ``DFlashLagunaForCausalLM``) gives its parameters,
 context K/V and draft pass; this module dispatches by ``cfg.architecture`` and adds what is
-common (draft vocabulary leaves, logits).
+common (draft vocabulary leaves, logits). The target's embedding and head come from its family's
+:class:`~dflash_jax.families.contract.FamilyModel`, which the caller passes (``family``:
+``dflash_jax.families.registry.module_for(target_cfg)``); nothing here looks the family up.
 
 Source: z-lab ``dflash/model.py`` (PyPI ``dflash==0.1.0``: ``compute_logits``) and
 ``docs/specs/dflash.md`` sections 1.5-1.8.
@@ -18,8 +20,9 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from dflash_jax.families import registry
+from dflash_jax.drafter import kinds
 from dflash_jax.drafter.config import DrafterConfig
+from dflash_jax.families.contract import FamilyModel
 from dflash_jax.families.dense.config import TargetConfig
 from dflash_jax.errors import DFlashError
 from dflash_jax.nn import params as P
@@ -27,8 +30,8 @@ from dflash_jax.nn.params import ParamSpec
 
 
 def _model(cfg: DrafterConfig):
-    """The model module of the drafter's kind (:data:`dflash_jax.families.registry.DRAFTER_KINDS`)."""
-    return registry.drafter_kind(cfg.architecture).model
+    """The model module of the drafter's kind (:data:`dflash_jax.drafter.kinds.DRAFTER_KINDS`)."""
+    return kinds.drafter_kind(cfg.architecture).model
 
 
 def param_specs(cfg: DrafterConfig) -> dict:
@@ -55,12 +58,12 @@ def param_shapes(cfg: DrafterConfig) -> dict:
 
 def param_axes(cfg: DrafterConfig, per_layer: bool = False) -> dict:
     """Logical axis names of every drafter parameter leaf (with ``per_layer`` the tree of
-    :func:`dflash_jax.families.dense.model.unstack_layers`: ``Ld`` dicts without the layer axis).
+    :func:`dflash_jax.nn.params.unstack_layers`: ``Ld`` dicts without the layer axis).
 
     Raises:
       DFlashError: ``per_layer`` for a Laguna drafter (its layers stay stacked).
     """
-    if per_layer and not registry.drafter_kind(cfg.architecture).per_layer:
+    if per_layer and not kinds.drafter_kind(cfg.architecture).per_layer:
         raise DFlashError("param_axes(per_layer=True)", "Laguna drafters keep stacked layers", "per_layer=False")
     return P.axes(param_specs(cfg), per_layer)
 
@@ -87,6 +90,7 @@ def context_kv(params: dict, cfg: DrafterConfig, features: jnp.ndarray, position
 def forward(
     params: dict,
     cfg: DrafterConfig,
+    family: FamilyModel,
     target_params: dict,
     target_cfg: TargetConfig,
     block_tokens: jnp.ndarray,
@@ -101,6 +105,9 @@ def forward(
     """One draft pass over a block.
 
     Args:
+      family: the target's family model (:func:`dflash_jax.families.registry.module_for` of
+        ``target_cfg``), whose ``embed`` embeds the block.
+      target_params, target_cfg: the target's parameters and static config.
       block_tokens: ``[B, W]`` int32, ``[anchor, mask_token_id, ...]``.
       positions: ``[B, W]`` int32 absolute positions (anchor at the row's last committed slot).
       ctx_k, ctx_v: ``[Ld, B, S, Hkv, D]`` context K/V from :func:`context_kv`, slot = position.
@@ -117,32 +124,32 @@ def forward(
       embedded by the target's family (:attr:`dflash_jax.families.contract.FamilyModel.embed`: any family
       scaling applied, as z-lab embeds with the target's ``embed_tokens``).
     """
-    embeds = registry.module_for(target_cfg).embed(target_params, target_cfg, block_tokens)
+    embeds = family.embed(target_params, target_cfg, block_tokens)
     return _model(cfg).forward(params, cfg, embeds, positions, ctx_k, ctx_v, ctx_len, block_len, live_context, pages)
 
 
-def logits(params: dict, cfg: DrafterConfig, target_params: dict, target_cfg, hidden: jnp.ndarray) -> jnp.ndarray:
+def logits(params: dict, cfg: DrafterConfig, family: FamilyModel, target_params: dict, target_cfg, hidden: jnp.ndarray) -> jnp.ndarray:
     """Draft logits float32 of final-normed drafter hidden states ``hidden [..., H]``.
 
-    Through the target family's LM head (``target_params``, ``target_cfg``;
+    Through the target family's LM head (``family.lm_head`` of ``target_params``, ``target_cfg``;
     :attr:`dflash_jax.families.contract.FamilyModel.lm_head`, so any family soft-cap applies), with the drafter's
     ``output_multiplier`` and optional tanh soft-cap (z-lab ``compute_logits``). Returns
     ``[..., V]``, or ``[..., Vd]`` through ``params["draft_head"]`` when ``cfg.draft_vocab_size``
     is set (map indices back to target ids with :func:`draft_token_ids`).
     """
     if cfg.draft_vocab_size:
-        return head_logits(cfg, target_cfg, hidden, params["draft_head"])
-    return _finish_logits(cfg, registry.module_for(target_cfg).lm_head(target_params, target_cfg, hidden))
+        return head_logits(cfg, family, target_cfg, hidden, params["draft_head"])
+    return _finish_logits(cfg, family.lm_head(target_params, target_cfg, hidden))
 
 
-def head_logits(cfg: DrafterConfig, target_cfg, hidden: jnp.ndarray, head: jnp.ndarray) -> jnp.ndarray:
+def head_logits(cfg: DrafterConfig, family: FamilyModel, target_cfg, hidden: jnp.ndarray, head: jnp.ndarray) -> jnp.ndarray:
     """Draft logits ``[..., N]`` float32 of ``hidden [..., H]`` through ``head [H, N]`` (columns of the
     target head, :func:`dflash_jax.drafter.vocab.head_columns`; cast to ``hidden``'s dtype), computed by
-    the target family's LM head as its head ``{"lm_head": head}`` (:attr:`dflash_jax.families.contract.FamilyModel.lm_head`),
+    the target family's LM head (``family.lm_head``) as its head ``{"lm_head": head}`` (:attr:`dflash_jax.families.contract.FamilyModel.lm_head`),
     so that any family soft-cap applies to these columns as to the full head's; then the drafter's
     ``output_multiplier`` and soft-cap."""
     head_only = {"lm_head": head.astype(hidden.dtype)}
-    return _finish_logits(cfg, registry.module_for(target_cfg).lm_head(head_only, target_cfg, hidden))
+    return _finish_logits(cfg, family.lm_head(head_only, target_cfg, hidden))
 
 
 def draft_token_ids(params: dict, cfg: DrafterConfig, index: jnp.ndarray) -> jnp.ndarray:

@@ -3,6 +3,17 @@
 Configs are frozen dataclasses: they are passed to jitted functions as static arguments, so two
 equal configs share one compilation. Parsing is strict: a missing or ill-typed field raises
 :class:`~dflash_jax.errors.DFlashError` naming the file and field; nothing is guessed silently.
+
+The dimension fields the targets share, by the same names: every family's config has
+``vocab_size``, ``hidden_size``, ``intermediate_size``, ``num_hidden_layers`` (no default),
+``rms_norm_eps``, ``tie_word_embeddings``, ``max_position_embeddings`` and ``dtype``; all but
+Laguna (per-layer query heads: a property) have ``num_attention_heads``, all but Gemma 4 (per
+layer type) ``num_key_value_heads`` and ``head_dim`` (what the plain KV cache of
+:class:`~dflash_jax.families.contract.FamilyModel` reads). They are not one base class: the
+defaults differ (``rms_norm_eps`` 1e-5 in gpt-oss, ``tie_word_embeddings`` true in Gemma 4,
+``max_position_embeddings`` per family) and a dataclass base puts its fields first, which would
+reorder each config's fields (positional construction, ``repr`` and ``dataclasses.asdict``, which
+the GGUF weight cache's ``meta.json`` and compiled-executable keys read) for no gain in behaviour.
 """
 
 from __future__ import annotations
@@ -101,6 +112,34 @@ def parse_rope(cfg: Mapping[str, Any], source: str, head_dim: int) -> RopeConfig
             partial=partial,
         )
     raise DFlashError(where, f"unsupported rope_type {kind!r}", "default, linear or llama3")
+
+
+def rope_from_parameters(sub: Mapping[str, Any], where: str, truncate: bool) -> RopeConfig:
+    """A :class:`RopeConfig` from one ``rope_parameters`` object (``rope_type`` default or yarn,
+    ``rope_theta``, ``partial_rotary_factor``, YaRN's ``factor``, ``original_max_position_embeddings``,
+    ``beta_fast``/``beta_slow``, ``attention_factor``/``mscale``/``mscale_all_dim``): Laguna's
+    and gpt-oss's. Raises DFlashError naming ``where`` and the field."""
+    if not isinstance(sub, Mapping):
+        raise DFlashError(where, f"got {sub!r}", "a rope parameter object")
+    kind = sub.get("rope_type", sub.get("type", "default"))
+    theta = float(_get(sub, "rope_theta", where, (int, float)))
+    partial = float(_get(sub, "partial_rotary_factor", where, (int, float), 1.0))
+    if not 0 < partial <= 1:
+        raise DFlashError(f"{where}: field partial_rotary_factor", f"got {partial}", "a value in (0, 1]")
+    if kind == "default":
+        return RopeConfig(theta=theta, partial=partial)
+    if kind != "yarn":
+        raise DFlashError(f"{where}: field rope_type", f"unsupported value {kind!r}", "default or yarn")
+    opt = lambda k: None if sub.get(k) is None else float(_get(sub, k, where, (int, float)))  # noqa: E731
+    return RopeConfig(
+        theta=theta, partial=partial, kind="yarn",
+        factor=float(_get(sub, "factor", where, (int, float))),
+        original_max_position_embeddings=_positive(_get(sub, "original_max_position_embeddings", where, (int,)),
+                                                   "original_max_position_embeddings", where),
+        beta_fast=float(sub.get("beta_fast") or 32), beta_slow=float(sub.get("beta_slow") or 1),
+        attention_factor=opt("attention_factor"), mscale=opt("mscale"), mscale_all_dim=opt("mscale_all_dim"),
+        truncate=truncate,
+    )
 
 
 def read_json(path: str | os.PathLike) -> dict:

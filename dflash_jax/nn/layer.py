@@ -29,6 +29,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 import numpy as np
 
 from dflash_jax.families.config import RopeConfig
@@ -211,3 +212,27 @@ def mlp_residual(lp: dict, x: jnp.ndarray, eps: float) -> jnp.ndarray:
     h = rms_norm(x, lp["mlp_norm"], eps)
     return x + swiglu(h, lp["w_gate"], lp["w_up"], lp["w_down"], lp.get("b_gate"), lp.get("b_up"), lp.get("b_down"),
                       w_gate_t=lp.get("w_gate_t"), w_up_t=lp.get("w_up_t"))
+
+
+def run_layers(body, carry, layers, xs):
+    """Runs ``carry = body(carry, layer_params, layer_xs, i)`` over a run of identical layers.
+
+    ``layers`` is either stacked (leaves ``[L, ...]``: one ``lax.scan``, ``i`` a traced int32
+    scalar) or the :class:`~dflash_jax.nn.params.PerLayer` of :func:`~dflash_jax.nn.params.unstack_layers`
+    (a Python loop over one jitted ``body``, so the layers are traced once, not ``L`` times; ``i`` a
+    traced int32 scalar there too). ``xs`` is a pytree of per-layer inputs with leading axis ``L``;
+    ``layer_xs`` is its slice at ``i``.
+    Returns the final carry. Source: the per-step weight copies of ``lax.scan`` on XLA:CPU
+    (BENCHMARKS.md, plain-decoding notes) are why the per-layer form exists."""
+    if layouts.is_per_layer(layers):
+        layer = jax.jit(body)  # traced once for all layers of one shape (the program still holds L copies)
+        for i, lp in enumerate(layers):
+            carry = layer(carry, lp, jax.tree_util.tree_map(lambda a, i=i: a[i], xs), jnp.int32(i))
+        return carry
+    n = jax.tree_util.tree_leaves(layers)[0].shape[0]
+
+    def step(c, inp):
+        lp, layer_xs, i = inp
+        return body(c, lp, layer_xs, i), None
+
+    return lax.scan(step, carry, (layers, xs, jnp.arange(n, dtype=jnp.int32)))[0]

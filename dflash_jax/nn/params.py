@@ -27,6 +27,7 @@ copy is the embedding itself: no memory); fingerprints hash :func:`canonical` tr
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import NamedTuple
 
@@ -55,7 +56,7 @@ class ParamSpec(NamedTuple):
 
 class PerLayer:
     """Decoder layers held per layer: ``L`` dicts of leaves without the layer axis (made by
-    :func:`dflash_jax.families.dense.model.unstack_layers`, run as a Python loop on XLA:CPU), the other
+    :func:`unstack_layers`, run as a Python loop on XLA:CPU), the other
     layout of a params tree's ``"layers"`` beside the stacked dict of ``[L, ...]`` leaves.
 
     A frozen sequence (``len``, iteration, ``[i]``; a slice gives a :class:`PerLayer`) registered
@@ -112,6 +113,34 @@ def is_per_layer(layers) -> bool:
         raise DFlashError("params[\"layers\"]", f"a plain {type(layers).__name__} of {len(layers)} layers",
                           "a dict of stacked [L, ...] leaves or dflash_jax.nn.params.PerLayer(layers) for per-layer ones")
     return isinstance(layers, PerLayer)
+
+
+def unstack_layers(params: dict) -> dict:
+    """``params`` with ``"layers"`` as a :class:`PerLayer` of ``L`` dicts: each stacked leaf
+    ``[L, ...]`` becomes ``L`` leaves ``[...]`` of the same dtype (one buffer per layer and
+    weight; a no-op when already unstacked). The arrays are copies: the stacked ones can be freed.
+    Source: the per-step weight copies of ``lax.scan`` on XLA:CPU (BENCHMARKS.md, plain-decoding
+    notes)."""
+    if is_per_layer(params["layers"]):
+        return params
+    leaves = jax.tree_util.tree_leaves(params["layers"])
+    if all(isinstance(a, jax.Array) for a in leaves):  # one program, not one eager slice per leaf and layer
+        return dict(params, layers=_split_layers(params["layers"], leaves[0].shape[0]))
+    return dict(params, layers=_split_layers.__wrapped__(params["layers"], leaves[0].shape[0]))  # numpy: views
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def _split_layers(layers, n: int) -> PerLayer:
+    return PerLayer(jax.tree_util.tree_map(lambda a, i=i: a[i], layers) for i in range(n))
+
+
+def stack_layers(params: dict) -> dict:
+    """The inverse of :func:`unstack_layers`: ``L`` per-layer leaves ``[...]`` become one ``[L, ...]``
+    leaf each (a no-op on stacked parameters). Raises ``ValueError`` from ``jnp.stack`` when the
+    layers' shapes differ."""
+    if not is_per_layer(params["layers"]):
+        return params
+    return dict(params, layers=jax.tree_util.tree_map(lambda *a: jnp.stack(a), *params["layers"]))
 
 
 def repeat_segments(sig: list, max_period: int = 8) -> tuple[tuple[int, int, int], ...]:
@@ -180,7 +209,7 @@ def shapes(specs) -> dict:
 
 def axes(specs, per_layer: bool = False) -> dict:
     """The tree of logical axis names (tuples) of a spec tree. With ``per_layer``, its stacked
-    ``"layers"`` dict becomes the :class:`PerLayer` of :func:`dflash_jax.families.dense.model.unstack_layers`: one
+    ``"layers"`` dict becomes the :class:`PerLayer` of :func:`unstack_layers`: one
     dict per layer of the axes without their leading ``"layers"`` name."""
     out = jax.tree_util.tree_map(lambda s: tuple(s.axes), specs, is_leaf=_is_spec)
     if per_layer:

@@ -52,7 +52,7 @@ def tree_fingerprint(tree, prefix: bytes = b"", samples: int | None = None, digi
     (row-major order).
 
     Per-layer parameters (``"layers"`` a :class:`~dflash_jax.nn.params.PerLayer` of dicts,
-    :func:`dflash_jax.families.dense.model.unstack_layers`) hash as the stacked leaves they stand for, read in place (no stacked copy), so both layouts
+    :func:`dflash_jax.nn.params.unstack_layers`) hash as the stacked leaves they stand for, read in place (no stacked copy), so both layouts
     of one model have one fingerprint, and so do trees with and without the ``[out, in]`` copies of
     :mod:`dflash_jax.nn.params`. Leaves may be numpy or JAX arrays of any float dtype."""
     tree = layouts.canonical(tree)

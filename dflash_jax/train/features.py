@@ -146,7 +146,7 @@ def target_fingerprint(target_cfg: TargetConfig, target_params, samples: int = 4
     """A short fingerprint of a target (hex, 16 chars): its config, and the name, shape and about
     ``samples`` evenly strided float32 values of every parameter (so a fine-tune that leaves
     some tensors unchanged still gets a fingerprint of its own). The same for stacked and
-    per-layer (:func:`dflash_jax.families.dense.model.unstack_layers`) parameters."""
+    per-layer (:func:`dflash_jax.nn.params.unstack_layers`) parameters."""
     return tree_fingerprint(target_params, repr(target_cfg.with_dtype("float32")).encode(), samples)
 
 

@@ -34,6 +34,7 @@ from dflash_jax.drafter import vocab as draft_vocab
 from dflash_jax.drafter.config import DrafterConfig
 from dflash_jax.families.dense.config import TargetConfig
 from dflash_jax.drafter import model as drafter
+from dflash_jax.families.registry import module_for
 
 
 def valid_anchors(loss_mask: jnp.ndarray) -> jnp.ndarray:
@@ -134,7 +135,7 @@ def block_hidden(params, cfg: DrafterConfig, target_params, target_cfg: TargetCo
     ck, cv = drafter.context_kv(params, cfg, features, ctx_pos)
 
     def one(blk, pos, ctx_len):
-        return drafter.forward(params, cfg, target_params, target_cfg, blk, pos, ck, cv, ctx_len, live_context=False)
+        return drafter.forward(params, cfg, module_for(target_cfg), target_params, target_cfg, blk, pos, ck, cv, ctx_len, live_context=False)
 
     return jax.vmap(one, in_axes=(1, 1, 1), out_axes=1)(block_tokens, positions, anchors)
 
@@ -179,11 +180,11 @@ def loss_terms(
     hidden = block_hidden(params, cfg, target_params, target_cfg, features.astype(cfg.dtype), blk, pos, anchors)
     lab, wt = labels[:, :, 1:], weights[:, :, 1:]  # slot 0 never has a loss
     if draft_ids is None:
-        lg = drafter.logits(params, cfg, target_params, target_cfg, hidden[:, :, 1:])
+        lg = drafter.logits(params, cfg, module_for(target_cfg), target_params, target_cfg, hidden[:, :, 1:])
         ce_wt = wt
     else:
         head = jax.lax.stop_gradient(draft_vocab.head_columns(target_params, draft_ids))
-        lg = drafter.head_logits(cfg, target_cfg, hidden[:, :, 1:], head)
+        lg = drafter.head_logits(cfg, module_for(target_cfg), target_cfg, hidden[:, :, 1:], head)
         to_draft = jnp.full((cfg.vocab_size,), -1, jnp.int32).at[draft_ids].set(jnp.arange(draft_ids.shape[0], dtype=jnp.int32))
         lab = to_draft[lab]  # -1: not in the draft vocabulary
         ce_wt = jnp.where(lab >= 0, wt, 0.0)

@@ -13,7 +13,7 @@ from dflash_jax.runtime import carry as pytree
 from dflash_jax.drafter.config import DrafterConfig
 from dflash_jax.families.dense.config import TargetConfig
 from dflash_jax.drafter import model as drafter
-from dflash_jax.families.dense.model import stack_layers
+from dflash_jax.nn.params import stack_layers
 from dflash_jax.train import objective
 from dflash_jax.train.features import target_features, tree_fingerprint
 from dflash_jax.train.optim import TrainConfig, lr_schedule, make_optimizer

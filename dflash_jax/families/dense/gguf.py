@@ -40,7 +40,7 @@ from dflash_jax.errors import DFlashError
 from dflash_jax.runtime.fingerprint import weights_fingerprint
 from dflash_jax.families.dense.gguf_cache import cache_nbytes, cache_path, read_cache, write_cache
 from dflash_jax.formats.gguf import as_f32, dequantize_tensor, embedding_vocab, metadata, open_gguf, tensor_table
-from dflash_jax.families.dense.model import param_shapes
+from dflash_jax.families.dense.model import MODEL
 
 
 ARCHITECTURES = ("llama", "qwen2", "qwen3")  # GGUF general.architecture of the dense family
@@ -240,7 +240,7 @@ def gguf_config(reader, path: str, dtype: str) -> tuple[TargetConfig, dict]:
 
 def _convert(reader, cfg: TargetConfig, tensors: dict, path: str) -> dict:
     """Dequantizes every tensor into preallocated float32 arrays (the dense.py pytree, numpy)."""
-    shapes = param_shapes(cfg)
+    shapes = MODEL.param_shapes(cfg)
     expected = {"token_embd.weight", "output_norm.weight"} | ({"output.weight"} if "lm_head" in shapes else set())
     for i in range(cfg.num_hidden_layers):
         expected |= {f"blk.{i}.{_PARAM_TO_GGUF[k]}" for k in shapes["layers"]}

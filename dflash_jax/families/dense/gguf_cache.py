@@ -26,7 +26,7 @@ import numpy as np
 from dflash_jax.families.config import RopeConfig
 from dflash_jax.families.dense.config import TargetConfig
 from dflash_jax.formats.files import save_npy, umasked, write_text
-from dflash_jax.families.dense.model import param_shapes
+from dflash_jax.families.dense.model import MODEL
 
 
 _CACHE_FORMAT = "dflash_jax.gguf.f32/2"
@@ -83,7 +83,7 @@ def read_cache(path: str) -> tuple[TargetConfig, dict, dict] | None:
     try:
         cfg = _cfg_from_dict(meta["config"])
         params: dict[str, Any] = {"layers": {}}
-        for name, shape in _flatten(param_shapes(cfg)).items():
+        for name, shape in _flatten(MODEL.param_shapes(cfg)).items():
             a = np.load(folder / f"{name}.npy", mmap_mode="r", allow_pickle=False)
             if a.dtype != np.float32 or a.shape != tuple(shape):
                 return None

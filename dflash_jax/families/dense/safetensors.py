@@ -88,6 +88,6 @@ def load_hf_target(folder: str | os.PathLike, dtype: Any = "float32") -> tuple[T
     config_path = os.path.join(folder, "config.json")
     cfg = target_config_from_hf(read_json(config_path), source=config_path).with_dtype(target.name)
     ckpt = Checkpoint(folder)
-    params = load_named(ckpt, folder, hf_target_names(cfg), dense.param_shapes(cfg), target,
+    params = load_named(ckpt, folder, hf_target_names(cfg), dense.MODEL.param_shapes(cfg), target,
                         lambda n: _ignorable(n, cfg), f"{cfg.family} target")
     return cfg, params

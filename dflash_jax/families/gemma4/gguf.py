@@ -211,9 +211,9 @@ def _eps(reader, path: str) -> float:
 def gguf_names(cfg: Gemma4Config) -> dict[str, tuple[str, str, None, str | None]]:
     """``{GGUF tensor name: (params key, leaf or "", None, conversion)}`` of every parameter but
     the fused experts (conversion ``"T"``: transpose, ``"E"``: swap each expert's two axes)."""
-    from dflash_jax.families.gemma4.model import param_shapes
+    from dflash_jax.families.gemma4.model import MODEL
 
-    shapes = param_shapes(cfg)
+    shapes = MODEL.param_shapes(cfg)
     names = {g: (key, "", None, conv) for g, (key, conv) in _GLOBAL.items() if key in shapes}
     for i in range(cfg.num_hidden_layers):
         for base, (leaf, conv) in _LAYER.items():
@@ -254,13 +254,13 @@ def load_gemma4_gguf_target(path: str | os.PathLike, dtype: Any = "float32", *, 
     """
     import jax
 
-    from dflash_jax.families.gemma4.model import param_shapes
+    from dflash_jax.families.gemma4.model import MODEL
 
     path, target = str(path), numpy_dtype(dtype)
     reader = open_gguf(path)
     cfg, tensors = gemma4_gguf_config(reader, path, target.name)
     fused = cfg.num_experts > 0  # without experts a fused tensor stays in and is refused as unexpected
     plain = {k: t for k, t in tensors.items() if k != "rope_freqs.weight" and not (fused and k.endswith(_FUSED))}
-    out = read_params(path, plain, gguf_names(cfg), param_shapes(cfg), target, f"a {cfg.num_hidden_layers}-layer gemma4 model")
+    out = read_params(path, plain, gguf_names(cfg), MODEL.param_shapes(cfg), target, f"a {cfg.num_hidden_layers}-layer gemma4 model")
     _fill_fused_experts(path, tensors, cfg, out)
     return cfg, (out if as_numpy else jax.device_put(out))

@@ -1,6 +1,7 @@
 """The Gemma 4 text decoder (``Gemma4ForCausalLM``, ``model_type`` ``gemma4_text``) as pure functions.
 
-The family contract (:class:`dflash_jax.families.contract.FamilyModel`). Per layer (transformers
+The family contract (:class:`dflash_jax.families.contract.FamilyModel`, :data:`MODEL`: it declares
+``param_specs``, ``forward_hidden``, its own cache, ``embed`` and ``lm_head``; the rest is derived). Per layer (transformers
 ``modeling_gemma4.py`` ``Gemma4TextDecoderLayer`` / ``Gemma4TextAttention``; every RMSNorm is
 ``w * x / sqrt(mean(x^2) + eps)``, the plain weight, not ``1 + w``)::
 
@@ -63,7 +64,7 @@ from dflash_jax.runtime.carry import Capture, move_slots, write_layer_rows
 from dflash_jax.families.gemma4.config import Gemma4Config
 from dflash_jax.errors import DFlashError
 from dflash_jax.runtime import carry as captures
-from dflash_jax.nn import params as P
+from dflash_jax.families.contract import FamilyModel
 from dflash_jax.nn.params import ParamSpec, decoder_layer
 from dflash_jax.nn import layer as embedding
 from dflash_jax.nn.attention import TreeBlock, block_visible, rope_positions, windowed
@@ -127,24 +128,6 @@ def param_specs(cfg: Gemma4Config) -> dict:
     for i in range(n):
         specs[f"layer{i}"] = _layer_specs(cfg, i)
     return specs
-
-
-def param_shapes(cfg: Gemma4Config) -> dict:
-    """The shape of every parameter leaf, as a pytree shaped like the params."""
-    return P.shapes(param_specs(cfg))
-
-
-def param_axes(cfg: Gemma4Config, per_layer: bool = False) -> dict:
-    """Logical axis names of every parameter leaf. Raises DFlashError for ``per_layer`` (the
-    layers are already held one per key, see the module docstring)."""
-    if per_layer:
-        raise DFlashError("gemma4 param_axes(per_layer=True)", "Gemma 4 targets hold their layers per key", "per_layer=False")
-    return P.axes(param_specs(cfg))
-
-
-def init_params(cfg: Gemma4Config, key: jax.Array, scale: float = 0.02) -> Params:
-    """Random parameters for tests: normal(``scale``) weights, norms and layer scalars near 1."""
-    return P.init(param_specs(cfg), key, scale, cfg.dtype)
 
 
 def init_cache(cfg: Gemma4Config, batch: int, capacity: int) -> Gemma4Cache:
@@ -278,7 +261,7 @@ def forward_hidden(
 ) -> tuple[jnp.ndarray, Gemma4Cache, Capture | None]:
     """Runs the decoder stack; returns ``(final-normed hidden [B, T, H] in cfg.dtype, cache, capture)``.
 
-    Same contract as :func:`dflash_jax.families.dense.model.forward_hidden` (``tokens``/``positions``
+    Same contract as :attr:`dflash_jax.families.contract.FamilyModel.forward_hidden` (``tokens``/``positions``
     ``[B, T]`` int32, K/V of token ``t`` written to slot ``positions[b, t]``, capture of listed
     layers' output residuals, ``tree`` verification).
     Raises :class:`~dflash_jax.errors.DFlashError` for a capture layer id outside the target, or
@@ -304,7 +287,5 @@ def forward_hidden(
     return final_norm(x), Gemma4Cache(kv[0][0], kv[0][1], kv[1][0], kv[1][1]), capture
 
 
-def forward(params: Params, cfg: Gemma4Config, tokens, positions, cache: Gemma4Cache, capture: Capture | None = None):
-    """:func:`forward_hidden` plus the LM head: ``(logits [B, T, V] float32, cache, capture)``."""
-    hidden, cache, capture = forward_hidden(params, cfg, tokens, positions, cache, capture)
-    return lm_head(params, cfg, hidden), cache, capture
+MODEL = FamilyModel(name="gemma4", module=__name__, param_specs=param_specs, forward_hidden=forward_hidden, embed=embed,
+                    lm_head=lm_head, init_cache=init_cache, move_rows=move_rows, trees=True)

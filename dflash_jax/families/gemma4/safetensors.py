@@ -109,4 +109,4 @@ def load_gemma4_target(folder: str | os.PathLike, dtype: Any = "float32") -> tup
     def ignorable(n: str) -> bool:  # rotary tables, other modalities, and a tied checkpoint's copy of the embedding
         return n.endswith("inv_freq") or n.startswith(_MULTIMODAL) or (cfg.tie_word_embeddings and n == "lm_head.weight")
 
-    return cfg, load_named(ckpt, folder, hf_names(cfg, prefix), gemma4.param_shapes(cfg), target, ignorable, "Gemma 4 target")
+    return cfg, load_named(ckpt, folder, hf_names(cfg, prefix), gemma4.MODEL.param_shapes(cfg), target, ignorable, "Gemma 4 target")

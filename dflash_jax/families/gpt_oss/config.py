@@ -6,8 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 from typing import Any, Mapping
-from dflash_jax.families.config import RopeConfig, _get, _positive
-from dflash_jax.families.laguna.config import rope_from_parameters
+from dflash_jax.families.config import RopeConfig, _get, _positive, rope_from_parameters
 from dflash_jax.errors import DFlashError
 
 

@@ -138,10 +138,10 @@ def load_gpt_oss_gguf_target(path: str | os.PathLike, dtype: Any = "float32", *,
     """
     import jax
 
-    from dflash_jax.families.gpt_oss.model import param_shapes
+    from dflash_jax.families.gpt_oss.model import MODEL
 
     path, target = str(path), numpy_dtype(dtype)
     cfg, tensors = gpt_oss_gguf_config(open_gguf(path), path, target.name)
-    out = read_params(path, tensors, gguf_names(cfg), param_shapes(cfg), target, f"a {cfg.num_hidden_layers}-layer gpt-oss model",
+    out = read_params(path, tensors, gguf_names(cfg), MODEL.param_shapes(cfg), target, f"a {cfg.num_hidden_layers}-layer gpt-oss model",
                       dtype_of=lambda leaf: np.dtype(np.float32) if leaf == "sinks" else target)
     return cfg, (out if as_numpy else jax.device_put(out))

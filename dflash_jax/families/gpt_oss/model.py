@@ -32,24 +32,21 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from jax import lax
-from dflash_jax.runtime.carry import Capture, KVCache, init_kv_cache
+from dflash_jax.runtime.carry import Capture, KVCache
 from dflash_jax.families.gpt_oss.config import GptOssConfig
 from dflash_jax.errors import DFlashError
 from dflash_jax.runtime import carry as captures
 from dflash_jax.nn import params as P
-from dflash_jax.families.dense.model import move_rows  # noqa: F401 (the family contract: the same KVCache)
+from dflash_jax.families.contract import FamilyModel
 from dflash_jax.nn.params import ParamSpec, decoder_layer
 from dflash_jax.nn.attention import TreeBlock, block_visible, rope_positions, windowed
-from dflash_jax.nn.layer import embed, lm_head
+from dflash_jax.nn.layer import embed
 from dflash_jax.nn.layer import attention_output, project_qkv
 from dflash_jax.nn.attention import cache_attention, live_keys
 from dflash_jax.nn.moe import clamped_glu, routed_experts
 from dflash_jax.nn.layer import rms_norm
 from dflash_jax.nn.layer import rope_tables
 
-
-PAGED_KV = True
-"""The forward also runs on a :class:`~dflash_jax.runtime.carry.PagedKVCache` (:attr:`dflash_jax.families.contract.FamilyModel.paged_kv`)."""
 
 Params = dict[str, Any]
 
@@ -80,29 +77,6 @@ def param_specs(cfg: GptOssConfig) -> dict:
     """The :class:`~dflash_jax.nn.params.ParamSpec` of every parameter leaf (module
     docstring); experts over the ``"experts"`` logical axis; ``sinks`` float32."""
     return P.segmented_specs(cfg, segments(cfg), lambda i: _layer_specs(cfg))
-
-
-def param_shapes(cfg: GptOssConfig) -> dict:
-    """The shape of every parameter leaf, as a pytree shaped like the params."""
-    return P.shapes(param_specs(cfg))
-
-
-def param_axes(cfg: GptOssConfig, per_layer: bool = False) -> dict:
-    """Logical axis names of every parameter leaf. Raises DFlashError for ``per_layer``
-    (the layers stay stacked in segments)."""
-    if per_layer:
-        raise DFlashError("gpt_oss param_axes(per_layer=True)", "gpt-oss targets keep stacked layers", "per_layer=False")
-    return P.axes(param_specs(cfg))
-
-
-def init_params(cfg: GptOssConfig, key: jax.Array, scale: float = 0.02) -> Params:
-    """Random parameters for tests: normal(``scale``) weights, norms near 1, sinks ``normal(0.1)``."""
-    return P.init(param_specs(cfg), key, scale, cfg.dtype)
-
-
-def init_cache(cfg: GptOssConfig, batch: int, capacity: int) -> KVCache:
-    """An empty :class:`~dflash_jax.runtime.carry.KVCache` of ``capacity`` slots per row and layer."""
-    return init_kv_cache(cfg.num_hidden_layers, batch, capacity, cfg.num_key_value_heads, cfg.head_dim, cfg.dtype)
 
 
 def moe(cfg: GptOssConfig, lp: dict, h: jnp.ndarray) -> jnp.ndarray:
@@ -142,7 +116,7 @@ def forward_hidden(
 ) -> tuple[jnp.ndarray, KVCache, Capture | None]:
     """Runs the decoder stack; returns ``(final-normed hidden [B, T, H] in cfg.dtype, cache, capture)``.
 
-    Same contract as :func:`dflash_jax.families.dense.model.forward_hidden` (``tokens``/``positions``
+    Same contract as :attr:`dflash_jax.families.contract.FamilyModel.forward_hidden` (``tokens``/``positions``
     ``[B, T]`` int32, capture of listed layers' output residuals, ``tree`` verification).
     Raises :class:`~dflash_jax.errors.DFlashError` for a capture layer id outside the target, or
     a tree of more tokens than the sliding window. Source: transformers ``GptOssModel.forward``.
@@ -177,7 +151,5 @@ def forward_hidden(
     return final_norm(x), cache, capture
 
 
-def forward(params: Params, cfg: GptOssConfig, tokens, positions, cache: KVCache, capture: Capture | None = None):
-    """:func:`forward_hidden` plus the LM head: ``(logits [B, T, V] float32, cache, capture)``."""
-    hidden, cache, capture = forward_hidden(params, cfg, tokens, positions, cache, capture)
-    return lm_head(params, cfg, hidden), cache, capture
+MODEL = FamilyModel(name="gpt_oss", module=__name__, param_specs=param_specs, forward_hidden=forward_hidden, paged_kv=True,
+                    trees=True)

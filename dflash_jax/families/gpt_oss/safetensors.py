@@ -107,7 +107,7 @@ def load_gpt_oss_target(folder: str | os.PathLike, dtype: Any = "float32") -> tu
         views.update(layer_views)
         hidden |= {n for v in layer_views.values() for n in (v[0] if isinstance(v[0], tuple) else (v[0],))}
         names.update({f"{pre}mlp.experts.{leaf}": ((key, leaf), r, False) for leaf in _EXPERT_LEAVES})
-    shapes = gpt_oss.param_shapes(cfg)
+    shapes = gpt_oss.MODEL.param_shapes(cfg)
     sinks = {n: v for n, v in names.items() if v[0][-1] == "sinks"}
     main = {n: v for n, v in names.items() if n not in sinks}
     main_shapes = {k: ({n: s for n, s in v.items() if n != "sinks"} if isinstance(v, dict) else v) for k, v in shapes.items()}

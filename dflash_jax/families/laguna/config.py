@@ -24,8 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 from typing import Any, Mapping
-from dflash_jax.drafter.config import DrafterConfig, _dflash_value
-from dflash_jax.families.config import RopeConfig, _get
+from dflash_jax.families.config import RopeConfig, _get, rope_from_parameters
 from dflash_jax.errors import DFlashError
 
 
@@ -125,33 +124,6 @@ def _pos_int(cfg, key, where, default=dataclasses.MISSING) -> int:
     if v <= 0:
         raise DFlashError(f"{where}: field {key}", f"got {v}", "a positive integer")
     return int(v)
-
-
-def rope_from_parameters(sub: Mapping[str, Any], where: str, truncate: bool) -> RopeConfig:
-    """A :class:`RopeConfig` from one ``rope_parameters`` object (``rope_type`` default or yarn,
-    ``rope_theta``, ``partial_rotary_factor``, YaRN's ``factor``, ``original_max_position_embeddings``,
-    ``beta_fast``/``beta_slow``, ``attention_factor``/``mscale``/``mscale_all_dim``); shared with
-    gpt-oss. Raises DFlashError naming ``where`` and the field."""
-    if not isinstance(sub, Mapping):
-        raise DFlashError(where, f"got {sub!r}", "a rope parameter object")
-    kind = sub.get("rope_type", sub.get("type", "default"))
-    theta = float(_num(sub, "rope_theta", where, (int, float)))
-    partial = float(_num(sub, "partial_rotary_factor", where, (int, float), 1.0))
-    if not 0 < partial <= 1:
-        raise DFlashError(f"{where}: field partial_rotary_factor", f"got {partial}", "a value in (0, 1]")
-    if kind == "default":
-        return RopeConfig(theta=theta, partial=partial)
-    if kind != "yarn":
-        raise DFlashError(f"{where}: field rope_type", f"unsupported value {kind!r}", "default or yarn")
-    opt = lambda k: None if sub.get(k) is None else float(_num(sub, k, where, (int, float)))  # noqa: E731
-    return RopeConfig(
-        theta=theta, partial=partial, kind="yarn",
-        factor=float(_num(sub, "factor", where, (int, float))),
-        original_max_position_embeddings=_pos_int(sub, "original_max_position_embeddings", where),
-        beta_fast=float(sub.get("beta_fast") or 32), beta_slow=float(sub.get("beta_slow") or 1),
-        attention_factor=opt("attention_factor"), mscale=opt("mscale"), mscale_all_dim=opt("mscale_all_dim"),
-        truncate=truncate,
-    )
 
 
 def _layer_list(cfg, key, where, n, allowed, default):
@@ -280,93 +252,4 @@ def laguna_config_from_hf(cfg: Mapping[str, Any], source: str = "config.json") -
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         max_position_embeddings=_pos_int(cfg, "max_position_embeddings", where, 131072),
         gating_explicit=explicit,
-    )
-
-
-def _dflash_int(cfg: Mapping[str, Any], key: str, where: str) -> int:
-    """A required integer drafter field (``dflash_config`` first, then the top level)."""
-    v = _dflash_value(cfg, key, source=where)
-    if v is None or isinstance(v, bool) or not isinstance(v, int):
-        raise DFlashError(f"{where}: field {key}", "missing (top level or dflash_config)" if v is None else f"got {v!r}", "an integer")
-    return int(v)
-
-
-def _drafter_layer_ids(cfg: Mapping[str, Any], where: str) -> tuple:
-    """``target_layer_ids`` from ``dflash_config``, else ``eagle_aux_hidden_state_layer_ids``
-    minus one (both present: they must agree); strictly increasing."""
-    ids = _dflash_value(cfg, "target_layer_ids", source=where)
-    eagle = cfg.get("eagle_aux_hidden_state_layer_ids")
-    if ids is None and eagle is not None:
-        ids = [int(i) - 1 for i in eagle]
-    if not isinstance(ids, (list, tuple)) or not ids or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
-        raise DFlashError(f"{where}: field target_layer_ids", f"got {ids!r}", "a non-empty list of layer indices (dflash_config)")
-    if eagle is not None and [int(i) - 1 for i in eagle] != list(ids):
-        raise DFlashError(f"{where}: field eagle_aux_hidden_state_layer_ids", f"{eagle} is not target_layer_ids + 1 ({list(ids)})", "ids + 1")
-    if any(b <= a for a, b in zip(ids, ids[1:])):
-        raise DFlashError(f"{where}: field target_layer_ids", f"got {list(ids)}", "strictly increasing ids")
-    return tuple(int(i) for i in ids)
-
-
-def _drafter_rope(cfg: Mapping[str, Any], where: str) -> RopeConfig:
-    """Plain NeoX RoPE: top-level ``rope_theta``, or a nested ``rope_parameters``' sliding sub-dict."""
-    rp = cfg.get("rope_parameters")
-    theta = cfg.get("rope_theta")
-    partial = cfg.get("partial_rotary_factor") or 1.0
-    if isinstance(rp, Mapping):
-        sub = rp.get("sliding_attention", rp) if ("sliding_attention" in rp or "full_attention" in rp) else rp
-        sub = sub if sub is not None else rp.get("full_attention")
-        if sub.get("rope_type", "default") != "default":
-            raise DFlashError(f"{where}: field rope_parameters.rope_type", f"got {sub.get('rope_type')!r}", "default")
-        theta = sub.get("rope_theta", theta)
-        partial = sub.get("partial_rotary_factor", partial)
-    if theta is None:
-        raise DFlashError(f"{where}: field rope_theta", "missing", "the drafter's RoPE base (500000 for the published drafters)")
-    return RopeConfig(theta=float(theta), partial=float(partial))
-
-
-def laguna_drafter_config_from_hf(cfg: Mapping[str, Any], source: str = "config.json") -> DrafterConfig:
-    """A :class:`~dflash_jax.drafter.config.DrafterConfig` for ``DFlashLagunaForCausalLM``.
-
-    Rules (``docs/specs/laguna.md`` 6.2, vLLM ``laguna_dflash.py``, mlx-vlm's validator):
-
-    * ``head_dim`` missing -> 128 (the Laguna default), never ``hidden_size // heads``.
-    * ``dflash_config.block_size`` / ``mask_token_id`` / ``num_target_layers`` required;
-      ``target_layer_ids`` from ``dflash_config`` or else ``eagle_aux_hidden_state_layer_ids``
-      minus one (when both are present they must agree), strictly increasing.
-    * Block attention causal per ``dflash_config.causal`` (default true); ``sliding_attention``
-      layers windowed by ``sliding_window`` (per query over ``[context | block]``).
-    * RoPE: plain NeoX, theta from top-level ``rope_theta``; a nested ``rope_parameters`` gives
-      its ``sliding_attention`` sub-dict (vLLM ``_resolve_rope_params``); YaRN is refused.
-    * ``gating``: per-head unless ``"per-element"``; ``draft_vocab_size`` must equal ``vocab_size``.
-
-    Raises:
-      DFlashError: naming ``source`` and the field.
-    """
-    where = source
-    n = _pos_int(cfg, "num_hidden_layers", where)
-    heads = _pos_int(cfg, "num_attention_heads", where)
-    vocab = _pos_int(cfg, "vocab_size", where)
-    dv = cfg.get("draft_vocab_size")
-    if dv is not None and dv != vocab:
-        raise DFlashError(f"{where}: field draft_vocab_size", f"{dv} differs from vocab_size", f"{vocab}")
-    block = _dflash_int(cfg, "block_size", where)
-    if block < 2:
-        raise DFlashError(f"{where}: field block_size", f"got {block}", "an integer >= 2")
-    ids = _drafter_layer_ids(cfg, where)
-    causal = _dflash_value(cfg, "causal", True, where)
-    types = _layer_list(cfg, "layer_types", where, n, LAYER_TYPES, ["sliding_attention"] * n)
-    window = 0
-    if "sliding_attention" in types:
-        window = _pos_int(cfg, "sliding_window", where)
-    per_head, explicit = parse_gating(cfg.get("gating", True), where)
-    return DrafterConfig(
-        hidden_size=_pos_int(cfg, "hidden_size", where), intermediate_size=_pos_int(cfg, "intermediate_size", where), num_hidden_layers=n,
-        num_attention_heads=heads, num_key_value_heads=_pos_int(cfg, "num_key_value_heads", where, heads),
-        head_dim=_pos_int(cfg, "head_dim", where, 128), vocab_size=vocab, block_size=block,
-        mask_token_id=_dflash_int(cfg, "mask_token_id", where), target_layer_ids=ids,
-        num_target_layers=_dflash_int(cfg, "num_target_layers", where), layer_causal=(bool(causal),) * n,
-        layer_window=tuple(window if t == "sliding_attention" else 0 for t in types),
-        rms_norm_eps=float(_num(cfg, "rms_norm_eps", where, (int, float), 1e-6)),
-        rope=_drafter_rope(cfg, where), architecture="DFlashLagunaForCausalLM",
-        gate="head" if per_head else "element", gating_explicit=explicit,
     )

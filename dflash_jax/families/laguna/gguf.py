@@ -312,7 +312,7 @@ def load_laguna_gguf_target(path: str | os.PathLike, dtype: Any = "float32", *, 
     reader = open_gguf(path)
     cfg, tensors = laguna_gguf_config(reader, path, target.name)
     names = gguf_names(cfg)
-    shapes = laguna.param_shapes(cfg)
+    shapes = laguna.MODEL.param_shapes(cfg)
     for name in names:
         if name not in tensors:
             raise DFlashError(f"{path}: tensor {name}", "missing", f"every tensor of this {cfg.num_hidden_layers}-layer Laguna model")

@@ -1,7 +1,7 @@
 """The poolside Laguna decoder (XS.2, XS-2.1, S-2.1, M.1) as pure functions.
 
-Same module interface as :mod:`dflash_jax.families.dense.model` (``param_shapes``, ``param_axes``,
-``init_params``, ``init_cache``, ``embed``, ``lm_head``, ``forward_hidden``, ``forward``).
+The family contract (:class:`dflash_jax.families.contract.FamilyModel`, :data:`MODEL`): it declares
+``param_specs``, ``forward_hidden`` and its own cache (``init_cache``, ``move_rows``); the rest is derived.
 
 Per layer (transformers ``modeling_laguna.py``, ``docs/specs/laguna.md`` section 3)::
 
@@ -53,13 +53,13 @@ from dflash_jax.runtime import carry as pytree
 from dflash_jax.runtime.carry import KV_AXES, axes_field
 from dflash_jax.runtime.carry import Capture, move_slots, write_layer_rows, write_rows
 from dflash_jax.families.laguna.config import LagunaConfig
-from dflash_jax.errors import DFlashError
 from dflash_jax.runtime import carry as captures
 from dflash_jax.nn import params as P
+from dflash_jax.families.contract import FamilyModel
 from dflash_jax.nn.params import ParamSpec, decoder_layer
 from dflash_jax.nn.attention import TreeBlock, block_visible, rope_positions, swiglu
 from dflash_jax.nn.attention import cache_attention, live_keys
-from dflash_jax.nn.layer import embed, lm_head  # noqa: F401 (the model API: shared by every family)
+from dflash_jax.nn.layer import embed
 from dflash_jax.nn.layer import attention_output, mlp_residual, project_qkv
 from dflash_jax.nn.moe import routed_experts
 from dflash_jax.nn.layer import rms_norm
@@ -114,28 +114,6 @@ def param_specs(cfg: LagunaConfig) -> dict:
     parameter leaf, as a pytree shaped like the params (module docstring); the router bias is
     float32 (initialised ``normal(0.1)`` so the selection bias matters)."""
     return P.segmented_specs(cfg, segments(cfg), lambda i: _layer_specs(cfg, i))
-
-
-def param_shapes(cfg: LagunaConfig) -> dict:
-    """The shape of every parameter leaf, as a pytree shaped like the params (module docstring)."""
-    return P.shapes(param_specs(cfg))
-
-
-def param_axes(cfg: LagunaConfig, per_layer: bool = False) -> dict:
-    """Logical axis names of every parameter leaf (same tree as :func:`param_shapes`).
-
-    Raises:
-      DFlashError: ``per_layer`` (Laguna's layers stay stacked in segments).
-    """
-    if per_layer:
-        raise DFlashError("laguna param_axes(per_layer=True)", "Laguna targets keep stacked layers", "per_layer=False")
-    return P.axes(param_specs(cfg))
-
-
-def init_params(cfg: LagunaConfig, key: jax.Array, scale: float = 0.02) -> Params:
-    """Random parameters for tests: normal(``scale``) weights, norms near 1, router bias
-    ``normal(0.1)`` in float32 (so the selection bias matters)."""
-    return P.init(param_specs(cfg), key, scale, cfg.dtype)
 
 
 # --------------------------------------------------------------------------------------------
@@ -321,7 +299,5 @@ def move_rows(cfg: LagunaConfig, cache: LagunaCache, src: jnp.ndarray, dst: jnp.
     return cache.replace(kv=kv, ring_pos=ring_pos)
 
 
-def forward(params: Params, cfg: LagunaConfig, tokens, positions, cache: LagunaCache, capture: Capture | None = None):
-    """:func:`forward_hidden` plus the LM head: ``(logits [B, T, V] float32, cache, capture)``."""
-    hidden, cache, capture = forward_hidden(params, cfg, tokens, positions, cache, capture)
-    return lm_head(params, cfg, hidden), cache, capture
+MODEL = FamilyModel(name="laguna", module=__name__, param_specs=param_specs, forward_hidden=forward_hidden, init_cache=init_cache,
+                    move_rows=move_rows, trees=True)

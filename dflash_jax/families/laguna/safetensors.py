@@ -75,9 +75,9 @@ def published_names(cfg: LagunaConfig) -> dict[str, tuple[tuple[str, str] | tupl
 
 def published_shapes(cfg: LagunaConfig) -> dict[str, tuple[int, ...]]:
     """``{published tensor name: stored (torch ``[out, in]``) shape}`` for ``cfg``."""
-    from dflash_jax.families.laguna.model import param_shapes
+    from dflash_jax.families.laguna.model import MODEL
 
-    shapes = param_shapes(cfg)
+    shapes = MODEL.param_shapes(cfg)
     out = {}
     for name, (path, idx, t) in published_names(cfg).items():
         full = shapes[path[0]] if len(path) == 1 else shapes[path[0]][path[1]]
@@ -193,7 +193,7 @@ def load_laguna_target(folder: str | os.PathLike, dtype: Any = "float32", cfg: L
             widths[i] = ckpt.info(g).shape[0]
     cfg = resolve_gating(cfg, widths, lambda i: f"{ckpt.file_of(f'model.layers.{i}.self_attn.g_proj.weight')}: tensor model.layers.{i}.self_attn.g_proj.weight")
     names = published_names(cfg)
-    shapes = laguna.param_shapes(cfg)
+    shapes = laguna.MODEL.param_shapes(cfg)
     bias_names = {n: v for n, v in names.items() if v[0][-1] == "router_bias"}
     main_names = {n: v for n, v in names.items() if n not in bias_names}
     main_shapes = {k: ({n: s for n, s in v.items() if n != "router_bias"} if isinstance(v, dict) else v) for k, v in shapes.items()}

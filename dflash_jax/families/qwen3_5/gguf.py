@@ -173,9 +173,9 @@ def gguf_plan(cfg: Qwen3_5Config) -> dict[str, tuple[tuple, list]]:
     """``{GGUF tensor name: (stored numpy shape, [(params key, leaf or "", layer row or None, fn)])}``:
     ``fn`` turns the stored tensor into the leaf (row) (``None``: as stored; it may raise
     DFlashError for bad values)."""
-    from dflash_jax.families.qwen3_5.model import param_shapes
+    from dflash_jax.families.qwen3_5.model import MODEL
 
-    shapes = param_shapes(cfg)
+    shapes = MODEL.param_shapes(cfg)
     plan = {"token_embd.weight": (shapes["embed"], [("embed", "", None, None)]), "output_norm.weight": (shapes["norm"], [("norm", "", None, None)])}
     if not cfg.tie_word_embeddings:
         plan["output.weight"] = (shapes["lm_head"][::-1], [("lm_head", "", None, _T)])
@@ -241,10 +241,10 @@ def load_qwen3_5_gguf_target(path: str | os.PathLike, dtype: Any = "float32", *,
     """
     import jax
 
-    from dflash_jax.families.qwen3_5.model import param_shapes
+    from dflash_jax.families.qwen3_5.model import MODEL
 
     path, target = str(path), numpy_dtype(dtype)
     cfg, tensors = qwen3_5_gguf_config(open_gguf(path), path, target.name)
     arch = next(a for a, v in ARCHS.items() if v == cfg.variant)
-    out = _read(path, tensors, gguf_plan(cfg), param_shapes(cfg), target, f"a {cfg.num_hidden_layers}-layer {arch} model")
+    out = _read(path, tensors, gguf_plan(cfg), MODEL.param_shapes(cfg), target, f"a {cfg.num_hidden_layers}-layer {arch} model")
     return cfg, (out if as_numpy else jax.device_put(out))

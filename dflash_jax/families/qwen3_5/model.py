@@ -1,9 +1,9 @@
 """The Qwen3.5 hybrid decoder (``Qwen3_5ForCausalLM``, text only; ``Qwen3NextForCausalLM``: the same
 with a MoE MLP, :mod:`dflash_jax.nn.moe`) as pure functions.
 
-Same module interface as :mod:`dflash_jax.families.dense.model` (``param_specs``, ``param_shapes``,
-``param_axes``, ``init_params``, ``init_cache``, ``embed``, ``lm_head``, ``forward_hidden``,
-``forward``) plus the two verify hooks below. Source: transformers ``modeling_qwen3_5.py``.
+The family contract (:class:`dflash_jax.families.contract.FamilyModel`, :data:`MODEL`): it declares
+``param_specs``, ``forward_hidden``, its own cache and the two verify hooks below (recurrent state,
+no trees); the rest is derived. Source: transformers ``modeling_qwen3_5.py``.
 
 Per layer: ``h = rms(x; attn_norm)``; a token mixer; ``x += mixer(h)``; ``x += MLP(rms(x; mlp_norm))``
 (SwiGLU; Qwen3-Next: the MoE, leaves ``router``, ``e_gate``/``e_up``/``e_down``, ``s_gate``/``s_up``/
@@ -71,11 +71,11 @@ from dflash_jax.runtime.carry import Capture, write_layer_rows
 from dflash_jax.families.qwen3_5.config import Qwen3_5Config
 from dflash_jax.errors import DFlashError
 from dflash_jax.runtime import carry as captures
-from dflash_jax.nn import params as P
+from dflash_jax.families.contract import FamilyModel
 from dflash_jax.nn.params import ParamSpec, decoder_layer, stacked
 from dflash_jax.nn import gated_deltanet as gdn
 from dflash_jax.nn.attention import block_visible
-from dflash_jax.nn.layer import embed, lm_head  # noqa: F401 (the model API: shared by every family)
+from dflash_jax.nn.layer import embed
 from dflash_jax.nn.layer import mlp_residual, project_qkv, split_heads
 from dflash_jax.nn.attention import cache_attention, live_keys
 from dflash_jax.nn.moe import softmax_moe
@@ -150,27 +150,6 @@ def param_specs(cfg: Qwen3_5Config) -> dict:
     return specs
 
 
-def param_shapes(cfg: Qwen3_5Config) -> dict:
-    """The shape of every parameter leaf, as a pytree shaped like the params (module docstring)."""
-    return P.shapes(param_specs(cfg))
-
-
-def param_axes(cfg: Qwen3_5Config, per_layer: bool = False) -> dict:
-    """Logical axis names of every parameter leaf (same tree as :func:`param_shapes`).
-
-    Raises:
-      DFlashError: ``per_layer`` (the layers stay stacked by kind).
-    """
-    if per_layer:
-        raise DFlashError("qwen3_5 param_axes(per_layer=True)", "Qwen3.5 targets keep stacked layers", "per_layer=False")
-    return P.axes(param_specs(cfg))
-
-
-def init_params(cfg: Qwen3_5Config, key: jax.Array, scale: float = 0.02) -> Params:
-    """Random parameters for tests: normal(``scale``) weights, norms near 1."""
-    return P.init(param_specs(cfg), key, scale, cfg.dtype)
-
-
 # --------------------------------------------------------------------------------------------
 # Cache
 
@@ -218,16 +197,6 @@ def init_cache(cfg: Qwen3_5Config, batch: int, capacity: int) -> HybridCache:
         conv=jnp.zeros((ll, batch, cfg.linear_conv_kernel_dim - 1, cfg.conv_dim), cfg.dtype),
         rec=jnp.zeros((ll, batch, cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim), jnp.float32),
     )
-
-
-def move_rows(cfg: Qwen3_5Config, cache: HybridCache, src: jnp.ndarray, dst: jnp.ndarray) -> HybridCache:
-    """The family contract's tree compaction, which a hybrid target never runs: its linear
-    states follow one sequence, so :class:`~dflash_jax.decode.static.Decoding` refuses ``tree``.
-
-    Raises:
-      DFlashError: always (naming ``tree``).
-    """
-    raise DFlashError("tree (--tree)", "a draft tree with a hybrid (Gated DeltaNet) target", "a chain (tree=None)")
 
 
 def keep_block_states(cfg: Qwen3_5Config, cache: HybridCache) -> HybridCache:
@@ -433,7 +402,6 @@ def _updated(cache: HybridCache, ys: tuple, keep: str) -> HybridCache:
     return cache.replace(block_rec=jnp.moveaxis(ys[1], 1, 2))  # [Ll, T + 1, B, ...] -> [Ll, B, T + 1, ...]
 
 
-def forward(params: Params, cfg: Qwen3_5Config, tokens, positions, cache: HybridCache, capture: Capture | None = None):
-    """:func:`forward_hidden` plus the LM head: ``(logits [B, T, V] float32, cache, capture)``."""
-    hidden, cache, capture = forward_hidden(params, cfg, tokens, positions, cache, capture)
-    return lm_head(params, cfg, hidden), cache, capture
+MODEL = FamilyModel(name="qwen3_5", module=__name__, param_specs=param_specs, forward_hidden=forward_hidden, init_cache=init_cache,
+                    keep_block_states=keep_block_states, commit_block_states=commit_block_states, trees=False,
+                    recurrent_state=True)

@@ -193,7 +193,7 @@ def load_qwen3_5_target(folder: str | os.PathLike, dtype: Any = "float32") -> tu
         missing, unexpected, mis-shaped or non-float tensor (file and tensor named; a derived
         tensor is named ``stored name[part]`` or ``stored name+1``).
     """
-    from dflash_jax.families.qwen3_5.model import param_shapes
+    from dflash_jax.families.qwen3_5.model import MODEL
 
     folder = str(folder)
     target = numpy_dtype(dtype)
@@ -208,4 +208,4 @@ def load_qwen3_5_target(folder: str | os.PathLike, dtype: Any = "float32") -> tu
     def ignorable(n: str) -> bool:
         return bool(_SKIPPED.search(n)) or (cfg.tie_word_embeddings and n == "lm_head.weight")
 
-    return cfg, load_named(view, folder, names, param_shapes(cfg), target, ignorable, f"{cfg.family} target")
+    return cfg, load_named(view, folder, names, MODEL.param_shapes(cfg), target, ignorable, f"{cfg.family} target")

@@ -76,9 +76,9 @@ def qwen3_moe_gguf_config(reader, path: str, dtype: str = "float32") -> tuple[Qw
 def gguf_names(cfg: Qwen3MoeConfig) -> dict[str, tuple[str, str, int | None, str | None]]:
     """``{GGUF tensor name: (params key, leaf or "", repetition or None, conversion)}`` of every
     parameter (conversion ``"T"``: transpose, ``"E"``: swap each expert's two axes)."""
-    from dflash_jax.families.qwen3_moe.model import layer_slot, param_shapes
+    from dflash_jax.families.qwen3_moe.model import MODEL, layer_slot
 
-    shapes = param_shapes(cfg)
+    shapes = MODEL.param_shapes(cfg)
     names = {"token_embd.weight": ("embed", "", None, None), "output_norm.weight": ("norm", "", None, None)}
     if not cfg.tie_word_embeddings:
         names["output.weight"] = ("lm_head", "", None, "T")
@@ -108,10 +108,10 @@ def load_qwen3_moe_gguf_target(path: str | os.PathLike, dtype: Any = "float32", 
     """
     import jax
 
-    from dflash_jax.families.qwen3_moe.model import param_shapes
+    from dflash_jax.families.qwen3_moe.model import MODEL
 
     path, target = str(path), numpy_dtype(dtype)
     reader = open_gguf(path)
     cfg, tensors = qwen3_moe_gguf_config(reader, path, target.name)
-    out = read_params(path, tensors, gguf_names(cfg), param_shapes(cfg), target, f"a {cfg.num_hidden_layers}-layer qwen3moe model")
+    out = read_params(path, tensors, gguf_names(cfg), MODEL.param_shapes(cfg), target, f"a {cfg.num_hidden_layers}-layer qwen3moe model")
     return cfg, (out if as_numpy else jax.device_put(out))

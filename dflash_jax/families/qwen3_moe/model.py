@@ -1,8 +1,7 @@
 """The Qwen3-MoE decoder (``Qwen3MoeForCausalLM``: Qwen3-30B-A3B, Qwen3-Coder-30B-A3B) as pure functions.
 
-The family contract (:class:`dflash_jax.families.contract.FamilyModel`): ``param_specs``, ``param_shapes``,
-``param_axes``, ``init_params``, ``init_cache``, ``embed``, ``lm_head``, ``forward_hidden``,
-``forward``, ``move_rows``.
+The family contract (:class:`dflash_jax.families.contract.FamilyModel`, :data:`MODEL`): it declares
+``param_specs`` and ``forward_hidden``; the rest (the plain KV cache included) is derived.
 
 Per layer (transformers ``modeling_qwen3_moe.py``)::
 
@@ -34,27 +33,22 @@ from __future__ import annotations
 
 import functools
 from typing import Any
-import jax
 import jax.numpy as jnp
 from jax import lax
-from dflash_jax.runtime.carry import Capture, KVCache, init_kv_cache
+from dflash_jax.runtime.carry import Capture, KVCache
 from dflash_jax.families.qwen3_moe.config import Qwen3MoeConfig
-from dflash_jax.errors import DFlashError
 from dflash_jax.runtime import carry as captures
 from dflash_jax.nn import params as P
-from dflash_jax.families.dense.model import move_rows  # noqa: F401 (the family contract: the same KVCache)
+from dflash_jax.families.contract import FamilyModel
 from dflash_jax.nn.params import ParamSpec, decoder_layer
 from dflash_jax.nn.attention import TreeBlock, block_visible, rope_positions
-from dflash_jax.nn.layer import embed, lm_head
+from dflash_jax.nn.layer import embed
 from dflash_jax.nn.layer import attention_output, mlp_residual, project_qkv
 from dflash_jax.nn.attention import cache_attention, live_keys
 from dflash_jax.nn.moe import routed_experts, softmax_top_k
 from dflash_jax.nn.layer import rms_norm
 from dflash_jax.nn.layer import inv_frequencies
 
-
-PAGED_KV = True
-"""The forward also runs on a :class:`~dflash_jax.runtime.carry.PagedKVCache` (:attr:`dflash_jax.families.contract.FamilyModel.paged_kv`)."""
 
 Params = dict[str, Any]
 
@@ -88,32 +82,6 @@ def param_specs(cfg: Qwen3MoeConfig) -> dict:
     experts over the ``"experts"`` logical axis (mesh axis ``expert``), each expert's width over
     ``"expert_mlp"`` (mesh axis ``model``)."""
     return P.segmented_specs(cfg, segments(cfg), lambda i: _layer_specs(cfg, i))
-
-
-def param_shapes(cfg: Qwen3MoeConfig) -> dict:
-    """The shape of every parameter leaf, as a pytree shaped like the params."""
-    return P.shapes(param_specs(cfg))
-
-
-def param_axes(cfg: Qwen3MoeConfig, per_layer: bool = False) -> dict:
-    """Logical axis names of every parameter leaf (same tree as :func:`param_shapes`).
-
-    Raises:
-      DFlashError: ``per_layer`` (the layers stay stacked in segments).
-    """
-    if per_layer:
-        raise DFlashError("qwen3_moe param_axes(per_layer=True)", "Qwen3-MoE targets keep stacked layers", "per_layer=False")
-    return P.axes(param_specs(cfg))
-
-
-def init_params(cfg: Qwen3MoeConfig, key: jax.Array, scale: float = 0.02) -> Params:
-    """Random parameters for tests: normal(``scale``) weights, norms near 1."""
-    return P.init(param_specs(cfg), key, scale, cfg.dtype)
-
-
-def init_cache(cfg: Qwen3MoeConfig, batch: int, capacity: int) -> KVCache:
-    """An empty :class:`~dflash_jax.runtime.carry.KVCache` of ``capacity`` slots per row and layer."""
-    return init_kv_cache(cfg.num_hidden_layers, batch, capacity, cfg.num_key_value_heads, cfg.head_dim, cfg.dtype)
 
 
 def moe(cfg: Qwen3MoeConfig, lp: dict, h: jnp.ndarray) -> jnp.ndarray:
@@ -151,7 +119,7 @@ def forward_hidden(
 ) -> tuple[jnp.ndarray, KVCache, Capture | None]:
     """Runs the decoder stack; returns ``(final-normed hidden [B, T, H] in cfg.dtype, cache, capture)``.
 
-    Same contract as :func:`dflash_jax.families.dense.model.forward_hidden`: ``tokens``/``positions``
+    Same contract as :attr:`dflash_jax.families.contract.FamilyModel.forward_hidden`: ``tokens``/``positions``
     ``[B, T]`` int32 (positions contiguous per row, K/V of token ``t`` written to slot
     ``positions[b, t]``, slots past the capacity dropped); ``capture`` receives every listed
     layer's output residual; ``tree`` verifies a tree of candidates.
@@ -185,7 +153,5 @@ def forward_hidden(
     return final_norm(x), cache, capture
 
 
-def forward(params: Params, cfg: Qwen3MoeConfig, tokens, positions, cache: KVCache, capture: Capture | None = None):
-    """:func:`forward_hidden` plus the LM head: ``(logits [B, T, V] float32, cache, capture)``."""
-    hidden, cache, capture = forward_hidden(params, cfg, tokens, positions, cache, capture)
-    return lm_head(params, cfg, hidden), cache, capture
+MODEL = FamilyModel(name="qwen3_moe", module=__name__, param_specs=param_specs, forward_hidden=forward_hidden, paged_kv=True,
+                    trees=True)

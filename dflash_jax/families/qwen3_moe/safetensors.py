@@ -108,4 +108,4 @@ def load_qwen3_moe_target(folder: str | os.PathLike, dtype: Any = "float32") -> 
     def ignorable(n: str) -> bool:  # rotary tables, and a tied checkpoint's copy of the embedding
         return n.endswith("rotary_emb.inv_freq") or (cfg.tie_word_embeddings and n == "lm_head.weight")
 
-    return cfg, load_named(ckpt, folder, hf_names(cfg), qwen3_moe.param_shapes(cfg), target, ignorable, "Qwen3-MoE target")
+    return cfg, load_named(ckpt, folder, hf_names(cfg), qwen3_moe.MODEL.param_shapes(cfg), target, ignorable, "Qwen3-MoE target")
