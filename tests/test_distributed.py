@@ -30,12 +30,12 @@ _WORKER = textwrap.dedent(
     import contextlib, io, json, sys
     sys.path.insert(0, "tests")
     pid, port, folder = int(sys.argv[1]), sys.argv[2], sys.argv[3]
-    from dflash_jax import distributed
+    from dflash_jax.runtime import distributed
     assert distributed.initialize(f"127.0.0.1:{port}", 2, pid)
     import jax
     jax.config.update("jax_default_matmul_precision", "highest")
     import dflash_jax as dj
-    from dflash_jax import sharding
+    from dflash_jax.runtime import sharding
     from dflash_jax.cli.main import main
     from dflash_jax.loading import Drafter
     from dflash_jax.drafter import model as drafter_model
@@ -98,7 +98,7 @@ _DIES = textwrap.dedent(
     """
     import os, sys, time
     pid, port = int(sys.argv[1]), sys.argv[2]
-    from dflash_jax import distributed
+    from dflash_jax.runtime import distributed
     distributed.HEARTBEAT_TIMEOUT_S = 8  # the test waits for it: 8 s, not the 30 s of a real group
     distributed.initialize(f"127.0.0.1:{port}", 2, pid)
     import numpy as np
@@ -133,7 +133,7 @@ def test_a_process_that_dies_ends_the_group_with_an_error_not_a_hang():
 _JOIN = textwrap.dedent(
     """
     import sys
-    from dflash_jax import distributed
+    from dflash_jax.runtime import distributed
     from dflash_jax.errors import DFlashError
     pid, port, n = int(sys.argv[1]), sys.argv[2], int(sys.argv[3])
     try:
@@ -163,7 +163,7 @@ _BROADCAST = textwrap.dedent(
     """
     import json, sys
     pid, port = int(sys.argv[1]), sys.argv[2]
-    from dflash_jax import distributed
+    from dflash_jax.runtime import distributed
     distributed.initialize(f"127.0.0.1:{port}", 2, pid)
     from jax._src import distributed as jax_distributed
     channel = distributed.Broadcast("t")

@@ -41,7 +41,8 @@ SCRIPT = textwrap.dedent("""
     import json, sys, time
     import jax, jax.numpy as jnp
     import dflash_jax
-    from dflash_jax import decode, executables
+    from dflash_jax.decode import loop as decode
+    from dflash_jax.runtime import compiled as executables
     from dflash_jax.runtime.compiled import count_compilations, count_store_reads
     from dflash_jax.decode.static import Decoding, Params
     from dflash_jax.testing import tiny_target

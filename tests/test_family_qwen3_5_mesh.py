@@ -27,7 +27,7 @@ _SCRIPT = textwrap.dedent(
     import tiny_hf
     from serve_util import serve_in_thread
     import dflash_jax as dj
-    from dflash_jax import sharding
+    from dflash_jax.runtime import sharding
     from dflash_jax.loading import Drafter
     from dflash_jax.drafter import model as drafter_model
     from dflash_jax.serve.app import build_app

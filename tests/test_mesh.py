@@ -25,7 +25,7 @@ _SCRIPT = textwrap.dedent(
     import tiny_hf
     from serve_util import serve_in_thread
     import dflash_jax as dj
-    from dflash_jax import sharding
+    from dflash_jax.runtime import sharding
     from dflash_jax.cli.main import main
     from dflash_jax.loading import Drafter
     from dflash_jax.drafter import model as drafter_model
@@ -94,7 +94,7 @@ _LAGUNA = textwrap.dedent(
     import jax
     jax.config.update("jax_default_matmul_precision", "highest")
     import dflash_jax as dj
-    from dflash_jax import sharding
+    from dflash_jax.runtime import sharding
     from dflash_jax.loading import Drafter, Target
     from dflash_jax.drafter import model as drafter_model
     from dflash_jax.families.laguna import model as laguna
