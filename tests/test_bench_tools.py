@@ -78,3 +78,26 @@ def test_argument_types_accept_and_name_what_is_wrong():
 def test_bench_spec_refuses_a_bad_command_line_before_loading(argv, says):
     r = subprocess.run([sys.executable, "tools/bench_spec.py", *argv, "--no-write"], cwd=REPO, capture_output=True, text=True, timeout=300)
     assert r.returncode == 2 and says in r.stderr, r.stderr[-3000:]
+
+
+def test_no_import_circle_among_the_tools():
+    """The scripts of tools/ import one another (``from benchlib import ...``) without a circle, and
+    none imports a retired or moved script."""
+    import ast
+
+    from test_architecture import find_cycles
+
+    names = {p.stem for p in (REPO / "tools").glob("*.py")}
+    graph = {}
+    for name in names:
+        found = set()
+        for node in ast.walk(ast.parse((REPO / "tools" / f"{name}.py").read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Import):
+                found |= {a.name.split(".")[0] for a in node.names}
+            elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+                found.add(node.module.split(".")[0])
+        gone = found & {"prompts", "ttft", "spec_continuous", "gpu_shapes", "gpu_report", "make_train_data", "make_code_data",
+                        "calibrate_depth"}
+        assert not gone, f"tools/{name}.py imports {gone}"
+        graph[name] = (found & names) - {name}
+    assert graph["bench_spec"] == {"benchlib", "speclib"} and not find_cycles(graph)

@@ -521,3 +521,31 @@ def test_every_subcommand_is_listed_and_has_help(capsys):
     for name in sub.choices:
         code, out, _ = run(capsys, name, "--help")
         assert code == 0 and f"dflash-jax {name}" in out
+
+
+def test_calibrate_depth_refuses_bad_values_and_fits_a_known_calibration(capsys):
+    """``dflash-jax calibrate-depth``: a bad value is one line naming the option (2, before anything
+    loads); the per-position fit (:mod:`dflash_jax.decode.auto.calibrate`) recovers the scale and bias
+    that made the acceptances, and conditions position i on drafts 1..i-1 accepted."""
+    import numpy as np
+
+    pytest.importorskip("scipy")
+    from dflash_jax.decode.auto import calibrate
+
+    for argv, says in ((["--max-new-tokens", "0"], "error: --max-new-tokens: got 0 (expected an integer >= 1)"),
+                       (["--eval", "-1"], "error: --eval: got -1 (expected an integer >= 0)")):
+        code, out, err = run(capsys, "calibrate-depth", *argv)
+        assert code == 2 and out == "" and err.strip() == says
+    rng = np.random.default_rng(0)
+    conf = rng.uniform(0.05, 0.95, (4000, 2))
+    scale, bias = 1.5, -0.5
+    accepted_1 = rng.uniform(size=4000) < 1 / (1 + np.exp(-(scale * calibrate.logit(conf[:, 0]) + bias)))
+    accepted_2 = accepted_1 & (rng.uniform(size=4000) < 1 / (1 + np.exp(-(scale * calibrate.logit(conf[:, 1]) + bias))))
+    acc, n_valid = accepted_1.astype(int) + accepted_2.astype(int), np.full(4000, 2)
+    x2, y2 = calibrate.conditional_samples(conf, acc, n_valid, 2)
+    assert len(x2) == int(accepted_1.sum()) and y2.sum() == accepted_2.sum()  # only steps that reached draft 2
+    fitted = calibrate.fit_position(*calibrate.conditional_samples(conf, acc, n_valid, 1))
+    assert fitted == pytest.approx((scale, bias), abs=0.15)
+    rep = calibrate.report(conf, acc, n_valid, [fitted[0]] * 2, [fitted[1]] * 2)
+    assert rep["observed"] == pytest.approx([accepted_1.mean(), accepted_2.mean()], abs=1e-4)
+    assert rep["ece_fitted"][0] < rep["ece_raw"][0]

@@ -190,3 +190,21 @@ def test_sources_answers_follow_the_base_and_no_prompt_is_asked_twice(tmp_path, 
     assert cli.main(["--out", str(two), "--base", str(one), "--num-prompts", "2"] + common) == 0
     sources = [json.loads(x).get("source") for x in (two / "prompts.jsonl").read_text().splitlines()]
     assert sources[:3] == [p["source"] for p in prompts] and sources[3:] == [listed[2]["source"]]
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["--answers", "source", "--max-new", "3"], "error: --max-new: given with --answers source (expected --answers target with --max-new, or no --max-new)"),
+    (["--max-len", "200"], "error: --max-len: given with --answers target (expected --answers source with --max-len, or no --max-len)"),
+    (["--batch-size", "0"], "error: --batch-size: got 0 (expected an integer >= 1)"),
+    (["--batch-size", "4", "--refill", "5"], "error: --refill: got 5 (expected an integer in [1, --batch-size = 4])"),
+    (["--code-fraction", "1.5"], "error: --code-fraction: got 1.5 (expected a number in [0, 1])"),
+    (["--answers", "other"], "error: --answers: got 'other' (expected one of: target, source)"),
+    ([], "error: --out: missing (expected a value)"),
+])
+def test_make_data_refuses_options_of_the_other_recipe_and_bad_values(capsys, argv, says):
+    """``dflash-jax make-data``: one line naming the option, exit code 2, before anything loads."""
+    from dflash_jax.cli.main import main
+
+    assert main(["make-data", *(["--out", "unused"] if argv else []), *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.strip() == says or err.startswith(says), err

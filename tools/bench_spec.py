@@ -219,7 +219,7 @@ def section(results, names, args, argv, wall, busy, drafter) -> str:
 {args.repeats} run(s) per configuration and batch; {wall / 60:.0f} minutes.{load}
 Decode tokens/s (sums over the batches; decode time excludes compilation and prefill); the best fixed depth is
 chosen per row after the fact; ratios of those rates, with a bootstrap 95 % interval of the same ratio over batches. A batch above 1 runs as
-continuous batching, as the server does (`tools/spec_continuous.py`): each configuration keeps its slots busy, a
+continuous batching, as the server does (`tools/speclib.py`): each configuration keeps its slots busy, a
 finished row taking the next prompt of the set, until it has finished as many rows as the set has prompts; there
 "batches" counts the segments of that many finished rows in which the configurations took turns.
 

@@ -9,7 +9,7 @@ On the device machine (the image has jax with the CUDA plugin; nothing is instal
     python tools/gpu_check.py --merge OUT/gpu_check.md   # put a fetched section into BENCHMARKS.md
 
 Measured, for targets shaped like SmolLM2-135M, Qwen3-8B, Laguna-XS-2.1, Qwen3-Coder-30B-A3B and
-gpt-oss-20b (``gpu_shapes.py``; random weights: speed does not depend on their values) with drafters
+gpt-oss-20b (:mod:`dflash_jax.shapes`; random weights: speed does not depend on their values) with drafters
 of their real shapes:
 
 - decode step time (the on-device ``generate`` loop, batch 1) and the fraction of HBM bandwidth it

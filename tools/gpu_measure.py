@@ -376,7 +376,7 @@ def markdown(results: dict) -> str:
         f"`{results.get('command')}` ({results.get('date')}, {results.get('elapsed_s', 0):.0f} s of a {results.get('budget_s', 0):.0f} s budget); "
         f"backend {dev.get('backend')}, {dev.get('nvidia_smi') or m.get('cpu')}; jax {m.get('jax')}, Python {m.get('python')}.",
         f"Copy bandwidth in this run: {copy}. Peak for 'of peak': {results.get('peak_source', '?')}. Random weights of the "
-        f"real shapes (`tools/gpu_shapes.py`), batch 1, capacity {params.get('capacity', '?')}, the on-device decode loop "
+        f"real shapes (`dflash_jax/shapes.py`), batch 1, capacity {params.get('capacity', '?')}, the on-device decode loop "
         "compiled ahead of time as `generate` does; each figure is the median of several runs after a warm-up.",
         "### Oracle tests on the device", _oracle(results),
         "### Mesh", _mesh(results),

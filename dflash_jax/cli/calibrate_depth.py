@@ -64,16 +64,18 @@ def _check(args) -> None:
 def run(args, argv) -> int:
     """Fits and (unless ``--no-write``) writes the calibration; returns 0. Raises DFlashError on
     bad input (:mod:`dflash_jax.cli.main` prints it)."""
+    _check(args)
     import numpy as np
 
     import dflash_jax as dj
-    from dflash_jax.assets.default_model import shipped_drafter_path
     from dflash_jax.assets.prompts import humaneval_chat_prompts
     from dflash_jax.decode.auto.calibrate import L2, conditional_samples, fit_position, plot, record_steps, report
+    from dflash_jax.loading import shipped_drafter_path
 
-    _check(args)
     target = dj.load_target()
     drafter = dj.shipped_drafter(target)
+    if drafter is None:
+        raise DFlashError(f"{target.source}", "no drafter ships for this target", "the default target, whose drafter ships")
     texts = fit_prompts()
     fit = record_steps(target, drafter, [dj.encode_prompt(target, t) for t in texts], args.max_new_tokens, args.max_len)
     n = drafter.cfg.block_size - 1
@@ -98,7 +100,7 @@ def run(args, argv) -> int:
     )
     print(json.dumps(dict(record=record, reports=reports), indent=1))
     if not args.no_write:
-        path = shipped_drafter_path(target.source) / "config.json"
+        path = shipped_drafter_path(target) / "config.json"
         config = json.loads(path.read_text(encoding="utf-8"))
         config["dflash_jax"]["n_max"] = "auto"
         config["dflash_jax"]["depth_calibration"] = record
