@@ -172,6 +172,8 @@ def code_prompts(modules, rng: random.Random, rng2: random.Random) -> tuple[list
 
 
 def general_prompts() -> list[dict]:
+    """The general instructions (:data:`GENERAL_TEMPLATES` x :data:`GENERAL_TOPICS`) and the coding tasks
+    (:data:`CODING_TEMPLATES` x :data:`CODING_TASKS`), as ``{"source", "kind", "text"}`` records, in order."""
     out = [{"source": "general", "kind": "general", "text": t.format(t=topic)} for topic in GENERAL_TOPICS for t in GENERAL_TEMPLATES]
     out += [{"source": "coding", "kind": "coding", "text": t.format(task=task)} for task in CODING_TASKS for t in CODING_TEMPLATES]
     return out
