@@ -1,11 +1,12 @@
-"""The pure parts of the benchmark tools: ``bench_spec``'s interval resamples the ratio it reports;
-``bench_policy`` parses its variants, and the argument types name what is wrong; ``bench_attention``'s
-tables keep their columns; ``bench_recall`` builds its trees best-first and counts a tree's acceptance as
-the deepest node on the target's path."""
+"""The pure parts of the benchmark tools, run as programs (tools/ is never put on this process's
+``sys.path``): ``bench_spec``'s interval resamples the ratio it reports, and the argument types
+name what is wrong. (The tests of bench_policy, bench_attention and bench_recall went with the
+scripts, retired after commit 9868b87: BENCHMARKS.md keeps their figures.)"""
 
 from __future__ import annotations
 
-import argparse
+import json
+import subprocess
 import sys
 from pathlib import Path
 
@@ -13,14 +14,17 @@ import numpy as np
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "tools"))
-import bench_attention  # noqa: E402
-import bench_policy  # noqa: E402
-import bench_recall  # noqa: E402
-import bench_spec  # noqa: E402
-import benchlib  # noqa: E402
 
-sys.path.pop(0)
+
+def tool_function(script: str, name: str, *args):
+    """``name(*args)`` of ``tools/<script>``, run in a child process (``runpy``: the script's
+    module-level code runs, not its ``__main__`` part); arguments and result travel as JSON."""
+    code = ("import json, runpy, sys; f = runpy.run_path(sys.argv[1])[sys.argv[2]]; "
+            "print(json.dumps(f(*json.loads(sys.argv[3]))))")
+    r = subprocess.run([sys.executable, "-c", code, f"tools/{script}", name, json.dumps(args)], cwd=REPO,
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return json.loads(r.stdout.splitlines()[-1])
 
 
 def _runs(pairs):
@@ -32,8 +36,9 @@ def test_interval_resamples_the_ratio_of_sums():
     # rates says a is faster, the ratio of sums (the reported figure) says it is slower.
     a = _runs([(100, 100.0)] + [(10, 0.5)] * 9)
     b = _runs([(100, 50.0)] + [(10, 1.0)] * 9)
+    a_same = _runs([(32, 1.5), (30, 2.0), (28, 1.0)])
+    (lo, hi), same = (tool_function("bench_spec.py", "ratio_interval", *x) for x in ((a, b, 0, 4000), (a_same, a_same)))
     point = (190 / 104.5) / (190 / 59.0)
-    lo, hi = bench_spec.ratio_interval(a, b, draws=4000)
     assert lo <= point <= hi
     # the same draws by hand: resample batch indices, then sums of tokens over sums of seconds
     rng = np.random.default_rng(0)
@@ -41,73 +46,58 @@ def test_interval_resamples_the_ratio_of_sums():
     pa, pb = np.array(a["per_batch"]), np.array(b["per_batch"])
     r = np.sort((pa[idx, 0].sum(1) / pa[idx, 1].sum(1)) / (pb[idx, 0].sum(1) / pb[idx, 1].sum(1)))
     assert (lo, hi) == pytest.approx((r[100], r[3900]))
-
-
-def test_interval_of_identical_runs_is_one():
-    a = _runs([(32, 1.5), (30, 2.0), (28, 1.0)])
-    assert bench_spec.ratio_interval(a, a) == pytest.approx((1.0, 1.0))
-
-
-def test_policy_variants_parse_constants_and_the_raw_calibration():
-    got = bench_policy.parse_variants("8:0.05,16:0.15:raw")
-    assert got == {"8 / 0.05": dict(max_backoff=8, pay_margin=0.05, raw=False),
-                   "16 / 0.15 / raw": dict(max_backoff=16, pay_margin=0.15, raw=True)}
-
-
-@pytest.mark.parametrize("text, says", [("8", "MAX_BACKOFF:PAY_MARGIN[:raw]"), ("8:0.05:fitted", "MAX_BACKOFF:PAY_MARGIN[:raw]"),
-                                        ("8:0.05:raw:1", "MAX_BACKOFF:PAY_MARGIN[:raw]"), ("0:0.05", "max_backoff"),
-                                        ("8:nan", "pay_margin"), ("8:0.05,8:0.05", "given twice")])
-def test_policy_variants_name_what_is_wrong(text, says):
-    with pytest.raises(SystemExit, match="--variants") as e:
-        bench_policy.parse_variants(text)
-    assert says in str(e.value)
+    # the interval of identical runs is one
+    assert same == pytest.approx([1.0, 1.0])
 
 
 def test_argument_types_accept_and_name_what_is_wrong():
-    assert benchlib.int_list("1,8") == [1, 8]
-    assert benchlib.at_least(0)("0") == 0
-    for text in ("1,,2", "0", "1,1", "a", ""):
-        with pytest.raises(argparse.ArgumentTypeError, match="distinct integers >= 1"):
-            benchlib.int_list(text)
-    for text in ("0", "-1", "x"):
-        with pytest.raises(argparse.ArgumentTypeError, match="integer >= 1"):
-            benchlib.at_least(1)(text)
+    code = ("import json, runpy, sys; g = runpy.run_path('tools/benchlib.py'); out = {'ok': [g['int_list']('1,8'), g['at_least'](0)('0')]}\n"
+            "for name, make, texts in (('int_list', lambda: g['int_list'], ('1,,2', '0', '1,1', 'a', '')),\n"
+            "                          ('at_least', lambda: g['at_least'](1), ('0', '-1', 'x'))):\n"
+            "    for t in texts:\n"
+            "        try:\n"
+            "            make()(t)\n"
+            "            out.setdefault(name, []).append(None)\n"
+            "        except Exception as e:\n"
+            "            out.setdefault(name, []).append([type(e).__name__, str(e)])\n"
+            "print(json.dumps(out))")
+    r = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    got = json.loads(r.stdout)
+    assert got["ok"] == [[1, 8], 0]
+    assert len(got["int_list"]) == 5 and len(got["at_least"]) == 3
+    for kind, msg in got["int_list"]:
+        assert kind == "ArgumentTypeError" and "distinct integers >= 1" in msg
+    for kind, msg in got["at_least"]:
+        assert kind == "ArgumentTypeError" and "integer >= 1" in msg
 
 
-@pytest.mark.parametrize("with_decode", [False, True])
-def test_attention_tables_keep_their_columns(with_decode):
-    blocks = [64, 128, 256]
-    kern = [dict(length=20, width=1, capacity=1024, ms={64: 1.0, 128: 1.5, 256: 2.0}, agree=True)]
-    dec = [dict(set="chat", kind="plain", rates={64: 30.0, 128: 29.0, 256: 28.0}, same=True)] if with_decode else []
-    args = argparse.Namespace(layers=30, batch=1, repeats=3, decode_batch=1 if with_decode else 0, max_new_tokens=8, runs=1)
-    text = bench_attention.section(kern, dec, blocks, args, [])
-    assert ("Whole greedy generations" in text) == with_decode
-    tables, rows = [], []
-    for line in text.splitlines() + [""]:
-        if line.startswith("|"):
-            rows.append(line)
-        elif rows:
-            tables.append(rows)
-            rows = []
-    assert len(tables) == (2 if with_decode else 1)
-    # header, rule and rows of a table have as many columns: the fixed ones, one per block, one per ratio
-    assert {line.count("|") for line in tables[0]} == {3 + 2 * len(blocks) - 1 + 1 + 1}
-    if with_decode:
-        assert {line.count("|") for line in tables[1]} == {2 + 2 * len(blocks) - 1 + 1 + 1}
-    assert "**0.50**" in text  # 64 / 256
+@pytest.mark.parametrize("argv, says", [(["--batches", "1,1"], "expected comma-separated distinct integers >= 1, got '1,1'"),
+                                        (["--max-new-tokens", "0"], "expected an integer >= 1, got '0'"),
+                                        (["--humaneval", "0", "--chat", "0"], "both 0, so no prompt is left to run")])
+def test_bench_spec_refuses_a_bad_command_line_before_loading(argv, says):
+    r = subprocess.run([sys.executable, "tools/bench_spec.py", *argv, "--no-write"], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2 and says in r.stderr, r.stderr[-3000:]
 
 
-def test_recall_trees_grow_best_first_and_accept_the_deepest_node_on_the_target_path():
-    # two slots, top-3 each: slot 1 [0.5, 0.3, 0.2], slot 2 [0.6, 0.3, 0.1] (sorted, as the tool keeps them)
-    logp = np.log([[0.5, 0.3, 0.2], [0.6, 0.3, 0.1]])
-    # paths by probability: (0,) .5, (0, 0) .30, (1,) .3, (1, 0) .18, (2,) .2, (0, 1) .15, (2, 0) .12, ...
-    assert bench_recall.best_first_tree(logp, 1) == {(0,)}
-    assert bench_recall.best_first_tree(logp, 3) == {(0,), (0, 0), (1,)}
-    assert bench_recall.best_first_tree(logp, 6) == {(0,), (0, 0), (1,), (1, 0), (2,), (0, 1)}
-    assert len(bench_recall.best_first_tree(logp, 100)) == 3 + 9  # every node once, then it stops
-    tree = {(0,), (0, 0), (1,)}
-    assert [bench_recall.accepted(tree, r) for r in ([0, 0], [1, 0], [0, 2], [2, 0], [1, 3])] == [2, 1, 1, 0, 1]
-    # static: the most frequent prefixes of the target's rank paths, a miss (rank = topk) is no node
-    ranks = np.array([[0, 0], [0, 1], [0, 0], [1, 3], [3, 0]])
-    assert bench_recall.static_tree(ranks, 3, topk=3) == {(0,), (0, 0), (1,)}
-    assert bench_recall.ceiling(ranks, 1) == pytest.approx(1 + (2 + 1 + 2 + 0 + 0) / 5)
+def test_no_import_circle_among_the_tools():
+    """The scripts of tools/ import one another (``from benchlib import ...``) without a circle, and
+    none imports a retired or moved script."""
+    import ast
+
+    from test_architecture import find_cycles
+
+    names = {p.stem for p in (REPO / "tools").glob("*.py")}
+    graph = {}
+    for name in names:
+        found = set()
+        for node in ast.walk(ast.parse((REPO / "tools" / f"{name}.py").read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Import):
+                found |= {a.name.split(".")[0] for a in node.names}
+            elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+                found.add(node.module.split(".")[0])
+        gone = found & {"prompts", "ttft", "spec_continuous", "gpu_shapes", "gpu_report", "make_train_data", "make_code_data",
+                        "calibrate_depth"}
+        assert not gone, f"tools/{name}.py imports {gone}"
+        graph[name] = (found & names) - {name}
+    assert graph["bench_spec"] == {"benchlib", "speclib"} and not find_cycles(graph)

@@ -15,6 +15,7 @@ pytest.importorskip("transformers")
 
 import tiny_hf  # noqa: E402
 
+from dflash_jax.cli import generate as generate_cli  # noqa: E402
 from dflash_jax.cli import main as cli  # noqa: E402
 from dflash_jax.families.dense.safetensors import load_hf_target  # noqa: E402
 from dflash_jax.testing import reference_greedy  # noqa: E402
@@ -167,8 +168,8 @@ def test_a_budget_cut_is_named_and_the_default_budget_fits_the_context(capsys, h
     obj, _ = run_json(capsys, "--target", hf_dir, "--prompt-ids", "1,2,3", "--ignore-eos", "--max-len", 16)
     assert obj["stats"]["new_tokens"] == 13
     args = SimpleNamespace(max_new_tokens=None, max_len=None)
-    assert cli._budget(args, SimpleNamespace(cfg=SimpleNamespace(max_position_embeddings=512)), [1, 2, 3]) == 509
-    assert cli._budget(args, SimpleNamespace(cfg=SimpleNamespace(max_position_embeddings=8192)), [1, 2, 3]) == cli.DEFAULT_MAX_NEW_TOKENS
+    assert generate_cli._budget(args, SimpleNamespace(cfg=SimpleNamespace(max_position_embeddings=512)), [1, 2, 3]) == 509
+    assert generate_cli._budget(args, SimpleNamespace(cfg=SimpleNamespace(max_position_embeddings=8192)), [1, 2, 3]) == generate_cli.DEFAULT_MAX_NEW_TOKENS
 
 
 def test_prompt_ids_without_tokenizer(capsys, bare_dir, model):
@@ -259,7 +260,7 @@ def test_adaptive_depth_json_reports_widths_and_measured_costs(capsys, hf_dir, d
     assert obj["output_ids"] == plain_obj["output_ids"]
     assert st["n_max"] == "auto" and st["cost_model"] == "measured" and len(list((tmp_path / "depth_costs").iterdir())) == 1
     assert len(st["widths"]) == 4 and sum(st["widths"]) + st["plain_steps"] == st["steps"] >= 1
-    line = cli._stats_line(st, "length")
+    line = generate_cli._stats_line(st, "length")
     assert "widths " in line and f"plain {st['plain_steps']}" in line
 
 
@@ -321,8 +322,8 @@ def test_debug_shows_traceback(capsys, tmp_path):
         (["generate", "--no-such-option"], "error: --no-such-option: unknown option (expected an option listed by dflash-jax generate --help)"),
         (["--no-such-option"], "error: --no-such-option: unknown option (expected an option listed by dflash-jax --help)"),
         (["generate", "one", "two"], "error: two: unexpected extra argument (expected at most one PROMPT"),
-        (["frobnicate"], "error: frobnicate: unknown command (expected one of: generate, serve, train)"),
-        ([], "error: COMMAND: missing (expected one of: generate, serve, train"),
+        (["frobnicate"], "error: frobnicate: unknown command (expected one of: generate, serve, train, make-data, calibrate-depth)"),
+        ([], "error: COMMAND: missing (expected one of: generate, serve, train, make-data, calibrate-depth"),
         (["generate", "--seed"], "error: --seed: missing value (expected a value after --seed)"),
         (["generate", "--json=1"], "error: --json: ignored explicit argument '1' (expected no value)"),
     ],
@@ -498,3 +499,53 @@ def test_every_option_says_what_it_does():
     for parser in [*sub.choices.values(), train_parser()]:
         bare = [a.option_strings[-1] for a in parser._actions if a.option_strings and not a.help]
         assert not bare, f"{parser.prog}: options without help: {bare}"
+
+
+def test_version_prints_the_package_version(capsys):
+    """`dflash-jax --version` prints dflash_jax.__version__ and exits with 0, in-process and as the program."""
+    import dflash_jax
+
+    code, out, err = run(capsys, "--version")
+    assert code == 0 and out.strip() == dflash_jax.__version__ and err == ""
+    r = subprocess.run([sys.executable, "-m", "dflash_jax", "--version"], capture_output=True, text=True, cwd=REPO, timeout=120)
+    assert r.returncode == 0 and r.stdout.strip() == dflash_jax.__version__, r.stderr
+
+
+def test_every_subcommand_is_listed_and_has_help(capsys):
+    """The dispatcher lists generate, serve, train, make-data and calibrate-depth; each one's --help exits with 0."""
+    top = cli.build_parser()
+    import argparse
+
+    sub = next(a for a in top._actions if isinstance(a, argparse._SubParsersAction))
+    assert list(sub.choices) == ["generate", "serve", "train", "make-data", "calibrate-depth"]
+    for name in sub.choices:
+        code, out, _ = run(capsys, name, "--help")
+        assert code == 0 and f"dflash-jax {name}" in out
+
+
+def test_calibrate_depth_refuses_bad_values_and_fits_a_known_calibration(capsys):
+    """``dflash-jax calibrate-depth``: a bad value is one line naming the option (2, before anything
+    loads); the per-position fit (:mod:`dflash_jax.decode.auto.calibrate`) recovers the scale and bias
+    that made the acceptances, and conditions position i on drafts 1..i-1 accepted."""
+    import numpy as np
+
+    pytest.importorskip("scipy")
+    from dflash_jax.decode.auto import calibrate
+
+    for argv, says in ((["--max-new-tokens", "0"], "error: --max-new-tokens: got 0 (expected an integer >= 1)"),
+                       (["--eval", "-1"], "error: --eval: got -1 (expected an integer >= 0)")):
+        code, out, err = run(capsys, "calibrate-depth", *argv)
+        assert code == 2 and out == "" and err.strip() == says
+    rng = np.random.default_rng(0)
+    conf = rng.uniform(0.05, 0.95, (4000, 2))
+    scale, bias = 1.5, -0.5
+    accepted_1 = rng.uniform(size=4000) < 1 / (1 + np.exp(-(scale * calibrate.logit(conf[:, 0]) + bias)))
+    accepted_2 = accepted_1 & (rng.uniform(size=4000) < 1 / (1 + np.exp(-(scale * calibrate.logit(conf[:, 1]) + bias))))
+    acc, n_valid = accepted_1.astype(int) + accepted_2.astype(int), np.full(4000, 2)
+    x2, y2 = calibrate.conditional_samples(conf, acc, n_valid, 2)
+    assert len(x2) == int(accepted_1.sum()) and y2.sum() == accepted_2.sum()  # only steps that reached draft 2
+    fitted = calibrate.fit_position(*calibrate.conditional_samples(conf, acc, n_valid, 1))
+    assert fitted == pytest.approx((scale, bias), abs=0.15)
+    rep = calibrate.report(conf, acc, n_valid, [fitted[0]] * 2, [fitted[1]] * 2)
+    assert rep["observed"] == pytest.approx([accepted_1.mean(), accepted_2.mean()], abs=1e-4)
+    assert rep["ece_fitted"][0] < rep["ece_raw"][0]

@@ -1,6 +1,7 @@
 """tools/gpu_check.py, the prepared check for a lent GPU: its dry run (the same code on tiny shapes)
-runs end to end on the CPU, so the script cannot rot before a GPU is lent; and the bytes it counts
-per decode step are the ones a step must read.
+runs end to end on the CPU, so the script cannot rot before a GPU is lent; its plans fit; and the
+bytes it counts per decode step (:mod:`dflash_jax.shapes`) are the ones a step must read. The
+script runs as a program (tools/ is never put on ``sys.path``).
 """
 
 import json
@@ -8,34 +9,28 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import jax
 import pytest
 
+from dflash_jax import shapes as gpu_shapes
 from dflash_jax.families.dense import model as dense
 from dflash_jax.families.laguna import model as laguna
 
 REPO = Path(__file__).resolve().parents[1]
 
 
-@pytest.fixture(scope="module")
-def tools():
-    """The modules ``gpu_check`` and ``gpu_shapes`` of tools/ (importing them changes no setting)."""
-    sys.path.insert(0, str(REPO / "tools"))
-    try:
-        import gpu_check
-        import gpu_shapes
-
-        yield gpu_check, gpu_shapes
-    finally:
-        sys.path.remove(str(REPO / "tools"))
+def gpu_check(*argv) -> subprocess.CompletedProcess:
+    """``python tools/gpu_check.py ARGV`` from the repository root."""
+    return subprocess.run([sys.executable, "tools/gpu_check.py", *map(str, argv)], cwd=REPO, env=dict(os.environ),
+                          capture_output=True, text=True, timeout=900)
 
 
 @pytest.fixture(scope="module")
 def dry_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("gpu_check")
-    r = subprocess.run([sys.executable, "tools/gpu_check.py", "--dry-run", "--out", str(out)], cwd=REPO, env=dict(os.environ),
-                       capture_output=True, text=True, timeout=900)
+    r = gpu_check("--dry-run", "--out", out)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-6000:]
     return out, json.loads((out / "gpu_check.json").read_text(encoding="utf-8")), r.stdout
 
@@ -68,23 +63,22 @@ def test_dry_run_measures_every_section(dry_run):
     assert "Skipped" not in md
 
 
-def test_merge_puts_the_section_into_benchmarks_once(dry_run, tools, tmp_path):
-    """``--merge`` (its ``main``, in this process: the dry run above already runs the script as a
-    program) twice: the section replaces the placeholder once."""
+def test_merge_puts_the_section_into_benchmarks_once(dry_run, tmp_path):
+    """``--merge`` twice: the section replaces the placeholder once."""
     out, _, _ = dry_run
     bench = tmp_path / "BENCHMARKS.md"
     bench.write_text("# Benchmarks\n\n<!-- gpu_check device -->\nno device lent yet\n<!-- /gpu_check device -->\n", encoding="utf-8")
     for _ in range(2):
-        assert tools[0].main(["--merge", str(out / "gpu_check.md"), "--benchmarks", str(bench)]) == 0
+        r = gpu_check("--merge", out / "gpu_check.md", "--benchmarks", bench)
+        assert r.returncode == 0, r.stderr
     text = bench.read_text(encoding="utf-8")
     assert "no device lent yet" not in text and text.count("<!-- gpu_check device -->") == 1
     assert (out / "gpu_check.md").read_text(encoding="utf-8").strip() in text
 
 
-def test_bytes_per_decode_step(tools):
+def test_bytes_per_decode_step():
     """Every weight once, but one embedding row when the LM head is separate and only the top-k
     experts of a MoE; the live K/V rows, a sliding layer's at most its window."""
-    gpu_shapes = tools[1]
     for name, tied in (("smollm2-135m", True), ("qwen3-8b", False)):
         cfg, dcfg = gpu_shapes.configs(name, "bfloat16", tiny=True)
         params, _ = jax.eval_shape(lambda: gpu_shapes.random_models(cfg, dcfg))
@@ -107,15 +101,19 @@ def test_bytes_per_decode_step(tools):
     assert gpu_shapes.kv_bytes_live(cache, 256, live, cfg.sliding_window) == want
 
 
-def test_the_gpu_plans_fit_their_capacity_and_the_h200(tools):
+def test_the_gpu_plans_fit_their_capacity_and_the_h200():
     """The full and quick plans never run here: their lengths, blocks and widths fit the capacity
     (and a Laguna target's rings),
     DFlash runs at a context the same model decodes at, and the weights fit an H200 (139 GiB; the
     check lets JAX take 90%) with room for temporaries."""
-    gpu_check, gpu_shapes = tools
-    for name, plan in gpu_check.PLANS.items():
+    r = gpu_check("--plans")
+    assert r.returncode == 0, r.stderr
+    plans = json.loads(r.stdout)
+    assert set(plans) == {"full", "quick", "dry-run"}
+    for name, plan in plans.items():
+        plan = SimpleNamespace(**plan)
         decoded = set()
-        for run in plan.runs:
+        for run in map(lambda r: SimpleNamespace(**r), plan.runs):
             cfg, dcfg = gpu_shapes.configs(run.shape, run.dtype, plan.tiny)
             decoded |= {(run.shape, run.dtype, n) for n in run.lengths}
             assert all(n + plan.steps + 1 <= plan.capacity for n in run.lengths), (name, run)
@@ -129,10 +127,9 @@ def test_the_gpu_plans_fit_their_capacity_and_the_h200(tools):
                 assert gpu_shapes.tree_bytes(target) + gpu_shapes.tree_bytes(drafter) < 0.6 * 139 * 2**30, (name, run)
 
 
-def test_qwen3_coder_30b_a3b_real_shapes(tools):
+def test_qwen3_coder_30b_a3b_real_shapes():
     """The Qwen3-Coder-30B-A3B shapes hold its published parameter count (30.5B) and 3.3B active
     (top-8 of 128 experts), all 48 layers sparse in one segment, experts on the ``experts`` axis."""
-    gpu_shapes = tools[1]
     cfg, dcfg = gpu_shapes.configs("qwen3-coder-30b-a3b", "bfloat16")
     assert all(cfg.sparse_layers) and cfg.num_hidden_layers == 48 and cfg.norm_topk_prob and dcfg.hidden_size == cfg.hidden_size
     target, _ = jax.eval_shape(lambda: gpu_shapes.random_models(cfg, dcfg))
@@ -144,11 +141,10 @@ def test_qwen3_coder_30b_a3b_real_shapes(tools):
     assert module_for(cfg).param_axes(cfg)["seg0_0"]["e_up"] == ("layers", "experts", "embed", "expert_mlp")
 
 
-def test_gpt_oss_20b_real_shapes(tools):
+def test_gpt_oss_20b_real_shapes():
     """The gpt-oss-20b shapes hold its published parameter count (20.9B) and 3.6B active per token
     (top-4 of 32 experts, the unembedding counted, the embedding table not), alternating
     sliding / full layers as one segment of period 2, YaRN 32 over 4096."""
-    gpu_shapes = tools[1]
     cfg, dcfg = gpu_shapes.configs("gpt-oss-20b", "bfloat16")
     assert cfg.layer_types == ("sliding_attention", "full_attention") * 12 and cfg.sliding_window == 128
     assert cfg.rope.kind == "yarn" and cfg.rope.factor == 32 and cfg.rope.original_max_position_embeddings == 4096

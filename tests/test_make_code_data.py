@@ -1,5 +1,6 @@
-"""The code-completion recipe (``tools/make_code_data.py``): real standard-library functions asked
-in the HumanEval chat format and answered with their own source, after an optional base dataset."""
+"""The code-completion recipe (``dflash-jax make-data --answers source``; :mod:`dflash_jax.train.source_code`
+reads the functions): real standard-library functions asked in the HumanEval chat format and answered with
+their own source, after an optional base dataset."""
 
 from __future__ import annotations
 
@@ -11,11 +12,13 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "tools"))
-import make_code_data as m  # noqa: E402
+from dflash_jax.cli import make_data as cli
+from dflash_jax.train import source_code as m
 
-sys.path.pop(0)
+
+def main(argv: list[str]) -> int:
+    """``dflash-jax make-data --answers source`` with ``argv`` (DFlashError propagates)."""
+    return cli.main(["--answers", "source", *argv])
 
 
 def test_functions_are_documented_bodies_with_their_stub(tmp_path):
@@ -90,7 +93,7 @@ def test_dataset_follows_the_base_and_answers_with_the_source(tmp_path):
     base.save(tmp_path / "base")
     (tmp_path / "base" / "prompts.jsonl").write_text('{"source": "a"}\n{"source": "b"}\n')
     out = tmp_path / "code"
-    assert m.main(["--out", str(out), "--base", str(tmp_path / "base"), "--num-sequences", "12", "--max-len", "200"]) == 0
+    assert main(["--out", str(out), "--base", str(tmp_path / "base"), "--num-sequences", "12", "--max-len", "200"]) == 0
     ds = TokenDataset.load(out)
     prompts = [json.loads(x) for x in (out / "prompts.jsonl").read_text().splitlines()]
     assert len(ds) == len(prompts) == 14 and [p["source"] for p in prompts[:2]] == ["a", "b"]
@@ -110,14 +113,14 @@ def test_dataset_follows_the_base_and_answers_with_the_source(tmp_path):
         stub = prompt.split("```python\n", 1)[1].split("```", 1)[0]
         assert answer[len("```python\n"):].startswith(stub.rstrip("\n"))  # the answer completes the stub
     again = tmp_path / "again"
-    assert m.main(["--out", str(again), "--base", str(tmp_path / "base"), "--num-sequences", "12", "--max-len", "200"]) == 0
+    assert main(["--out", str(again), "--base", str(tmp_path / "base"), "--num-sequences", "12", "--max-len", "200"]) == 0
     assert TokenDataset.load(again).fingerprint() == ds.fingerprint()  # deterministic
     grown = tmp_path / "grown"  # a base that already asks some functions: they are not asked again
-    assert m.main(["--out", str(grown), "--base", str(out), "--num-sequences", "12", "--max-len", "200"]) == 0
+    assert main(["--out", str(grown), "--base", str(out), "--num-sequences", "12", "--max-len", "200"]) == 0
     new = [json.loads(x)["source"] for x in (grown / "prompts.jsonl").read_text().splitlines()[14:]]
     assert len(new) == 12 and not set(new) & {p["source"] for p in prompts}
     with pytest.raises(DFlashError, match="--sources"):
-        m.main(["--out", str(tmp_path / "x"), "--sources", "stdlib,stdlib"])
+        main(["--out", str(tmp_path / "x"), "--sources", "stdlib,stdlib"])
     (tmp_path / "base" / "prompts.jsonl").write_text('{"source": "a"}\n')
     with pytest.raises(DFlashError, match="prompts.jsonl"):
-        m.main(["--out", str(tmp_path / "x"), "--base", str(tmp_path / "base"), "--num-sequences", "2"])
+        main(["--out", str(tmp_path / "x"), "--base", str(tmp_path / "base"), "--num-sequences", "2"])

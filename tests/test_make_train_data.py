@@ -1,4 +1,4 @@
-"""The self-distillation data recipe (``tools/make_train_data.py``): a deterministic prompt list
+"""The self-distillation data recipe (``dflash-jax make-data``, :mod:`dflash_jax.train.make_data`): a deterministic prompt list
 whose older lists are prefixes of newer ones, and resumable generation by continuous batching that
 never reuses a shard answering other prompts."""
 
@@ -13,13 +13,15 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from dflash_jax.cli import make_data as cli
+from dflash_jax.train import make_data, prompt_lists, source_code
+
 REPO = Path(__file__).resolve().parents[1]
-TOOL = REPO / "tools" / "make_train_data.py"
 
 
 def _list(seed: int, hashseed: str) -> list[dict]:
     env = dict(os.environ, PYTHONHASHSEED=hashseed)
-    out = subprocess.run([sys.executable, str(TOOL), "--out", "unused", "--num-prompts", "100000", "--seed", str(seed), "--list-prompts"],
+    out = subprocess.run([sys.executable, "-m", "dflash_jax", "make-data", "--out", "unused", "--num-prompts", "100000", "--seed", str(seed), "--list-prompts"],
                          capture_output=True, text=True, env=env, check=True, cwd=REPO).stdout
     return [json.loads(line) for line in out.splitlines()]
 
@@ -49,36 +51,34 @@ def test_generation_resumes_and_ignores_foreign_shards(tmp_path):
     """Answers come back from earlier runs' shards (also when more prompts are asked), rows are
     refilled as they finish (continuous batching) without changing any answer, and a shard made
     with other settings is never used."""
-    m = _tools()[0]
     from dflash_jax.train.data import TokenDataset
 
     out = tmp_path / "data"
     common = ["--out", str(out), "--max-new", "3", "--prompt-cap", "128"]
-    assert m.main(common + ["--num-prompts", "2", "--batch-size", "2"]) == 0
+    assert cli.main(common + ["--num-prompts", "2", "--batch-size", "2"]) == 0
     shard0 = out / "shards" / "answers_00000.npz"
     first = os.stat(shard0).st_ino
     # one row refilled at a time: five prompts through two rows, the first two read back
-    assert m.main(common + ["--num-prompts", "5", "--batch-size", "2", "--refill", "1"]) == 0
+    assert cli.main(common + ["--num-prompts", "5", "--batch-size", "2", "--refill", "1"]) == 0
     assert os.stat(shard0).st_ino == first
     assert sorted(np.load(out / "shards" / "answers_00001.npz")["index"].tolist()) == [2, 3]
     assert np.load(out / "shards" / "answers_00002.npz")["index"].tolist() == [4]
     ds = TokenDataset.load(out)
     assert len(ds) == 5
     again = tmp_path / "again"  # all five in one batch of five rows: the same greedy answers
-    assert m.main(["--out", str(again), "--max-new", "3", "--prompt-cap", "128", "--num-prompts", "5", "--batch-size", "5"]) == 0
+    assert cli.main(["--out", str(again), "--max-new", "3", "--prompt-cap", "128", "--num-prompts", "5", "--batch-size", "5"]) == 0
     assert TokenDataset.load(again).fingerprint() == ds.fingerprint()
     prompts = [json.loads(line) for line in (out / "prompts.jsonl").read_text().splitlines()]
     for i, p in enumerate(prompts):
         toks, mask = ds.sequence(i)
         assert int((mask == 0).sum()) == p["prompt_tokens"] and 1 <= int(mask.sum()) <= 3
     # other settings (--max-new 2): every shard is foreign, all five prompts are answered again
-    assert m.main(["--out", str(out), "--max-new", "2", "--prompt-cap", "128", "--num-prompts", "5", "--batch-size", "2"]) == 0
+    assert cli.main(["--out", str(out), "--max-new", "2", "--prompt-cap", "128", "--num-prompts", "5", "--batch-size", "2"]) == 0
     assert sorted(sum((np.load(f)["index"].tolist() for f in sorted((out / "shards").glob("answers_*.npz"))[3:]), [])) == [0, 1, 2, 3, 4]
     assert all(int(TokenDataset.load(out).sequence(i)[1].sum()) <= 2 for i in range(5))
 
 
 def test_a_shard_is_read_only_for_its_own_prompts_and_settings(tmp_path):
-    m = _tools()[0]
     settings = json.dumps({"max_new": 3})
     ids = [[1, 2, 3], [4, 5], [6]]
     seqs = [[4, 5, 7], [1, 2, 3, 9, 9]]
@@ -88,26 +88,16 @@ def test_a_shard_is_read_only_for_its_own_prompts_and_settings(tmp_path):
 
     path = tmp_path / "answers_00000.npz"
     write([1, 0], settings=np.frombuffer(settings.encode(), np.uint8))
-    got = m._read_shard(path, ids, settings)
+    got = make_data._read_shard(path, ids, settings)
     assert sorted(got) == [0, 1] and got[0].tolist() == seqs[1] and got[1].tolist() == seqs[0]
-    assert list(m._read_shard(path, ids[:1], settings)) == [0]  # entries past the prompts asked now are left out
-    assert m._read_shard(tmp_path / "missing.npz", ids, settings) is None
-    assert m._read_shard(path, [[1, 2, 3], [4, 6]], settings) is None  # index 1 is another prompt now
-    assert m._read_shard(path, ids, json.dumps({"max_new": 4})) is None  # made with other settings
+    assert list(make_data._read_shard(path, ids[:1], settings)) == [0]  # entries past the prompts asked now are left out
+    assert make_data._read_shard(tmp_path / "missing.npz", ids, settings) is None
+    assert make_data._read_shard(path, [[1, 2, 3], [4, 6]], settings) is None  # index 1 is another prompt now
+    assert make_data._read_shard(path, ids, json.dumps({"max_new": 4})) is None  # made with other settings
     write([1, 0])
-    assert m._read_shard(path, ids, settings) is None  # settings not recorded
+    assert make_data._read_shard(path, ids, settings) is None  # settings not recorded
     path.write_bytes(b"not a zip")
-    assert m._read_shard(path, ids, settings) is None
-
-
-def _tools():
-    sys.path.insert(0, str(REPO / "tools"))
-    try:
-        import make_code_data
-        import make_train_data
-    finally:
-        sys.path.pop(0)
-    return make_train_data, make_code_data
+    assert make_data._read_shard(path, ids, settings) is None
 
 
 def _fake_package(tmp_path, monkeypatch, name="fakepkg_sd"):
@@ -123,31 +113,29 @@ def _fake_package(tmp_path, monkeypatch, name="fakepkg_sd"):
 
 
 def test_source_prompts_ask_every_function_as_humaneval_does(tmp_path, monkeypatch):
-    m, code = _tools()
     from dflash_jax.errors import DFlashError
 
     name = _fake_package(tmp_path, monkeypatch)
-    roots, listed = m.source_prompts(name, 0)
+    roots, listed = prompt_lists.source_prompts(name, 0)
     assert list(roots) == [name] and sorted(p["source"] for p in listed) == [f"pkg-src:{name}.mod.f{i}" for i in range(3)]
     assert all(p["kind"] == "complete" and p["text"].startswith("Complete the following Python function") for p in listed)
-    assert all(p["text"] == m.COMPLETE.format(stub=p["text"].split("```python\n", 1)[1][:-3]) for p in listed)
-    assert m.source_prompts(name, 0)[1] == listed != m.source_prompts(name, 5)[1]  # a seeded shuffle
-    assert code.source_meta(roots) == {name: {"path": str(tmp_path / name), "version": "unknown"}}
+    assert all(p["text"] == prompt_lists.COMPLETE.format(stub=p["text"].split("```python\n", 1)[1][:-3]) for p in listed)
+    assert prompt_lists.source_prompts(name, 0)[1] == listed != prompt_lists.source_prompts(name, 5)[1]  # a seeded shuffle
+    assert source_code.source_meta(roots) == {name: {"path": str(tmp_path / name), "version": "unknown"}}
     for bad in ("", ",", f"{name},{name}"):
         with pytest.raises(DFlashError, match="--sources"):
-            m.source_prompts(bad, 0)
+            prompt_lists.source_prompts(bad, 0)
 
 
 def test_base_comes_first_and_its_prompt_lines_are_checked(tmp_path):
-    m, _ = _tools()
     from dflash_jax.errors import DFlashError
     from dflash_jax.train.data import TokenDataset
 
-    assert m.Base(None).seqs == [] and m.Base(None).meta is None
+    assert make_data.Base(None).seqs == [] and make_data.Base(None).meta is None
     src = tmp_path / "base"
     base_ds = TokenDataset.from_sequences([[1, 2, 3, 4], [5, 6, 7]], [[0, 0, 1, 1], [0, 1, 1]], {"recipe": "test"})
     base_ds.save(src)
-    base = m.Base(str(src))  # no prompts.jsonl: one empty record per sequence
+    base = make_data.Base(str(src))  # no prompts.jsonl: one empty record per sequence
     assert base.asked == {(1, 2), (5,)} and base.lines == ["{}", "{}"] and base.meta["fingerprint"] == base_ds.fingerprint()
     ds = base.save_with(tmp_path / "out", [[8, 9]], [[0, 1]], [{"source": "new"}], {"recipe": "x"})
     assert [ds.sequence(i)[0].tolist() for i in range(3)] == [[1, 2, 3, 4], [5, 6, 7], [8, 9]]
@@ -155,7 +143,7 @@ def test_base_comes_first_and_its_prompt_lines_are_checked(tmp_path):
     assert (tmp_path / "out" / "prompts.jsonl").read_text().splitlines() == ["{}", "{}", '{"source": "new"}']
     (src / "prompts.jsonl").write_text('{"source": "a"}\n')
     with pytest.raises(DFlashError, match="prompts.jsonl"):
-        m.Base(str(src))
+        make_data.Base(str(src))
 
 
 @pytest.mark.slow
@@ -163,19 +151,18 @@ def test_sources_answers_follow_the_base_and_no_prompt_is_asked_twice(tmp_path, 
     """``--sources`` asks the target to complete a package's documented functions; ``--base``
     puts a dataset's sequences first and skips the prompts it already asks, so growing a dataset
     never repeats a prompt; a rerun reuses every shard."""
-    m, _ = _tools()
     from dflash_jax.decode import loop as decode
     from dflash_jax.loading import load_target
     from dflash_jax.train.data import TokenDataset
 
     name = _fake_package(tmp_path, monkeypatch)
-    _, listed = m.source_prompts(name, 0)
+    _, listed = prompt_lists.source_prompts(name, 0)
     base = TokenDataset.from_sequences([[1, 2, 3, 4]], [[0, 0, 1, 1]], {"recipe": "test"})
     base.save(tmp_path / "base")
     (tmp_path / "base" / "prompts.jsonl").write_text('{"source": "a"}\n')
     common = ["--sources", name, "--max-new", "3", "--batch-size", "2"]
     one = tmp_path / "one"
-    assert m.main(["--out", str(one), "--base", str(tmp_path / "base"), "--num-prompts", "2"] + common) == 0
+    assert cli.main(["--out", str(one), "--base", str(tmp_path / "base"), "--num-prompts", "2"] + common) == 0
     ds = TokenDataset.load(one)
     prompts = [json.loads(x) for x in (one / "prompts.jsonl").read_text().splitlines()]
     assert len(ds) == len(prompts) == 3 and prompts[0] == {"source": "a"}
@@ -195,11 +182,29 @@ def test_sources_answers_follow_the_base_and_no_prompt_is_asked_twice(tmp_path, 
 
     monkeypatch.setattr(decode, "generate_until", no_generation)  # a rerun reads every shard back
     monkeypatch.setattr(decode, "prefill", no_generation)
-    assert m.main(["--out", str(one), "--base", str(tmp_path / "base"), "--num-prompts", "2"] + common) == 0
+    assert cli.main(["--out", str(one), "--base", str(tmp_path / "base"), "--num-prompts", "2"] + common) == 0
     assert TokenDataset.load(one).fingerprint() == ds.fingerprint()
     monkeypatch.undo()
     monkeypatch.syspath_prepend(str(tmp_path))
     two = tmp_path / "two"  # grown from the first: only the function it does not ask yet is left
-    assert m.main(["--out", str(two), "--base", str(one), "--num-prompts", "2"] + common) == 0
+    assert cli.main(["--out", str(two), "--base", str(one), "--num-prompts", "2"] + common) == 0
     sources = [json.loads(x).get("source") for x in (two / "prompts.jsonl").read_text().splitlines()]
     assert sources[:3] == [p["source"] for p in prompts] and sources[3:] == [listed[2]["source"]]
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["--answers", "source", "--max-new", "3"], "error: --max-new: given with --answers source (expected --answers target with --max-new, or no --max-new)"),
+    (["--max-len", "200"], "error: --max-len: given with --answers target (expected --answers source with --max-len, or no --max-len)"),
+    (["--batch-size", "0"], "error: --batch-size: got 0 (expected an integer >= 1)"),
+    (["--batch-size", "4", "--refill", "5"], "error: --refill: got 5 (expected an integer in [1, --batch-size = 4])"),
+    (["--code-fraction", "1.5"], "error: --code-fraction: got 1.5 (expected a number in [0, 1])"),
+    (["--answers", "other"], "error: --answers: got 'other' (expected one of: target, source)"),
+    ([], "error: --out: missing (expected a value)"),
+])
+def test_make_data_refuses_options_of_the_other_recipe_and_bad_values(capsys, argv, says):
+    """``dflash-jax make-data``: one line naming the option, exit code 2, before anything loads."""
+    from dflash_jax.cli.main import main
+
+    assert main(["make-data", *(["--out", "unused"] if argv else []), *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.strip() == says or err.startswith(says), err

@@ -1,14 +1,23 @@
-"""Every notebook in notebooks/ runs top to bottom (CI executes them), and is committed executed:
-its figures and numbers are visible where it is rendered without running it (GitHub)."""
+"""Every notebook in notebooks/ runs top to bottom (CI executes them with ``tools/run_notebook.py``,
+the headless command), and is committed executed: its figures and numbers are visible where it is
+rendered without running it (GitHub)."""
 
-import copy
 import json
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
-NOTEBOOKS = sorted((Path(__file__).resolve().parents[1] / "notebooks").glob("*.ipynb"))
+REPO = Path(__file__).resolve().parents[1]
+NOTEBOOKS = sorted((REPO / "notebooks").glob("*.ipynb"))
+
+
+def run_notebook(*argv) -> subprocess.CompletedProcess:
+    """``python tools/run_notebook.py ARGV`` from the repository root."""
+    return subprocess.run([sys.executable, "tools/run_notebook.py", *map(str, argv)], cwd=REPO, capture_output=True, text=True,
+                          timeout=3600)
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.name for p in NOTEBOOKS])
@@ -63,9 +72,7 @@ def printed_acceptance(nb):
 # another token and move one prompt's tau by a step's worth. 0.15 tokens/step absorbs that (and the 2-decimal
 # rounding of the printout) while a real change in drafting or verification moves tau by more.
 TAU_ATOL = 0.15
-_REEXECUTE = ("re-execute the notebook and commit its outputs: python -c \"import nbformat, nbclient; p='notebooks/{name}'; "
-              "nb=nbformat.read(p, 4); nbclient.NotebookClient(nb, timeout=900, kernel_name='python3', record_timing=False, "
-              "resources={{'metadata': {{'path': 'notebooks'}}}}).execute(); nbformat.write(nb, p)\"")
+_REEXECUTE = "re-execute the notebook and commit its outputs: python tools/run_notebook.py notebooks/{name}"
 
 
 def compare_acceptance(stored, fresh, name, atol=TAU_ATOL):
@@ -104,11 +111,44 @@ def test_the_acceptance_comparison_finds_each_printed_tau_and_names_what_moved()
 
 @pytest.mark.slow
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.name for p in NOTEBOOKS])
-def test_notebook_runs(path):
-    """Runs top to bottom, and today's code prints the acceptance (tau) its stored outputs show."""
+def test_notebook_runs(path, tmp_path):
+    """Runs top to bottom (``tools/run_notebook.py --out``: the committed file is left alone), and today's code
+    prints the acceptance (tau) its stored outputs show."""
     nbformat = pytest.importorskip("nbformat")
-    nbclient = pytest.importorskip("nbclient")
-    nb = nbformat.read(path, as_version=4)
-    stored = copy.deepcopy(nb)  # the committed outputs, before execution replaces them
-    nbclient.NotebookClient(nb, timeout=900, kernel_name="python3", resources={"metadata": {"path": str(path.parent)}}).execute()
-    compare_acceptance(stored, nb, path.name)
+    pytest.importorskip("nbclient")
+    committed = path.read_bytes()
+    stored = nbformat.read(path, as_version=4)  # the committed outputs
+    out = tmp_path / path.name
+    r = run_notebook(path, "--out", out)
+    assert r.returncode == 0, r.stderr[-6000:]
+    assert path.read_bytes() == committed
+    compare_acceptance(stored, nbformat.read(out, as_version=4), path.name)
+
+
+def _tiny_notebook(path: Path, *cells: str) -> Path:
+    nbformat = pytest.importorskip("nbformat")
+    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(c) for c in cells])
+    nbformat.write(nb, path)
+    return path
+
+
+def test_run_notebook_writes_the_executed_copy_and_stops_at_a_failing_cell(tmp_path):
+    """The headless command: every cell executed in order, run in the notebook's own folder, the
+    copy written to --out (or in place); a failing cell exits with 1 and writes nothing; a path that
+    is no notebook is a usage error (2)."""
+    nbformat = pytest.importorskip("nbformat")
+    pytest.importorskip("nbclient")
+    pytest.importorskip("ipykernel")
+    src = _tiny_notebook(tmp_path / "tiny.ipynb", "import os\nprint(os.path.basename(os.getcwd()))", "6 * 7")
+    r = run_notebook(src, "--out", tmp_path / "out" / "tiny.ipynb")
+    assert r.returncode == 0, r.stderr[-3000:]
+    nb = nbformat.read(tmp_path / "out" / "tiny.ipynb", as_version=4)
+    assert [c.execution_count for c in nb.cells] == [1, 2]
+    assert nb.cells[0].outputs[0]["text"].strip() == tmp_path.name and nb.cells[1].outputs[0]["data"]["text/plain"] == "42"
+    assert all(not c.get("execution_count") for c in nbformat.read(src, as_version=4).cells)  # --out leaves the source alone
+    assert run_notebook(src).returncode == 0 and nbformat.read(src, as_version=4).cells[1].execution_count == 2  # in place
+    bad = _tiny_notebook(tmp_path / "bad.ipynb", "raise ValueError('boom')")
+    r = run_notebook(bad, "--out", tmp_path / "bad_out.ipynb")
+    assert r.returncode == 1 and "boom" in r.stderr and not (tmp_path / "bad_out.ipynb").exists()
+    r = run_notebook(tmp_path / "missing.ipynb")
+    assert r.returncode == 2 and "missing.ipynb: not a notebook file" in r.stderr

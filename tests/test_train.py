@@ -8,6 +8,7 @@ import csv
 import dataclasses
 import json
 import math
+import subprocess
 import sys
 from pathlib import Path
 
@@ -640,24 +641,23 @@ def test_module_entry_point_is_the_train_cli():
     assert bad.returncode == 2 and bad.stderr.strip().startswith("error: ") and "--data" in bad.stderr
 
 
-def test_plot_training_curve_tool(tmp_path, capsys):
-    """``tools/plot_training_curve.py``: a PNG from a training_curve.csv; a missing or foreign file is
-    a usage error naming it."""
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
-    try:
-        import plot_training_curve as ptc
-    finally:
-        sys.path.pop(0)
+def test_plot_training_curve_tool(tmp_path):
+    """``tools/plot_training_curve.py`` (run as a program): a PNG from a training_curve.csv; a missing or
+    foreign file is a usage error naming it."""
+    repo = Path(__file__).resolve().parents[1]
+
+    def ptc(*argv):
+        return subprocess.run([sys.executable, "tools/plot_training_curve.py", *map(str, argv)], cwd=repo,
+                              capture_output=True, text=True, timeout=300)
+
     src = tmp_path / "training_curve.csv"
     src.write_text("step,supervised_seen,tau,run\n0,0,1.0,1\n10,5000,1.2,1\n20,9000,1.3,2\n")
-    assert ptc.main([str(src), str(tmp_path / "c.png")]) == 0
+    assert ptc(src, tmp_path / "c.png").returncode == 0
     assert (tmp_path / "c.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     (tmp_path / "other.csv").write_text("a,b\n1,2\n")
     for bad, needle in ((tmp_path / "nope.csv", "cannot read"), (tmp_path / "other.csv", "no rows or no column")):
-        with pytest.raises(SystemExit) as e:
-            ptc.main([str(bad), str(tmp_path / "d.png")])
-        err = capsys.readouterr().err
-        assert e.value.code == 2 and f"{bad}: {needle}" in err
+        r = ptc(bad, tmp_path / "d.png")
+        assert r.returncode == 2 and f"{bad}: {needle}" in r.stderr
     assert not (tmp_path / "d.png").exists()
 
 

@@ -31,7 +31,7 @@ programs the server compiled during the measured pass, and the 1-minute load ave
 cost of host round trips (:func:`round_trips`). Nothing but loopback is contacted. Bounded: about
 15 minutes on a loaded 2-core CPU with a warm compilation cache.
 
-    python tools/bench_serve.py                 # writes BENCHMARKS.md and tools/results/serve_bench.png
+    python tools/bench_serve.py                 # writes BENCHMARKS.md and docs/results/serve_bench.png
 """
 
 from __future__ import annotations
@@ -42,9 +42,6 @@ import datetime
 import importlib.util
 import json
 import os
-import signal
-import socket
-import subprocess
 import sys
 import time
 import urllib.request
@@ -55,35 +52,11 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tools"))
 
-from benchlib import machine, write_section  # noqa: E402
-from prompts import CHAT_PROMPTS  # noqa: E402
+from benchlib import RESULTS, free_port, machine, start, stop, write_section  # noqa: E402
+
+from dflash_jax.assets.prompts import CHAT_PROMPTS  # noqa: E402
 
 SPEC = {"dflash": True, "plain": False}  # the dflash-jax servers and generate's mode for each
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def start(name: str, argv: list[str], port: int, log: Path) -> subprocess.Popen:
-    """Starts a server and waits (15 minutes at most) until it answers ``/health`` or ``/v1/models``."""
-    env = dict(os.environ, JAX_PLATFORMS="cpu", OMP_WAIT_POLICY="PASSIVE")
-    proc = subprocess.Popen(argv, cwd=ROOT, stdout=log.open("w"), stderr=subprocess.STDOUT, env=env)
-    deadline = time.time() + 900
-    while time.time() < deadline:
-        if proc.poll() is not None:
-            raise SystemExit(f"{name} exited early, see {log}")
-        for path in ("/health", "/v1/models"):
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=2) as r:
-                    if r.status == 200:
-                        return proc
-            except OSError:
-                pass
-        time.sleep(1)
-    raise SystemExit(f"{name} did not come up, see {log}")
 
 
 def servers(args, logs: Path) -> dict:
@@ -104,16 +77,6 @@ def servers(args, logs: Path) -> dict:
                          url=f"http://127.0.0.1:{port}", model=gguf if name == "llama.cpp" else Path(gguf).name)
         print(f"{name} up on port {port}", flush=True)
     return out
-
-
-def stop(srv: dict) -> None:
-    for s in srv.values():
-        s["proc"].send_signal(signal.SIGTERM)
-    for s in srv.values():
-        try:
-            s["proc"].wait(60)
-        except subprocess.TimeoutExpired:
-            s["proc"].kill()
 
 
 async def one(client, model: str, prompt: str, max_tokens: int) -> dict:
@@ -439,7 +402,7 @@ def report(results: dict, args, command: str) -> str:
                   "relative to one on-device loop (median of alternating pairs):", "",
                   "| mode | on-device loop (ms CPU per step) | rounds of 1 step | rounds of 4 steps |", "|---|---|---|---|"]
         lines += [f"| {mode} | {r['loop_ms']:.1f} | {r['rounds_of_1']:.3f} | {r['rounds_of_4']:.3f} |" for mode, r in results["round_trips"].items()]
-    lines += ["", "Reading:", "", *_reading(results), "", "![serving throughput and latency](tools/results/serve_bench.png)"]
+    lines += ["", "Reading:", "", *_reading(results), "", "![serving throughput and latency](docs/results/serve_bench.png)"]
     return "\n".join(lines)
 
 
@@ -457,12 +420,12 @@ def main(argv=None) -> None:
     p.add_argument("--no-write", action="store_true", help="print only")
     args = p.parse_args(argv)
     results = run(args)
-    (ROOT / "tools" / "results").mkdir(parents=True, exist_ok=True)
-    (ROOT / "tools" / "results" / "serve_bench.json").write_text(json.dumps(results, indent=1, default=str))
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    (RESULTS / "serve_bench.json").write_text(json.dumps(results, indent=1, default=str))
     body = report(results, args, "python tools/bench_serve.py " + " ".join(argv if argv is not None else sys.argv[1:]))
     print(body)
     if not args.no_write:
-        plot(results, ROOT / "tools" / "results" / "serve_bench.png")
+        plot(results, RESULTS / "serve_bench.png")
         write_section(ROOT / "BENCHMARKS.md", "serve", body, tool="bench_serve")
 
 

@@ -4,14 +4,14 @@ For each prompt set (HumanEval asked as chat, and general chat prompts) and batc
 the default target and its shipped drafter at the API's default capacity: decode tokens/s of
 plain decoding, of DFlash at every fixed ``n_max`` 1..block_size-1 and of ``n_max="auto"``,
 each batch run under every configuration in turn (a different one first each time); a batch
-above 1 runs as continuous batching (``spec_continuous.py``: a finished row takes the next
+above 1 runs as continuous batching (``speclib.py``: a finished row takes the next
 prompt at once, as the server does; segments of finished rows alternate); the best
 fixed depth chosen per set after the fact; ratios with a bootstrap interval over batches and by
 CPU time; tau per configuration, auto's width histogram, plain steps and cost model; whether
 every output equals plain greedy decoding (differences at near-ties of the target's logits
 reported apart); XLA compilations inside the timed loops (must be 0). A batch is prefilled once
 for plain decoding and once with capture, and every configuration starts from a copy.
-Results go to a section of ``BENCHMARKS.md`` and the plot to ``tools/results/depth_sweep.png``::
+Results go to a section of ``BENCHMARKS.md`` and the plot to ``docs/results/depth_sweep.png``::
 
     python tools/bench_spec.py --humaneval 164 --chat 16 --batches 1,8 --max-new-tokens 32
     python tools/bench_spec.py --humaneval 8 --chat 4 --batches 1 --no-write   # a quick look
@@ -31,128 +31,10 @@ import numpy as np
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from benchlib import at_least, busy_seconds, int_list, machine, write_section  # noqa: E402
-from prompts import CHAT_PROMPTS, humaneval_chat_prompts  # noqa: E402
+from benchlib import RESULTS, at_least, busy_seconds, int_list, machine, write_section  # noqa: E402
+from speclib import compare, compile_all, configs, prefilled, run_config, run_continuous  # noqa: E402
 
-TIE_GAP = 1e-3  # a first difference at a step whose top-2 logit gap is below this is a near-tie
-
-
-def configs(drafter) -> list:
-    return ["plain", *range(1, drafter.cfg.block_size), "auto"]
-
-
-def setup(target, drafter, config):
-    """``(static, params)`` of one configuration (``params.depth`` is filled in later for auto)."""
-    from dflash_jax.decode.static import Decoding, Params
-
-    if config == "plain":
-        return Decoding(target.cfg), Params(target.params)
-    if not is_auto(config):
-        return Decoding(target.cfg, drafter.cfg, n_max=config), Params(target.params, drafter.params)
-    # "auto": the drafter's default (its recorded auto_depth and tree); "auto@K": over blocks of K tokens (K - 1 drafts)
-    if config == "auto":
-        from dflash_jax.arguments import drafter_decoding
-
-        return drafter_decoding(target.cfg, drafter, n_max="auto", tree=drafter.tree or 0), Params(target.params, drafter.params)
-    return Decoding(target.cfg, drafter.cfg, n_max="auto", auto_depth=int(config[5:]) - 1), Params(target.params, drafter.params)
-
-
-def is_auto(config) -> bool:
-    """Whether ``config`` names auto (``"auto"``, or ``"auto@K"``: auto over blocks of ``K`` tokens)."""
-    return isinstance(config, str) and config.startswith("auto")
-
-
-def fresh_state(target, static, params, prompts, args, capacity):
-    from dflash_jax.decode import loop as decode
-
-    st = decode.init_state(static, prompts, capacity, args.max_new_tokens, target.eos_ids)
-    return decode.prefill(params, st, static, 256, max(len(p) for p in prompts))
-
-
-def compile_all(target, drafter, prompts, args, capacity, names=None):
-    """For one (batch, capacity): every configuration's loop (or those of ``names``) compiled
-    ahead of time, and auto's cost model (kept on disk or measured with its own loop, as the API
-    does)."""
-    import jax.numpy as jnp
-
-    from dflash_jax.decode.auto import costs
-    from dflash_jax.decode import loop as decode
-    from dflash_jax.decode.auto.policy import Calibration
-
-    out = {}
-    for config in names or configs(drafter):
-        static, params = setup(target, drafter, config)
-        if is_auto(config):
-            n, widths = static.depth, static.auto_widths
-            calibration = drafter.calibration or Calibration.identity(n)  # depth_policy takes its first n positions
-            params = params._replace(depth=costs.depth_policy(calibration, costs.CostModel.forcing(widths[-1], widths[-1], widths), depth=n))
-        st = fresh_state(target, static, params, prompts, args, capacity)
-        rows = jnp.int32(len(prompts))
-        loop = decode.generate_until.lower(params, st, static, rows).compile()
-        run = lambda p, s, loop=loop, rows=rows: loop(p, s, rows)  # noqa: E731
-        if is_auto(config):
-            key = costs.cost_key(static, params, len(prompts), (target.source, drafter.source))
-            model = costs.cost_model_for(key, lambda: costs.measure(run, params, st, static), refresh=args.measure_costs, widths=widths)
-            params = params._replace(depth=costs.depth_policy(calibration, model, depth=n))
-            out["cost_model"] = model
-        out[config] = (static, params, run, loop)
-    return out
-
-
-def prefilled(target, prepared, prompts, args, capacity) -> dict:
-    """The batch prefilled once for plain decoding and once with the drafter's capture (every
-    DFlash configuration starts from a copy of the latter: prefill does not depend on n_max)."""
-    return {kind: fresh_state(target, *prepared[config][:2], prompts, args, capacity) for kind, config in (("plain", "plain"), ("dflash", "auto"))}
-
-
-def state_for(states: dict, static):
-    """A copy of the prefilled state for ``static`` (its statistics shaped for its ``n_max``);
-    a shape that does not fit the compiled loop would make the loop raise."""
-    import jax
-    import jax.numpy as jnp
-
-    if not static.speculative:
-        return jax.tree.map(lambda x: jnp.array(x, copy=True), states["plain"])
-    st = jax.tree.map(lambda x: jnp.array(x, copy=True), states["dflash"])
-    sp, n = st.speculative, static.depth
-    return st.replace(speculative=sp.replace(accepted_per_position=jnp.zeros((sp.accepted.shape[0], n), jnp.int32),
-                                             widths=jnp.zeros((n + 1,), jnp.int32)))
-
-
-def run_config(prepared, config, states):
-    """One timed generation of a batch: ids, gaps, seconds, decode tokens and statistics."""
-    import jax
-
-    from dflash_jax.runtime.compiled import count_compilations
-
-    static, params, run, _ = prepared[config]
-    st = state_for(states, static)
-    jax.block_until_ready(st)
-    with count_compilations() as compiled:
-        t0, c0 = time.perf_counter(), time.process_time()
-        st = jax.block_until_ready(run(params, st))
-        dt, cpu = time.perf_counter() - t0, time.process_time() - c0
-        n_compiled = compiled()
-    tokens, gaps, length, steps, prompt_len = jax.device_get((st.tokens, st.gaps, st.length, st.steps, st.prompt_len))
-    rows = []
-    for b, p in enumerate(prompt_len):
-        rows.append(dict(ids=tokens[b, p : length[b]].tolist(), gaps=gaps[b, p : length[b]].tolist()))
-    rec = dict(rows=rows, seconds=dt, cpu=cpu, decode_tokens=int(sum(len(r["ids"]) for r in rows)) - len(rows), steps=int(steps),
-               compiled=n_compiled)
-    if static.speculative:
-        sp, committed = jax.device_get((st.speculative, st.committed))
-        rec.update(passes=int(np.sum(sp.verify_steps)), committed=int(np.sum(committed)), widths=sp.widths.tolist())
-    return rec
-
-
-def compare(plain, other) -> str:
-    """``"equal"``, ``"tie"`` (first difference at a near-tie) or ``"MISMATCH"``."""
-    a, b = plain["ids"], other["ids"]
-    if a == b:
-        return "equal"
-    i = next((k for k in range(min(len(a), len(b))) if a[k] != b[k]), min(len(a), len(b)))
-    return "tie" if (plain["gaps"][i] if i < len(plain["gaps"]) else 0.0) < TIE_GAP else "MISMATCH"
-
+from dflash_jax.assets.prompts import CHAT_PROMPTS, humaneval_chat_prompts  # noqa: E402
 
 def batches(prompts, batch, args):
     """Batches of ``batch`` prompts (sorted by length, so a batch shares a capacity), each with
@@ -170,12 +52,10 @@ def batches(prompts, batch, args):
 
 def run_set(target, drafter, name, prompts, batch, args) -> dict:
     """Every configuration on every batch of one set; per configuration the sums over batches.
-    A batch above 1 runs as continuous batching (:mod:`spec_continuous`), as a server runs it."""
+    A batch above 1 runs as continuous batching (:func:`speclib.run_continuous`), as a server runs it."""
     import jax
 
     if batch > 1:
-        from spec_continuous import run_set as run_continuous
-
         return run_continuous(target, drafter, name, prompts, batch, args)
 
     names = configs(drafter)
@@ -307,7 +187,7 @@ def main(argv=None) -> int:
     body = section(results, names, args, argv, wall, busy, drafter)
     print(body)
     if not args.no_write:
-        plot(results, names, REPO / "tools" / "results" / "depth_sweep.png")
+        plot(results, names, RESULTS / "depth_sweep.png")
         write_section(Path(args.output), "depth", body, tool="bench_spec")
         print(f"wrote {args.output}", file=sys.stderr)
     return 0
@@ -339,7 +219,7 @@ def section(results, names, args, argv, wall, busy, drafter) -> str:
 {args.repeats} run(s) per configuration and batch; {wall / 60:.0f} minutes.{load}
 Decode tokens/s (sums over the batches; decode time excludes compilation and prefill); the best fixed depth is
 chosen per row after the fact; ratios of those rates, with a bootstrap 95 % interval of the same ratio over batches. A batch above 1 runs as
-continuous batching, as the server does (`tools/spec_continuous.py`): each configuration keeps its slots busy, a
+continuous batching, as the server does (`tools/speclib.py`): each configuration keeps its slots busy, a
 finished row taking the next prompt of the set, until it has finished as many rows as the set has prompts; there
 "batches" counts the segments of that many finished rows in which the configurations took turns.
 
@@ -347,8 +227,8 @@ finished row taking the next prompt of the set, until it has finished as many ro
 |---|---|---|---|""" + "---|" * len(fixed) + """---|---|---|---|
 """ + "\n".join(lines) + "\n\n" + "\n".join(extra) + f"""
 
-Plot: `tools/results/depth_sweep.png` (tokens/s against n_max, auto and plain as lines); calibration of the
-drafter's confidences: `tools/results/calibration.png` (`tools/calibrate_depth.py`).
+Plot: `docs/results/depth_sweep.png` (tokens/s against n_max, auto and plain as lines); calibration of the
+drafter's confidences: `docs/results/calibration.png` (`dflash-jax calibrate-depth --plot docs/results/calibration.png`).
 
 Machine: {m['cpu']}, {m['cores']} cores, {m['memory']} RAM; {m['device']}; Python {m['python']}, jax {m['jax']}.
 """

@@ -47,9 +47,9 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tools"))
 
-from bench_serve import free_port, start, stop  # noqa: E402
-from benchlib import int_list, machine, publish  # noqa: E402
-from prompts import CHAT_PROMPTS  # noqa: E402
+from benchlib import free_port, int_list, machine, publish, start, stop  # noqa: E402
+
+from dflash_jax.assets.prompts import CHAT_PROMPTS  # noqa: E402
 
 SAMPLED = dict(temperature=0.7, top_p=0.9)
 

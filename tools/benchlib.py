@@ -1,4 +1,9 @@
-"""Shared helpers of the benchmark tools: machine description, CPU load, BENCHMARKS.md sections."""
+"""Shared helpers of the benchmark tools: machine description, CPU load, BENCHMARKS.md sections,
+argument types, and starting and stopping servers (the serving benchmarks).
+
+Importing it puts this checkout's root on ``sys.path`` after tools/, so the scripts measure the
+package of the checkout they belong to.
+"""
 
 from __future__ import annotations
 
@@ -6,10 +11,22 @@ import argparse
 import os
 import platform
 import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
 from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+RESULTS = REPO / "docs" / "results"  # plots and raw results the benchmarks write (BENCHMARKS.md shows them)
+if str(REPO) not in sys.path:
+    sys.path.insert(1, str(REPO))
 
 
 def machine() -> dict:
+    """CPU, cores, memory, Python, JAX and jaxlib versions, the first device and ``XLA_FLAGS``."""
     import jax
     import jaxlib
 
@@ -90,3 +107,40 @@ def publish(text: str, args, key: str, tool: str) -> None:
     print(text)
     if not args.no_write:
         write_section(Path(args.output), key, text, tool=tool)
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start(name: str, argv: list[str], port: int, log: Path) -> subprocess.Popen:
+    """Starts a server and waits (15 minutes at most) until it answers ``/health`` or ``/v1/models``."""
+    env = dict(os.environ, JAX_PLATFORMS="cpu", OMP_WAIT_POLICY="PASSIVE")
+    proc = subprocess.Popen(argv, cwd=REPO, stdout=log.open("w"), stderr=subprocess.STDOUT, env=env)
+    deadline = time.time() + 900
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            raise SystemExit(f"{name} exited early, see {log}")
+        for path in ("/health", "/v1/models"):
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=2) as r:
+                    if r.status == 200:
+                        return proc
+            except OSError:
+                pass
+        time.sleep(1)
+    raise SystemExit(f"{name} did not come up, see {log}")
+
+
+def stop(srv: dict) -> None:
+    """Stops every server of ``{name: {"proc", ...}}`` (SIGTERM, then a kill after 60 s)."""
+    for s in srv.values():
+        s["proc"].send_signal(signal.SIGTERM)
+    for s in srv.values():
+        try:
+            s["proc"].wait(60)
+        except subprocess.TimeoutExpired:
+            s["proc"].kill()

@@ -9,7 +9,7 @@ On the device machine (the image has jax with the CUDA plugin; nothing is instal
     python tools/gpu_check.py --merge OUT/gpu_check.md   # put a fetched section into BENCHMARKS.md
 
 Measured, for targets shaped like SmolLM2-135M, Qwen3-8B, Laguna-XS-2.1, Qwen3-Coder-30B-A3B and
-gpt-oss-20b (``gpu_shapes.py``; random weights: speed does not depend on their values) with drafters
+gpt-oss-20b (:mod:`dflash_jax.shapes`; random weights: speed does not depend on their values) with drafters
 of their real shapes:
 
 - decode step time (the on-device ``generate`` loop, batch 1) and the fraction of HBM bandwidth it
@@ -54,9 +54,8 @@ import jax  # noqa: E402
 
 from benchlib import machine, write_section  # noqa: E402
 from dflash_jax.decode.static import Decoding, Params  # noqa: E402
-from gpu_measure import Generation, clocked, copy_bandwidth, decode_at, dflash_at, mesh_check, oracle_tests, verify_cost  # noqa: E402
-from gpu_report import markdown  # noqa: E402
-from gpu_shapes import configs, random_models, tree_bytes  # noqa: E402
+from dflash_jax.shapes import configs, random_models, tree_bytes  # noqa: E402
+from gpu_measure import Generation, clocked, copy_bandwidth, decode_at, dflash_at, markdown, mesh_check, oracle_tests, verify_cost  # noqa: E402
 
 H200_COPY_BW = 4.3e12  # bytes/s, device-to-device copy measured on an H200 of this workplace (read + written)
 ORACLE_FILES = ("tests/test_parity_transformers.py", "tests/test_laguna.py", "tests/test_decode.py", "tests/test_spec.py",
@@ -295,11 +294,15 @@ def main(argv=None) -> int:
     g.add_argument("--quick", action="store_true", help="fewer lengths, widths and acceptance rates (about half the time)")
     g.add_argument("--dry-run", action="store_true", help="tiny shapes on whatever backend is there (CI runs this on the CPU)")
     g.add_argument("--merge", metavar="MD", help="put a gpu_check.md written by a run into --benchmarks, and do nothing else")
+    g.add_argument("--plans", action="store_true", help="print the plans (full, quick, dry-run) as JSON, and do nothing else")
     p.add_argument("--out", default=os.environ.get("OUT"), help="folder for gpu_check.json, gpu_check.md, oracle_tests.log "
                    "(default: $OUT, else a new temporary folder)")
     p.add_argument("--budget-s", type=float, default=None, help="wall-clock budget in seconds (default: the mode's: 420 full, 240 quick)")
     p.add_argument("--benchmarks", default=str(Path(__file__).resolve().parents[1] / "BENCHMARKS.md"), help="the file --merge writes")
     args = p.parse_args(argv)
+    if args.plans:
+        print(json.dumps({name: dataclasses.asdict(plan) for name, plan in PLANS.items()}, indent=1))
+        return 0
     if args.merge:
         write_section(Path(args.benchmarks), "device", Path(args.merge).read_text(encoding="utf-8"), tool="gpu_check")
         print(f"wrote {args.benchmarks}", file=sys.stderr)

@@ -17,7 +17,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("csv", nargs="?", type=Path, default=ROOT / "dflash_jax/assets/drafters/smollm2-135m-instruct/training_curve.csv",
                     help="training_curve.csv of an exported drafter (default: the shipped SmolLM2 drafter's)")
-    ap.add_argument("out", nargs="?", type=Path, default=ROOT / "tools/results/tau_curve.png", help="PNG to write")
+    ap.add_argument("out", nargs="?", type=Path, default=ROOT / "docs/results/tau_curve.png", help="PNG to write")
     args = ap.parse_args(argv)
     src, out = args.csv, args.out
     try:

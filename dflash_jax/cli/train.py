@@ -3,7 +3,7 @@
 Example (the first of the eight runs that made the shipped SmolLM2 drafter;
 ``tools/train_default_drafter.sh`` in the source repository runs them all, ``dflash_jax/assets/drafters/smollm2-135m-instruct``)::
 
-    python tools/make_train_data.py --out runs/smollm2/data1 --num-prompts 2193
+    dflash-jax make-data --out runs/smollm2/data1 --num-prompts 2193
     dflash-jax train --data runs/smollm2/data1 --out runs/smollm2/run1 --mask-token-id 16 \\
         --layers 2 --target-layer-ids 1,10,18,27 --block-size 8 --draft-vocab 8192 \\
         --batch-size 16 --max-len 288 --num-anchors 16 --steps 1500 --lr 8e-4
@@ -59,7 +59,7 @@ def add_arguments(ap: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Adds the options of ``dflash-jax train`` to ``ap`` (its own parser, or the ``train``
     subparser of ``dflash-jax``); returns ``ap``."""
     g = ap.add_argument_group("data and target")
-    g.add_argument("--data", required=True, help="dataset folder (tools/make_train_data.py, TokenDataset)")
+    g.add_argument("--data", required=True, help="dataset folder (dflash-jax make-data, TokenDataset)")
     g.add_argument("--out", required=True, help="run folder: checkpoints, logs, tau curve (resumed when it exists)")
     g.add_argument("--target", default=None, help="target .gguf or HF folder (default: embedded SmolLM2-135M-Instruct)")
     g.add_argument("--features", default=None, help="target-feature cache folder (default <out>/features; built when missing)")

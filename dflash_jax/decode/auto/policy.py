@@ -3,7 +3,7 @@
 Every step the drafter drafts its whole block (``n = block_size - 1`` tokens) and reports a
 confidence per position, its top probability ``c_i`` (a function of the drafter's distribution
 only, never of the sampled draft or of the target). A per-position calibration, fitted on
-observed acceptance (``tools/calibrate_depth.py``), turns it into the probability that draft
+observed acceptance (``dflash-jax calibrate-depth``), turns it into the probability that draft
 ``i`` is accepted when drafts ``1..i-1`` were: ``a_i = sigmoid(scale_i * logit(c_i) + bias_i)``.
 The survival ``S_i = a_1 * ... * a_i`` is the probability that draft ``i`` is committed, so a
 verify of ``w`` drafts commits ``E_b(w) = 1 + S_1 + ... + S_w`` tokens on row ``b`` in

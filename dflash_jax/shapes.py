@@ -1,5 +1,5 @@
-"""Model shapes for tools/gpu_check.py: random-weight targets and drafters shaped like real ones,
-and the bytes a decode step must read.
+"""Model shapes (``tools/gpu_check.py`` measures on them; tests check them): random-weight targets
+and drafters shaped like real ones, and the bytes a decode step must read.
 
 Speed does not depend on the weights' values, so the real checkpoints (which do not fit the 64 MiB
 that travels to a lent GPU) are replaced by random weights of their exact shapes, built from
@@ -39,8 +39,7 @@ from dflash_jax.families.laguna.presets import DRAFTERS, PUBLISHED
 from dflash_jax.families.registry import family_for_hf, module_for
 from dflash_jax.drafter.kinds import drafter_config_from_hf
 
-REPO = Path(__file__).resolve().parents[1]
-SHIPPED_DRAFTER = REPO / "dflash_jax" / "drafters" / "smollm2-135m-instruct" / "config.json"
+SHIPPED_DRAFTER = Path(__file__).resolve().parent / "assets" / "drafters" / "smollm2-135m-instruct" / "config.json"
 
 
 def _llama(vocab, hidden, inter, layers, heads, kv, head_dim, theta, tied, arch="LlamaForCausalLM", eps=1e-5, max_pos=8192):
@@ -94,6 +93,7 @@ def _laguna_drafter(hidden, layers, heads, kv, head_dim, inter, vocab, ids, n_ta
 
 
 def _shipped_drafter() -> dict:
+    """The shipped SmolLM2 drafter's ``config.json``."""
     return json.loads(SHIPPED_DRAFTER.read_text(encoding="utf-8"))
 
 

