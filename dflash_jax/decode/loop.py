@@ -4,7 +4,7 @@ Every step has the signature ``f(params, state, static, ...)``: a
 :class:`~dflash_jax.decode.static.Params` pytree (target and drafter weights), the
 :class:`~dflash_jax.decode.state.DecodeState` carry and a :class:`~dflash_jax.decode.static.Decoding` (static:
 configs, draft mode, depth; each row's sampling settings are in the state). With a drafter a step is a DFlash step
-(:mod:`dflash_jax.speculative`), else one plain target pass. The jitted steps donate the state.
+(:mod:`dflash_jax.decode.step`), else one plain target pass. The jitted steps donate the state.
 ``generate`` runs the whole loop on device with ``lax.while_loop``; ``stream`` steps from Python
 and yields tokens as they are committed. ``generate_until`` and ``replace_rows`` make continuous
 batching: finished rows take new prompts while the others keep decoding.

@@ -76,7 +76,7 @@ def drafter_architectures() -> tuple[str, ...]:
 
 
 def drafter_config_from_hf(cfg: Mapping[str, Any], source: str = "config.json"):
-    """A :class:`~dflash_jax.drafter.drafter_config.DrafterConfig` from a drafter ``config.json``, parsed by the
+    """A :class:`~dflash_jax.drafter.config.DrafterConfig` from a drafter ``config.json``, parsed by the
     kind its ``architectures`` names.
 
     Raises:

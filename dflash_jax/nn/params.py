@@ -9,7 +9,7 @@ logical axes for the dense targets, Laguna and both drafters.
 ``[out, in]`` copies of weights that XLA:CPU multiplies faster that way in wide passes.
 
 The models hold their weights ``[in, out]`` and multiply ``x @ W``. Timed alone
-(``tools/bench_layout.py``, BENCHMARKS.md "Weight layout against pass width"), XLA:CPU multiplies
+(``tools/bench_layout.py`` at commit 9868b87, BENCHMARKS.md "Weight layout against pass width"), XLA:CPU multiplies
 the MLP's gate and up projections about 1.26x faster from 2 rows (``B * T``) on, and the LM head
 about 1.22x faster from 3 rows on, with the weight held ``[out, in]`` as ``W x^T``; one row, and
 q, k, v, o and down at every width, prefer ``[in, out]``.
@@ -17,7 +17,7 @@ q, k, v, o and down at every width, prefer ``[in, out]``.
 So a dense target can hold both: its weights, and ``[out, in]`` copies
 (:func:`with_wide_layouts`); each matmul picks by its static row count (:func:`project`), with
 the same values (float32 sums in another order). Whether a whole pass gets faster,
-``tools/bench_layout.py --passes`` times the real forward with and without the copies
+``tools/bench_layout.py --passes`` (at commit 9868b87) times the real forward with and without the copies
 (BENCHMARKS.md, "Weight layout in a whole target pass"): on XLA:CPU the gate/up copies make it
 slower and only the LM head's pays (about 4 % from 3 rows on). So on the CPU backend
 :func:`dflash_jax.loading.load_target` adds :data:`CPU_KINDS` (for the tied default target the
@@ -350,7 +350,7 @@ def project(x: jnp.ndarray, w, wt, min_rows: int, preferred_element_type=None) -
     """``x [..., in] @ w [in, out]`` -> ``[..., out]``, computed as ``wt x^T`` with the copy
     ``wt [out, in]`` instead when there is one (not ``None``) and ``x`` has at least ``min_rows``
     rows (the product of its leading dims, static). The expression is the one
-    ``tools/bench_layout.py`` timed; ``preferred_element_type`` as in ``jnp.einsum``."""
+    ``tools/bench_layout.py`` at commit 9868b87 timed; ``preferred_element_type`` as in ``jnp.einsum``."""
     rows = math.prod(x.shape[:-1])
     if wt is None or rows < min_rows:
         if preferred_element_type is None:

@@ -1,6 +1,6 @@
 """Writes a trained drafter in z-lab's checkpoint layout (``config.json`` + ``model.safetensors``).
 
-The folder loads with :func:`dflash_jax.drafter.generic.load_drafter` and with the reference
+The folder loads with :func:`dflash_jax.load_drafter` and with the reference
 ``dflash.model.DFlashDraftModel.from_pretrained`` (PyPI ``dflash==0.1.0``): a Qwen3-style
 ``config.json`` with ``architectures: ["DFlashDraftModel"]``, ``num_target_layers`` and
 ``dflash_config: {block_size, mask_token_id, target_layer_ids}``; tensors named ``fc.weight``,
@@ -111,7 +111,7 @@ def drafter_hf_config(cfg: DrafterConfig, dtype: str = "bfloat16", extra: Mappin
 def drafter_tensors(cfg: DrafterConfig, params: dict, dtype: str = "bfloat16") -> dict[str, np.ndarray]:
     """The drafter parameters as z-lab tensors (``[out, in]`` layout) in ``dtype``.
 
-    Inverse of :func:`dflash_jax.drafter.generic.load_drafter`'s mapping (``drafter_names``).
+    Inverse of :func:`dflash_jax.load_drafter`'s mapping (``drafter_names``).
     """
     from dflash_jax.drafter.generic import drafter_names
 

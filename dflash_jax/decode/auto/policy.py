@@ -48,7 +48,7 @@ from dflash_jax.errors import DFlashError
 # The longest run of plain steps between two proposes, and the fraction by which drafting's
 # expected rate must beat a plain step's (a guard against selection on an estimate: the steps
 # chosen for drafting are those whose predictions came out high). Chosen side by side at 256 new
-# tokens, the length users' answers reach (tools/bench_policy.py, BENCHMARKS.md "Policy
+# tokens, the length users' answers reach (tools/bench_policy.py at commit 9868b87, BENCHMARKS.md "Policy
 # constants", 2026-12-02): 8 and 0.05 against 16 and 0.15 gave 1.28x against 1.22x plain decoding
 # on HumanEval and 1.00x against 1.00x on chat at batch 1, and 1.20x against 1.10x and 0.99x
 # against 0.96x at batch 8. (Answers of 32 tokens had favoured 16 and 0.15 on chat, where each

@@ -75,7 +75,7 @@ def load_hf_target(folder: str | os.PathLike, dtype: Any = "float32") -> tuple[T
     Returns:
       ``cfg`` and the params pytree of :mod:`dflash_jax.families.dense.model` as jax arrays of ``dtype``:
       linear weights transposed to ``[in, out]`` and layers stacked on a leading ``L`` axis; every
-      leaf has the shape :func:`dflash_jax.families.dense.model.param_shapes` gives.
+      leaf has the shape :func:`dflash_jax.families.dense.model.MODEL.param_shapes` gives.
     Raises:
       DFlashError: a bad ``config.json`` (names the file and field), an unsupported ``dtype``, no
         weights file, an index pointing to a missing shard, a truncated or corrupt safetensors

@@ -89,7 +89,7 @@ def load_gemma4_target(folder: str | os.PathLike, dtype: Any = "float32") -> tup
       dtype: parameter dtype (``"float32"``, ``"bfloat16"``, ``"float16"``).
     Returns:
       The config and the params of :mod:`dflash_jax.families.gemma4.model` (every leaf the shape
-      :func:`dflash_jax.families.gemma4.model.param_shapes` gives).
+      :func:`dflash_jax.families.gemma4.model.MODEL.param_shapes` gives).
     Raises:
       DFlashError: bad or unsupported config fields (file and field named), or missing /
         unexpected / mis-shaped tensors (file and tensor named).

@@ -91,7 +91,7 @@ def load_qwen3_moe_target(folder: str | os.PathLike, dtype: Any = "float32") -> 
       dtype: parameter dtype (``"float32"``, ``"bfloat16"``, ``"float16"``).
     Returns:
       The config and the params of :mod:`dflash_jax.families.qwen3_moe.model` (every leaf the shape
-      :func:`dflash_jax.families.qwen3_moe.model.param_shapes` gives).
+      :func:`dflash_jax.families.qwen3_moe.model.MODEL.param_shapes` gives).
     Raises:
       DFlashError: bad config fields (file and field named), or missing / unexpected /
         mis-shaped tensors, or only one of a layer's fused expert tensors (file and tensor named).
