@@ -26,7 +26,6 @@ from dflash_jax.families.dense import gguf_cache
 from dflash_jax.formats import gguf as gguf_file
 from dflash_jax.formats.tokenizer import Tokenizer
 from dflash_jax.nn.params import unstack_layers
-from dflash_jax.drafter import kinds as drafter_kinds
 from dflash_jax.drafter import model as drafter_model
 from dflash_jax.nn.params import is_per_layer
 from dflash_jax.nn import params as layouts
@@ -227,10 +226,10 @@ def load_drafter(path: str | os.PathLike, target: Target, dtype: str | None = No
     p = Path(path).expanduser()
     dtype = dtype or target.cfg.dtype
     if p.is_file() and p.suffix.lower() == ".gguf":
-        cfg, params = drafter_kinds.load_gguf_drafter(p, target.cfg, dtype=dtype)
+        cfg, params = drafter_model.load_gguf_drafter(p, target.cfg, dtype=dtype)
         n_max = auto_depth = calibration = tree = None
     elif p.is_dir():
-        cfg, params = drafter_kinds.load_hf_drafter(p, target.cfg, dtype=dtype)
+        cfg, params = drafter_model.load_hf_drafter(p, target.cfg, dtype=dtype)
         n_max, auto_depth, calibration, tree = _recorded_policy(p / "config.json", cfg.block_size)
         ids = dv.load(p, cfg.vocab_size) if draft_vocab else None
         if ids is not None:
@@ -240,7 +239,7 @@ def load_drafter(path: str | os.PathLike, target: Target, dtype: str | None = No
                           "a DFlash drafter checkpoint folder (config.json + safetensors) or a drafter .gguf file")
     else:
         raise DFlashError(str(p), "no such folder or .gguf file", "a DFlash drafter checkpoint")
-    if per_layer and drafter_kinds.drafter_kind(cfg.architecture).per_layer:
+    if per_layer and drafter_model.drafter_kind(cfg.architecture).per_layer:
         params = unstack_layers(params)
     if target.mesh is not None:
         params = sharding.shard_params(params, _axes(drafter_model, cfg, params), target.mesh)

@@ -37,7 +37,7 @@ from dflash_jax.drafter import model as drafter_mod
 from dflash_jax.nn import params as P
 from dflash_jax.families.laguna.presets import DRAFTERS, PUBLISHED
 from dflash_jax.families.registry import family_for_hf, module_for
-from dflash_jax.drafter.kinds import drafter_config_from_hf
+from dflash_jax.drafter.model import drafter_config_from_hf
 
 SHIPPED_DRAFTER = Path(__file__).resolve().parent / "assets" / "drafters" / "smollm2-135m-instruct" / "config.json"
 

@@ -127,7 +127,7 @@ def zlab_matches_ours(zlab, t_model, t_cfg, t_params, folder, prompt, n: int, vo
     (layers 0 and 2 captured, block 4) steered to the commonest token of the target's greedy
     answer, saved to ``folder`` and loaded by us: asserts blocks get accepted and that ours gives
     the same ids and the same number of verify steps; returns the acceptance lengths."""
-    from dflash_jax.drafter.kinds import load_hf_drafter
+    from dflash_jax.drafter.model import load_hf_drafter
 
     free = hf_greedy(t_model, prompt, n)
     dc = transformers.Qwen3Config(vocab_size=vocab, hidden_size=hidden, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,

@@ -146,7 +146,7 @@ def test_no_import_cycle_inside_the_package():
 def test_registry_finds_each_family_by_architecture_and_type():
     import pytest
 
-    from dflash_jax.drafter import kinds
+    from dflash_jax.drafter import model as kinds
     from dflash_jax.families import registry
     from dflash_jax.errors import DFlashError
     from dflash_jax.testing import tiny_target_config

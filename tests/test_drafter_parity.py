@@ -13,7 +13,7 @@ zlab = pytest.importorskip("dflash.model")
 
 from dflash_jax.decode import loop as decode  # noqa: E402
 from dflash_jax.decode.static import Decoding, Params  # noqa: E402
-from dflash_jax.drafter.kinds import load_hf_drafter as load_drafter  # noqa: E402
+from dflash_jax.drafter.model import load_hf_drafter as load_drafter  # noqa: E402
 from dflash_jax.families.dense.safetensors import load_hf_target  # noqa: E402
 from dflash_jax.drafter import model as drafter  # noqa: E402
 from dflash_jax.families.registry import module_for
@@ -134,7 +134,7 @@ def test_same_tokens_and_verify_steps_as_dflash_generate(tmp_path, target, monke
 
 def test_config_field_locations(tmp_path):
     """block_size / mask_token_id / target_layer_ids at top level or in dflash_config."""
-    from dflash_jax.drafter.kinds import drafter_config_from_hf
+    from dflash_jax.drafter.model import drafter_config_from_hf
 
     base = drafter_hf_config().to_dict()
     nested = drafter_config_from_hf(base)

@@ -123,7 +123,7 @@ def test_same_tokens_and_verify_steps_as_zlab_dflash_generate(case, tmp_path):
     ``final_logit_softcapping``), gives the tokens and verify steps ours gives on the loaded
     checkpoints (the knobs restated against the family: applied once, through it)."""
     zlab = pytest.importorskip("dflash.model")
-    from dflash_jax.drafter.kinds import load_hf_drafter
+    from dflash_jax.drafter.model import load_hf_drafter
     from hf_oracle import steer_to, zlab_generate
 
     model, cfg, params, _ = case

@@ -12,10 +12,10 @@ import numpy as np
 import pytest
 
 from dflash_jax.decode import loop as decode
-from dflash_jax.drafter.kinds import drafter_config_from_hf
+from dflash_jax.drafter.model import drafter_config_from_hf
 from dflash_jax.decode.static import Decoding, Params
 from dflash_jax.errors import DFlashError
-from dflash_jax.drafter.kinds import load_hf_drafter as load_drafter
+from dflash_jax.drafter.model import load_hf_drafter as load_drafter
 from dflash_jax.drafter.laguna import load_laguna_drafter_gguf
 from dflash_jax.drafter import model as drafter, laguna as laguna_drafter
 from laguna_tiny import LAGUNA_DRAFTER, PER_HEAD, tiny_laguna, write_config

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dflash_jax.drafter.kinds import drafter_config_from_hf
+from dflash_jax.drafter.model import drafter_config_from_hf
 from dflash_jax.drafter import model as drafter
 from dflash_jax.families.registry import module_for
 from laguna_tiny import LAGUNA_DRAFTER, PER_HEAD, tiny_laguna

@@ -23,7 +23,7 @@ from dflash_jax.runtime import sharding as shd
 from dflash_jax.decode.static import Decoding, Params
 from dflash_jax.drafter import model as drafter_mod
 from dflash_jax.families.registry import module_for
-from dflash_jax.drafter.kinds import drafter_config_from_hf
+from dflash_jax.drafter.model import drafter_config_from_hf
 from dflash_jax.decode.sampling import SamplingConfig
 from dflash_jax.testing import tiny_drafter, tiny_target
 from laguna_tiny import LAGUNA_DRAFTER, PER_HEAD, tiny_laguna

@@ -98,7 +98,7 @@ _LAGUNA = textwrap.dedent(
     from dflash_jax.loading import Drafter, Target
     from dflash_jax.drafter import model as drafter_model
     from dflash_jax.families.laguna import model as laguna
-    from dflash_jax.drafter.kinds import drafter_config_from_hf
+    from dflash_jax.drafter.model import drafter_config_from_hf
     from laguna_tiny import LAGUNA_DRAFTER, PER_HEAD, tiny_laguna
 
     cfg, params = tiny_laguna(PER_HEAD, seed=4, max_block=4)

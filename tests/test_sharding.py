@@ -111,7 +111,7 @@ def test_every_state_array_declares_axes_and_replace_rows_swaps_every_batch_leaf
 
     from dflash_jax.decode import loop as decode
     from dflash_jax.runtime.carry import declared_axes, flat_axes
-    from dflash_jax.drafter.kinds import drafter_config_from_hf
+    from dflash_jax.drafter.model import drafter_config_from_hf
     from laguna_tiny import LAGUNA_DRAFTER, PER_HEAD, tiny_laguna
 
     cfg = tiny_target_config("qwen3")

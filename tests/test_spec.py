@@ -283,7 +283,7 @@ def test_bug_layer_id_convention_capture_is_output_of_layer(target):
 
 
 def test_bug_config_schema_refuses_what_it_cannot_run(target):
-    from dflash_jax.drafter.kinds import drafter_config_from_hf
+    from dflash_jax.drafter.model import drafter_config_from_hf
 
     base = {
         "architectures": ["DFlashDraftModel"], "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2,
@@ -305,7 +305,7 @@ def test_bug_config_schema_refuses_what_it_cannot_run(target):
 
 
 def test_config_fields_set_twice_must_agree_and_layer_ids_be_distinct():
-    from dflash_jax.drafter.kinds import drafter_config_from_hf
+    from dflash_jax.drafter.model import drafter_config_from_hf
 
     base = {
         "architectures": ["DFlashDraftModel"], "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2,

@@ -521,7 +521,7 @@ def test_continue_from_trained_weights(tmp_path, tiny_run, full_run):
 
 @pytest.mark.parametrize("variant", ["plain", "sliding"])
 def test_export_config_roundtrip(variant, models):
-    from dflash_jax.drafter.kinds import drafter_config_from_hf
+    from dflash_jax.drafter.model import drafter_config_from_hf
 
     t_cfg = models[0]
     over = {} if variant == "plain" else dict(layer_causal=(True, False), layer_window=(5, 0))
@@ -532,7 +532,7 @@ def test_export_config_roundtrip(variant, models):
 def test_export_loads_in_our_loader_and_the_zlab_reference(tmp_path, models):
     torch = pytest.importorskip("torch")
     zlab = pytest.importorskip("dflash.model")
-    from dflash_jax.drafter.kinds import load_hf_drafter as load_drafter
+    from dflash_jax.drafter.model import load_hf_drafter as load_drafter
     from dflash_jax.families.registry import module_for
 
     t_cfg, t_params, d_cfg, d_params = models
@@ -569,7 +569,7 @@ def test_cli_trains_resumes_and_exports(tmp_path, capsys):
     sys.path.insert(0, str(Path(__file__).parent))
     from tiny_hf import make_tiny_hf
 
-    from dflash_jax.drafter.kinds import load_hf_drafter as load_drafter
+    from dflash_jax.drafter.model import load_hf_drafter as load_drafter
     from dflash_jax.families.dense.safetensors import load_hf_target
     from dflash_jax.cli.train import main
 

@@ -21,7 +21,7 @@ import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-from dflash_jax.drafter.kinds import drafter_config_from_hf  # noqa: E402
+from dflash_jax.drafter.model import drafter_config_from_hf  # noqa: E402
 from dflash_jax.families.laguna.config import laguna_config_from_hf  # noqa: E402
 from dflash_jax.families.laguna.safetensors import parameter_count  # noqa: E402
 from dflash_jax.families.laguna.presets import DRAFTERS, PUBLISHED  # noqa: E402

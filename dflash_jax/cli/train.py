@@ -174,7 +174,7 @@ def init_weights(path, target_cfg, cfg):
         layers, MLP width, mask token id, block size or block attention differ from this run's
         (names the option, this run's value and the drafter's).
     """
-    from dflash_jax.drafter.kinds import load_hf_drafter
+    from dflash_jax.drafter.model import load_hf_drafter
 
     got, params = load_hf_drafter(path, target_cfg, dtype="float32")
     show = {"target_layer_ids": lambda v: ",".join(map(str, v)), "layer_causal": lambda v: "given" if all(v) else "not given"}

@@ -139,7 +139,7 @@ def _block_attention(cfg: Mapping[str, Any], source: str, n_layers: int) -> tupl
 
 def dflash_drafter_config_from_hf(cfg: Mapping[str, Any], source: str = "config.json") -> DrafterConfig:
     """Builds a :class:`DrafterConfig` from a z-lab ``DFlashDraftModel`` ``config.json`` (the
-    architecture is checked by :func:`dflash_jax.drafter.kinds.drafter_config_from_hf`).
+    architecture is checked by :func:`dflash_jax.drafter.model.drafter_config_from_hf`).
 
     ``block_size``, ``mask_token_id`` and ``target_layer_ids`` may sit at the top level or in
     ``dflash_config``; all three are required (no default layer ids are invented). Causality:

@@ -9,7 +9,7 @@ act on the target's *raw* embedding rows and *raw* LM head: the block is embedde
 embedding scale (Gemma: ``sqrt(H)``) and logit soft-cap; :class:`~dflash_jax.drafter.config.DrafterConfig`'s
 knobs therefore act on the family's outputs, and :func:`knobs_through_family` converts a z-lab
 config's values to those terms when a drafter is paired with its target
-(:func:`dflash_jax.drafter.kinds.load_hf_drafter`).
+(:func:`dflash_jax.drafter.model.load_hf_drafter`).
 """
 
 from __future__ import annotations

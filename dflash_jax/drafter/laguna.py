@@ -48,10 +48,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dflash_jax.drafter import laguna as laguna_drafter
-from dflash_jax.drafter import layers as drafter_layers
+from dflash_jax.drafter import generic
 from dflash_jax.drafter.config import LAGUNA_DRAFTER, DrafterConfig, check_drafter_fits
-from dflash_jax.drafter.layers import context_heads
+from dflash_jax.drafter.generic import context_heads
 from dflash_jax.errors import DFlashError
 from dflash_jax.families.config import RopeConfig
 from dflash_jax.formats.gguf import dequantize_tensor, metadata, open_gguf
@@ -154,7 +153,7 @@ def load_laguna_drafter_safetensors(folder: str, cfg: DrafterConfig, target: np.
     _refuse_missing(present, cfg, prefix, where, "{p}aux_hidden_norms.{j}.weight", "{p}layers.{i}.self_attn.g_proj.weight")
     g0 = f"{prefix}layers.0.self_attn.g_proj.weight"
     cfg = _check_gate(cfg, ckpt.info(g0).shape[0], f"{ckpt.file_of(g0)}: tensor {g0}")
-    params = load_named(ckpt, folder, laguna_drafter_names(cfg, prefix), laguna_drafter.param_shapes(cfg), target,
+    params = load_named(ckpt, folder, laguna_drafter_names(cfg, prefix), param_shapes(cfg), target,
                         lambda n: n.endswith("rotary_emb.inv_freq"), "DFlashLagunaForCausalLM drafter")
     return cfg, params
 
@@ -239,7 +238,7 @@ def _gguf_params(reader, path: str, ik: bool, cfg: DrafterConfig) -> tuple[Draft
         return np.asarray(dequantize_tensor(tensors[name], f"{path}: tensor {name}"), np.float32)
 
     cfg = _check_gate(cfg, read(gates[0]).shape[0], f"{path}: tensor {gates[0]}")
-    shapes = laguna_drafter.param_shapes(cfg)
+    shapes = param_shapes(cfg)
     out = {k: read(v) for k, v in glob.items()}
     out["fc"] = out["fc"].T
     out["aux_norm"] = np.stack([read(a) for a in aux]) if ik else read(aux[0]).reshape(K, -1)
@@ -325,6 +324,6 @@ def context_kv(params: dict, cfg: DrafterConfig, features: jnp.ndarray, position
     return context_heads(cfg, k, v, lp["k_norm"], positions)
 
 
-forward = drafter_layers.forward
-"""One draft pass over a block (:func:`dflash_jax.drafter.layers.forward`: the generic
+forward = generic.forward
+"""One draft pass over a block (:func:`dflash_jax.drafter.generic.forward`: the generic
 drafter's layers with this config's softplus gate, causal block and sliding windows)."""

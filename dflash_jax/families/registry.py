@@ -6,7 +6,7 @@ A :class:`TargetFamily` names a target's Hugging Face ``architectures`` / ``mode
 ``forward_hidden``, ``lm_head``, ``init_cache``, ``param_axes``, ... and its declared capabilities)
 and its HF and GGUF loaders. Every other module asks here (:func:`module_for`, :func:`family_for_hf`,
 :func:`load_hf_target`, ...); adding a family is one entry in :data:`TARGET_FAMILIES`. The DFlash
-drafter kinds have their own table, :mod:`dflash_jax.drafter.kinds`.
+drafter kinds have their own table, :mod:`dflash_jax.drafter.model`.
 
 Nothing this module imports may import it back (``tests/test_architecture.py`` fails on a cycle):
 the modules registered here are the ones below it.

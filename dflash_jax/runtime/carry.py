@@ -44,7 +44,6 @@ import numpy as np
 from jax import lax
 
 from dflash_jax.errors import DFlashError
-from dflash_jax.runtime import carry as pytree
 
 __all__ = ["dataclass", "field"]
 
@@ -80,7 +79,7 @@ def axes_field(*axes: str | None, **kwargs):
     A field holding a container of arrays (a dict or tuple of them) gives every array in it the
     same axes. ``kwargs`` go to :func:`dflash_jax.runtime.carry.field` (e.g. ``default``).
     """
-    return pytree.field(metadata={"axes": tuple(axes)}, **kwargs)
+    return field(metadata={"axes": tuple(axes)}, **kwargs)
 
 
 def declared_axes(tree, where: str = "state"):
@@ -123,7 +122,7 @@ __all__ = ["KV_AXES", "PAGE_SIZE", "Capture", "KVCache", "PagedKVCache", "init_c
            "write_layer_rows", "write_rows"]
 
 
-@pytree.dataclass
+@dataclass
 class KVCache:
     """Stacked per-layer keys and values.
 
@@ -163,7 +162,7 @@ page is on average half empty, so smaller pages waste less; the attention gather
 the page size does not change its cost."""
 
 
-@pytree.dataclass
+@dataclass
 class PagedKVCache:
     """Stacked per-layer keys and values in a pool of pages shared by all rows, addressed through
     each row's page table (paged attention: Kwon et al. 2023, vLLM).
@@ -183,7 +182,7 @@ class PagedKVCache:
     k: jnp.ndarray = axes_field("layers", None, "kv_heads", "head_dim")
     v: jnp.ndarray = axes_field("layers", None, "kv_heads", "head_dim")
     table: jnp.ndarray = axes_field("batch", None)
-    page_size: int = pytree.field(pytree_node=False, default=PAGE_SIZE)
+    page_size: int = field(pytree_node=False, default=PAGE_SIZE)
 
     @property
     def capacity(self) -> int:
@@ -276,7 +275,7 @@ def move_slots(buf: jnp.ndarray, src: jnp.ndarray, dst: jnp.ndarray) -> jnp.ndar
     return buf.at[:, b, dst].set(rows, mode="drop")
 
 
-@pytree.dataclass
+@dataclass
 class Capture:
     """Hidden states of chosen target layers, written at ``positions - base`` of each row.
 
@@ -295,8 +294,8 @@ class Capture:
 
     hidden: jnp.ndarray = axes_field("batch", "seq", None)
     base: jnp.ndarray = axes_field("batch")
-    layer_ids: tuple = pytree.field(pytree_node=False, default=())
-    post_norm_last: bool = pytree.field(pytree_node=False, default=False)
+    layer_ids: tuple = field(pytree_node=False, default=())
+    post_norm_last: bool = field(pytree_node=False, default=False)
 
 
 def init_capture(layer_ids, batch: int, rows: int, hidden_size: int, dtype, base=None, post_norm_last: bool = False) -> Capture:

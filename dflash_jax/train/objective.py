@@ -11,7 +11,7 @@ and the captured target features ``f [S, K*H]`` of every position (the residual 
   ``a_j + 0 .. a_j + B - 1`` (section 3.4);
 * it attends the drafter context K/V of positions strictly before its anchor (``< a_j``) and its
   own block slots (bidirectionally, or causally / windowed where a drafter layer is; section 3.5);
-  blocks never see each other: each block is a separate :func:`dflash_jax.drafter.layers.forward`
+  blocks never see each other: each block is a separate :func:`dflash_jax.drafter.generic.forward`
   pass (``jax.vmap`` over blocks) over one shared context K/V computed once per sequence with
   :func:`dflash_jax.drafter.model.context_kv`, with ``ctx_len = a_j``. This is the inference
   code path itself, so training and inference masks cannot diverge;
