@@ -146,6 +146,7 @@ def _initial_state(req: Request, target: Target):
 def generate(
     target: Target,
     prompts: Sequence[Sequence[int]],
+    *,
     max_new_tokens: int = 128,
     sampling: SamplingConfig = SamplingConfig(),
     max_len: int | None = None,
@@ -162,7 +163,7 @@ def generate(
     tree: int | None = None,
 ) -> GenerationResult:
     """Generation for a batch of prompts: DFlash speculative decoding with a ``drafter``, plain
-    decoding without.
+    decoding without. Every argument after ``prompts`` is keyword-only.
 
     Args:
       target: from :func:`~dflash_jax.loading.load_target`.
@@ -198,8 +199,9 @@ def generate(
         ``max_len``, bad sizes, a capacity beyond the target's ``max_position_embeddings``, stop
         texts without a tokenizer, or an argument of the wrong type (the message names it).
     """
-    req = check_request(target, prompts, max_new_tokens, sampling, max_len, chunk_size, stop_ids, stop, ignore_eos, seed,
-                        on_tokens, drafter, n_max, draft_mode, cost_model, tree)
+    req = check_request(target, prompts, max_new_tokens=max_new_tokens, sampling=sampling, max_len=max_len, chunk_size=chunk_size,
+                        stop_ids=stop_ids, stop=stop, ignore_eos=ignore_eos, seed=seed, on_tokens=on_tokens, drafter=drafter,
+                        n_max=n_max, draft_mode=draft_mode, cost_model=cost_model, tree=tree)
     state = _initial_state(req, target)
     t0 = time.perf_counter()
     prefill_c, run = _compile_reported(req, state, streaming=on_tokens is not None)  # traces shapes only; nothing runs

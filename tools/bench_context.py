@@ -63,7 +63,7 @@ def run_cases(target, drafter, cases, new_tokens: int, repeats: int) -> dict:
             longest = max(len(p) for p in prompts)
             for cap in (min(longest + 256, BIG), BIG):
                 for mode in ("plain", "dflash"):
-                    res = dj.generate(target, prompts, new_tokens, max_len=cap, drafter=drafter if mode == "dflash" else None)
+                    res = dj.generate(target, prompts, max_new_tokens=new_tokens, max_len=cap, drafter=drafter if mode == "dflash" else None)
                     out.setdefault((name, mode, cap), []).append(res.stats)
                     print(f"round {r} {name:>6} {mode:>6} cap {cap:5d}: decode {res.stats['decode_tokens_per_s']:7.2f} tok/s, "
                           f"prefill {res.stats['prefill_tokens_per_s']:8.1f} tok/s", flush=True)
