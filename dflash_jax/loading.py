@@ -21,6 +21,7 @@ from dflash_jax.runtime import sharding
 from dflash_jax.families.dense.config import TargetConfig
 from dflash_jax.families.config import read_json
 from dflash_jax.errors import DFlashError
+from dflash_jax.runtime.compiled import enable_compile_cache
 from dflash_jax.runtime.fingerprint import weights_fingerprint
 from dflash_jax.families.dense import gguf_cache
 from dflash_jax.formats import gguf as gguf_file
@@ -95,12 +96,15 @@ def load_target(path: str | os.PathLike | None = None, dtype: str = "float32", l
         logical axes (:mod:`dflash_jax.runtime.sharding`: heads, MLP width and vocabulary split over
         ``model``, experts over ``expert``), and so are a drafter loaded for it and the decode
         states of :func:`dflash_jax.generate` and the server (rows over ``data``).
+    Turns on the persistent compilation cache first (:func:`dflash_jax.runtime.compiled.enable_compile_cache`).
+
     Returns:
       :class:`Target`.
     Raises:
       DFlashError: an unsupported dtype or layout, a path that does not exist or is neither
         kind, or any problem the loaders find (the message names the file).
     """
+    enable_compile_cache()  # before anything compiles: a second run reads its programs back
     if str(dtype) not in DTYPES:
         raise DFlashError("dtype (--dtype)", f"unsupported value {dtype!r}", f"one of {', '.join(DTYPES)}")
     per_layer = _per_layer(layers)

@@ -37,7 +37,8 @@ def hf_dir(tmp_path_factory):
 
 
 def test_public_names():
-    for name in ("load_target", "encode_prompt", "generate", "Target", "GenerationResult", "SamplingConfig", "DFlashError"):
+    for name in ("load_target", "encode_prompt", "generate", "Target", "GenerationResult", "SamplingConfig", "DFlashError",
+                 "enable_compile_cache", "compile_cache_dir"):
         assert hasattr(dj, name)
 
 
@@ -222,16 +223,20 @@ def test_split_stop(hf_dir):
         split_stop(tok, [""])
 
 
-def test_compile_cache_is_on_by_default(tmp_path):
+def test_compile_cache_is_turned_on_by_load_target_not_by_import(tmp_path, hf_dir):
+    """Importing the package leaves JAX's configuration alone; load_target (which the command line
+    also reaches) and enable_compile_cache turn the persistent cache on in <cache folder>/jax_cache;
+    DFLASH_JAX_NO_COMPILE_CACHE=1 keeps it off."""
     # A fresh interpreter without the test session's own cache folder (conftest.py).
     env = {k: v for k, v in os.environ.items() if not k.startswith(("JAX_COMPILATION_CACHE", "JAX_PERSISTENT_CACHE", "DFLASH_JAX_NO_COMPILE"))}
     env["DFLASH_JAX_CACHE"] = str(tmp_path)
-    code = "import jax, dflash_jax as dj; print(jax.config.jax_compilation_cache_dir); print(dj.compile_cache_dir())"
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout.split()
-    assert out == [str(tmp_path / "jax_cache")] * 2
+    code = ("import sys, jax, dflash_jax as dj; state = lambda: print(jax.config.jax_compilation_cache_dir or 'off'); state(); "
+            "dj.load_target(sys.argv[1]); state(); print(dj.enable_compile_cache() or 'off'); print(dj.compile_cache_dir())")
+    out = subprocess.run([sys.executable, "-c", code, str(hf_dir)], env=env, capture_output=True, text=True, check=True).stdout.split()
+    assert out == ["off"] + [str(tmp_path / "jax_cache")] * 3
     env["DFLASH_JAX_NO_COMPILE_CACHE"] = "1"
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout.split()
-    assert out[0] in ("None", "")
+    out = subprocess.run([sys.executable, "-c", code, str(hf_dir)], env=env, capture_output=True, text=True, check=True).stdout.split()
+    assert out == ["off", "off", "off", str(tmp_path / "jax_cache")]
 
 
 @pytest.mark.parametrize(
