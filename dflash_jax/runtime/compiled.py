@@ -219,8 +219,8 @@ def _load(path: Path) -> Any | None:
 
     try:
         fmt, payload, in_tree, out_tree = pickle.loads(path.read_bytes())
-        if fmt != FORMAT:
-            raise ValueError(f"format {fmt}")
+        if fmt != FORMAT:  # not bad input: an entry of another version of this module, handled
+            raise ValueError(f"format {fmt}")  # below like any unreadable entry (never reaches a caller)
         compiled = deserialize_and_load(payload, in_tree, out_tree)
     except FileNotFoundError:
         return None
