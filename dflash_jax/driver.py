@@ -175,8 +175,7 @@ def generate(
         holding the longest prompt + ``max_new_tokens`` (capped at the target's ``max_position_embeddings``, which
         neither may exceed). A row that fills it finishes with ``"capacity"``.
       chunk_size: prompt tokens per prefill pass (capped, see :func:`~dflash_jax.arguments.effective_chunk_size`).
-      stop_ids: extra token ids that end a row (kept in the output); ignore_eos: do not stop at EOS.
-      stop: stop texts (see :mod:`dflash_jax` for how they are applied).
+      stop_ids: extra token ids that end a row (kept in the output); ignore_eos: do not stop at EOS; stop: stop texts (see :mod:`dflash_jax`).
       seed: sampling seed in ``[0, 2**63)``; row ``b`` uses ``fold_in(key(seed), b)`` (:mod:`~dflash_jax.decode.sampling`).
       on_tokens: streaming callback, called with ``B`` lists of the ids each row committed since the
         previous call (the first carries prefill's token); decoding is then stepped from Python.
@@ -221,7 +220,6 @@ def generate(
         state, callback_s = _stream(req, target.tokenizer, state, run, on_tokens)
     jax.block_until_ready(state)
     decode_s = time.perf_counter() - t0 - callback_s
-
     timings = dict(compile_time_s=compile_s, prefill_time_s=prefill_s, decode_time_s=decode_s)
     extra = dict(mode="plain") if drafter is None else dict(mode="dflash", **spec_stats(state, n_max=req.static.n_max), tree=req.static.tree, **policy_stats)
     return build_result(target, req.prompts, state, req.stop_texts, timings, max_len=req.max_len, chunk_size=req.chunk_size, **extra)
