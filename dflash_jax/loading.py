@@ -77,7 +77,8 @@ def _per_layer(layers: str) -> bool:
 
 
 def load_target(path: str | os.PathLike | None = None, dtype: str = "float32", layers: str = "auto", mesh=None) -> Target:
-    """Loads a target model with its tokenizer.
+    """Loads a target model with its tokenizer, after turning on JAX's persistent compilation cache
+    (:func:`dflash_jax.runtime.compiled.enable_compile_cache`).
 
     Args:
       path: ``None`` for the embedded default (SmolLM2-135M-Instruct, fetched on first use, see
@@ -96,8 +97,6 @@ def load_target(path: str | os.PathLike | None = None, dtype: str = "float32", l
         logical axes (:mod:`dflash_jax.runtime.sharding`: heads, MLP width and vocabulary split over
         ``model``, experts over ``expert``), and so are a drafter loaded for it and the decode
         states of :func:`dflash_jax.generate` and the server (rows over ``data``).
-    Turns on the persistent compilation cache first (:func:`dflash_jax.runtime.compiled.enable_compile_cache`).
-
     Returns:
       :class:`Target`.
     Raises:

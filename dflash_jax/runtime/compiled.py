@@ -23,9 +23,9 @@ before tracing:
 An entry is :func:`jax.experimental.serialize_executable.serialize`'s payload and trees, pickled,
 in ``executables/<name>-<key>.bin`` inside JAX's persistent compilation cache folder, written
 atomically: the store is on exactly when that cache is (``<cache folder>/jax_cache`` once
-:func:`enable_compile_cache` ran, as :func:`dflash_jax.load_target` and the command line do). A miss compiles the program anew, never from JAX's cache (see :data:`FRESH`).
-An entry that fails to load (written by another JAX, truncated) is removed and the function
-compiled again; an argument whose ``repr`` could be ambiguous (a memory address, a shortened
+:func:`enable_compile_cache` ran, as :func:`dflash_jax.load_target` and the command line do). A
+miss compiles the program anew, never from JAX's cache (see :data:`FRESH`). An entry that fails
+to load (written by another JAX, truncated) is removed and the function compiled again; an argument whose ``repr`` could be ambiguous (a memory address, a shortened
 array) is never keyed. Reading an entry runs what it holds, as JAX's own cache does: the folder
 must be as trusted as the code. The store keeps at most :data:`MAX_BYTES`, dropping the least
 recently used entries. Reading an executable back is what remains of a warm compile: on XLA:CPU
