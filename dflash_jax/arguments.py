@@ -185,9 +185,10 @@ def drafter_decoding(target_cfg, drafter: Drafter, draft_mode: str = "argmax", n
     return Decoding(target_cfg, drafter.cfg, draft_mode, depth, drafter.auto_depth if depth == AUTO else None, int(tree) if tree else None)
 
 
-def check_request(target, prompts, max_new_tokens, sampling, max_len, chunk_size, stop_ids, stop, ignore_eos, seed, on_tokens,
+def check_request(target, prompts, *, max_new_tokens, sampling, max_len, chunk_size, stop_ids, stop, ignore_eos, seed, on_tokens,
                   drafter, n_max, draft_mode, cost_model=None, tree=None) -> Request:
-    """Checks :func:`dflash_jax.generate`'s arguments (same names) and resolves the defaults.
+    """Checks :func:`dflash_jax.generate`'s arguments (same names, keyword-only after ``prompts``)
+    and resolves the defaults.
 
     Raises:
       DFlashError: naming the first bad argument (and its option).

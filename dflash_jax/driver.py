@@ -146,6 +146,7 @@ def _initial_state(req: Request, target: Target):
 def generate(
     target: Target,
     prompts: Sequence[Sequence[int]],
+    *,
     max_new_tokens: int = 128,
     sampling: SamplingConfig = SamplingConfig(),
     max_len: int | None = None,
@@ -162,7 +163,7 @@ def generate(
     tree: int | None = None,
 ) -> GenerationResult:
     """Generation for a batch of prompts: DFlash speculative decoding with a ``drafter``, plain
-    decoding without.
+    decoding without. Every argument after ``prompts`` is keyword-only.
 
     Args:
       target: from :func:`~dflash_jax.loading.load_target`.
@@ -174,8 +175,7 @@ def generate(
         holding the longest prompt + ``max_new_tokens`` (capped at the target's ``max_position_embeddings``, which
         neither may exceed). A row that fills it finishes with ``"capacity"``.
       chunk_size: prompt tokens per prefill pass (capped, see :func:`~dflash_jax.arguments.effective_chunk_size`).
-      stop_ids: extra token ids that end a row (kept in the output); ignore_eos: do not stop at EOS.
-      stop: stop texts (see :mod:`dflash_jax` for how they are applied).
+      stop_ids: extra token ids that end a row (kept in the output); ignore_eos: do not stop at EOS; stop: stop texts (see :mod:`dflash_jax`).
       seed: sampling seed in ``[0, 2**63)``; row ``b`` uses ``fold_in(key(seed), b)`` (:mod:`~dflash_jax.decode.sampling`).
       on_tokens: streaming callback, called with ``B`` lists of the ids each row committed since the
         previous call (the first carries prefill's token); decoding is then stepped from Python.
@@ -198,8 +198,9 @@ def generate(
         ``max_len``, bad sizes, a capacity beyond the target's ``max_position_embeddings``, stop
         texts without a tokenizer, or an argument of the wrong type (the message names it).
     """
-    req = check_request(target, prompts, max_new_tokens, sampling, max_len, chunk_size, stop_ids, stop, ignore_eos, seed,
-                        on_tokens, drafter, n_max, draft_mode, cost_model, tree)
+    req = check_request(target, prompts, max_new_tokens=max_new_tokens, sampling=sampling, max_len=max_len, chunk_size=chunk_size,
+                        stop_ids=stop_ids, stop=stop, ignore_eos=ignore_eos, seed=seed, on_tokens=on_tokens, drafter=drafter,
+                        n_max=n_max, draft_mode=draft_mode, cost_model=cost_model, tree=tree)
     state = _initial_state(req, target)
     t0 = time.perf_counter()
     prefill_c, run = _compile_reported(req, state, streaming=on_tokens is not None)  # traces shapes only; nothing runs
@@ -219,7 +220,6 @@ def generate(
         state, callback_s = _stream(req, target.tokenizer, state, run, on_tokens)
     jax.block_until_ready(state)
     decode_s = time.perf_counter() - t0 - callback_s
-
     timings = dict(compile_time_s=compile_s, prefill_time_s=prefill_s, decode_time_s=decode_s)
     extra = dict(mode="plain") if drafter is None else dict(mode="dflash", **spec_stats(state, n_max=req.static.n_max), tree=req.static.tree, **policy_stats)
     return build_result(target, req.prompts, state, req.stop_texts, timings, max_len=req.max_len, chunk_size=req.chunk_size, **extra)

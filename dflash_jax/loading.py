@@ -21,6 +21,7 @@ from dflash_jax.runtime import sharding
 from dflash_jax.families.dense.config import TargetConfig
 from dflash_jax.families.config import read_json
 from dflash_jax.errors import DFlashError
+from dflash_jax.runtime.compiled import enable_compile_cache
 from dflash_jax.runtime.fingerprint import weights_fingerprint
 from dflash_jax.families.dense import gguf_cache
 from dflash_jax.formats import gguf as gguf_file
@@ -76,7 +77,8 @@ def _per_layer(layers: str) -> bool:
 
 
 def load_target(path: str | os.PathLike | None = None, dtype: str = "float32", layers: str = "auto", mesh=None) -> Target:
-    """Loads a target model with its tokenizer.
+    """Loads a target model with its tokenizer, after turning on JAX's persistent compilation cache
+    (:func:`dflash_jax.runtime.compiled.enable_compile_cache`).
 
     Args:
       path: ``None`` for the embedded default (SmolLM2-135M-Instruct, fetched on first use, see
@@ -101,6 +103,7 @@ def load_target(path: str | os.PathLike | None = None, dtype: str = "float32", l
       DFlashError: an unsupported dtype or layout, a path that does not exist or is neither
         kind, or any problem the loaders find (the message names the file).
     """
+    enable_compile_cache()  # before anything compiles: a second run reads its programs back
     if str(dtype) not in DTYPES:
         raise DFlashError("dtype (--dtype)", f"unsupported value {dtype!r}", f"one of {', '.join(DTYPES)}")
     per_layer = _per_layer(layers)

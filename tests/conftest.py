@@ -20,6 +20,9 @@ import tempfile
 
 import pytest
 
+# DFLASH_JAX_REQUIRE_ORACLES=1: a test that a missing oracle would skip fails instead (tests/oracle_switch.py)
+from oracle_switch import pytest_make_collect_report, pytest_runtest_makereport  # noqa: E402,F401
+
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 QUICK_COMPILE = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
 

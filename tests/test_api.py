@@ -37,7 +37,8 @@ def hf_dir(tmp_path_factory):
 
 
 def test_public_names():
-    for name in ("load_target", "encode_prompt", "generate", "Target", "GenerationResult", "SamplingConfig", "DFlashError"):
+    for name in ("load_target", "encode_prompt", "generate", "Target", "GenerationResult", "SamplingConfig", "DFlashError",
+                 "enable_compile_cache", "compile_cache_dir"):
         assert hasattr(dj, name)
 
 
@@ -54,8 +55,8 @@ def test_generate_batch_matches_oracle(tiny):
 
 
 def test_chunk_size_does_not_change_the_result(tiny):
-    a = dj.generate(tiny, PROMPTS, 5, chunk_size=1)
-    b = dj.generate(tiny, PROMPTS, 5, chunk_size=256)
+    a = dj.generate(tiny, PROMPTS, max_new_tokens=5, chunk_size=1)
+    b = dj.generate(tiny, PROMPTS, max_new_tokens=5, chunk_size=256)
     assert a.output_ids == b.output_ids
     np.testing.assert_allclose(np.array(a.top2_logit_gaps), np.array(b.top2_logit_gaps), rtol=1e-5, atol=1e-5)
     assert b.stats["chunk_size"] == 64  # the smallest chunk bucket that holds the longest prompt
@@ -63,7 +64,7 @@ def test_chunk_size_does_not_change_the_result(tiny):
 
 def test_streaming_reports_every_token_once(tiny):
     calls = []
-    res = dj.generate(tiny, PROMPTS, 5, on_tokens=calls.append)
+    res = dj.generate(tiny, PROMPTS, max_new_tokens=5, on_tokens=calls.append)
     got = [sum((c[b] for c in calls), []) for b in range(len(PROMPTS))]
     assert got == res.output_ids == [reference_greedy(tiny.params, tiny.cfg, p, 5) for p in PROMPTS]
     assert calls[0] == [[ids[0]] for ids in res.output_ids]  # the first call carries prefill's token
@@ -72,20 +73,20 @@ def test_streaming_reports_every_token_once(tiny):
 def test_stop_ids_eos_and_capacity(tiny):
     free = reference_greedy(tiny.params, tiny.cfg, PROMPTS[0], 10)
     stop = free[3]
-    res = dj.generate(tiny, [PROMPTS[0]], 10, stop_ids=[stop])
+    res = dj.generate(tiny, [PROMPTS[0]], max_new_tokens=10, stop_ids=[stop])
     assert res.output_ids[0] == free[: free.index(stop) + 1] and res.finish_reason == ["stop"]
     with_eos = loading.Target(tiny.cfg, tiny.params, None, "tiny", eos_ids=(stop,))
-    assert dj.generate(with_eos, [PROMPTS[0]], 10).output_ids[0] == free[: free.index(stop) + 1]
-    assert dj.generate(with_eos, [PROMPTS[0]], 10, ignore_eos=True).output_ids[0] == free
-    res = dj.generate(tiny, [PROMPTS[0]], 10, max_len=10)
+    assert dj.generate(with_eos, [PROMPTS[0]], max_new_tokens=10).output_ids[0] == free[: free.index(stop) + 1]
+    assert dj.generate(with_eos, [PROMPTS[0]], max_new_tokens=10, ignore_eos=True).output_ids[0] == free
+    res = dj.generate(tiny, [PROMPTS[0]], max_new_tokens=10, max_len=10)
     assert res.output_ids[0] == free[:3] and res.finish_reason == ["capacity"]
 
 
 def test_sampling_seeded(tiny):
     s = SamplingConfig(temperature=1.2, top_k=30, top_p=0.9)
-    a = dj.generate(tiny, PROMPTS, 8, sampling=s, seed=5).output_ids
-    assert a == dj.generate(tiny, PROMPTS, 8, sampling=s, seed=5, on_tokens=lambda n: None).output_ids
-    assert a != dj.generate(tiny, PROMPTS, 8, sampling=s, seed=6).output_ids
+    a = dj.generate(tiny, PROMPTS, max_new_tokens=8, sampling=s, seed=5).output_ids
+    assert a == dj.generate(tiny, PROMPTS, max_new_tokens=8, sampling=s, seed=5, on_tokens=lambda n: None).output_ids
+    assert a != dj.generate(tiny, PROMPTS, max_new_tokens=8, sampling=s, seed=6).output_ids
 
 
 @pytest.mark.parametrize(
@@ -141,7 +142,7 @@ def test_load_hf_target_with_tokenizer(hf_dir):
     assert dj.encode_prompt(t, "Hi", system="S")[:10] == [tiny_hf.IM_START, *b"system\nS", tiny_hf.IM_END]
     with pytest.raises(DFlashError, match="--system"):
         dj.encode_prompt(t, "Hi", system="S", raw=True)
-    res = dj.generate(t, [ids], 12, ignore_eos=True)
+    res = dj.generate(t, [ids], max_new_tokens=12, ignore_eos=True)
     assert res.texts[0] == t.tokenizer.decode(res.output_ids[0], skip_special_tokens=True)
     half = dj.load_target(hf_dir, dtype="bfloat16")
     assert half.cfg.dtype == "bfloat16" and jax.tree_util.tree_leaves(half.params)[0].dtype == "bfloat16"
@@ -149,7 +150,7 @@ def test_load_hf_target_with_tokenizer(hf_dir):
     assert isinstance(t.params["layers"], PerLayer) and len(t.params["layers"]) == t.cfg.num_hidden_layers
     stacked = dj.load_target(hf_dir, layers="stacked")
     assert isinstance(stacked.params["layers"], dict)
-    assert dj.generate(stacked, [ids], 12, ignore_eos=True).output_ids == res.output_ids
+    assert dj.generate(stacked, [ids], max_new_tokens=12, ignore_eos=True).output_ids == res.output_ids
     with pytest.raises(DFlashError, match="layers"):
         dj.load_target(hf_dir, layers="unrolled")
 
@@ -222,16 +223,20 @@ def test_split_stop(hf_dir):
         split_stop(tok, [""])
 
 
-def test_compile_cache_is_on_by_default(tmp_path):
+def test_compile_cache_is_turned_on_by_load_target_not_by_import(tmp_path, hf_dir):
+    """Importing the package leaves JAX's configuration alone; load_target (which the command line
+    also reaches) and enable_compile_cache turn the persistent cache on in <cache folder>/jax_cache;
+    DFLASH_JAX_NO_COMPILE_CACHE=1 keeps it off."""
     # A fresh interpreter without the test session's own cache folder (conftest.py).
     env = {k: v for k, v in os.environ.items() if not k.startswith(("JAX_COMPILATION_CACHE", "JAX_PERSISTENT_CACHE", "DFLASH_JAX_NO_COMPILE"))}
     env["DFLASH_JAX_CACHE"] = str(tmp_path)
-    code = "import jax, dflash_jax as dj; print(jax.config.jax_compilation_cache_dir); print(dj.compile_cache_dir())"
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout.split()
-    assert out == [str(tmp_path / "jax_cache")] * 2
+    code = ("import sys, jax, dflash_jax as dj; state = lambda: print(jax.config.jax_compilation_cache_dir or 'off'); state(); "
+            "dj.load_target(sys.argv[1]); state(); print(dj.enable_compile_cache() or 'off'); print(dj.compile_cache_dir())")
+    out = subprocess.run([sys.executable, "-c", code, str(hf_dir)], env=env, capture_output=True, text=True, check=True).stdout.split()
+    assert out == ["off"] + [str(tmp_path / "jax_cache")] * 3
     env["DFLASH_JAX_NO_COMPILE_CACHE"] = "1"
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout.split()
-    assert out[0] in ("None", "")
+    out = subprocess.run([sys.executable, "-c", code, str(hf_dir)], env=env, capture_output=True, text=True, check=True).stdout.split()
+    assert out == ["off", "off", "off", str(tmp_path / "jax_cache")]
 
 
 @pytest.mark.parametrize(
@@ -270,10 +275,10 @@ def test_generate_refuses_a_non_target():
 def test_prompts_as_numpy_and_jax_arrays(tiny):
     import jax.numpy as jnp
 
-    want = dj.generate(tiny, [[5, 9, 17], [40, 2, 7]], 3).output_ids
-    assert dj.generate(tiny, [jnp.asarray([5, 9, 17]), np.asarray([40, 2, 7], np.int64)], 3).output_ids == want
-    assert dj.generate(tiny, jnp.asarray([[5, 9, 17], [40, 2, 7]], jnp.int32), 3).output_ids == want
-    assert dj.generate(tiny, [[np.int32(5), 9, 17], (40, 2, 7)], 3).output_ids == want
+    want = dj.generate(tiny, [[5, 9, 17], [40, 2, 7]], max_new_tokens=3).output_ids
+    assert dj.generate(tiny, [jnp.asarray([5, 9, 17]), np.asarray([40, 2, 7], np.int64)], max_new_tokens=3).output_ids == want
+    assert dj.generate(tiny, jnp.asarray([[5, 9, 17], [40, 2, 7]], jnp.int32), max_new_tokens=3).output_ids == want
+    assert dj.generate(tiny, [[np.int32(5), 9, 17], (40, 2, 7)], max_new_tokens=3).output_ids == want
 
 
 def test_capacity_is_bounded_by_max_position_embeddings(tiny):
@@ -282,16 +287,16 @@ def test_capacity_is_bounded_by_max_position_embeddings(tiny):
     small = dj.Target(cfg=dataclasses.replace(tiny.cfg, max_position_embeddings=40), params=tiny.params, source="tiny")
     prompt = [[5, 9, 17, 3, 22, 8, 1]]  # 7 tokens
     # 7 + 33 = 40 fits exactly: the default capacity (1024) is capped at the limit
-    res = dj.generate(small, prompt, 33)
+    res = dj.generate(small, prompt, max_new_tokens=33)
     assert res.stats["max_len"] == 40 and len(res.output_ids[0]) == 33
     with pytest.raises(DFlashError) as e:
-        dj.generate(small, prompt, 34)
+        dj.generate(small, prompt, max_new_tokens=34)
     assert e.value.where == "max_new_tokens (--max-new-tokens)" and "40" in e.value.what and e.value.expected == "at most 33"
     with pytest.raises(DFlashError) as e:
-        dj.generate(small, prompt, 4, max_len=41)
+        dj.generate(small, prompt, max_new_tokens=4, max_len=41)
     assert e.value.where == "max_len (--max-len)" and e.value.expected == "an integer in [2, 40]"
     # a budget far beyond a given capacity is harmless (the capacity ends the row)
-    res = dj.generate(small, prompt, 10**12, max_len=12)
+    res = dj.generate(small, prompt, max_new_tokens=10**12, max_len=12)
     assert res.finish_reason == ["capacity"] and len(res.output_ids[0]) == 5
 
 
@@ -314,12 +319,12 @@ def test_encode_prompt_option_types(hf_dir):
 def test_one_token_stop_text_is_cut_from_the_text_like_a_longer_one(hf_dir):
     t = dj.load_target(hf_dir)
     ids = [1, 2, 3]
-    base = dj.generate(t, [ids], 40, ignore_eos=True)
+    base = dj.generate(t, [ids], max_new_tokens=40, ignore_eos=True)
     text = base.texts[0]
     ch = next(c for c in text[2:] if c.isascii() and c.isalnum())
     assert split_stop(t.tokenizer, [ch])[0] == [ord(ch)]  # a one-token stop text: a stop id
     for on_tokens in (None, lambda new: None):
-        res = dj.generate(t, [ids], 40, ignore_eos=True, stop=[ch], on_tokens=on_tokens)
+        res = dj.generate(t, [ids], max_new_tokens=40, ignore_eos=True, stop=[ch], on_tokens=on_tokens)
         assert res.texts[0] == text[: text.index(ch)]
         assert res.output_ids[0][-1] == ord(ch) and res.finish_reason == ["stop"]
         assert res.output_ids[0] == base.output_ids[0][: len(res.output_ids[0])]

@@ -14,6 +14,10 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.smoke
+
 PACKAGE = "dflash_jax"
 ROOT = Path(__file__).resolve().parent.parent / PACKAGE
 

@@ -335,6 +335,7 @@ def test_usage_errors_are_one_line_and_exit_2(capsys, argv, line):
     assert "usage:" not in err and "Traceback" not in err
 
 
+@pytest.mark.smoke
 def test_help_still_prints_and_exits_0(capsys):
     code, out, err = run(capsys, "generate", "--help")
     assert code == 0 and out.startswith("usage: dflash-jax generate") and "--max-new-tokens" in out

@@ -341,7 +341,7 @@ def test_recorded_calibration_is_loaded_and_checked(api_pair, tmp_path):
     cfg["dflash_jax"]["auto_depth"] = 1
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     d = dj.load_drafter(tmp_path, target)
-    res = dj.generate(target, [[5, 9, 17]], 6, drafter=d, cost_model=CostModel.forcing(1, 1))  # auto over one draft, as recorded
+    res = dj.generate(target, [[5, 9, 17]], max_new_tokens=6, drafter=d, cost_model=CostModel.forcing(1, 1))  # auto over one draft, as recorded
     assert d.auto_depth == 1 and res.stats["n_max"] == "auto" and len(res.stats["widths"]) == 2
     cfg["dflash_jax"]["auto_depth"] = drafter.cfg.block_size
     (tmp_path / "config.json").write_text(json.dumps(cfg))

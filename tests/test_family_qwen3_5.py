@@ -111,10 +111,10 @@ def test_public_api_generate_plain_and_dflash(saved):
     model, folder = saved
     target = dj.load_target(folder)
     want = hf_greedy(model, PROMPT, N_NEW)
-    res = dj.generate(target, [PROMPT], N_NEW, max_len=48, chunk_size=4, ignore_eos=True)
+    res = dj.generate(target, [PROMPT], max_new_tokens=N_NEW, max_len=48, chunk_size=4, ignore_eos=True)
     assert res.output_ids[0] == want
     dcfg, dparams = tiny_drafter(target.cfg, layer_ids=(0, 3), block_size=4)
-    res = dj.generate(target, [PROMPT], N_NEW, max_len=48, chunk_size=4, ignore_eos=True,
+    res = dj.generate(target, [PROMPT], max_new_tokens=N_NEW, max_len=48, chunk_size=4, ignore_eos=True,
                       drafter=dj.Drafter(cfg=dcfg, params=dparams, source="tiny-drafter"))
     assert res.output_ids[0] == want and res.stats["mode"] == "dflash"
 

@@ -128,9 +128,9 @@ def test_another_prompt_and_budget_compile_nothing():
     with a prompt of another length and another budget reuses the compiled programs."""
     cfg, params = tiny_target("llama", seed=1)
     target = dj.Target(cfg=cfg, params=params, tokenizer=None, source="tiny", eos_ids=())
-    first = dj.generate(target, [[5, 9, 17, 3, 22, 8, 1]], 5)
+    first = dj.generate(target, [[5, 9, 17, 3, 22, 8, 1]], max_new_tokens=5)
     with count_compilations() as compiled:
-        second = dj.generate(target, [list(range(2, 40))], 9)
+        second = dj.generate(target, [list(range(2, 40))], max_new_tokens=9)
     assert compiled() == 0
     assert first.stats["max_len"] == second.stats["max_len"] == min(1024, cfg.max_position_embeddings)
     assert len(second.output_ids[0]) == 9

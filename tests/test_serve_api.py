@@ -43,6 +43,7 @@ def stream_chat(c, **kw):
     return content, finish, chunks[-1].usage, spec, chunks
 
 
+@pytest.mark.smoke
 def test_chat_streamed_and_whole_equal_generate(serve_tiny, serve_tiny_model):
     url, _ = serve_tiny
     c = client(url)

@@ -458,8 +458,8 @@ def full_run(tmp_path_factory, tiny_run):
     out = tmp_path_factory.mktemp("full")
     losses = []
     prompts = [ds.sequence(i)[0][:4].tolist() for i in range(3)]
-    state, summary = train(out, t_params, t_cfg, d_cfg, Batcher(ds, TC.batch_size, TC.max_len, seed=TC.seed), TC, eval_prompts=prompts,
-                           eval_max_new=16, ckpt_every=1000, progress=False, on_step=lambda s, m: losses.append(m["loss"]))
+    state, summary = train(out, target_params=t_params, target_cfg=t_cfg, cfg=d_cfg, batcher=Batcher(ds, TC.batch_size, TC.max_len, seed=TC.seed), tc=TC,
+                           eval_prompts=prompts, eval_max_new=16, ckpt_every=1000, progress=False, on_step=lambda s, m: losses.append(m["loss"]))
     return out, state, summary, losses
 
 
@@ -469,9 +469,10 @@ def test_resume_is_bit_identical(tmp_path, tiny_run, full_run):
     _, full, s_full, _ = full_run
     assert s_full["finished"] and s_full["step"] == TC.steps
     batcher = Batcher(ds, TC.batch_size, TC.max_len, seed=TC.seed)
-    part, s_part = train(tmp_path / "b", t_params, t_cfg, d_cfg, batcher, TC, ckpt_every=5, stop_at=17, progress=False)
+    part, s_part = train(tmp_path / "b", target_params=t_params, target_cfg=t_cfg, cfg=d_cfg, batcher=batcher, tc=TC,
+                         ckpt_every=5, stop_at=17, progress=False)
     assert not s_part["finished"] and latest_checkpoint(tmp_path / "b" / "checkpoints").name == "step_00000017"
-    resumed, s_res = train(tmp_path / "b", t_params, t_cfg, d_cfg, Batcher(ds, TC.batch_size, TC.max_len, seed=TC.seed), TC,
+    resumed, s_res = train(tmp_path / "b", target_params=t_params, target_cfg=t_cfg, cfg=d_cfg, batcher=Batcher(ds, TC.batch_size, TC.max_len, seed=TC.seed), tc=TC,
                            ckpt_every=5, progress=False)
     assert s_res["finished"] and s_res["tokens_seen"] == s_full["tokens_seen"]
     for x, y in zip(jax.tree_util.tree_leaves((full.params, full.opt_state)), jax.tree_util.tree_leaves((resumed.params, resumed.opt_state))):
@@ -479,7 +480,8 @@ def test_resume_is_bit_identical(tmp_path, tiny_run, full_run):
     log = [json.loads(l) for l in (tmp_path / "b" / "log.jsonl").read_text().splitlines()]
     assert [r["step"] for r in log] == list(range(1, TC.steps + 1))
     with pytest.raises(ValueError, match="settings differ"):
-        train(tmp_path / "b", t_params, t_cfg, d_cfg, batcher, dataclasses.replace(TC, lr=1e-3), progress=False)
+        train(tmp_path / "b", target_params=t_params, target_cfg=t_cfg, cfg=d_cfg, batcher=batcher, tc=dataclasses.replace(TC, lr=1e-3),
+              progress=False)
 
 
 @pytest.mark.slow
@@ -499,21 +501,22 @@ def test_continue_from_trained_weights(tmp_path, tiny_run, full_run):
     prompts = [ds.sequence(i)[0][:4].tolist() for i in range(3)]
     tc = dataclasses.replace(TC, steps=3)
     batcher = Batcher(ds, tc.batch_size, tc.max_len, seed=tc.seed)
-    _, s = train(tmp_path / "c", t_params, t_cfg, d_cfg, batcher, tc, eval_prompts=prompts, eval_max_new=16, progress=False,
-                 init_params=full.params)
+    _, s = train(tmp_path / "c", target_params=t_params, target_cfg=t_cfg, cfg=d_cfg, batcher=batcher, tc=tc,
+                 eval_prompts=prompts, eval_max_new=16, progress=False, init_params=full.params)
     curve = json.loads((tmp_path / "c" / "tau_curve.json").read_text())
     assert s["finished"] and curve[0]["tau"] == json.loads((out / "tau_curve.json").read_text())[-1]["tau"]
     assert json.loads((tmp_path / "c" / "run.json").read_text())["signature"]["init"] == params_fingerprint(full.params)
     with pytest.raises(ValueError, match=r"settings differ from the checkpointed run.s \(init\)"):
-        train(tmp_path / "c", t_params, t_cfg, d_cfg, batcher, tc, progress=False)
+        train(tmp_path / "c", target_params=t_params, target_cfg=t_cfg, cfg=d_cfg, batcher=batcher, tc=tc, progress=False)
     from dflash_jax.nn.params import unstack_layers
 
     # the same weights per layer (load_drafter's CPU layout): the same run, found finished
-    _, again = train(tmp_path / "c", t_params, t_cfg, d_cfg, batcher, tc, progress=False, init_params=unstack_layers(full.params))
+    _, again = train(tmp_path / "c", target_params=t_params, target_cfg=t_cfg, cfg=d_cfg, batcher=batcher, tc=tc,
+                     progress=False, init_params=unstack_layers(full.params))
     assert again["finished"]
     bad = dict(full.params, fc=full.params["fc"][:, :-1])
     with pytest.raises(ValueError, match=r"\['fc'\] is"):
-        train(tmp_path / "d", t_params, t_cfg, d_cfg, batcher, tc, progress=False, init_params=bad)
+        train(tmp_path / "d", target_params=t_params, target_cfg=t_cfg, cfg=d_cfg, batcher=batcher, tc=tc, progress=False, init_params=bad)
 
 
 # ------------------------------------------------------------------------------ export

@@ -55,17 +55,20 @@ _MESH = _COMMON + textwrap.dedent(
     got = {}
     for mesh in (None, "data=2", "data=2,model=2"):
         losses = []
-        st, s = train(tmp / str(mesh), t_params, t_cfg, d_cfg, Batcher(ds, 4, 24, seed=3), tc, progress=False, mesh=mesh,
-                      on_step=lambda i, m: losses.append(m["loss"]))
+        st, s = train(tmp / str(mesh), target_params=t_params, target_cfg=t_cfg, cfg=d_cfg, batcher=Batcher(ds, 4, 24, seed=3), tc=tc,
+                      progress=False, mesh=mesh, on_step=lambda i, m: losses.append(m["loss"]))
         assert s["finished"] and s["step"] == 5
         got[str(mesh)] = dict(losses=losses, tokens=s["tokens_seen"], spec=str(st.params["layers"]["wq"].sharding.spec) if mesh else None,
                               params={jax.tree_util.keystr(p): np.asarray(x).tolist() for p, x in jax.tree_util.tree_leaves_with_path(st.params)})
-    part = train(tmp / "cross", t_params, t_cfg, d_cfg, Batcher(ds, 4, 24, seed=3), tc, progress=False, mesh="data=2,model=2", stop_at=3)[1]
-    st, s = train(tmp / "cross", t_params, t_cfg, d_cfg, Batcher(ds, 4, 24, seed=3), tc, progress=False)  # resumed on one device
+    part = train(tmp / "cross", target_params=t_params, target_cfg=t_cfg, cfg=d_cfg, batcher=Batcher(ds, 4, 24, seed=3), tc=tc,
+                 progress=False, mesh="data=2,model=2", stop_at=3)[1]
+    st, s = train(tmp / "cross", target_params=t_params, target_cfg=t_cfg, cfg=d_cfg, batcher=Batcher(ds, 4, 24, seed=3), tc=tc,
+                  progress=False)  # resumed on one device
     assert part["step"] == 3 and not part["finished"] and s["start"] == 3 and s["finished"]
     got["cross"] = dict(params={jax.tree_util.keystr(p): np.asarray(x).tolist() for p, x in jax.tree_util.tree_leaves_with_path(st.params)})
     try:
-        train(tmp / "bad", t_params, t_cfg, d_cfg, Batcher(ds, 3, 24, seed=3), TrainConfig(steps=2, batch_size=3, max_len=24), mesh="data=2")
+        train(tmp / "bad", target_params=t_params, target_cfg=t_cfg, cfg=d_cfg, batcher=Batcher(ds, 3, 24, seed=3), tc=TrainConfig(steps=2, batch_size=3, max_len=24),
+              mesh="data=2")
         raise SystemExit("not refused")
     except DFlashError as e:
         got["bad_api"] = str(e)

@@ -318,14 +318,14 @@ def test_generate_drafts_the_recorded_tree_and_tree_0_a_chain(dense, tmp_path, m
     (tmp_path / "d" / "config.json").write_text(json.dumps(record))
     drafter = dj.load_drafter(tmp_path / "d", target)
     assert (drafter.n_max, drafter.auto_depth, drafter.tree) == ("auto", 2, 3)
-    want = dj.generate(target, PROMPTS, 12).output_ids
-    res = dj.generate(target, PROMPTS, 12, drafter=drafter)
+    want = dj.generate(target, PROMPTS, max_new_tokens=12).output_ids
+    res = dj.generate(target, PROMPTS, max_new_tokens=12, drafter=drafter)
     assert res.output_ids == want and res.stats["tree"] == 3 and res.stats["cost_widths"] == [3] and len(res.stats["widths"]) == 4
-    chain = dj.generate(target, PROMPTS, 12, drafter=drafter, tree=0)
+    chain = dj.generate(target, PROMPTS, max_new_tokens=12, drafter=drafter, tree=0)
     assert chain.output_ids == want and chain.stats["tree"] is None and chain.stats["cost_widths"] == [1, 2]
     kept = sorted(json.loads(f.read_text())["key"].get("tree", 0) for f in (tmp_path / "cache" / "depth_costs").glob("*.json"))
     assert kept == [0, 3]  # a tree's costs and a chain's, each kept under its own key
-    fixed = dj.generate(target, PROMPTS, 12, drafter=drafter, n_max=3)
+    fixed = dj.generate(target, PROMPTS, max_new_tokens=12, drafter=drafter, n_max=3)
     assert fixed.output_ids == want and fixed.stats["tree"] is None
     served = ServedModel(target, drafter)
     assert served.decoding().tree == 3 and served.decoding(2).tree is None
@@ -333,9 +333,9 @@ def test_generate_drafts_the_recorded_tree_and_tree_0_a_chain(dense, tmp_path, m
     for kw, match in ((dict(tree=-1), r"^tree \(--tree\): got -1"), (dict(tree=16), r"\[1, 15\]"), (dict(tree=2.0), "got 2.0"),
                       (dict(tree=3, draft_mode="sample"), "draft_mode='argmax'")):
         with pytest.raises(DFlashError, match=match):
-            dj.generate(target, PROMPTS, 4, drafter=drafter, **kw)
+            dj.generate(target, PROMPTS, max_new_tokens=4, drafter=drafter, **kw)
     with pytest.raises(DFlashError, match="without a drafter"):
-        dj.generate(target, PROMPTS, 4, tree=3)
+        dj.generate(target, PROMPTS, max_new_tokens=4, tree=3)
     record["dflash_jax"]["tree"] = 0
     (tmp_path / "d" / "config.json").write_text(json.dumps(record))
     with pytest.raises(DFlashError, match=r"config.json: field dflash_jax.tree: got 0 \(expected an integer in \[1, 15\]"):

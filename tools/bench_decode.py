@@ -91,7 +91,7 @@ def main(argv=None) -> int:
     outputs = {}
     for r in range(args.repeats):
         for lay in layouts:
-            res = dj.generate(targets[lay], [ids], args.max_new_tokens, chunk_size=args.chunk_size, ignore_eos=True)
+            res = dj.generate(targets[lay], [ids], max_new_tokens=args.max_new_tokens, chunk_size=args.chunk_size, ignore_eos=True)
             st = res.stats
             by_layout[lay].append(st)
             outputs[lay] = res.output_ids

@@ -68,6 +68,9 @@ def main(argv: Sequence[str] | None = None, fast_exit: bool = False) -> int:
         return 2
     except SystemExit as e:  # --help (0)
         return int(e.code or 0) if not isinstance(e.code, str) else 2
+    from dflash_jax.runtime.compiled import enable_compile_cache
+
+    enable_compile_cache()  # every command: a warm run reads its programs back from the cache
     if args.command is None:
         commands = ", ".join(parser.commands())
         print(f"error: COMMAND: missing (expected one of: {commands}; see dflash-jax --help)", file=sys.stderr, flush=True)

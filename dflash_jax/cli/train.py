@@ -323,7 +323,8 @@ def _run(args, argv) -> int:
     eval_path = args.eval_prompts or (Path(args.data) / "eval_prompts.json")
     eval_prompts = load_eval_prompts(eval_path, target.tokenizer) if Path(eval_path).is_file() else None
     t0 = time.time()
-    state, summary = train(out, target.params, target.cfg, cfg, batcher, tc, eval_prompts=eval_prompts, eval_max_new=args.eval_max_new,
+    state, summary = train(out, target_params=target.params, target_cfg=target.cfg, cfg=cfg, batcher=batcher, tc=tc,
+                           eval_prompts=eval_prompts, eval_max_new=args.eval_max_new,
                            eval_every=args.eval_every, stop_ids=target.eos_ids, ckpt_every=args.ckpt_every, keep=args.keep,
                            time_limit=None if args.time_limit is None else args.time_limit * 60.0, stop_at=args.stop_at,
                            progress=not args.no_progress, init_params=init_params, mesh=mesh)

@@ -171,15 +171,19 @@ def speculative_step_fn(params: Params, state: DecodeState, static: Decoding) ->
 def decode_step_fn(params: Params, state: DecodeState, static: Decoding) -> DecodeState:
     """One step (pure, unjitted): a DFlash propose/verify/commit when ``static`` has a drafter
     (:func:`speculative_step_fn`), else one plain target pass (:func:`plain_step_fn`).
-    Every running row commits at least one token."""
-    check_step_inputs(params, state, static)
+    Every running row commits at least one token. The arguments are not checked here: the entry
+    points that call it (:func:`decode_step`, :func:`generate_until`) check them once."""
     if static.speculative:
         return speculative_step_fn(params, state, static)
     return plain_step_fn(params, state, static)
 
 
-decode_step = jax.jit(decode_step_fn, static_argnames=("static",), donate_argnames=("state",), keep_unused=True)
-decode_step.__doc__ = "Jitted :func:`decode_step_fn` (state donated)."
+@functools.partial(jax.jit, static_argnames=("static",), donate_argnames=("state",), keep_unused=True)
+def decode_step(params: Params, state: DecodeState, static: Decoding) -> DecodeState:
+    """Jitted :func:`decode_step_fn` (state donated). Raises DFlashError for arguments that do not
+    go together (:func:`~dflash_jax.decode.static.check_step_inputs`)."""
+    check_step_inputs(params, state, static)
+    return decode_step_fn(params, state, static)
 
 
 def steps_until(step, state: DecodeState, min_done, max_steps=None) -> DecodeState:
@@ -224,7 +228,10 @@ def generate_until(params: Params, state: DecodeState, static: Decoding, min_don
         but ``capacity``); the serving engine returns to the host every few steps with it.
     Returns:
       The state after the steps taken (a done row never changes).
+    Raises:
+      DFlashError: arguments that do not go together (:func:`~dflash_jax.decode.static.check_step_inputs`).
     """
+    check_step_inputs(params, state, static)
     return steps_until(lambda s: decode_step_fn(params, s, static), state, min_done, max_steps)
 
 

@@ -301,10 +301,10 @@ def with_wide_layouts(params: dict, kinds=KINDS, tied: bool = False) -> dict:
       the tree with those copies (the models use them from :data:`GATE_UP_MIN_ROWS` and
       :data:`HEAD_MIN_ROWS` rows on).
     Raises:
-      ValueError: a kind not in :data:`KINDS`.
+      DFlashError: a kind not in :data:`KINDS`.
     """
     if set(kinds) - set(KINDS):
-        raise ValueError(f"kinds: got {sorted(set(kinds) - set(KINDS))}, expected some of {KINDS}")
+        raise DFlashError("kinds", f"got {sorted(set(kinds) - set(KINDS))}", f"some of {KINDS}")
     out = dict(params)
     if "gate_up" in kinds:
         out["layers"] = _each_layer(params["layers"], lambda lp: dict(lp, w_gate_t=_swap(lp["w_gate"]), w_up_t=_swap(lp["w_up"])))

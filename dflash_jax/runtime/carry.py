@@ -227,9 +227,13 @@ class PagedKVCache:
 def init_paged_kv_cache(num_layers: int, batch: int, capacity: int, pages: int, kv_heads: int, head_dim: int, dtype,
                         page_size: int = PAGE_SIZE) -> PagedKVCache:
     """An empty paged cache: a pool of ``pages`` pages (page 0 the trash page) and ``batch`` rows of
-    ``capacity`` positions (a multiple of ``page_size``), every table entry on the trash page."""
+    ``capacity`` positions (a multiple of ``page_size``), every table entry on the trash page.
+
+    Raises:
+      DFlashError: a ``capacity`` that is not a multiple of ``page_size``.
+    """
     if capacity % page_size:
-        raise ValueError(f"capacity {capacity} is not a multiple of the page size {page_size}")
+        raise DFlashError("capacity", f"{capacity} is not a multiple of the page size {page_size}", f"a multiple of {page_size}")
     shape = (num_layers, pages * page_size, kv_heads, head_dim)
     return PagedKVCache(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype), table=jnp.zeros((batch, capacity // page_size), jnp.int32),
                         page_size=page_size)

@@ -22,10 +22,10 @@ before tracing:
 
 An entry is :func:`jax.experimental.serialize_executable.serialize`'s payload and trees, pickled,
 in ``executables/<name>-<key>.bin`` inside JAX's persistent compilation cache folder, written
-atomically: the store is on exactly when that cache is (``<cache folder>/jax_cache`` by default,
-:mod:`dflash_jax`). A miss compiles the program anew, never from JAX's cache (see :data:`FRESH`).
-An entry that fails to load (written by another JAX, truncated) is removed and the function
-compiled again; an argument whose ``repr`` could be ambiguous (a memory address, a shortened
+atomically: the store is on exactly when that cache is (``<cache folder>/jax_cache`` once
+:func:`enable_compile_cache` ran, as :func:`dflash_jax.load_target` and the command line do). A
+miss compiles the program anew, never from JAX's cache (see :data:`FRESH`). An entry that fails
+to load (written by another JAX, truncated) is removed and the function compiled again; an argument whose ``repr`` could be ambiguous (a memory address, a shortened
 array) is never keyed. Reading an entry runs what it holds, as JAX's own cache does: the folder
 must be as trusted as the code. The store keeps at most :data:`MAX_BYTES`, dropping the least
 recently used entries. Reading an executable back is what remains of a warm compile: on XLA:CPU
@@ -127,6 +127,39 @@ TRACE_CONSTANTS = (("dflash_jax.nn.attention", "KEY_BLOCK"), ("dflash_jax.nn.att
                    ("dflash_jax.nn.params", "GATE_UP_MIN_ROWS"), ("dflash_jax.nn.params", "HEAD_MIN_ROWS"))
 
 
+def compile_cache_dir() -> Path:
+    """The folder of the persistent compilation cache: ``<cache folder>/jax_cache`` (cache folder:
+    ``$DFLASH_JAX_CACHE``, else ``$XDG_CACHE_HOME/dflash_jax``, else ``~/.cache/dflash_jax``)."""
+    from dflash_jax.assets.default_model import cache_dir
+
+    return cache_dir() / "jax_cache"
+
+
+def enable_compile_cache() -> str | None:
+    """Turns on JAX's persistent compilation cache in :func:`compile_cache_dir` (entries kept
+    however short their compile), so a second process does not compile again; with it the store of
+    :func:`compile` (``executables/`` inside it). :func:`dflash_jax.load_target` and the
+    ``dflash-jax`` command call it; importing the package does not change JAX's configuration.
+
+    Leaves JAX's configuration alone when ``DFLASH_JAX_NO_COMPILE_CACHE`` is set (not ``0``), when
+    ``JAX_COMPILATION_CACHE_DIR`` is set (JAX then uses that folder) or when the program already
+    set ``jax_compilation_cache_dir``, and on a JAX without these options. Calling it again
+    changes nothing.
+
+    Returns:
+      the cache folder JAX uses now (``str``), or ``None`` while the cache is off.
+    """
+    if os.environ.get("DFLASH_JAX_NO_COMPILE_CACHE", "") not in ("", "0") or os.environ.get("JAX_COMPILATION_CACHE_DIR"):
+        return getattr(jax.config, "jax_compilation_cache_dir", None) or None
+    try:
+        if not jax.config.jax_compilation_cache_dir:  # set by the program itself: its folder stays
+            jax.config.update("jax_compilation_cache_dir", str(compile_cache_dir()))
+            jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+        return jax.config.jax_compilation_cache_dir
+    except Exception:  # an older or newer JAX without these options: run without the cache
+        return None
+
+
 def store_dir() -> Path | None:
     """``executables/`` in JAX's persistent compilation cache folder, ``None`` while that cache is off."""
     folder = jax.config.jax_compilation_cache_dir
@@ -186,8 +219,8 @@ def _load(path: Path) -> Any | None:
 
     try:
         fmt, payload, in_tree, out_tree = pickle.loads(path.read_bytes())
-        if fmt != FORMAT:
-            raise ValueError(f"format {fmt}")
+        if fmt != FORMAT:  # not bad input: an entry of another version of this module, handled
+            raise ValueError(f"format {fmt}")  # below like any unreadable entry (never reaches a caller)
         compiled = deserialize_and_load(payload, in_tree, out_tree)
     except FileNotFoundError:
         return None

@@ -156,7 +156,9 @@ class PagePool:
         (raises RuntimeError when the pool lacks them: callers check :meth:`short` first)."""
         have = self.held.setdefault(row, [])
         extra = self.pages(positions) - len(have)
-        if extra > self.free:
+        if extra > self.free:  # an internal invariant, not bad input: the engine admits, grows and
+            # preempts rows only after checking the free pages (Engine._make_room, Engine._first_rounds),
+            # and a pool too small for one whole row is refused at start (DFlashError "--kv-cache-mb")
             raise RuntimeError(f"row {row} needs {extra} pages, {self.free} are free")
         have.extend(self._free.pop() for _ in range(max(0, extra)))
         return extra > 0

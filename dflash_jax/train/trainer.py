@@ -236,8 +236,8 @@ def _evaluator(run: _RunLog, mesh, target_params, target_cfg, cfg, eval_prompts,
     return do_eval
 
 
-def train(out_dir: str | os.PathLike, target_params, target_cfg: TargetConfig, cfg: DrafterConfig, batcher: Batcher, tc: TrainConfig,
-          *, eval_prompts: Sequence[Sequence[int]] | None = None, eval_max_new: int = 64, eval_every: int = 0,
+def train(out_dir: str | os.PathLike, *, target_params, target_cfg: TargetConfig, cfg: DrafterConfig, batcher: Batcher, tc: TrainConfig,
+          eval_prompts: Sequence[Sequence[int]] | None = None, eval_max_new: int = 64, eval_every: int = 0,
           stop_ids: Sequence[int] = (), ckpt_every: int = 100, keep: int = 3, time_limit: float | None = None,
           stop_at: int | None = None, progress: bool = True, on_step: Callable[[int, dict], None] | None = None,
           init_params=None, mesh=None) -> tuple[TrainState, dict]:
@@ -247,7 +247,7 @@ def train(out_dir: str | os.PathLike, target_params, target_cfg: TargetConfig, c
     (:func:`run_signature`) must equal the saved ``run.json``. Checkpoints every ``ckpt_every``
     steps, at ``stop_at``, when ``time_limit`` seconds have passed, on SIGTERM/SIGINT (after the
     current step) and at the end. Tau is measured on ``eval_prompts`` at step 0, every
-    ``eval_every`` steps and at the end.
+    ``eval_every`` steps and at the end. Every argument after ``out_dir`` is keyword-only.
 
     Args:
       target_params: the frozen target's parameters, on one device (laid out on ``mesh`` here).
