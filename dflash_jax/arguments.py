@@ -8,7 +8,7 @@ import math
 from typing import Sequence
 import numpy as np
 from dflash_jax.decode.auto.costs import CostModel, depth_policy
-from dflash_jax.decode.static import AUTO, Decoding, Params
+from dflash_jax.decode.state import AUTO, Decoding, Params
 from dflash_jax.errors import DFlashError
 from dflash_jax.loading import Drafter, Target
 from dflash_jax.decode.prefill import check_chunk_size
@@ -167,7 +167,7 @@ def _check_cost_model(cost_model, static: Decoding) -> None:
 
 
 def drafter_decoding(target_cfg, drafter: Drafter, draft_mode: str = "argmax", n_max=None, tree=None) -> Decoding:
-    """The :class:`~dflash_jax.decode.static.Decoding` of a generation with ``drafter``: ``n_max=None``
+    """The :class:`~dflash_jax.decode.state.Decoding` of a generation with ``drafter``: ``n_max=None``
     takes the drafter's recorded depth (``"auto"`` with its ``auto_depth`` for the shipped
     drafter); ``tree=None`` takes its recorded tree (:attr:`~dflash_jax.loading.Drafter.tree`)
     where its recorded depth applies and drafts are argmax (a tree holds the drafter's top
@@ -175,7 +175,7 @@ def drafter_decoding(target_cfg, drafter: Drafter, draft_mode: str = "argmax", n
 
     Raises:
       DFlashError: a ``tree`` that is not a node count, or settings that do not go together
-        (:class:`~dflash_jax.decode.static.Decoding`; the message names the argument and its option).
+        (:class:`~dflash_jax.decode.state.Decoding`; the message names the argument and its option).
     """
     if tree is not None and (isinstance(tree, bool) or not _is_int(tree) or tree < 0):
         raise DFlashError("tree (--tree)", f"got {tree!r}", "an integer >= 0 (0: a chain of drafts) or None (the drafter's recorded tree)")

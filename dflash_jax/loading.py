@@ -189,10 +189,10 @@ class Drafter:
         :class:`~dflash_jax.decode.auto.policy.Calibration`), or ``None`` (raw confidences).
       auto_depth: the drafts per block under ``n_max="auto"`` (``config.json`` field
         ``dflash_jax.auto_depth``: what its benchmark measured best; ``None``: ``block_size - 1``;
-        :attr:`dflash_jax.decode.static.Decoding.auto_depth`). ``dataclasses.replace(drafter,
+        :attr:`dflash_jax.decode.state.Decoding.auto_depth`). ``dataclasses.replace(drafter,
         auto_depth=k)`` runs auto over another depth.
       tree: the nodes of the best-first draft tree verified with its recorded depth
-        (``config.json`` field ``dflash_jax.tree``, :attr:`dflash_jax.decode.static.Decoding.tree`;
+        (``config.json`` field ``dflash_jax.tree``, :attr:`dflash_jax.decode.state.Decoding.tree`;
         ``None``: a chain of drafts).
     """
 
@@ -255,7 +255,7 @@ def _recorded_policy(config_path: Path, block_size: int):
     ``dflash_jax.auto_depth`` (an integer in ``[1, block_size - 1]``),
     ``dflash_jax.depth_calibration`` and ``dflash_jax.tree`` (an integer in
     ``[1, MAX_TREE_NODES]``; raises ``DFlashError`` naming the file and field otherwise)."""
-    from dflash_jax.decode.static import MAX_TREE_NODES
+    from dflash_jax.decode.state import MAX_TREE_NODES
 
     record = read_json(config_path).get("dflash_jax") or {}
     value, auto_depth = record.get("n_max"), record.get("auto_depth")

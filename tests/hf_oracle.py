@@ -11,7 +11,7 @@ import torch
 import transformers
 
 from dflash_jax.decode import loop as decode
-from dflash_jax.decode.static import Decoding, Params
+from dflash_jax.decode.state import Decoding, Params
 
 
 def save_tiny(conf_cls: str, model_cls: str, folder, seed: int = 0, **conf):

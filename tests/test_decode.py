@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from dflash_jax.decode import loop as decode
-from dflash_jax.decode.static import Decoding, Params
+from dflash_jax.decode.state import Decoding, Params
 from dflash_jax.errors import DFlashError
 from dflash_jax.decode.sampling import SamplingConfig
 from dflash_jax.decode.state import CAPACITY, LENGTH, STOP

@@ -19,7 +19,7 @@ import dflash_jax as dj
 from dflash_jax.decode.auto import costs
 from dflash_jax.decode import loop as decode
 from dflash_jax.decode.auto.costs import CostModel, depth_policy
-from dflash_jax.decode.static import Decoding, Params
+from dflash_jax.decode.state import Decoding, Params
 from dflash_jax.errors import DFlashError
 from dflash_jax.decode.auto import adaptive, policy as depth
 from dflash_jax.decode.auto.policy import MAX_BACKOFF, Calibration

@@ -21,7 +21,7 @@ from dflash_jax.drafter import vocab as dv
 from dflash_jax.runtime import sharding as shd
 from dflash_jax.decode import loop as decode
 from dflash_jax.decode import step as speculative
-from dflash_jax.decode.static import Decoding, Params
+from dflash_jax.decode.state import Decoding, Params
 from dflash_jax.errors import DFlashError
 from dflash_jax.drafter import model as drafter
 from dflash_jax.decode.sampling import SamplingConfig

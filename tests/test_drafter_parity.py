@@ -12,7 +12,7 @@ transformers = pytest.importorskip("transformers")
 zlab = pytest.importorskip("dflash.model")
 
 from dflash_jax.decode import loop as decode  # noqa: E402
-from dflash_jax.decode.static import Decoding, Params  # noqa: E402
+from dflash_jax.decode.state import Decoding, Params  # noqa: E402
 from dflash_jax.drafter.model import load_hf_drafter as load_drafter  # noqa: E402
 from dflash_jax.families.dense.safetensors import load_hf_target  # noqa: E402
 from dflash_jax.drafter import model as drafter  # noqa: E402

@@ -44,7 +44,7 @@ SCRIPT = textwrap.dedent("""
     from dflash_jax.decode import loop as decode
     from dflash_jax.runtime import compiled as executables
     from dflash_jax.runtime.compiled import count_compilations, count_store_reads
-    from dflash_jax.decode.static import Decoding, Params
+    from dflash_jax.decode.state import Decoding, Params
     from dflash_jax.testing import tiny_target
     cfg, params = tiny_target("llama", seed=3)
     static = Decoding(cfg)

@@ -228,7 +228,7 @@ def test_gguf_chat_turn_ends_at_call_not_at_end(target, tmp_path):
     the turn: the tokens sit at ids the model emits greedily (found first without stops; ``-1`` pads
     the stop list to the same width, so both decodes run one compiled program)."""
     from dflash_jax.decode import loop as decode
-    from dflash_jax.decode.static import Decoding, Params
+    from dflash_jax.decode.state import Decoding, Params
     from dflash_jax.loading import load_target
 
     _, _, _, folder = target

@@ -15,7 +15,7 @@ from dflash_jax.decode import loop as decode
 from dflash_jax.decode import step as speculative
 from dflash_jax.runtime.carry import flat_axes
 from dflash_jax.families.qwen3_5.config import qwen3_5_config_from_hf
-from dflash_jax.decode.static import Decoding, Params
+from dflash_jax.decode.state import Decoding, Params
 from dflash_jax.errors import DFlashError
 from dflash_jax.families.qwen3_5 import model as qwen3_5
 from dflash_jax.families.registry import load_hf_target

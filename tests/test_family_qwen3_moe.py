@@ -181,7 +181,7 @@ jax.config.update("jax_default_matmul_precision", "highest")
 from dflash_jax.decode import loop as decode
 from dflash_jax.decode.prefill import prefill
 from dflash_jax.runtime import sharding as shd
-from dflash_jax.decode.static import Decoding, Params
+from dflash_jax.decode.state import Decoding, Params
 from dflash_jax.families.registry import family_for_hf, module_for
 from dflash_jax.testing import tiny_drafter
 

@@ -16,7 +16,7 @@ import pytest
 
 from dflash_jax.decode import loop as decode
 from dflash_jax.families.laguna.config import laguna_config_from_hf
-from dflash_jax.decode.static import Decoding, Params
+from dflash_jax.decode.state import Decoding, Params
 from dflash_jax.errors import DFlashError
 from dflash_jax.families.laguna.safetensors import load_laguna_target, parameter_count, published_shapes, save_published
 from dflash_jax.families.laguna import model as laguna

@@ -13,7 +13,7 @@ import pytest
 
 from dflash_jax.decode import loop as decode
 from dflash_jax.drafter.model import drafter_config_from_hf
-from dflash_jax.decode.static import Decoding, Params
+from dflash_jax.decode.state import Decoding, Params
 from dflash_jax.errors import DFlashError
 from dflash_jax.drafter.model import load_hf_drafter as load_drafter
 from dflash_jax.drafter.laguna import load_laguna_drafter_gguf

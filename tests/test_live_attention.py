@@ -14,7 +14,7 @@ import pytest
 import dflash_jax as dj
 from dflash_jax.decode import loop as decode
 from dflash_jax.runtime.compiled import count_compilations
-from dflash_jax.decode.static import Decoding, Params
+from dflash_jax.decode.state import Decoding, Params
 from dflash_jax.families.dense import model as dense
 from dflash_jax.nn.attention import cache_attention, live_keys
 from dflash_jax.decode.state import CAPACITY

@@ -20,7 +20,7 @@ from jax.sharding import AbstractMesh
 from dflash_jax.decode import loop as decode
 from dflash_jax.decode import step as speculative
 from dflash_jax.runtime import sharding as shd
-from dflash_jax.decode.static import Decoding, Params
+from dflash_jax.decode.state import Decoding, Params
 from dflash_jax.drafter import model as drafter_mod
 from dflash_jax.families.registry import module_for
 from dflash_jax.drafter.model import drafter_config_from_hf

@@ -14,7 +14,7 @@ import pytest
 from conftest import SERVE_MAX_LEN
 
 import dflash_jax as dj
-from dflash_jax.decode.static import Decoding, Params
+from dflash_jax.decode.state import Decoding, Params
 from dflash_jax.errors import DFlashError
 from dflash_jax.serve.batch import Batch
 from dflash_jax.serve.pages import PagePool

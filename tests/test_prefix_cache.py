@@ -13,7 +13,7 @@ from conftest import SERVE_MAX_LEN
 from serve_util import raw
 
 import dflash_jax as dj
-from dflash_jax.decode.static import Decoding, Params
+from dflash_jax.decode.state import Decoding, Params
 from dflash_jax.serve.batch import Batch
 from dflash_jax.serve.prefix_cache import BLOCK, PrefixCache, chain_keys, supports
 

@@ -15,7 +15,7 @@ from jax.sharding import AbstractMesh, PartitionSpec as P
 from dflash_jax.decode import loop as decode
 from dflash_jax.runtime import sharding as shd
 from dflash_jax.runtime.carry import KV_AXES
-from dflash_jax.decode.static import Decoding
+from dflash_jax.decode.state import Decoding
 from dflash_jax.errors import DFlashError
 from dflash_jax.families.dense import model as dense
 from dflash_jax.nn.params import unstack_layers
@@ -169,7 +169,7 @@ _MULTI_DEVICE = textwrap.dedent(
     from dflash_jax.drafter import model as drafter
     from dflash_jax.decode import loop as decode
     from dflash_jax.decode.prefill import prefill
-    from dflash_jax.decode.static import Decoding, Params
+    from dflash_jax.decode.state import Decoding, Params
     from dflash_jax.testing import tiny_drafter, tiny_target
 
     assert len(jax.devices()) == 4, jax.devices()

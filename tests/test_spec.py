@@ -15,7 +15,7 @@ import pytest
 from dflash_jax.decode import loop as decode
 from dflash_jax.decode import step as speculative
 from dflash_jax.decode.auto.costs import CostModel, depth_policy
-from dflash_jax.decode.static import Decoding, Params
+from dflash_jax.decode.state import Decoding, Params
 from dflash_jax.errors import DFlashError
 from dflash_jax.decode.sampling import SamplingConfig
 from dflash_jax.decode.auto.policy import Calibration, verify_widths

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 from dflash_jax.drafter import vocab as draft_vocab
-from dflash_jax.decode.static import Decoding, Params
+from dflash_jax.decode.state import Decoding, Params
 from dflash_jax.drafter import model as drafter
 from dflash_jax.testing import tiny_drafter, tiny_target
 from dflash_jax.train import objective

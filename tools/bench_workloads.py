@@ -266,7 +266,7 @@ def report_rows(results: dict, args, budget_mb: float) -> list[str]:
 
 def _budget_mb(rows_budget: int) -> float:
     """MiB of ``rows_budget`` unpaged rows of 2048 tokens of the default pair (its ``n_max="auto"`` set-up)."""
-    from dflash_jax.decode.static import Decoding
+    from dflash_jax.decode.state import Decoding
     from dflash_jax.loading import load_target, shipped_drafter
     from dflash_jax.serve.pages import row_bytes
 

@@ -53,7 +53,7 @@ sys.path.insert(1, str(Path(__file__).resolve().parents[1]))
 import jax  # noqa: E402
 
 from benchlib import machine, write_section  # noqa: E402
-from dflash_jax.decode.static import Decoding, Params  # noqa: E402
+from dflash_jax.decode.state import Decoding, Params  # noqa: E402
 from dflash_jax.shapes import configs, random_models, tree_bytes  # noqa: E402
 from gpu_measure import Generation, clocked, copy_bandwidth, decode_at, dflash_at, markdown, mesh_check, oracle_tests, verify_cost  # noqa: E402
 

@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from dflash_jax.decode import loop as decode
-from dflash_jax.decode.static import Decoding, Params
+from dflash_jax.decode.state import Decoding, Params
 from dflash_jax.families.registry import module_for
 from dflash_jax.decode.step import commit_block
 from dflash_jax.decode.step import propose_fn

@@ -30,7 +30,7 @@ def configs(drafter) -> list:
 
 def setup(target, drafter, config):
     """``(static, params)`` of one configuration (``params.depth`` is filled in later for auto)."""
-    from dflash_jax.decode.static import Decoding, Params
+    from dflash_jax.decode.state import Decoding, Params
 
     if config == "plain":
         return Decoding(target.cfg), Params(target.params)

@@ -1,8 +1,8 @@
 """Decoding, plain or DFlash: init, prefill, one step, the on-device loop, continuous batching.
 
 Every step has the signature ``f(params, state, static, ...)``: a
-:class:`~dflash_jax.decode.static.Params` pytree (target and drafter weights), the
-:class:`~dflash_jax.decode.state.DecodeState` carry and a :class:`~dflash_jax.decode.static.Decoding` (static:
+:class:`~dflash_jax.decode.state.Params` pytree (target and drafter weights), the
+:class:`~dflash_jax.decode.state.DecodeState` carry and a :class:`~dflash_jax.decode.state.Decoding` (static:
 configs, draft mode, depth; each row's sampling settings are in the state). With a drafter a step is a DFlash step
 (:mod:`dflash_jax.decode.step`), else one plain target pass. The jitted steps donate the state.
 ``generate`` runs the whole loop on device with ``lax.while_loop``; ``stream`` steps from Python
@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from dflash_jax.runtime.carry import flat_axes
-from dflash_jax.decode.static import Decoding, Params, check_step_inputs
+from dflash_jax.decode.state import Decoding, Params, check_step_inputs
 from dflash_jax.runtime.distributed import fetch
 from dflash_jax.errors import DFlashError
 from dflash_jax.families.registry import module_for
@@ -62,7 +62,7 @@ def init_state(
     (and, when ``static`` has a drafter, an empty drafter context and zeroed statistics).
 
     Args:
-      static: the :class:`~dflash_jax.decode.static.Decoding` the state will be decoded with.
+      static: the :class:`~dflash_jax.decode.state.Decoding` the state will be decoded with.
       prompts: ``B`` lists of token ids (lengths may differ).
       max_len: capacity in tokens per row (prompt + generated).
       max_new_tokens: new-token budget, one int for all rows or one per row.
@@ -181,7 +181,7 @@ def decode_step_fn(params: Params, state: DecodeState, static: Decoding) -> Deco
 @functools.partial(jax.jit, static_argnames=("static",), donate_argnames=("state",), keep_unused=True)
 def decode_step(params: Params, state: DecodeState, static: Decoding) -> DecodeState:
     """Jitted :func:`decode_step_fn` (state donated). Raises DFlashError for arguments that do not
-    go together (:func:`~dflash_jax.decode.static.check_step_inputs`)."""
+    go together (:func:`~dflash_jax.decode.state.check_step_inputs`)."""
     check_step_inputs(params, state, static)
     return decode_step_fn(params, state, static)
 
@@ -229,7 +229,7 @@ def generate_until(params: Params, state: DecodeState, static: Decoding, min_don
     Returns:
       The state after the steps taken (a done row never changes).
     Raises:
-      DFlashError: arguments that do not go together (:func:`~dflash_jax.decode.static.check_step_inputs`).
+      DFlashError: arguments that do not go together (:func:`~dflash_jax.decode.state.check_step_inputs`).
     """
     check_step_inputs(params, state, static)
     return steps_until(lambda s: decode_step_fn(params, s, static), state, min_done, max_steps)

@@ -13,7 +13,7 @@ import numbers
 import jax
 import jax.numpy as jnp
 from dflash_jax.runtime import compiled as executables
-from dflash_jax.decode.static import Decoding, Params, check_step_inputs
+from dflash_jax.decode.state import Decoding, Params, check_step_inputs
 from dflash_jax.runtime.distributed import fetch
 from dflash_jax.errors import DFlashError
 from dflash_jax.families.registry import module_for
@@ -109,7 +109,7 @@ def prefill(params: Params, state: DecodeState, static: Decoding, chunk_size: in
       The state with ``length = prompt_len + 1`` (or done, if the first token stops the row).
     Raises:
       DFlashError: ``chunk_size`` not an integer >= 1; arguments that do not go together
-        (:func:`~dflash_jax.decode.static.check_step_inputs`).
+        (:func:`~dflash_jax.decode.state.check_step_inputs`).
     """
     check_step_inputs(params, state, static)
     chunk_size = check_chunk_size(chunk_size)

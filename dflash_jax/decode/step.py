@@ -41,7 +41,7 @@ import jax.numpy as jnp
 
 from dflash_jax.decode.sampling import sample_at, top2_gap
 from dflash_jax.decode.state import DecodeState, SpeculativeState, commit
-from dflash_jax.decode.static import Decoding, Params, check_step_inputs
+from dflash_jax.decode.state import Decoding, Params, check_step_inputs
 from dflash_jax.drafter import model as drafter
 from dflash_jax.families.registry import module_for
 from dflash_jax.runtime.carry import Capture, init_capture
@@ -133,7 +133,7 @@ def draft_logits(params: Params, state: DecodeState, static: Decoding):
 def propose_block(params: Params, state: DecodeState, static: Decoding):
     """Jitted :func:`propose_fn`: ``(drafts [B, n] int32, conf [B, n] float32)``.
     Raises DFlashError for arguments that do not go together
-    (:func:`~dflash_jax.decode.static.check_step_inputs`)."""
+    (:func:`~dflash_jax.decode.state.check_step_inputs`)."""
     check_step_inputs(params, state, static)
     return propose_fn(params, state, static)
 
@@ -243,6 +243,6 @@ def verify_commit(params: Params, state: DecodeState, static: Decoding, drafts) 
 def verify_block(params: Params, state: DecodeState, static: Decoding, drafts) -> DecodeState:
     """Jitted verify and commit of given ``drafts [B, n]`` int32, state donated: the new state.
     Raises DFlashError for arguments that do not go together
-    (:func:`~dflash_jax.decode.static.check_step_inputs`)."""
+    (:func:`~dflash_jax.decode.state.check_step_inputs`)."""
     check_step_inputs(params, state, static)
     return verify_commit(params, state, static, drafts)

@@ -25,7 +25,7 @@ from __future__ import annotations
 from typing import NamedTuple
 import jax
 import jax.numpy as jnp
-from dflash_jax.decode.static import Decoding, Params
+from dflash_jax.decode.state import Decoding, Params
 from dflash_jax.drafter import model as drafter
 from dflash_jax.nn.attention import TreeBlock
 from dflash_jax.families.registry import module_for

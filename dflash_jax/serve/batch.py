@@ -1,5 +1,5 @@
 """The device side of the serving engine: ``B`` rows decoded together under one
-:class:`~dflash_jax.decode.static.Decoding`, new prompts prefilled in chunks and swapped into free rows.
+:class:`~dflash_jax.decode.state.Decoding`, new prompts prefilled in chunks and swapped into free rows.
 Each row keeps its request's sampling settings, seed, stop ids and budget in the state, so any
 mix of requests shares the batch and its compiled steps.
 
@@ -26,7 +26,7 @@ from dflash_jax.runtime import sharding
 from dflash_jax.arguments import effective_chunk_size
 from dflash_jax.runtime.carry import flat_axes
 from dflash_jax.runtime.carry import PagedKVCache
-from dflash_jax.decode.static import Decoding, Params
+from dflash_jax.decode.state import Decoding, Params
 from dflash_jax.runtime.distributed import fetch
 from dflash_jax.errors import DFlashError
 from dflash_jax.driver import spec_stats
@@ -91,7 +91,7 @@ class Batch:
     """``rows`` decode rows of capacity ``max_len`` under ``static``, all free at first.
 
     Args:
-      params: the weights (:class:`~dflash_jax.decode.static.Params`).
+      params: the weights (:class:`~dflash_jax.decode.state.Params`).
       static: the decoding set-up every row shares.
       rows: the batch size (``--max-batch``).
       max_len: tokens per row, prompt included (``--max-len``).

@@ -6,7 +6,7 @@ queued requests are prefilled one chunk per round and swapped into free rows
 ids and budget (greedy and sampled requests share the batch and its compiled steps); (3) runs up
 to ``steps_per_round`` decode steps on device (fewer when a row finishes) and hands every request
 its new text. Only a request that asks its own draft depth (``n_max``, an extension for
-experiments) runs under another :class:`~dflash_jax.decode.static.Decoding`: it waits until the batch
+experiments) runs under another :class:`~dflash_jax.decode.state.Decoding`: it waits until the batch
 drains, then the batch switches to it (one compile per set-up, cached after).
 
 A request whose client disconnects is flagged at once (a stream's disconnect, or a task that waits

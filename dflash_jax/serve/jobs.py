@@ -17,7 +17,7 @@ from typing import Any
 
 from dflash_jax.decode.auto import costs
 from dflash_jax.arguments import drafter_decoding
-from dflash_jax.decode.static import Decoding, Params
+from dflash_jax.decode.state import Decoding, Params
 from dflash_jax.loading import Drafter, Target
 from dflash_jax.decode.sampling import SamplingConfig
 from dflash_jax.decode.auto.policy import Calibration
@@ -84,7 +84,7 @@ class JobSpec:
     Attributes:
       prompt: prompt token ids.
       max_new: new-token budget (prompt + budget fit the capacity).
-      static: the :class:`~dflash_jax.decode.static.Decoding` (draft depth) it runs under: requests
+      static: the :class:`~dflash_jax.decode.state.Decoding` (draft depth) it runs under: requests
         share a batch when theirs are equal (the server's, unless a request asks its own ``n_max``).
       sampling: its temperature, top-k and top-p (its row's own: any mix shares a batch).
       ignore_eos: EOS does not end it.

@@ -34,7 +34,7 @@ import jax.numpy as jnp
 
 from dflash_jax.runtime.carry import PAGE_SIZE, KVCache, PagedKVCache, init_kv_cache, init_paged_kv_cache
 from dflash_jax.decode.loop import replace_rows
-from dflash_jax.decode.static import Decoding
+from dflash_jax.decode.state import Decoding
 from dflash_jax.errors import DFlashError
 from dflash_jax.families.registry import module_for
 from dflash_jax.decode.state import DecodeState

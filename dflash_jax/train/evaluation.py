@@ -42,7 +42,7 @@ def evaluate_tau(
       position ``i + 1`` was accepted), ``new_tokens``, ``verify_steps``, ``seconds``.
     """
     from dflash_jax.decode import loop as decode
-    from dflash_jax.decode.static import Decoding, Params
+    from dflash_jax.decode.state import Decoding, Params
     cfg32 = cfg.with_dtype("float32")
     p32 = jax.tree_util.tree_map(lambda a: jnp.asarray(a, jnp.float32), params)
     if draft_ids is not None:

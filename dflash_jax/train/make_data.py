@@ -125,7 +125,7 @@ def generate_answers(target, ids: list[list[int]], todo: list[int], rows: int, r
     import jax.numpy as jnp
 
     from dflash_jax.decode import loop as decode
-    from dflash_jax.decode.static import Decoding, Params
+    from dflash_jax.decode.state import Decoding, Params
 
     params, static = Params(target.params), Decoding(target.cfg)
     queue = list(todo)

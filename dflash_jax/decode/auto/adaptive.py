@@ -14,7 +14,7 @@ from __future__ import annotations
 import functools
 import jax
 import jax.numpy as jnp
-from dflash_jax.decode.static import Decoding, Params, check_depth_policy, check_step_inputs
+from dflash_jax.decode.state import Decoding, Params, check_depth_policy, check_step_inputs
 from dflash_jax.decode.auto import policy as depth
 from dflash_jax.decode.step import commit_block, count_width
 from dflash_jax.decode.step import block_positions, draft_logits, propose_fn
@@ -107,6 +107,6 @@ def verify_auto(params: Params, state: DecodeState, static: Decoding, drafts, co
     """Jitted :func:`verify_chosen` of given ``drafts [B, n]`` and confidences ``conf [B, n]``
     (``n = static.depth``), state donated: the adaptive step after its propose, for scripted
     drafters in tests and experiments. Raises DFlashError for arguments that do not go together
-    (:func:`~dflash_jax.decode.static.check_step_inputs`)."""
+    (:func:`~dflash_jax.decode.state.check_step_inputs`)."""
     check_step_inputs(params, state, static)
     return verify_chosen(params, state, static, drafts, conf, jnp.asarray(plain))

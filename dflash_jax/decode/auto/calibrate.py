@@ -28,7 +28,7 @@ def record_steps(target, drafter, prompts: list[list[int]], max_new: int, max_le
 
     from dflash_jax.decode import loop as decode
     from dflash_jax.decode import step as speculative
-    from dflash_jax.decode.static import Decoding, Params
+    from dflash_jax.decode.state import Decoding, Params
     from dflash_jax.decode.step import block_positions, propose_fn
 
     n = drafter.cfg.block_size - 1

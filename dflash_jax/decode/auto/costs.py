@@ -31,7 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 from dflash_jax.runtime import distributed
 from dflash_jax import progress
-from dflash_jax.decode.static import Decoding, Params
+from dflash_jax.decode.state import Decoding, Params
 from dflash_jax.errors import DFlashError
 from dflash_jax.formats.files import write_text
 from dflash_jax.nn.params import is_per_layer
@@ -243,7 +243,7 @@ def measure(run: Callable, params: Params, state, static: Decoding, tokens: int 
       params: with any ``depth`` of the right shapes (replaced here).
       state: a state of the generation's shapes with running rows (read only), e.g.
         :func:`probe_state`.
-      static: the adaptive :class:`~dflash_jax.decode.static.Decoding`.
+      static: the adaptive :class:`~dflash_jax.decode.state.Decoding`.
       tokens: new tokens per row per timed run.
       rounds, max_rounds: runs per kind, alternating kinds; the fastest counts, and rounds go on
         past ``rounds`` while the timings are not stable (:func:`_time_kinds`).
