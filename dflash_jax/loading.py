@@ -19,12 +19,12 @@ from dflash_jax import progress
 from dflash_jax.families import registry
 from dflash_jax.runtime import sharding
 from dflash_jax.families.dense.config import TargetConfig
-from dflash_jax.families.config import read_json
+from dflash_jax.families.hf_config import read_json
 from dflash_jax.errors import DFlashError
 from dflash_jax.runtime.compiled import enable_compile_cache
 from dflash_jax.runtime.fingerprint import weights_fingerprint
 from dflash_jax.families.dense import gguf_cache
-from dflash_jax.formats import gguf as gguf_file
+from dflash_jax.formats import gguf_file
 from dflash_jax.formats.tokenizer import Tokenizer
 from dflash_jax.nn.params import unstack_layers
 from dflash_jax.drafter import model as drafter_model

@@ -6,7 +6,7 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
-from dflash_jax.families.config import RopeConfig
+from dflash_jax.families.hf_config import RopeConfig
 from dflash_jax.families.dense.config import TargetConfig
 from dflash_jax.families.dense import model as dense
 

@@ -17,7 +17,7 @@ transformers = pytest.importorskip("transformers")
 from safetensors.numpy import load_file, save_file  # noqa: E402
 
 from dflash_jax.errors import DFlashError  # noqa: E402
-from dflash_jax.formats.safetensors import INDEX_FILE, SINGLE_FILE, read_safetensors_header
+from dflash_jax.formats.checkpoint import INDEX_FILE, SINGLE_FILE, read_safetensors_header
 from dflash_jax.families.dense.safetensors import load_hf_target  # noqa: E402
 
 _QWEN2 = dict(vocab_size=61, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,

@@ -15,7 +15,7 @@ import dataclasses
 from typing import Any, Mapping
 
 from dflash_jax.errors import DFlashError
-from dflash_jax.families.config import RopeConfig, _get, _positive, _tname, parse_rope
+from dflash_jax.families.hf_config import RopeConfig, _get, _positive, _tname, parse_rope
 from dflash_jax.families.dense.config import TargetConfig
 from dflash_jax.families.laguna.config import LAYER_TYPES, _layer_list, parse_gating
 from dflash_jax.families.laguna.config import _num as _laguna_num, _pos_int as _laguna_pos_int

@@ -41,7 +41,7 @@ import numpy as np
 
 from dflash_jax.drafter.config import DrafterConfig
 from dflash_jax.errors import DFlashError
-from dflash_jax.formats.safetensors import (
+from dflash_jax.formats.checkpoint import (
     ATTENTION_NAMES,
     MLP_NAMES,
     QK_NORM_NAMES,

@@ -52,9 +52,9 @@ from dflash_jax.drafter import generic
 from dflash_jax.drafter.config import LAGUNA_DRAFTER, DrafterConfig, check_drafter_fits
 from dflash_jax.drafter.generic import context_heads
 from dflash_jax.errors import DFlashError
-from dflash_jax.families.config import RopeConfig
-from dflash_jax.formats.gguf import dequantize_tensor, metadata, open_gguf
-from dflash_jax.formats.safetensors import (
+from dflash_jax.families.hf_config import RopeConfig
+from dflash_jax.formats.gguf_file import dequantize_tensor, metadata, open_gguf
+from dflash_jax.formats.checkpoint import (
     ATTENTION_NAMES,
     MLP_NAMES,
     QK_NORM_NAMES,

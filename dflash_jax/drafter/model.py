@@ -35,11 +35,11 @@ from dflash_jax.drafter import knobs as drafter_knobs
 from dflash_jax.drafter import laguna as laguna_drafter
 from dflash_jax.drafter.config import DrafterConfig
 from dflash_jax.errors import DFlashError
-from dflash_jax.families import config as family_config
+from dflash_jax.families import hf_config as family_config
 from dflash_jax.families.contract import FamilyModel
 from dflash_jax.families.dense.config import TargetConfig
-from dflash_jax.formats import gguf as gguf_file
-from dflash_jax.formats.safetensors import numpy_dtype
+from dflash_jax.formats import gguf_file
+from dflash_jax.formats.checkpoint import numpy_dtype
 from dflash_jax.nn import params as P
 from dflash_jax.nn.params import ParamSpec
 

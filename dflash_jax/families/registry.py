@@ -17,7 +17,7 @@ from __future__ import annotations
 import dataclasses
 import os
 from typing import Any, Callable, Mapping
-from dflash_jax.families import config as family_config
+from dflash_jax.families import hf_config as family_config
 from dflash_jax.families.dense import config as dense_config
 from dflash_jax.families.gemma4 import config as config_gemma4
 from dflash_jax.families.gpt_oss import config as config_gpt_oss
@@ -27,7 +27,7 @@ from dflash_jax.families.qwen3_moe import config as config_qwen3_moe
 from dflash_jax.errors import DFlashError
 from dflash_jax.families.contract import FamilyModel
 from dflash_jax.families.dense import gguf, gguf_cache
-from dflash_jax.formats import gguf as gguf_file
+from dflash_jax.formats import gguf_file
 from dflash_jax.families.dense import safetensors as hf
 from dflash_jax.families.laguna import safetensors as laguna, gguf as laguna_gguf
 from dflash_jax.families.gemma4 import safetensors as gemma4_io

@@ -160,7 +160,7 @@ class Tokenizer:
             other than ``gpt2``, ``llama``, ``gemma4``); an unsupported ``tokenizer.ggml.pre``; token /
             type / score lists of different lengths. Messages name the file and key.
         """
-        from dflash_jax.formats.gguf import metadata, open_gguf, reader_name
+        from dflash_jax.formats.gguf_file import metadata, open_gguf, reader_name
         from dflash_jax.formats.spm import SPM_MODELS
 
         is_path = isinstance(path_or_reader, (str, os.PathLike))
@@ -319,7 +319,7 @@ class Tokenizer:
         """
         from tokenizers import Tokenizer as HFTokenizer
 
-        from dflash_jax.families.config import read_json
+        from dflash_jax.families.hf_config import read_json
 
         folder = Path(folder)
         tj = folder / "tokenizer.json"

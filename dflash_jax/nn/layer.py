@@ -3,7 +3,7 @@
 Rotary position embeddings (rotate-half / NeoX convention, as in transformers).
 
 Frequencies are computed in NumPy at trace time from the static
-:class:`~dflash_jax.families.config.RopeConfig`, so they are constants in the compiled program; every
+:class:`~dflash_jax.families.hf_config.RopeConfig`, so they are constants in the compiled program; every
 family (dense, Laguna, the drafters) uses the same functions. Source: transformers
 ``modeling_rope_utils`` (default, linear, llama3, yarn) and ``apply_rotary_pos_emb``.
 
@@ -32,7 +32,7 @@ import jax.numpy as jnp
 from jax import lax
 import numpy as np
 
-from dflash_jax.families.config import RopeConfig
+from dflash_jax.families.hf_config import RopeConfig
 from dflash_jax.nn import params as layouts
 from dflash_jax.nn.attention import swiglu
 

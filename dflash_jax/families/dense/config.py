@@ -11,7 +11,7 @@ import dataclasses
 from typing import Any, Mapping
 
 from dflash_jax.errors import DFlashError
-from dflash_jax.families.config import RopeConfig, _get, _positive, parse_rope
+from dflash_jax.families.hf_config import RopeConfig, _get, _positive, parse_rope
 
 FAMILIES = ("llama", "qwen2", "qwen3")
 

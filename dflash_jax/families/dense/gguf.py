@@ -3,7 +3,7 @@
 Supported architectures: ``llama`` (SmolLM2, Llama 2/3, Mistral), ``qwen2`` and ``qwen3``
 (``laguna`` files: :mod:`dflash_jax.families.laguna.gguf`; :mod:`dflash_jax.families.registry` picks the
 loader). Tensors are read one at a time from the memory-mapped file and dequantized
-(:mod:`dflash_jax.formats.gguf`), then laid out as described in :mod:`dflash_jax.families.dense.model`
+(:mod:`dflash_jax.formats.gguf_file`), then laid out as described in :mod:`dflash_jax.families.dense.model`
 (``[in, out]`` weights, layers stacked on a leading axis).
 
 Layout facts (``gguf`` / ``convert_hf_to_gguf.py``):
@@ -34,12 +34,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from dflash_jax import progress
-from dflash_jax.families.config import RopeConfig
+from dflash_jax.families.hf_config import RopeConfig
 from dflash_jax.families.dense.config import TargetConfig
 from dflash_jax.errors import DFlashError
 from dflash_jax.runtime.fingerprint import weights_fingerprint
 from dflash_jax.families.dense.gguf_cache import cache_nbytes, cache_path, read_cache, write_cache
-from dflash_jax.formats.gguf import as_f32, dequantize_tensor, embedding_vocab, metadata, open_gguf, tensor_table
+from dflash_jax.formats.gguf_file import as_f32, dequantize_tensor, embedding_vocab, metadata, open_gguf, tensor_table
 from dflash_jax.families.dense.model import MODEL
 
 

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 import jax
 import numpy as np
-from dflash_jax.families.config import RopeConfig
+from dflash_jax.families.hf_config import RopeConfig
 from dflash_jax.families.dense.config import TargetConfig
 from dflash_jax.formats.files import save_npy, umasked, write_text
 from dflash_jax.families.dense.model import MODEL

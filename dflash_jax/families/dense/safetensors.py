@@ -17,9 +17,9 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from dflash_jax.families.config import read_json
+from dflash_jax.families.hf_config import read_json
 from dflash_jax.families.dense.config import TargetConfig, target_config_from_hf
-from dflash_jax.formats.safetensors import (
+from dflash_jax.formats.checkpoint import (
     _IGNORED,
     ATTENTION_NAMES,
     MLP_NAMES,

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 from typing import Any, Mapping
-from dflash_jax.families.config import _get, _positive
+from dflash_jax.families.hf_config import _get, _positive
 from dflash_jax.errors import DFlashError
 
 

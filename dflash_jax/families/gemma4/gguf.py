@@ -32,7 +32,7 @@ from typing import Any
 import numpy as np
 from dflash_jax.families.gemma4.config import LAYER_TYPES, Gemma4Config
 from dflash_jax.errors import DFlashError
-from dflash_jax.formats.gguf import (
+from dflash_jax.formats.gguf_file import (
     as_f32,
     dequantize_tensor,
     embedding_vocab,
@@ -41,7 +41,7 @@ from dflash_jax.formats.gguf import (
     read_params,
     tensor_table,
 )
-from dflash_jax.formats.safetensors import numpy_dtype
+from dflash_jax.formats.checkpoint import numpy_dtype
 
 
 ARCH = "gemma4"
@@ -240,7 +240,7 @@ def load_gemma4_gguf_target(path: str | os.PathLike, dtype: Any = "float32", *, 
     """Loads a ``gemma4`` GGUF as ``(Gemma4Config, params)``, one tensor at a time (no float32 cache).
 
     Args:
-      path: the ``.gguf`` file (any tensor type :func:`dflash_jax.formats.gguf.dequantize_tensor` reads).
+      path: the ``.gguf`` file (any tensor type :func:`dflash_jax.formats.gguf_file.dequantize_tensor` reads).
       dtype: parameter dtype (``"float32"``, ``"bfloat16"``, ``"float16"``); weights are
         dequantized to float32, then cast.
       as_numpy: numpy leaves instead of jax arrays.

@@ -15,10 +15,10 @@ from __future__ import annotations
 
 import os
 from typing import Any
-from dflash_jax.families.config import read_json
+from dflash_jax.families.hf_config import read_json
 from dflash_jax.families.gemma4.config import Gemma4Config, gemma4_config_from_hf
 from dflash_jax.errors import DFlashError
-from dflash_jax.formats.safetensors import MLP_NAMES, QK_NORM_NAMES, Checkpoint, Renamed, load_named, numpy_dtype
+from dflash_jax.formats.checkpoint import MLP_NAMES, QK_NORM_NAMES, Checkpoint, Renamed, load_named, numpy_dtype
 
 
 _LAYER = {

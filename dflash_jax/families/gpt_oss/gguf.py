@@ -27,12 +27,12 @@ from __future__ import annotations
 import os
 from typing import Any
 import numpy as np
-from dflash_jax.families.config import RopeConfig
+from dflash_jax.families.hf_config import RopeConfig
 from dflash_jax.families.gpt_oss.config import GptOssConfig
 from dflash_jax.errors import DFlashError
 from dflash_jax.families.dense.gguf import arch_config
-from dflash_jax.formats.gguf import as_f32, embedding_vocab, metadata, open_gguf, read_params, tensor_table
-from dflash_jax.formats.safetensors import numpy_dtype
+from dflash_jax.formats.gguf_file import as_f32, embedding_vocab, metadata, open_gguf, read_params, tensor_table
+from dflash_jax.formats.checkpoint import numpy_dtype
 
 
 ARCH = "gpt-oss"
@@ -125,7 +125,7 @@ def load_gpt_oss_gguf_target(path: str | os.PathLike, dtype: Any = "float32", *,
 
     Args:
       path: the ``.gguf`` file (MXFP4, F32, F16, BF16, Q*_0 ... tensors: whatever
-        :func:`dflash_jax.formats.gguf.dequantize_tensor` reads).
+        :func:`dflash_jax.formats.gguf_file.dequantize_tensor` reads).
       dtype: parameter dtype (``"float32"``, ``"bfloat16"``, ``"float16"``); weights are
         dequantized to float32, then cast; ``sinks`` stay float32.
       as_numpy: numpy leaves instead of jax arrays.

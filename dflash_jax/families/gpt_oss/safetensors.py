@@ -1,8 +1,8 @@
 """gpt-oss target checkpoints (HF safetensors) -> :class:`GptOssConfig` and the params of
 :mod:`dflash_jax.families.gpt_oss.model`, read tensor by tensor.
 
-Expert tensors come in two layouts, both presented to :func:`dflash_jax.formats.safetensors.load_named` as
-virtual per-leaf names (:class:`~dflash_jax.formats.safetensors.Renamed`):
+Expert tensors come in two layouts, both presented to :func:`dflash_jax.formats.checkpoint.load_named` as
+virtual per-leaf names (:class:`~dflash_jax.formats.checkpoint.Renamed`):
 
 * **dequantized** (what transformers 5.25 ``save_pretrained`` writes): ``mlp.experts.gate_up_proj``
   ``[E, H, 2I]`` (``[in, out]``, gate and up *interleaved*: gate columns ``0::2``, up ``1::2``),
@@ -20,10 +20,10 @@ from __future__ import annotations
 import os
 from typing import Any
 import numpy as np
-from dflash_jax.families.config import read_json
+from dflash_jax.families.hf_config import read_json
 from dflash_jax.families.gpt_oss.config import GptOssConfig, gpt_oss_config_from_hf
 from dflash_jax.errors import DFlashError
-from dflash_jax.formats.safetensors import ATTENTION_NAMES, Checkpoint, Renamed, load_named, numpy_dtype
+from dflash_jax.formats.checkpoint import ATTENTION_NAMES, Checkpoint, Renamed, load_named, numpy_dtype
 
 
 # the FP4 (e2m1) value of each 4-bit code

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 from typing import Any, Mapping
-from dflash_jax.families.config import RopeConfig, _get, rope_from_parameters
+from dflash_jax.families.hf_config import RopeConfig, _get, rope_from_parameters
 from dflash_jax.errors import DFlashError
 
 
@@ -116,7 +116,7 @@ class LagunaConfig:
 
 
 def _num(cfg: Mapping[str, Any], key: str, where: str, types, default=dataclasses.MISSING):
-    """A typed field (bools refused), as :func:`dflash_jax.families.config._get`."""
+    """A typed field (bools refused), as :func:`dflash_jax.families.hf_config._get`."""
     return _get(cfg, key, where, types, default)
 
 def _pos_int(cfg, key, where, default=dataclasses.MISSING) -> int:

@@ -44,11 +44,11 @@ import dataclasses
 import os
 from typing import Any
 import numpy as np
-from dflash_jax.families.config import RopeConfig
+from dflash_jax.families.hf_config import RopeConfig
 from dflash_jax.families.laguna.config import LagunaConfig
 from dflash_jax.errors import DFlashError
-from dflash_jax.formats.gguf import as_f32, dequantize_tensor, embedding_vocab, metadata, open_gguf, tensor_table
-from dflash_jax.formats.safetensors import numpy_dtype
+from dflash_jax.formats.gguf_file import as_f32, dequantize_tensor, embedding_vocab, metadata, open_gguf, tensor_table
+from dflash_jax.formats.checkpoint import numpy_dtype
 from dflash_jax.families.laguna.safetensors import resolve_gating
 from dflash_jax.families.laguna import model as laguna
 
@@ -293,7 +293,7 @@ def load_laguna_gguf_target(path: str | os.PathLike, dtype: Any = "float32", *, 
     """Loads a Laguna target GGUF as ``(LagunaConfig, params)``, one tensor at a time.
 
     Args:
-      path: the ``.gguf`` file (any tensor type :func:`dflash_jax.formats.gguf.dequantize_tensor`
+      path: the ``.gguf`` file (any tensor type :func:`dflash_jax.formats.gguf_file.dequantize_tensor`
         reads: F32, F16, BF16, Q*_0, Q*_1, K-quants).
       dtype: parameter dtype (``"float32"``, ``"bfloat16"``, ``"float16"``); weights are
         dequantized to float32 and cast; ``router_bias`` (``exp_probs_b``) stays float32.

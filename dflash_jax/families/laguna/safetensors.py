@@ -9,8 +9,8 @@ Two name layouts are accepted (``docs/specs/laguna.md`` 4.1):
   ``mlp.experts.gate_up_proj`` ``[E, 2*Im, H]`` (gate rows first), ``mlp.experts.down_proj``
   ``[E, H, Im]``, ``mlp.gate.e_score_correction_bias``, ``mlp.shared_experts.*``.
 
-The transformers layout is presented to :func:`dflash_jax.formats.safetensors.load_named` as the published
-names through :class:`~dflash_jax.formats.safetensors.Renamed` (each expert a lazy slice of the fused memory-mapped tensor), so
+The transformers layout is presented to :func:`dflash_jax.formats.checkpoint.load_named` as the published
+names through :class:`~dflash_jax.formats.checkpoint.Renamed` (each expert a lazy slice of the fused memory-mapped tensor), so
 one strict name map serves both. ``g_proj`` decides per-head vs per-element gating when the
 config's ``gating`` is ``true`` or missing; an explicit contradicting string is an error. A
 ``g_proj`` with a stray singleton axis is squeezed. ``e_score_correction_bias`` stays float32.
@@ -22,10 +22,10 @@ import dataclasses
 import os
 from typing import Any
 import numpy as np
-from dflash_jax.families.config import read_json
+from dflash_jax.families.hf_config import read_json
 from dflash_jax.families.laguna.config import LagunaConfig, laguna_config_from_hf
 from dflash_jax.errors import DFlashError
-from dflash_jax.formats.safetensors import (
+from dflash_jax.formats.checkpoint import (
     ATTENTION_NAMES,
     MLP_NAMES,
     QK_NORM_NAMES,

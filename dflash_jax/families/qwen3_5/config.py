@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 from typing import Any, Mapping
-from dflash_jax.families.config import RopeConfig, _get
+from dflash_jax.families.hf_config import RopeConfig, _get
 from dflash_jax.errors import DFlashError
 
 

@@ -41,8 +41,8 @@ import numpy as np
 from dflash_jax.families.qwen3_5.config import Qwen3_5Config
 from dflash_jax.errors import DFlashError
 from dflash_jax.families.dense.gguf import arch_config, rope_config
-from dflash_jax.formats.gguf import dequantize_tensor, embedding_vocab, empty_params, metadata, open_gguf, tensor_table
-from dflash_jax.formats.safetensors import numpy_dtype
+from dflash_jax.formats.gguf_file import dequantize_tensor, embedding_vocab, empty_params, metadata, open_gguf, tensor_table
+from dflash_jax.formats.checkpoint import numpy_dtype
 
 
 ARCHS = {"qwen35": "qwen3_5", "qwen35moe": "qwen3_5_moe", "qwen3next": "qwen3_next"}  # GGUF -> Qwen3_5Config.variant
@@ -200,7 +200,7 @@ def gguf_plan(cfg: Qwen3_5Config) -> dict[str, tuple[tuple, list]]:
 def _read(path: str, tensors: dict, plan: dict, shapes: dict, dtype: np.dtype, model: str) -> dict:
     """The params tree of numpy arrays filled by ``plan`` (:func:`gguf_plan`); a stored tensor
     whose shape differs only by unit dims (ggml's ``[H, 1]`` of a ``[H]`` gate) is reshaped.
-    Raises DFlashError for a missing, unexpected (:func:`~dflash_jax.formats.gguf.empty_params`) or
+    Raises DFlashError for a missing, unexpected (:func:`~dflash_jax.formats.gguf_file.empty_params`) or
     mis-shaped tensor (file and tensor named)."""
     out = empty_params(path, tensors, plan, shapes, dtype, model)
     for name, (stored, parts) in plan.items():
@@ -227,7 +227,7 @@ def load_qwen3_5_gguf_target(path: str | os.PathLike, dtype: Any = "float32", *,
     tensor at a time (no float32 cache).
 
     Args:
-      path: the ``.gguf`` file (any tensor type :func:`dflash_jax.formats.gguf.dequantize_tensor` reads).
+      path: the ``.gguf`` file (any tensor type :func:`dflash_jax.formats.gguf_file.dequantize_tensor` reads).
       dtype: parameter dtype (``"float32"``, ``"bfloat16"``, ``"float16"``); weights are
         dequantized to float32, then cast.
       as_numpy: numpy leaves instead of jax arrays.

@@ -6,7 +6,7 @@ Names are transformers' (``save_pretrained`` of ``Qwen3_5ForCausalLM``: ``model.
 a ``Qwen3_5ForConditionalGeneration`` checkpoint's text part under ``model.language_model.``,
 its ``model.visual.*`` and ``mtp.*`` tensors skipped). Three stored tensors are split and the
 norms shifted on the way, through :class:`_Derived`, a view of the checkpoint that presents them
-as the params' own tensors to :func:`dflash_jax.formats.safetensors.load_named` (one strict name map):
+as the params' own tensors to :func:`dflash_jax.formats.checkpoint.load_named` (one strict name map):
 
 * ``self_attn.q_proj.weight`` ``[Hq * 2D, H]``: per head ``D`` query rows then ``D`` gate rows;
 * ``linear_attn.in_proj_qkv.weight`` ``[2 Hk dk + Hv dv, H]`` and ``linear_attn.conv1d.weight``
@@ -27,9 +27,9 @@ import os
 import re
 from typing import Any, Callable
 import numpy as np
-from dflash_jax.families.config import read_json
+from dflash_jax.families.hf_config import read_json
 from dflash_jax.families.qwen3_5.config import Qwen3_5Config, qwen3_5_config_from_hf
-from dflash_jax.formats.safetensors import MLP_NAMES, Checkpoint, TensorInfo, load_named, numpy_dtype
+from dflash_jax.formats.checkpoint import MLP_NAMES, Checkpoint, TensorInfo, load_named, numpy_dtype
 
 
 _SKIPPED = re.compile(r"^mtp\.|^model\.visual\.|(^|\.)rotary_emb\.inv_freq$")
@@ -62,7 +62,7 @@ def _head_half(heads: int, d: int, half: int) -> Callable[[np.ndarray], np.ndarr
 
 
 class _Derived:
-    """A :class:`~dflash_jax.formats.safetensors.Checkpoint` seen with derived tensors: each ``virtual name ->
+    """A :class:`~dflash_jax.formats.checkpoint.Checkpoint` seen with derived tensors: each ``virtual name ->
     (stored name, stored shape it needs, transform, shape it gives)``; a stored tensor that is
     the source of derived ones is hidden (it would otherwise be unexpected). A stored tensor of
     another shape is presented with that shape, so the strict check names it and its shape."""
@@ -150,7 +150,7 @@ def _mlp_names(cfg: Qwen3_5Config, pre: str, kind: str, j: int, names: dict, der
 
 def checkpoint_names(cfg: Qwen3_5Config, prefix: str = "model.", stacked: bool = False) -> tuple[dict, dict]:
     """``(names, derived)``: ``{tensor name: (pytree path, layer row or None, transpose)}`` for
-    :func:`~dflash_jax.formats.safetensors.load_named`, and the :class:`_Derived` entries it reads through
+    :func:`~dflash_jax.formats.checkpoint.load_named`, and the :class:`_Derived` entries it reads through
     (module docstring). ``prefix``: ``"model."`` or ``"model.language_model."``; ``stacked``:
     the experts are stored stacked (``mlp.experts.gate_up_proj``)."""
     H, nh, D = cfg.hidden_size, cfg.num_attention_heads, cfg.head_dim

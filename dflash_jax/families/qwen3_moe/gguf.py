@@ -18,8 +18,8 @@ from typing import Any
 from dflash_jax.families.qwen3_moe.config import Qwen3MoeConfig
 from dflash_jax.errors import DFlashError
 from dflash_jax.families.dense.gguf import arch_config, rope_config
-from dflash_jax.formats.gguf import embedding_vocab, metadata, open_gguf, read_params, tensor_table
-from dflash_jax.formats.safetensors import numpy_dtype
+from dflash_jax.formats.gguf_file import embedding_vocab, metadata, open_gguf, read_params, tensor_table
+from dflash_jax.formats.checkpoint import numpy_dtype
 
 
 ARCH = "qwen3moe"
@@ -95,7 +95,7 @@ def load_qwen3_moe_gguf_target(path: str | os.PathLike, dtype: Any = "float32", 
     cache).
 
     Args:
-      path: the ``.gguf`` file (any tensor type :func:`dflash_jax.formats.gguf.dequantize_tensor` reads).
+      path: the ``.gguf`` file (any tensor type :func:`dflash_jax.formats.gguf_file.dequantize_tensor` reads).
       dtype: parameter dtype (``"float32"``, ``"bfloat16"``, ``"float16"``); weights are
         dequantized to float32, then cast.
       as_numpy: numpy leaves instead of jax arrays.

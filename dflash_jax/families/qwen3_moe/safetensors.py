@@ -7,7 +7,7 @@ Two expert layouts are accepted:
   5.25 ``save_pretrained`` writes): ``mlp.experts.{e}.{gate,up,down}_proj.weight``;
 * **fused** (transformers 5's in-memory ``Qwen3MoeExperts``): ``mlp.experts.gate_up_proj``
   ``[E, 2*Im, H]`` (gate rows first) and ``mlp.experts.down_proj`` ``[E, H, Im]``, presented to
-  :func:`dflash_jax.formats.safetensors.load_named` as the per-expert names (:class:`~dflash_jax.formats.safetensors.Renamed`).
+  :func:`dflash_jax.formats.checkpoint.load_named` as the per-expert names (:class:`~dflash_jax.formats.checkpoint.Renamed`).
 
 The router is ``mlp.gate.weight [E, H]``; dense layers carry ``mlp.{gate,up,down}_proj.weight``.
 """
@@ -16,10 +16,10 @@ from __future__ import annotations
 
 import os
 from typing import Any
-from dflash_jax.families.config import read_json
+from dflash_jax.families.hf_config import read_json
 from dflash_jax.families.qwen3_moe.config import Qwen3MoeConfig, qwen3_moe_config_from_hf
 from dflash_jax.errors import DFlashError
-from dflash_jax.formats.safetensors import (
+from dflash_jax.formats.checkpoint import (
     ATTENTION_NAMES,
     MLP_NAMES,
     QK_NORM_NAMES,

@@ -28,7 +28,7 @@ import numpy as np
 import safetensors
 
 from dflash_jax.errors import DFlashError
-from dflash_jax.families.config import read_json
+from dflash_jax.families.hf_config import read_json
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
