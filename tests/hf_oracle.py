@@ -92,7 +92,7 @@ def ours_greedy(t_cfg, t_params, prompt, n: int, chunk: int, drafter=None, max_l
     d_cfg, d_params = drafter if drafter is not None else (None, None)
     static, params = Decoding(t_cfg, d_cfg, tree=tree), Params(t_params, d_params)
     st = decode.init_state(static, [prompt], max_len, n)
-    st = decode.generate(params, decode.prefill(params, st, static, chunk), static)
+    st = decode.decode_loop(params, decode.prefill(params, st, static, chunk), static)
     toks = [int(t) for t in np.asarray(st.tokens[0, len(prompt): int(st.length[0])])]
     return toks, (None if drafter is None else int(st.speculative.verify_steps[0]))
 

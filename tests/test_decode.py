@@ -24,7 +24,7 @@ def run(target, prompts, n_new, chunk, max_len=48, stop_ids=(), seed=0, sampling
     params, cfg = target[1], target[0]
     st = decode.init_state(Decoding(cfg), prompts, max_len, n_new, stop_ids, seed, sampling)
     st = decode.prefill(Params(params), st, Decoding(cfg), chunk)
-    return decode.generate(Params(params), st, Decoding(cfg))
+    return decode.decode_loop(Params(params), st, Decoding(cfg))
 
 
 def outputs(st):
@@ -90,7 +90,7 @@ def test_seeded_sampling_is_reproducible_and_varies_with_seed(target):
     def go(seed):
         st = decode.init_state(Decoding(cfg), PROMPTS, 48, 12, seed=seed, sampling=s)
         st = decode.prefill(Params(params), st, Decoding(cfg), 4)
-        return outputs(decode.generate(Params(params), st, Decoding(cfg)))
+        return outputs(decode.decode_loop(Params(params), st, Decoding(cfg)))
 
     assert go(3) == go(3)
     assert go(3) != go(4)
@@ -129,7 +129,7 @@ def test_per_layer_parameters_give_the_stacked_results():
     dcfg, dp = tiny_drafter(cfg, layer_ids=(0, 2), block_size=4, seed=1)
     static = Decoding(cfg, dcfg)
     st = decode.init_state(static, PROMPTS, 48, 12)
-    st = decode.generate(Params(per, dp), decode.prefill(Params(per, dp), st, static, 4), static)
+    st = decode.decode_loop(Params(per, dp), decode.prefill(Params(per, dp), st, static, 4), static)
     assert outputs(st) == plain  # the stacked layout's DFlash run equals plain decoding in test_spec.py
 
 
@@ -215,7 +215,7 @@ def test_rows_of_one_batch_sample_with_their_own_settings(target):
     dcfg, dp = tiny_drafter(cfg, layer_ids=(0, 2), block_size=4, seed=1)
     static = Decoding(cfg, dcfg, "sample")
     st = decode.init_state(static, MIXED_PROMPTS, 48, 10, seed=SEEDS, sampling=MIXED)
-    assert outputs(decode.generate(Params(params, dp), decode.prefill(Params(params, dp), st, static, 4), static)) == batch
+    assert outputs(decode.decode_loop(Params(params, dp), decode.prefill(Params(params, dp), st, static, 4), static)) == batch
 
 
 def test_each_row_stops_at_its_own_stop_ids(target):

@@ -47,7 +47,7 @@ def plain_greedy(pair, prompts, n_new, max_len=64):
     cfg, params = pair[:2]
     static, weights = Decoding(cfg), Params(params)
     st = decode.prefill(weights, decode.init_state(static, prompts, max_len, n_new), static, 4)
-    return outputs(decode.generate(weights, st, static))
+    return outputs(decode.decode_loop(weights, st, static))
 
 
 def run_auto(pair, prompts, n_new, model: CostModel, calibration=None, sampling=dj.SamplingConfig(), seed=0, max_backoff=MAX_BACKOFF):
@@ -55,7 +55,7 @@ def run_auto(pair, prompts, n_new, model: CostModel, calibration=None, sampling=
     static = Decoding(cfg, dcfg, n_max="auto")
     weights = Params(params, dparams, depth_policy(calibration or Calibration.identity(N), model, max_backoff=max_backoff))
     st = decode.prefill(weights, decode.init_state(static, prompts, 64, n_new, seed=seed, sampling=sampling), static, 4)
-    return decode.generate(weights, st, static)
+    return decode.decode_loop(weights, st, static)
 
 
 # a confident calibration (acceptance about 0.8 at any confidence) and costs that grow with the
@@ -94,7 +94,7 @@ def test_continuous_batching_with_auto_answers_as_plain_greedy(pair):
     st = decode.generate_until(weights, st, static, jnp.int32(1))
     assert bool(st.done[0]) and outputs(st)[0] == plain_greedy(pair, PROMPTS, 6)[0]
     fresh = decode.prefill(weights, decode.init_state(static, [PROMPTS[1]], 64, 20), static, 4)
-    st = decode.generate(weights, decode.replace_rows(st, fresh, jnp.asarray([0], jnp.int32)), static)
+    st = decode.decode_loop(weights, decode.replace_rows(st, fresh, jnp.asarray([0], jnp.int32)), static)
     assert outputs(st) == plain_greedy(pair, [PROMPTS[1], PROMPTS[1], PROMPTS[2]], 20)
 
 
@@ -200,10 +200,10 @@ def test_missing_or_misshapen_policy_and_bad_cost_models_are_named(pair):
     assert static.adaptive and static.depth == N and static.width == N + 1
     st = decode.prefill(Params(params, dparams), decode.init_state(static, PROMPTS, 64, 4), static, 4)  # no policy needed
     with pytest.raises(DFlashError, match="params.depth"):
-        decode.generate(Params(params, dparams), st, static)
+        decode.decode_loop(Params(params, dparams), st, static)
     short = depth_policy(Calibration.identity(2), CostModel.forcing(2, 1))
     with pytest.raises(DFlashError, match=r"params.depth.scale: shape \(2,\)"):
-        decode.generate(Params(params, dparams, short), st, static)
+        decode.decode_loop(Params(params, dparams, short), st, static)
     with pytest.raises(DFlashError, match="cost_model: prices 3 drafted tokens"):
         depth_policy(Calibration.identity(2), CostModel.forcing(N, 1))
     cut = depth_policy(Calibration((0.5, 1.0, 2.0), (0.1, 0.2, 0.3)), CostModel.forcing(1, 1))  # auto over fewer drafts
@@ -221,7 +221,7 @@ def test_missing_or_misshapen_policy_and_bad_cost_models_are_named(pair):
     kept = costs.with_constants(other, pay_margin=0.25)  # the constant not given stays the policy's
     assert (int(kept.max_backoff), float(kept.pay_margin)) == (3, 0.25)
     with pytest.raises(DFlashError, match=r"params.depth.max_backoff: shape \(2,\)"):
-        decode.generate(Params(params, dparams, short.replace(max_backoff=jnp.ones(2, jnp.int32))), st, static)
+        decode.decode_loop(Params(params, dparams, short.replace(max_backoff=jnp.ones(2, jnp.int32))), st, static)
     for bad in (dict(step_cost=((1.0, -1.0),), plain_cost=(1.0,), widths=WIDTHS),
                 dict(step_cost=((1.0, 2.0), (1.0,)), plain_cost=(1.0, 1.0), widths=WIDTHS, bounds=(4, 8)),
                 dict(step_cost=((1.0, 2.0),), plain_cost=(1.0,), widths=WIDTHS, bounds=(0, 0)),
@@ -397,7 +397,7 @@ def test_auto_over_fewer_drafts_than_the_block_is_lossless_and_checked(pair):
     assert static.depth == 1 and static.width == 2
     policy = depth_policy(Calibration.identity(N), CostModel(step_cost=((1.3,),), plain_cost=(1.0,), widths=(1,)))
     st = decode.prefill(Params(params, dparams, policy), decode.init_state(static, PROMPTS, 64, 16), static, 4)
-    st = decode.generate(Params(params, dparams, policy), st, static)
+    st = decode.decode_loop(Params(params, dparams, policy), st, static)
     assert outputs(st) == plain_greedy(pair, PROMPTS, 16)
     assert np.asarray(st.speculative.widths).shape == (2,)
     for kw, match in ((dict(n_max=2, auto_depth=1), "auto_depth: got 1 with n_max=2"), (dict(n_max="auto", auto_depth=N + 1), "auto_depth: got 4"),

@@ -125,7 +125,7 @@ def test_same_tokens_and_verify_steps_as_dflash_generate(tmp_path, target, monke
     cfg, params = load_drafter(folder, t_cfg)
     st = decode.init_state(Decoding(t_cfg, cfg), [prompt], 64, 40)
     st = decode.prefill(Params(t_params, params), st, Decoding(t_cfg, cfg), 4)
-    st = decode.generate(Params(t_params, params), st, Decoding(t_cfg, cfg))
+    st = decode.decode_loop(Params(t_params, params), st, Decoding(t_cfg, cfg))
     got = list(np.asarray(st.tokens[0, len(prompt) : int(st.length[0])]))
     assert got == want_tokens == free
     assert int(st.speculative.verify_steps[0]) == want_steps

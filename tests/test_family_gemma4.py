@@ -326,7 +326,7 @@ static = Decoding(cfg, dcfg)
 def run(p, mesh=None):
     st = decode.init_state(static, [[5, 9, 17, 3], [40, 2, 7]], 32, 12)
     st = st if mesh is None else shd.shard_state(st, mesh)
-    return decode.generate(Params(p, dp), prefill(Params(p, dp), st, static, 4), static)
+    return decode.decode_loop(Params(p, dp), prefill(Params(p, dp), st, static, 4), static)
 
 a = run(p)
 for mesh in (shd.make_mesh(data=2, model=2), shd.make_mesh(model=2, expert=2)):

@@ -237,7 +237,7 @@ def test_gguf_chat_turn_ends_at_call_not_at_end(target, tmp_path):
     def greedy(t, stops):
         static, params = Decoding(t.cfg, None), Params(t.params, None)
         st = decode.init_state(static, [prompt], 32, 12, stops)
-        st = decode.generate(params, decode.prefill(params, st, static, 8), static)
+        st = decode.decode_loop(params, decode.prefill(params, st, static, 8), static)
         return [int(i) for i in np.asarray(st.tokens[0, len(prompt): int(st.length[0])])]
 
     _write_gguf_from_hf(folder, tmp_path / "plain.gguf", CONF, _harmony_tokenizer_kv({}))

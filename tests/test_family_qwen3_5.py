@@ -78,7 +78,7 @@ def run(cfg, params, prompt, n_new, chunk, drafter=None, max_len=48):
     static = Decoding(cfg, drafter[0] if drafter else None)
     p = Params(params, drafter[1] if drafter else None)
     st = decode.prefill(p, decode.init_state(static, [prompt], max_len, n_new), static, chunk)
-    st = decode.generate(p, st, static)
+    st = decode.decode_loop(p, st, static)
     return st, [int(t) for t in np.asarray(st.tokens[0, len(prompt) : int(st.length[0])])]
 
 
@@ -223,7 +223,7 @@ def test_auto_depth_greedy_equals_plain(pair, width):
     static = Decoding(cfg, dcfg, n_max="auto")
     weights = Params(params, dparams, depth_policy(Calibration.identity(3), model))
     st = decode.prefill(weights, decode.init_state(static, [PROMPT], 48, N_NEW), static, 4)
-    st = decode.generate(weights, st, static)
+    st = decode.decode_loop(weights, st, static)
     assert np.asarray(st.tokens[0, len(PROMPT) : int(st.length[0])]).tolist() == run(cfg, params, PROMPT, N_NEW, 4)[1]
 
 

@@ -110,7 +110,7 @@ def test_greedy_decode_equals_no_cache_recompute():
     want = recompute_greedy(params, cfg, prompt, 10, buf=32)
     for chunk in (4, PROMPT_LEN):
         st = decode.init_state(Decoding(cfg), [prompt], 32, 10)
-        st = decode.generate(Params(params), decode.prefill(Params(params), st, Decoding(cfg), chunk), Decoding(cfg))
+        st = decode.decode_loop(Params(params), decode.prefill(Params(params), st, Decoding(cfg), chunk), Decoding(cfg))
         got = [int(t) for t in np.asarray(st.tokens[0, PROMPT_LEN : int(st.length[0])])]
         assert got == want, chunk
 

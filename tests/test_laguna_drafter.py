@@ -175,7 +175,7 @@ def test_aux_norm_and_context_input_norm_matter(draft):
 def plain_greedy(target, prompt, n_new, max_len=48):
     cfg, params = target
     st = decode.init_state(Decoding(cfg), [prompt], max_len, n_new)
-    st = decode.generate(Params(params), decode.prefill(Params(params), st, Decoding(cfg), 4), Decoding(cfg))
+    st = decode.decode_loop(Params(params), decode.prefill(Params(params), st, Decoding(cfg), 4), Decoding(cfg))
     return [int(t) for t in np.asarray(st.tokens[0, len(prompt) : int(st.length[0])])]
 
 
@@ -185,7 +185,7 @@ def test_spec_greedy_lossless(target, draft, chunk):
     dcfg, dparams = draft
     want = plain_greedy(target, PROMPT, 14)
     st = decode.init_state(Decoding(cfg, dcfg), [PROMPT], 48, 14)
-    st = decode.generate(Params(params, dparams), decode.prefill(Params(params, dparams), st, Decoding(cfg, dcfg), chunk), Decoding(cfg, dcfg))
+    st = decode.decode_loop(Params(params, dparams), decode.prefill(Params(params, dparams), st, Decoding(cfg, dcfg), chunk), Decoding(cfg, dcfg))
     assert [int(t) for t in np.asarray(st.tokens[0, len(PROMPT) : int(st.length[0])])] == want
 
 

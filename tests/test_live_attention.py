@@ -99,7 +99,7 @@ def test_decode_across_key_blocks_to_exactly_the_capacity():
     prompts = [[5, 9, 17], list(range(3, 34))]
     static = Decoding(cfg)
     st = decode.init_state(static, prompts, 53, 100)
-    st = decode.generate(Params(params), decode.prefill(Params(params), st, static, 7), static)
+    st = decode.decode_loop(Params(params), decode.prefill(Params(params), st, static, 7), static)
     assert list(np.asarray(st.finish)) == [CAPACITY, CAPACITY]
     for b, p in enumerate(prompts):
         seq = [int(x) for x in np.asarray(st.tokens[b, :53])]
@@ -116,7 +116,7 @@ def test_dflash_rows_of_very_different_lengths_cross_blocks_as_plain_greedy():
     runs = {}
     for name, static, p in [("plain", Decoding(cfg), Params(params)), ("dflash", Decoding(cfg, d_cfg), Params(params, d_params))]:
         st = decode.init_state(static, prompts, 96, 30)
-        st = decode.generate(p, decode.prefill(p, st, static, 16), static)
+        st = decode.decode_loop(p, decode.prefill(p, st, static, 16), static)
         runs[name] = [np.asarray(st.tokens[b, len(q) : len(q) + 30]).tolist() for b, q in enumerate(prompts)]
         if name == "dflash":
             assert int(np.asarray(st.speculative.accepted).sum()) > 0  # some drafts were kept and rolled back around

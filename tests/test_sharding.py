@@ -184,7 +184,7 @@ _MULTI_DEVICE = textwrap.dedent(
         if mesh is not None:
             st = shd.shard_state(st, mesh)
         st = prefill(Params(p, dp), st, static, 4)
-        return decode.generate(Params(p, dp), st, static)
+        return decode.decode_loop(Params(p, dp), st, static)
 
     ref = run(p, dp)
     mesh = shd.make_mesh(data=2, model=2)

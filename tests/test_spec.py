@@ -47,7 +47,7 @@ def drafter_for(cfg, block_size=4, seed=0, **kw):
 def plain_greedy(target, prompts, n_new, max_len=64, stop_ids=()):
     cfg, params = target
     st = decode.init_state(Decoding(cfg), prompts, max_len, n_new, stop_ids)
-    st = decode.generate(Params(params), decode.prefill(Params(params), st, Decoding(cfg), 4), Decoding(cfg))
+    st = decode.decode_loop(Params(params), decode.prefill(Params(params), st, Decoding(cfg), 4), Decoding(cfg))
     return outputs(st)
 
 
@@ -63,7 +63,7 @@ def run_spec(target, d, prompts, n_new, chunk=4, max_len=64, stop_ids=(), n_max=
     if n_max == "auto":
         weights = weights._replace(depth=auto_policy(static.depth))
     st = decode.init_state(static, prompts, max_len, n_new, stop_ids, seed=seed, sampling=sampling)
-    return decode.generate(weights, decode.prefill(weights, st, static, chunk), static)
+    return decode.decode_loop(weights, decode.prefill(weights, st, static, chunk), static)
 
 
 @pytest.mark.parametrize("block_size", [2, pytest.param(4, marks=pytest.mark.smoke), 6])  # smoke: DFlash greedy equals plain
@@ -164,8 +164,8 @@ def test_bug_capture_offsets_chunk_size_invariance(target, chunk):
     d_ref, _ = speculative.propose_block(Params(params, dparams), ref, Decoding(cfg, dcfg))
     d_got, _ = speculative.propose_block(Params(params, dparams), got, Decoding(cfg, dcfg))
     assert np.array_equal(np.asarray(d_ref), np.asarray(d_got))
-    out = outputs(decode.generate(Params(params, dparams), got, Decoding(cfg, dcfg)))
-    assert out == outputs(decode.generate(Params(params, dparams), ref, Decoding(cfg, dcfg)))
+    out = outputs(decode.decode_loop(Params(params, dparams), got, Decoding(cfg, dcfg)))
+    assert out == outputs(decode.decode_loop(Params(params, dparams), ref, Decoding(cfg, dcfg)))
 
 
 def test_bug_rollback_context_holds_only_committed_rows(target):
@@ -331,7 +331,7 @@ def plain_sampled(target, prompts, n_new, sampling, seed):
     cfg, params = target
     static = Decoding(cfg)
     st = decode.init_state(static, prompts, 64, n_new, seed=seed, sampling=sampling)
-    return outputs(decode.generate(Params(params), decode.prefill(Params(params), st, static, 4), static))
+    return outputs(decode.decode_loop(Params(params), decode.prefill(Params(params), st, static, 4), static))
 
 
 @pytest.mark.parametrize("mode", ["argmax", "sample"])
@@ -465,7 +465,7 @@ def test_replaced_rows_of_a_speculative_state_answer_as_alone(target):
     for _ in range(3):
         st = step(Params(params, dparams), st, Decoding(cfg, dcfg))
     fresh = decode.prefill(Params(params, dparams), decode.init_state(Decoding(cfg, dcfg), [PROMPTS[2]], 64, 20), Decoding(cfg, dcfg), 4)
-    st = decode.generate(Params(params, dparams), decode.replace_rows(st, fresh, jnp.asarray([0], jnp.int32)), Decoding(cfg, dcfg))
+    st = decode.decode_loop(Params(params, dparams), decode.replace_rows(st, fresh, jnp.asarray([0], jnp.int32)), Decoding(cfg, dcfg))
     assert outputs(st) == plain_greedy(target, [PROMPTS[2], PROMPTS[1]], 20)
     assert int(st.committed[0]) == 19  # the first token comes from prefill
 

@@ -268,7 +268,7 @@ def greedy_dataset(t_cfg, t_params, n=12, seed=0):
     prompts = [rs.randint(0, 127, rs.randint(3, 7)).tolist() for _ in range(n)]
     st = decode.init_state(Decoding(t_cfg), prompts, 40, 24)
     st = decode.prefill(Params(t_params), st, Decoding(t_cfg), 8)
-    st = decode.generate(Params(t_params), st, Decoding(t_cfg))
+    st = decode.decode_loop(Params(t_params), st, Decoding(t_cfg))
     toks, lens = np.asarray(st.tokens), np.asarray(st.length)
     seqs = [toks[i, : lens[i]].tolist() for i in range(n)]
     masks = [[0] * len(p) + [1] * (lens[i] - len(p)) for i, p in enumerate(prompts)]

@@ -39,7 +39,7 @@ def run(target, d, prompts, n_new, n_max, tree, chunk=4, max_len=64, stop_ids=()
     (cfg, params), (dcfg, dparams) = target, d
     static, w = Decoding(cfg, dcfg, n_max=n_max, tree=tree), Params(params, dparams)
     st = decode.init_state(static, prompts, max_len, n_new, stop_ids, seed=seed, sampling=sampling)
-    return decode.generate(w, decode.prefill(w, st, static, chunk), static)
+    return decode.decode_loop(w, decode.prefill(w, st, static, chunk), static)
 
 
 def make_tree(parents, tokens):
@@ -109,7 +109,7 @@ def scripted_tree_run(target, d, prompt, n_new, max_len, n_max=3, check=None):
     (cfg, params), (dcfg, dparams) = target, d
     s_plain = Decoding(cfg)
     plain = decode.init_state(s_plain, [prompt], max_len, n_new)
-    plain = decode.generate(Params(params), decode.prefill(Params(params), plain, s_plain, 4), s_plain)
+    plain = decode.decode_loop(Params(params), decode.prefill(Params(params), plain, s_plain, 4), s_plain)
     ref = outputs(plain)[0] + [0] * 4
     static, w = Decoding(cfg, dcfg, n_max=n_max, tree=5), Params(params, dparams)
     st = decode.prefill(w, decode.init_state(static, [prompt], max_len, n_new), static, 4)
@@ -195,7 +195,7 @@ def test_a_seeded_row_samples_the_same_tokens_with_a_tree_or_without_a_drafter(d
     cfg, params = dense
     s = Decoding(cfg)
     st = decode.init_state(s, PROMPTS, 64, 20, seed=5, sampling=sampling)
-    want = outputs(decode.generate(Params(params), decode.prefill(Params(params), st, s, 4), s))
+    want = outputs(decode.decode_loop(Params(params), decode.prefill(Params(params), st, s, 4), s))
     assert outputs(run(dense, d, PROMPTS, 20, 3, 6, sampling=sampling, seed=5)) == want
 
 
@@ -224,7 +224,7 @@ def run_auto_tree(target, d, prompts, n_new, model, tree=7, calibration=None, sa
     policy = depth_policy(calibration or Calibration.identity(static.depth), model, depth=static.depth)
     w = Params(params, dparams, policy)
     st = decode.init_state(static, prompts, max_len, n_new, seed=seed, sampling=sampling)
-    return decode.generate(w, decode.prefill(w, st, static, chunk), static)
+    return decode.decode_loop(w, decode.prefill(w, st, static, chunk), static)
 
 
 def test_auto_over_a_tree_is_lossless_at_every_width_it_may_choose(dense):
@@ -264,7 +264,7 @@ def test_auto_over_a_tree_samples_the_target_s_own_tokens(dense):
     sampling = SamplingConfig(temperature=0.8, top_k=20)
     cfg, params = dense
     static, w = Decoding(cfg), Params(params)
-    plain = decode.generate(w, decode.prefill(w, decode.init_state(static, PROMPTS, 64, 16, seed=7, sampling=sampling), static, 4), static)
+    plain = decode.decode_loop(w, decode.prefill(w, decode.init_state(static, PROMPTS, 64, 16, seed=7, sampling=sampling), static, 4), static)
     chooses = CostModel(step_cost=((1.3, 1.6),), plain_cost=(1.0,), widths=(3, 7))
     assert outputs(run_auto_tree(dense, d, PROMPTS, 16, chooses, sampling=sampling, seed=7)) == outputs(plain)
 
@@ -360,5 +360,5 @@ def test_continuous_batching_with_trees_answers_as_plain_greedy(dense):
         st = decode.generate_until(w, st, static, jnp.int32(1))
         assert bool(st.done[0]) and outputs(st)[0] == plain_greedy(dense, PROMPTS, 6)[0]
         fresh = decode.prefill(w, decode.init_state(static, [PROMPTS[1]], 64, 20), static, 4)
-        st = decode.generate(w, decode.replace_rows(st, fresh, jnp.asarray([0], jnp.int32)), static)
+        st = decode.decode_loop(w, decode.replace_rows(st, fresh, jnp.asarray([0], jnp.int32)), static)
         assert outputs(st) == want, static

@@ -5,7 +5,7 @@ Every step has the signature ``f(params, state, static, ...)``: a
 :class:`~dflash_jax.decode.state.DecodeState` carry and a :class:`~dflash_jax.decode.state.Decoding` (static:
 configs, draft mode, depth; each row's sampling settings are in the state). With a drafter a step is a DFlash step
 (:mod:`dflash_jax.decode.step`), else one plain target pass. The jitted steps donate the state.
-``generate`` runs the whole loop on device with ``lax.while_loop``; ``stream`` steps from Python
+``decode_loop`` runs the whole loop on device with ``lax.while_loop``; ``stream`` steps from Python
 and yields tokens as they are committed. ``generate_until`` and ``replace_rows`` make continuous
 batching: finished rows take new prompts while the others keep decoding.
 """
@@ -190,7 +190,7 @@ def steps_until(step, state: DecodeState, min_done, max_steps=None) -> DecodeSta
     """Runs ``step`` on device (``lax.while_loop``) until ``min_done`` rows are done or all are,
     and at most ``capacity`` steps from here (every row finishes within that many, as each step
     commits at least one token per running row), or ``max_steps`` when given. The loop of plain
-    and speculative ``generate``/``generate_until``; call it inside a jitted function.
+    and speculative ``decode_loop``/``generate_until``; call it inside a jitted function.
 
     Args:
       step: a pure ``DecodeState -> DecodeState`` function (one decode or speculative step).
@@ -235,7 +235,7 @@ def generate_until(params: Params, state: DecodeState, static: Decoding, min_don
     return steps_until(lambda s: decode_step_fn(params, s, static), state, min_done, max_steps)
 
 
-def generate(params: Params, state: DecodeState, static: Decoding) -> DecodeState:
+def decode_loop(params: Params, state: DecodeState, static: Decoding) -> DecodeState:
     """Decodes until every row is done, on device: :func:`generate_until` with all rows
     (``state`` after :func:`prefill`, donated)."""
     return generate_until(params, state, static, jnp.int32(state.tokens.shape[0]))

@@ -33,7 +33,7 @@ def evaluate_tau(
 ) -> dict:
     """Greedy DFlash speculative decoding of ``prompts`` (one batch) and its acceptance.
 
-    Uses :func:`dflash_jax.decode.loop.generate` with the drafter (the inference path), drafter in float32, drafting over
+    Uses :func:`dflash_jax.decode.loop.decode_loop` with the drafter (the inference path), drafter in float32, drafting over
     ``draft_ids`` when given.
 
     Returns:
@@ -51,7 +51,7 @@ def evaluate_tau(
     max_len = max(len(p) for p in prompts) + int(max_new_tokens)
     static, weights = Decoding(target_cfg, cfg32, n_max=n_max), Params(target_params, p32)
     st = decode.init_state(static, [list(p) for p in prompts], max_len, int(max_new_tokens), stop_ids, 0)
-    st = decode.generate(weights, decode.prefill(weights, st, static, chunk_size), static)
+    st = decode.decode_loop(weights, decode.prefill(weights, st, static, chunk_size), static)
     s = jax.device_get(st.speculative)
     steps = int(np.sum(s.verify_steps))
     committed = int(np.sum(jax.device_get(st.committed)))
