@@ -2,10 +2,9 @@
 
 It checks the arguments (:mod:`dflash_jax.arguments`), compiles every step ahead of time
 (``jax.jit(...).lower(...).compile()``) before the clock starts, runs :mod:`dflash_jax.decode.loop`'s
-prefill and its on-device loop (or steps it from Python to stream), and reads the result back
-(:mod:`dflash_jax.driver`). The reported times exclude compilation.
-
-Reading a finished decode state back into a :class:`GenerationResult` (ids, texts, statistics).
+prefill and its on-device loop (or steps it from Python to stream), and reads the finished state back
+into a :class:`GenerationResult` (ids, texts, statistics: :func:`build_result`). The reported times
+exclude compilation.
 """
 
 from __future__ import annotations
@@ -21,13 +20,14 @@ import numpy as np
 
 from dflash_jax import progress
 from dflash_jax.arguments import Request, check_request
-from dflash_jax.decode import loop as decode
+from dflash_jax.decode.loop import decode_step, generate_until, init_state, stream
 from dflash_jax.decode.auto import costs
-from dflash_jax.decode.prefill import compile_prefill
+from dflash_jax.decode.prefill import compile_prefill, prefill
 from dflash_jax.decode.sampling import SamplingConfig
 from dflash_jax.decode.state import FINISH_REASONS, RUNNING, STOP
+from dflash_jax.errors import DFlashError
 from dflash_jax.loading import Drafter, Target
-from dflash_jax.runtime import compiled as executables
+from dflash_jax.runtime import compiled
 from dflash_jax.runtime import sharding
 from dflash_jax.runtime.compiled import (
     count_cache_hits,
@@ -70,10 +70,10 @@ def _compile_now(req: Request, state, streaming: bool):
     with ThreadPoolExecutor(1) as pool:
         prefill_c = pool.submit(compile_prefill, req.params, state, req.static, req.chunk_size)
         if streaming:
-            step = executables.compile(decode.decode_step, req.params, state, req.static)
+            step = compiled.compile(decode_step, req.params, state, req.static)
             return prefill_c.result(), step
         rows = jnp.int32(state.tokens.shape[0])
-        loop = executables.compile(decode.generate_until, req.params, state, req.static, rows)
+        loop = compiled.compile(generate_until, req.params, state, req.static, rows)
         return prefill_c.result(), lambda params, s: loop(params, s, rows)
 
 
@@ -122,7 +122,7 @@ def _stream(req: Request, tokenizer, state, run, on_tokens) -> tuple[Any, float]
             s = s.replace(finish=jnp.where(jnp.asarray(forced) & ~s.done, STOP, s.finish))
         return run(req.params, s)
 
-    for state, toks, counts in decode.stream(req.params, state, req.static, step=step):
+    for state, toks, counts in stream(req.params, state, req.static, step=step):
         new = [[int(t) for t in toks[b, : counts[b]]] if not forced[b] else [] for b in range(batch)]
         for b in range(batch):
             if streams is not None and new[b] and not forced[b]:
@@ -139,14 +139,14 @@ def _stream(req: Request, tokenizer, state, run, on_tokens) -> tuple[Any, float]
 def _initial_state(req: Request, target: Target):
     """The request's fresh decode state, laid out on the target's mesh when it has one (rows over
     ``"data"``, cache heads over ``"model"``, like the parameters)."""
-    state = decode.init_state(req.static, req.prompts, req.max_len, req.max_new_tokens, req.stop_ids, req.seed, req.sampling)
+    state = init_state(req.static, req.prompts, req.max_len, req.max_new_tokens, req.stop_ids, req.seed, req.sampling)
     return state if target.mesh is None else sharding.shard_state(state, target.mesh)
 
 
 def generate(
     target: Target,
     prompts: Sequence[Sequence[int]],
-    *,
+    *positional,
     max_new_tokens: int = 128,
     sampling: SamplingConfig = SamplingConfig(),
     max_len: int | None = None,
@@ -196,8 +196,11 @@ def generate(
     Raises:
       DFlashError: bad prompts (non-integer or out-of-vocabulary ids), a prompt that does not fit
         ``max_len``, bad sizes, a capacity beyond the target's ``max_position_embeddings``, stop
-        texts without a tokenizer, or an argument of the wrong type (the message names it).
+        texts without a tokenizer, an argument of the wrong type (the message names it), or a positional argument after ``prompts``.
     """
+    if positional:  # keyword-only: say so, and what to write instead
+        raise DFlashError("generate", f"{len(positional)} positional argument(s) after prompts",
+                          "keyword arguments, e.g. generate(target, prompts, max_new_tokens=64)")
     req = check_request(target, prompts, max_new_tokens=max_new_tokens, sampling=sampling, max_len=max_len, chunk_size=chunk_size,
                         stop_ids=stop_ids, stop=stop, ignore_eos=ignore_eos, seed=seed, on_tokens=on_tokens, drafter=drafter,
                         n_max=n_max, draft_mode=draft_mode, cost_model=cost_model, tree=tree)
@@ -209,7 +212,7 @@ def generate(
 
     jax.block_until_ready((req.params, state))
     t0 = time.perf_counter()
-    state = decode.prefill(req.params, state, req.static, req.chunk_size, max(len(p) for p in req.prompts), compiled=prefill_c)
+    state = prefill(req.params, state, req.static, req.chunk_size, max(len(p) for p in req.prompts), compiled=prefill_c)
     jax.block_until_ready(state)
     prefill_s = time.perf_counter() - t0
 

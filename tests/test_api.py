@@ -350,3 +350,13 @@ def test_damaged_cached_default_model_says_to_delete_it(tmp_path, monkeypatch):
         dj.load_target()
     msg = str(e.value)
     assert msg.startswith(str(bad)) and f"delete {bad}" in msg and "fetched again" in msg
+
+
+def test_positional_arguments_after_prompts_are_refused_by_name():
+    """Every argument of dj.generate after ``prompts`` is keyword-only; a positional one (the old
+    ``generate(target, prompts, 64)``) gets a DFlashError that says what to write instead."""
+    from dflash_jax.testing import tiny_target
+
+    cfg, params = tiny_target()
+    with pytest.raises(DFlashError, match=r"generate: 1 positional argument\(s\) after prompts .*max_new_tokens=64"):
+        dj.generate(dj.Target(cfg=cfg, params=params), [[1, 2, 3]], 64)

@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 import dflash_jax as dj
+from dflash_jax import driver
 from dflash_jax.decode.auto import costs
 from dflash_jax.decode import loop as decode
 from dflash_jax.decode.auto.costs import CostModel, depth_policy
@@ -113,7 +114,7 @@ def test_plain_steps_follow_the_backoff_schedule(pair, cap):
         total += runs[-1]
         k = min(2 * k, cap)
     assert proposes == len(runs) and steps - proposes == sum(runs)
-    assert dj.api.spec_stats(st)["plain_steps"] == steps - proposes > proposes
+    assert driver.spec_stats(st)["plain_steps"] == steps - proposes > proposes
 
 
 def scripted(pair, prompt, n_new, width, corrupt_at=None, conf=0.9):

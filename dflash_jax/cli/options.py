@@ -1,15 +1,14 @@
-"""The argument parser both command lines share (``dflash-jax generate`` and ``dflash-jax train``).
+"""The option set every ``dflash-jax`` subcommand shares: the parser, its value converters, the
+process options, and the model options of ``generate`` and ``serve`` with loading what they name.
 
-Usage errors follow the package's one-line contract ``<option>: <what> (expected <what>)``
+**The parser.** Usage errors follow the package's one-line contract ``<option>: <what> (expected <what>)``
 (:mod:`dflash_jax.errors`) through argparse's own hooks: values are converted by the ``type=``
 callables below, whose :class:`argparse.ArgumentTypeError` already carries the whole message;
 :class:`Parser` runs with ``exit_on_error=False`` so that argparse hands back the
 :class:`argparse.ArgumentError` (with the option's name) instead of printing usage and exiting,
 and :meth:`Parser.parse_args` reports leftover arguments from ``parse_known_args``.
 
-The model options ``dflash-jax generate`` and ``dflash-jax serve`` share, and loading what they name.
-
-:func:`add_model_options` adds ``--target``, ``--draft``, ``--no-spec``, ``--block-size``,
+**The model options.** :func:`add_model_options` adds ``--target``, ``--draft``, ``--no-spec``, ``--block-size``,
 ``--n-max``, ``--tree``, ``--dtype``, ``--chat-template-kwargs`` and ``--mesh``; :func:`check_model_options` refuses
 values and combinations before anything loads; :func:`load_model` loads the target and the drafter
 (``--draft``, else the one shipped for the target) and resolves the draft depth.

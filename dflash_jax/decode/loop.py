@@ -14,21 +14,40 @@ from __future__ import annotations
 
 import functools
 from typing import Iterator, Sequence
+
 import jax
 import jax.numpy as jnp
 import numpy as np
-from dflash_jax.runtime.carry import flat_axes
-from dflash_jax.decode.state import Decoding, Params, check_step_inputs
-from dflash_jax.runtime.distributed import fetch
-from dflash_jax.errors import DFlashError
-from dflash_jax.families.registry import module_for
-from dflash_jax.decode.prefill import compile_prefill, finish_prefill, prefill, prefill_chunk  # noqa: F401  (part of this API)
-from dflash_jax.decode.sampling import RowSampling, SamplingConfig, row_keys, sample_at, top2_gap
+
 from dflash_jax.decode.auto import adaptive
+from dflash_jax.decode.prefill import (  # noqa: F401  (part of this API)
+    compile_prefill,
+    finish_prefill,
+    prefill,
+    prefill_chunk,
+)
+from dflash_jax.decode.sampling import (
+    RowSampling,
+    SamplingConfig,
+    row_keys,
+    sample_at,
+    top2_gap,
+)
+from dflash_jax.decode.state import (
+    RUNNING,
+    DecodeState,
+    Decoding,
+    Params,
+    check_step_inputs,
+    commit,
+    init_speculative_state,
+)
 from dflash_jax.decode.step import commit_block, count_width, propose_fn, verify_commit
 from dflash_jax.decode.tree import propose_tree_fn, verify_tree_fn
-from dflash_jax.decode.state import init_speculative_state
-from dflash_jax.decode.state import RUNNING, DecodeState, commit
+from dflash_jax.errors import DFlashError
+from dflash_jax.families.registry import module_for
+from dflash_jax.runtime.carry import flat_axes
+from dflash_jax.runtime.distributed import fetch
 
 
 def pad_prompts(prompts: Sequence[Sequence[int]]) -> tuple[np.ndarray, np.ndarray]:

@@ -1,12 +1,10 @@
-"""Static, hashable model configurations parsed and validated from HF ``config.json`` dicts.
+"""The drafter's config (:class:`DrafterConfig`), its fit to a target (:func:`check_drafter_fits`) and
+the parsers of both kinds' ``config.json``: z-lab's (:func:`dflash_drafter_config_from_hf`) and
+Laguna's (:func:`laguna_drafter_config_from_hf`, on the Laguna target config's field readers).
 
 Configs are frozen dataclasses: they are passed to jitted functions as static arguments, so two
 equal configs share one compilation. Parsing is strict: a missing or ill-typed field raises
 :class:`~dflash_jax.errors.DFlashError` naming the file and field; nothing is guessed silently.
-
-The drafter's config (:class:`DrafterConfig`), its fit to a target (:func:`check_drafter_fits`) and
-the parsers of both kinds' ``config.json``: z-lab's (:func:`dflash_drafter_config_from_hf`) and
-Laguna's (:func:`laguna_drafter_config_from_hf`, on the Laguna target config's field readers).
 """
 
 from __future__ import annotations

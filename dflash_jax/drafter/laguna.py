@@ -1,23 +1,5 @@
-"""Laguna DFlash drafter checkpoints: safetensors and both GGUF layouts -> one param pytree.
-
-* safetensors (``docs/specs/laguna.md`` 6.3): ``fc.weight``, ``hidden_norm.weight``, ``norm.weight``,
-  ``aux_hidden_norms.{j}.weight``, ``layers.{i}.self_attn.qkv_proj.weight`` (packed rows
-  ``q | k | v``; split ``q_proj/k_proj/v_proj`` also accepted), ``g_proj``, ``q_norm``, ``k_norm``,
-  ``o_proj``, ``mlp.*``, the two layer norms; an optional ``model.`` prefix.
-* GGUF, ik_llama.cpp ``dflash-draft`` (6.8 A): ``dflash_fc``, ``dflash_hidden_norm``,
-  ``dflash_aux_hidden_norm.{j}``, ``output_norm``, ``blk.i.{attn_norm, post_attention_norm,
-  attn_q, attn_k, attn_v, attn_output, attn_gate, attn_q_norm, attn_k_norm, ffn_gate, ffn_up,
-  ffn_down}``; keys ``dflash-draft.*`` with raw ``dflash.target_layer_ids``.
-* GGUF, mainline / poolside ``dflash`` (6.8 B): ``fc``, ``enc.aux_norm`` (ne ``{H, n_aux}``:
-  numpy ``[n_aux, H]``), ``enc.output_norm`` (= ``hidden_norm``), ``output_norm``,
-  ``blk.i.{..., ffn_norm}``; keys ``dflash.*`` with ``dflash.target_layers`` = layer id + 1 and
-  ``tokenizer.ggml.mask_token_id``. No window key: the vLLM window (``sliding_window`` argument,
-  default 512) is used.
-
-A drafter without its per-aux norms or gates is refused with an error naming the missing tensors
-(never a silent fallback to the generic drafter: that runs, and only acceptance collapses; B17).
-
-The Laguna DFlash drafter (``DFlashLagunaForCausalLM``) as pure functions.
+"""The Laguna DFlash drafter kind (``DFlashLagunaForCausalLM``): its parameters, context K/V and
+checkpoints (safetensors and both GGUF layouts -> one param pytree).
 
 Differences from the generic z-lab drafter (``docs/specs/laguna.md`` 6.4 and 6.6; reference: vLLM
 ``laguna_dflash.py`` + ``v1/spec_decode/dflash.py``):
@@ -37,6 +19,25 @@ Parameter pytree (``[in, out]`` layout, layers stacked on ``Ld``)::
     {"fc": [K*H, H], "aux_norm": [K, H], "hidden_norm": [H], "norm": [H],
      "layers": {"attn_norm", "wq", "wk", "wv", "wo", "wg" [Ld, H, nh or nh*D], "q_norm", "k_norm",
                 "mlp_norm", "w_gate", "w_up", "w_down"}}
+
+Checkpoints:
+
+* safetensors (``docs/specs/laguna.md`` 6.3): ``fc.weight``, ``hidden_norm.weight``, ``norm.weight``,
+  ``aux_hidden_norms.{j}.weight``, ``layers.{i}.self_attn.qkv_proj.weight`` (packed rows
+  ``q | k | v``; split ``q_proj/k_proj/v_proj`` also accepted), ``g_proj``, ``q_norm``, ``k_norm``,
+  ``o_proj``, ``mlp.*``, the two layer norms; an optional ``model.`` prefix.
+* GGUF, ik_llama.cpp ``dflash-draft`` (6.8 A): ``dflash_fc``, ``dflash_hidden_norm``,
+  ``dflash_aux_hidden_norm.{j}``, ``output_norm``, ``blk.i.{attn_norm, post_attention_norm,
+  attn_q, attn_k, attn_v, attn_output, attn_gate, attn_q_norm, attn_k_norm, ffn_gate, ffn_up,
+  ffn_down}``; keys ``dflash-draft.*`` with raw ``dflash.target_layer_ids``.
+* GGUF, mainline / poolside ``dflash`` (6.8 B): ``fc``, ``enc.aux_norm`` (ne ``{H, n_aux}``:
+  numpy ``[n_aux, H]``), ``enc.output_norm`` (= ``hidden_norm``), ``output_norm``,
+  ``blk.i.{..., ffn_norm}``; keys ``dflash.*`` with ``dflash.target_layers`` = layer id + 1 and
+  ``tokenizer.ggml.mask_token_id``. No window key: the vLLM window (``sliding_window`` argument,
+  default 512) is used.
+
+A drafter without its per-aux norms or gates is refused with an error naming the missing tensors
+(never a silent fallback to the generic drafter: that runs, and only acceptance collapses; B17).
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""Static, hashable model configurations parsed and validated from HF ``config.json`` dicts.
+"""What every family's config parser shares: :class:`RopeConfig` and :func:`parse_rope`, the strict
+field readers (``_get``, ``_positive``), :func:`rope_from_parameters` and :func:`read_json`.
 
 Configs are frozen dataclasses: they are passed to jitted functions as static arguments, so two
 equal configs share one compilation. Parsing is strict: a missing or ill-typed field raises

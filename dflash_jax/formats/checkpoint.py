@@ -1,4 +1,5 @@
-"""Hugging Face safetensors checkpoints -> the dense target parameter pytree.
+"""Hugging Face safetensors checkpoints, read tensor by tensor and strictly: :class:`Checkpoint`,
+:class:`Renamed` and :func:`load_named`, shared by every family's and drafter's loader.
 
 A checkpoint folder holds ``config.json`` and either ``model.safetensors`` or a sharded
 ``model.safetensors.index.json`` whose ``weight_map`` names a shard per tensor.

@@ -1,1 +1,3 @@
-"""Pure layers: norms, rotary embeddings, attention, MLPs. Functions of arrays only."""
+"""Pure layers, functions of arrays only: a decoder layer's pieces and the layer runner (layer),
+attention (attention), parameter declarations and layouts (params), routed experts (moe) and
+Gated DeltaNet (gated_deltanet)."""

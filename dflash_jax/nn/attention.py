@@ -1,6 +1,5 @@
-"""The causal and tree visibility rules and the SwiGLU MLP (attention itself: :mod:`dflash_jax.nn.attention`).
-
-Attention over the live prefix of a fixed-capacity cache, in key blocks (flash-decoding style).
+"""Attention: the causal, windowed and tree visibility rules, and attention over the live prefix of a
+fixed-capacity cache in key blocks (flash-decoding style, :func:`cache_attention`).
 
 A cache of ``capacity`` slots (slot = absolute position) is attended ``key_block`` slots at a
 time by a loop whose trip count is traced: ``ceil(n_keys / key_block)`` blocks, where ``n_keys``
@@ -18,11 +17,8 @@ from __future__ import annotations
 import functools
 from typing import Callable, NamedTuple, Sequence
 
-import jax
 import jax.numpy as jnp
 from jax import lax
-
-from dflash_jax.nn import params as layouts
 
 
 def causal_visible(q_positions: jnp.ndarray, slots: jnp.ndarray) -> jnp.ndarray:
@@ -95,20 +91,6 @@ def windowed(visible, positions: jnp.ndarray, rope_pos: jnp.ndarray, window: int
 
     return inner
 
-
-def swiglu(x: jnp.ndarray, w_gate, w_up, w_down, b_gate=None, b_up=None, b_down=None, *, w_gate_t=None,
-           w_up_t=None) -> jnp.ndarray:
-    """SwiGLU MLP ``down(silu(x @ gate) * (x @ up))``; weights ``[in, out]``, optional biases;
-    ``w_gate_t``/``w_up_t``: optional ``[out, in]`` copies for wide passes
-    (:mod:`dflash_jax.nn.params`)."""
-    g = layouts.project(x, w_gate, w_gate_t, layouts.GATE_UP_MIN_ROWS)
-    u = layouts.project(x, w_up, w_up_t, layouts.GATE_UP_MIN_ROWS)
-    if b_gate is not None:
-        g, u = g + b_gate, u + b_up
-    y = (jax.nn.silu(g) * u) @ w_down
-    return y if b_down is None else y + b_down
-
-__all__ = ["KEY_BLOCK", "cache_attention", "live_keys"]
 
 KEY_BLOCK = 256
 """Cache slots attended per loop iteration: the live prefix is rounded up to a multiple of it.

@@ -1,21 +1,18 @@
-"""RMSNorm as in Llama/Qwen (``w * x / sqrt(mean(x^2) + eps)``, statistics in float32).
+"""The pieces of a pre-norm decoder layer every model here shares, and the runner over its layers.
 
-Rotary position embeddings (rotate-half / NeoX convention, as in transformers).
+**RMSNorm** as in Llama/Qwen (``w * x / sqrt(mean(x^2) + eps)``, statistics in float32).
 
-Frequencies are computed in NumPy at trace time from the static
+**Rotary position embeddings** (rotate-half / NeoX convention, as in transformers). Frequencies are computed in NumPy at trace time from the static
 :class:`~dflash_jax.families.hf_config.RopeConfig`, so they are constants in the compiled program; every
 family (dense, Laguna, the drafters) uses the same functions. Source: transformers
 ``modeling_rope_utils`` (default, linear, llama3, yarn) and ``apply_rotary_pos_emb``.
 
-The input embedding and output head every target family shares.
-
-A target's params carry ``embed [V, H]`` and, untied or after
+**The input embedding and output head** every target family shares. A target's params carry ``embed [V, H]`` and, untied or after
 :func:`dflash_jax.loading.with_output_head`, ``lm_head [H, V]``; the drafters read the target's
 through the family's :class:`~dflash_jax.families.contract.FamilyModel` (these functions for the families
 that neither scale the embedding nor soft-cap the logits).
 
-The pieces of a pre-norm decoder layer that every model here shares (dense targets, Laguna,
-both drafters), over one layer's parameter dict ``lp`` (leaf names of
+**A decoder layer** (dense targets, Laguna, both drafters), over one layer's parameter dict ``lp`` (leaf names of
 :func:`dflash_jax.nn.params.decoder_layer`, ``[in, out]`` weights).
 
 Per layer: ``h = rms(x; attn_norm)``; :func:`project_qkv` (projections, optional biases, heads,
@@ -34,7 +31,6 @@ import numpy as np
 
 from dflash_jax.families.hf_config import RopeConfig
 from dflash_jax.nn import params as layouts
-from dflash_jax.nn.attention import swiglu
 
 
 def rms_norm(x: jnp.ndarray, weight: jnp.ndarray, eps: float) -> jnp.ndarray:
@@ -204,6 +200,19 @@ def attention_output(lp: dict, a: jnp.ndarray, h: jnp.ndarray, *, gate: str = ""
         a = a.reshape(b, t, hq * d)
     a = a @ lp["wo"]
     return a + lp["bo"] if bias else a
+
+
+def swiglu(x: jnp.ndarray, w_gate, w_up, w_down, b_gate=None, b_up=None, b_down=None, *, w_gate_t=None,
+           w_up_t=None) -> jnp.ndarray:
+    """SwiGLU MLP ``down(silu(x @ gate) * (x @ up))``; weights ``[in, out]``, optional biases;
+    ``w_gate_t``/``w_up_t``: optional ``[out, in]`` copies for wide passes
+    (:mod:`dflash_jax.nn.params`)."""
+    g = layouts.project(x, w_gate, w_gate_t, layouts.GATE_UP_MIN_ROWS)
+    u = layouts.project(x, w_up, w_up_t, layouts.GATE_UP_MIN_ROWS)
+    if b_gate is not None:
+        g, u = g + b_gate, u + b_up
+    y = (jax.nn.silu(g) * u) @ w_down
+    return y if b_down is None else y + b_down
 
 
 def mlp_residual(lp: dict, x: jnp.ndarray, eps: float) -> jnp.ndarray:

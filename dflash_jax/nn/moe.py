@@ -10,7 +10,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 from jax import lax
-from dflash_jax.nn.attention import swiglu
+from dflash_jax.nn.layer import swiglu
 
 
 def silu_glu(g: jnp.ndarray, u: jnp.ndarray) -> jnp.ndarray:

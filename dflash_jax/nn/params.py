@@ -1,14 +1,14 @@
-"""One declaration per parameter leaf: its shape, logical axes and initialiser.
+"""Parameter trees: one declaration per leaf (shape, logical axes, initialiser), layers stacked or
+per layer, and ``[out, in]`` weight copies for wide passes.
 
-Each model module builds a tree of :class:`ParamSpec` (``param_specs(cfg)``) shaped like its
+**Declarations.** Each model module builds a tree of :class:`ParamSpec` (``param_specs(cfg)``) shaped like its
 parameter pytree; its ``param_shapes``, ``param_axes`` and ``init_params`` are read off that one
 tree with :func:`shapes`, :func:`axes` and :func:`init`. :func:`decoder_layer` declares the leaves
 shared by every decoder layer (attention, optional gate, SwiGLU MLP) under the same names and
 logical axes for the dense targets, Laguna and both drafters.
 
-``[out, in]`` copies of weights that XLA:CPU multiplies faster that way in wide passes.
-
-The models hold their weights ``[in, out]`` and multiply ``x @ W``. Timed alone
+**Layouts.** ``[out, in]`` copies of weights that XLA:CPU multiplies faster that way in wide
+passes. The models hold their weights ``[in, out]`` and multiply ``x @ W``. Timed alone
 (``tools/bench_layout.py`` at commit 9868b87, BENCHMARKS.md "Weight layout against pass width"), XLA:CPU multiplies
 the MLP's gate and up projections about 1.26x faster from 2 rows (``B * T``) on, and the LM head
 about 1.22x faster from 3 rows on, with the weight held ``[out, in]`` as ``W x^T``; one row, and

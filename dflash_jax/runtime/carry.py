@@ -1,15 +1,14 @@
-"""Frozen dataclasses registered as JAX pytrees: the containers of the decode carry.
+"""The containers of the decode carry: pytree dataclasses with logical axes per field, KV caches
+(contiguous and paged) and the capture buffers, with their writers.
 
-:func:`dataclass` is ``dataclasses.dataclass(frozen=True)`` registered with
+**Pytree dataclasses.** :func:`dataclass` is ``dataclasses.dataclass(frozen=True)`` registered with
 :func:`jax.tree_util.register_dataclass`: fields are pytree children (arrays, traced) unless
 declared ``field(pytree_node=False)``, which makes them static metadata (hashable: part of a
 jitted function's cache key). Instances get ``replace(**changes)``. It is the subset of
 ``flax.struct`` this package used, on JAX's own API: importing flax took 0.35 s of every
 command's start (BENCHMARKS.md, "Time to first token").
 
-Logical axes declared with each field of the decode carry.
-
-Every array field of :class:`~dflash_jax.decode.state.DecodeState`, of the caches and of the speculative
+**Logical axes.** Every array field of :class:`~dflash_jax.decode.state.DecodeState`, of the caches and of the speculative
 extension is declared with :func:`axes_field`, which records one logical axis name (or ``None``)
 per dimension next to the field itself. :func:`declared_axes` reads them back as a tree shaped
 like the state; :func:`dflash_jax.runtime.sharding.state_axes` (placement) and
@@ -17,17 +16,13 @@ like the state; :func:`dflash_jax.runtime.sharding.state_axes` (placement) and
 both use it, so a new per-row field is sharded and swapped as soon as it is declared, and an
 undeclared array field is an error rather than a silently skipped one.
 
-KV caches and capture buffers: fixed-capacity pytrees indexed by absolute position.
-
-A row's K/V for the token at position ``p`` lives in slot ``p``. The cache holds no length of
+**KV caches.** Fixed-capacity pytrees indexed by absolute position: a row's K/V for the token at position ``p`` lives in slot ``p``. The cache holds no length of
 its own: the committed slots of row ``b`` are ``[0, DecodeState.length[b] - 1)``, so rolling back a
 rejected block is an update of the state's length, never a copy: stale slots beyond it are
 overwritten before any query can see them.
 
-Writing captured target-layer residuals into a :class:`~dflash_jax.runtime.carry.Capture`, shared by
-every target model's ``forward_hidden``.
-
-Inside the layer loop the residual after each layer goes to row ``slot_of[layer]`` of a small
+**Capture.** Captured target-layer residuals go into a :class:`Capture`, written by every target
+model's ``forward_hidden``: inside the layer loop the residual after each layer goes to row ``slot_of[layer]`` of a small
 ``[n + 1, B, T, H]`` stack (row ``n`` is scratch for layers not captured); after the loop
 :func:`write` scatters the listed layers' rows, concatenated in the listed order, into
 ``capture.hidden`` at ``position - base``.

@@ -1,8 +1,7 @@
-"""Counting XLA compilations, to prove a warmed-up generation compiles nothing, and to say how
-many programs a run compiled and how many of them the persistent compile cache held.
-
-Compiled programs kept on disk under a key known before tracing, so a warm process neither
-traces nor lowers them.
+"""Compiled programs: kept on disk under a key known before tracing, so a warm process neither
+traces nor lowers them; XLA compilations counted, to prove a warmed-up generation compiles nothing
+and to say how many programs a run compiled and how many of them the persistent compile cache
+held; and that cache turned on (:func:`enable_compile_cache`).
 
 JAX's persistent compilation cache (``<cache folder>/jax_cache``) is keyed by the lowered
 program: to find an executable, a new process first traces and lowers the function, which for
@@ -25,8 +24,8 @@ in ``executables/<name>-<key>.bin`` inside JAX's persistent compilation cache fo
 atomically: the store is on exactly when that cache is (``<cache folder>/jax_cache`` once
 :func:`enable_compile_cache` ran, as :func:`dflash_jax.load_target` and the command line do). A
 miss compiles the program anew, never from JAX's cache (see :data:`FRESH`). An entry that fails
-to load (written by another JAX, truncated) is removed and the function compiled again; an argument whose ``repr`` could be ambiguous (a memory address, a shortened
-array) is never keyed. Reading an entry runs what it holds, as JAX's own cache does: the folder
+to load (written by another JAX, truncated) is removed and the function compiled again; an argument whose ``repr`` could be ambiguous (a memory address, a
+shortened array) is never keyed. Reading an entry runs what it holds, as JAX's own cache does: the folder
 must be as trusted as the code. The store keeps at most :data:`MAX_BYTES`, dropping the least
 recently used entries. Reading an executable back is what remains of a warm compile: on XLA:CPU
 its time grows faster than its kernel count (BENCHMARKS.md), so programs with fewer target

@@ -14,5 +14,8 @@ Modules:
 * :mod:`dflash_jax.train.evaluation` -- tau with the speculative loop, the training curve;
 * :mod:`dflash_jax.train.trainer` -- the driver that runs, pauses and resumes a run;
 * :mod:`dflash_jax.train.export` -- writing the z-lab checkpoint layout;
+* :mod:`dflash_jax.train.make_data` -- self-distillation datasets (``dflash-jax make-data``), with
+  :mod:`dflash_jax.train.prompt_lists` (the prompts) and :mod:`dflash_jax.train.source_code`
+  (real functions answered with their source);
 * :mod:`dflash_jax.cli.train` -- ``dflash-jax train`` (:func:`dflash_jax.cli.train.main`).
 """

@@ -1,4 +1,5 @@
-"""Static, hashable model configurations parsed and validated from HF ``config.json`` dicts.
+"""The static config of a dense target (:class:`TargetConfig`: Llama incl. SmolLM2, Mistral, Qwen2,
+Qwen3) parsed and validated from its HF ``config.json``.
 
 Configs are frozen dataclasses: they are passed to jitted functions as static arguments, so two
 equal configs share one compilation. Parsing is strict: a missing or ill-typed field raises

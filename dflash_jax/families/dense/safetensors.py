@@ -1,15 +1,11 @@
-"""Hugging Face safetensors checkpoints -> the dense target parameter pytree.
+"""Dense target checkpoints (HF safetensors: Llama, Mistral, Qwen2, Qwen3) -> a
+:class:`~dflash_jax.families.dense.config.TargetConfig` and the params of
+:mod:`dflash_jax.families.dense.model`, read tensor by tensor with
+:mod:`dflash_jax.formats.checkpoint` (strict: every problem raises
+:class:`~dflash_jax.errors.DFlashError` naming the file and, where there is one, the tensor).
 
 A checkpoint folder holds ``config.json`` and either ``model.safetensors`` or a sharded
 ``model.safetensors.index.json`` whose ``weight_map`` names a shard per tensor.
-
-Safetensors files are opened with the ``safetensors`` library (``safe_open``, numpy framework:
-memory-mapped, tensors read one at a time, BF16 as ``ml_dtypes.bfloat16``); it validates every
-header when the file opens, so a truncated or corrupt file fails before any weight is converted.
-When it refuses a file, :func:`explain_refusal` names the file and the tensor at fault.
-
-Checks are strict: every problem raises :class:`~dflash_jax.errors.DFlashError` whose message
-names the file and, where there is one, the tensor.
 """
 
 from __future__ import annotations

@@ -57,7 +57,8 @@ from dflash_jax.runtime import carry as captures
 from dflash_jax.nn import params as P
 from dflash_jax.families.contract import FamilyModel
 from dflash_jax.nn.params import ParamSpec, decoder_layer
-from dflash_jax.nn.attention import TreeBlock, block_visible, rope_positions, swiglu
+from dflash_jax.nn.attention import TreeBlock, block_visible, rope_positions
+from dflash_jax.nn.layer import swiglu
 from dflash_jax.nn.attention import cache_attention, live_keys
 from dflash_jax.nn.layer import embed
 from dflash_jax.nn.layer import attention_output, mlp_residual, project_qkv

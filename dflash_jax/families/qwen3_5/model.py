@@ -373,7 +373,7 @@ def period(cfg: Qwen3_5Config) -> int:
     (Qwen3.5 and Qwen3-Next: 4, three linear layers then a full one; the layer count when the
     types do not repeat). :func:`forward_hidden` runs one ``lax.scan`` over the repetitions with
     the ``p`` layers unrolled in its body (one compiled body instead of one per layer: a third of
-    the unrolled 32 layers' compile time on XLA:CPU, ``tools/bench_compile_qwen3_5.py``, BENCHMARKS.md)."""
+    the unrolled 32 layers' compile time on XLA:CPU, ``tools/bench_compile_qwen3_5.py`` at commit 9868b87, BENCHMARKS.md)."""
     n, t = cfg.num_hidden_layers, cfg.layer_types
     return next(p for p in range(1, n + 1) if n % p == 0 and all(t[i] == t[i % p] for i in range(n)))
 
