@@ -186,13 +186,17 @@ def drafter_decoding(target_cfg, drafter: Drafter, draft_mode: str = "argmax", n
 
 
 def check_request(target, prompts, *, max_new_tokens, sampling, max_len, chunk_size, stop_ids, stop, ignore_eos, seed, on_tokens,
-                  drafter, n_max, draft_mode, cost_model=None, tree=None) -> Request:
-    """Checks :func:`dflash_jax.generate`'s arguments (same names, keyword-only after ``prompts``)
-    and resolves the defaults.
+                  drafter, n_max, draft_mode, cost_model=None, tree=None, positional=()) -> Request:
+    """Checks :func:`dflash_jax.generate`'s arguments (same names, keyword-only after ``prompts``;
+    ``positional``: what a caller passed by position after ``prompts``, refused) and resolves the
+    defaults.
 
     Raises:
       DFlashError: naming the first bad argument (and its option).
     """
+    if positional:  # keyword-only: say so, and what to write instead
+        raise DFlashError("generate", f"{len(positional)} positional argument(s) after prompts",
+                          "keyword arguments, e.g. generate(target, prompts, max_new_tokens=64)")
     _check_target(target)
     prompts = _check_prompts(prompts, target.cfg.vocab_size)
     if not _is_int(max_new_tokens) or max_new_tokens < 1:

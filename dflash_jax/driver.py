@@ -25,7 +25,6 @@ from dflash_jax.decode.auto import costs
 from dflash_jax.decode.prefill import compile_prefill, prefill
 from dflash_jax.decode.sampling import SamplingConfig
 from dflash_jax.decode.state import FINISH_REASONS, RUNNING, STOP
-from dflash_jax.errors import DFlashError
 from dflash_jax.loading import Drafter, Target
 from dflash_jax.runtime import compiled
 from dflash_jax.runtime import sharding
@@ -196,14 +195,11 @@ def generate(
     Raises:
       DFlashError: bad prompts (non-integer or out-of-vocabulary ids), a prompt that does not fit
         ``max_len``, bad sizes, a capacity beyond the target's ``max_position_embeddings``, stop
-        texts without a tokenizer, an argument of the wrong type (the message names it), or a positional argument after ``prompts``.
+        texts without a tokenizer, an argument of the wrong type or given by position (the message names it).
     """
-    if positional:  # keyword-only: say so, and what to write instead
-        raise DFlashError("generate", f"{len(positional)} positional argument(s) after prompts",
-                          "keyword arguments, e.g. generate(target, prompts, max_new_tokens=64)")
     req = check_request(target, prompts, max_new_tokens=max_new_tokens, sampling=sampling, max_len=max_len, chunk_size=chunk_size,
                         stop_ids=stop_ids, stop=stop, ignore_eos=ignore_eos, seed=seed, on_tokens=on_tokens, drafter=drafter,
-                        n_max=n_max, draft_mode=draft_mode, cost_model=cost_model, tree=tree)
+                        n_max=n_max, draft_mode=draft_mode, cost_model=cost_model, tree=tree, positional=positional)
     state = _initial_state(req, target)
     t0 = time.perf_counter()
     prefill_c, run = _compile_reported(req, state, streaming=on_tokens is not None)  # traces shapes only; nothing runs
