@@ -550,3 +550,59 @@ def test_calibrate_depth_refuses_bad_values_and_fits_a_known_calibration(capsys)
     rep = calibrate.report(conf, acc, n_valid, [fitted[0]] * 2, [fitted[1]] * 2)
     assert rep["observed"] == pytest.approx([accepted_1.mean(), accepted_2.mean()], abs=1e-4)
     assert rep["ece_fitted"][0] < rep["ece_raw"][0]
+
+
+def test_calibrate_depth_names_the_options_when_nothing_was_recorded():
+    """A budget that leaves no verify step to record (each prompt's only step is its last, never
+    recorded) is a DFlashError naming --max-new-tokens and what would fill it, not an empty concatenate."""
+    from types import SimpleNamespace
+
+    from dflash_jax.decode.auto.calibrate import record_steps
+    from dflash_jax.errors import DFlashError, option_error
+    from dflash_jax.testing import tiny_drafter, tiny_target
+
+    tcfg, tparams = tiny_target()
+    dcfg, dparams = tiny_drafter(tcfg)
+    target = SimpleNamespace(cfg=tcfg, params=tparams, eos_ids=())
+    drafter = SimpleNamespace(cfg=dcfg, params=dparams)
+    with pytest.raises(DFlashError) as e:
+        record_steps(target, drafter, [[1, 2, 3], [4, 5]], 1, 32)
+    msg = str(option_error(e.value))
+    assert msg.startswith("--max-new-tokens: 1 new tokens per prompt recorded no verify step over 2 prompts"), msg
+    assert "(expected more new tokens per prompt (at least 2), or more prompts)" in msg
+    conf, acc, n_valid, row = record_steps(target, drafter, [[1, 2, 3], [4, 5]], 6, 32)
+    assert conf.shape == (len(acc), dcfg.block_size - 1) and len(acc) == len(n_valid) == len(row) > 0
+
+
+def test_calibrate_depth_says_which_file_it_writes_and_refuses_a_read_only_one(tmp_path, monkeypatch):
+    """--help names the shipped drafter's config.json that calibrate-depth rewrites; a file or folder
+    that cannot be written is a DFlashError naming it and --no-write (checked before decoding)."""
+    from dflash_jax.assets.default_model import DRAFTERS_DIR
+    from dflash_jax.cli import calibrate_depth
+    from dflash_jax.errors import DFlashError
+
+    page = calibrate_depth.add_arguments(cli.Parser(prog="dflash-jax calibrate-depth", **calibrate_depth.PARSER_TEXT)).format_help()
+    shipped = sorted(DRAFTERS_DIR.glob("*/config.json"))
+    assert len(shipped) == 1 and f"Without --no-write it rewrites {shipped[0]}\n" in page
+    config = tmp_path / "config.json"
+    config.write_text("{}", encoding="utf-8")
+    calibrate_depth.check_writable(config)  # writable: no error
+    monkeypatch.setattr(calibrate_depth.os, "access", lambda path, mode: Path(path) != tmp_path)  # the folder is read-only
+    with pytest.raises(DFlashError) as e:
+        calibrate_depth.check_writable(config)
+    assert str(e.value) == (f"{config}: not writable (the shipped drafter's config.json, inside the installed package) "
+                            "(expected write access to it and its folder, or --no-write to only print the fit)")
+
+
+def test_help_pages_of_make_data_train_and_calibrate_depth_show_no_sphinx_markup(capsys):
+    """The --help pages built from module docstrings (cli.options.help_text) carry no roles, no
+    double backticks and no literal-block ``::``; the roles' targets stay readable."""
+    from dflash_jax.cli.options import help_text
+
+    got = help_text("Title of ``x``.\n\nSee :mod:`a.b`, :func:`~a.b.c` and ``--opt``. Examples::\n\n    run it\n")
+    assert got["description"] == "Title of x." and got["epilog"] == "See a.b, c and --opt. Examples:\n\n    run it\n"
+    for name in ("train", "make-data", "calibrate-depth"):
+        code, out, _ = run(capsys, name, "--help")
+        assert code == 0 and "`" not in out and ":mod:" not in out and "::\n" not in out, out
+    code, out, _ = run(capsys, "make-data", "--help")
+    assert "Two recipes (dflash_jax.train.make_data), chosen by who writes the answers:" in out

@@ -20,15 +20,27 @@ import argparse
 import datetime
 import importlib.util
 import json
+import os
 import shlex
 import sys
 from pathlib import Path
 
-from dflash_jax.cli.options import integer
-from dflash_jax.errors import DFlashError
+from dflash_jax.cli.options import help_text, integer
+from dflash_jax.errors import DFlashError, option_error
 
-PARSER_TEXT = dict(description=__doc__.split("\n\n")[0], epilog=__doc__.split("\n\n", 1)[1],
-                   formatter_class=argparse.RawDescriptionHelpFormatter)
+
+def written_config() -> str:
+    """The file calibrate-depth writes without ``--no-write``, for ``--help``: the ``config.json`` of
+    the drafter shipped for the default target (the only drafter shipped; a pattern if there are several)."""
+    from dflash_jax.assets.default_model import DRAFTERS_DIR
+
+    configs = sorted(DRAFTERS_DIR.glob("*/config.json"))
+    return str(configs[0]) if len(configs) == 1 else str(DRAFTERS_DIR / "<drafter of the default target>" / "config.json")
+
+
+PARSER_TEXT = help_text(__doc__)
+PARSER_TEXT["epilog"] += (f"\n\nWithout --no-write it rewrites {written_config()}\n(inside the installed package; "
+                          "an error, before decoding starts, when that file or its folder is not writable).")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -37,11 +49,22 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--max-len", type=integer, default=768, metavar="N", help="capacity per row in tokens (default 768)")
     p.add_argument("--eval", type=integer, default=24, metavar="N",
                    help="first N HumanEval prompts to evaluate on, never fitted (default 24; 0: none)")
-    p.add_argument("--no-write", action="store_true", help="leave the drafter's config.json alone")
+    p.add_argument("--no-write", action="store_true",
+                   help="only print the fit (default: write it into the shipped drafter's config.json, the file named below)")
     p.add_argument("--plot", default=None, metavar="PNG", help="write the calibration plot there (default: no plot)")
     p.add_argument("--save", default=None, metavar="NPZ", help="also save the recorded steps of every set")
     p.add_argument("--debug", action="store_true", help="show tracebacks on errors")
     return p
+
+
+def check_writable(path: Path, writable: bool | None = None) -> None:
+    """Refuses (DFlashError naming ``path`` and ``--no-write``) a ``config.json`` that is not
+    writable, or whose folder is not (``writable``: already known, else asked of the OS)."""
+    if writable is None:
+        writable = os.access(path, os.W_OK) and os.access(path.parent, os.W_OK)
+    if not writable:
+        raise DFlashError(str(path), "not writable (the shipped drafter's config.json, inside the installed package)",
+                          "write access to it and its folder, or --no-write to only print the fit")
 
 
 def fit_prompts() -> list[str]:
@@ -76,19 +99,29 @@ def run(args, argv) -> int:
     drafter = dj.shipped_drafter(target)
     if drafter is None:
         raise DFlashError(f"{target.source}", "no drafter ships for this target", "the default target, whose drafter ships")
+    path = shipped_drafter_path(target) / "config.json"
+    if not args.no_write:
+        check_writable(path)  # before the minutes of decoding
+
+    def record(prompts):  # errors name the command's options
+        try:
+            return record_steps(target, drafter, prompts, args.max_new_tokens, args.max_len)
+        except DFlashError as e:
+            raise option_error(e) from None
+
     texts = fit_prompts()
-    fit = record_steps(target, drafter, [dj.encode_prompt(target, t) for t in texts], args.max_new_tokens, args.max_len)
+    fit = record([dj.encode_prompt(target, t) for t in texts])
     n = drafter.cfg.block_size - 1
     scale, bias = zip(*[fit_position(*conditional_samples(*fit[:3], i)) for i in range(1, n + 1)])
     sets = {"fit prompts": fit}
     if args.eval:
         he = [dj.encode_prompt(target, t) for t in humaneval_chat_prompts()[: args.eval]]
-        sets[f"HumanEval first {args.eval} (eval only)"] = record_steps(target, drafter, he, args.max_new_tokens, args.max_len)
+        sets[f"HumanEval first {args.eval} (eval only)"] = record(he)
     reports = {name: report(*s[:3], scale, bias) for name, s in sets.items()}
     if args.save:
         np.savez(args.save, **{f"{i}_{k}": v for i, s in enumerate(sets.values()) for k, v in zip(("conf", "acc", "n_valid", "row"), s)})
     cmd = "dflash-jax calibrate-depth " + " ".join(shlex.quote(a) for a in argv)
-    record = dict(
+    fitted = dict(
         scale=[round(v, 5) for v in scale], bias=[round(v, 5) for v in bias],
         method="per-position Platt scaling: P(accept draft i | drafts 1..i-1 accepted) = sigmoid(scale_i * logit(c_i) + bias_i), "
                f"c_i the drafter's top probability at position i; log-loss + {L2} * ((scale - 1)^2 + bias^2), BFGS",
@@ -98,13 +131,15 @@ def run(args, argv) -> int:
         fit_set=reports["fit prompts"], command=cmd.strip(),
         date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
     )
-    print(json.dumps(dict(record=record, reports=reports), indent=1))
+    print(json.dumps(dict(record=fitted, reports=reports), indent=1))
     if not args.no_write:
-        path = shipped_drafter_path(target) / "config.json"
         config = json.loads(path.read_text(encoding="utf-8"))
         config["dflash_jax"]["n_max"] = "auto"
-        config["dflash_jax"]["depth_calibration"] = record
-        path.write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
+        config["dflash_jax"]["depth_calibration"] = fitted
+        try:
+            path.write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
+        except PermissionError:
+            check_writable(path, writable=False)
         print(f"wrote {path}", file=sys.stderr)
     if args.plot:
         plot(sets, scale, bias, Path(args.plot))

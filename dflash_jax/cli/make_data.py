@@ -25,15 +25,13 @@ from __future__ import annotations
 import argparse
 import json
 import shlex
-import sys
 from types import SimpleNamespace
 
-from dflash_jax.cli.options import Parser, UsageError, choices_metavar, integer, number, one_line, one_of
+from dflash_jax.cli.options import Parser, choices_metavar, help_text, integer, number, one_of, parse_and_run
 from dflash_jax.errors import DFlashError
 
 ANSWERS = ("target", "source")
-PARSER_TEXT = dict(description=__doc__.split("\n\n")[0], epilog=__doc__.split("\n\n", 1)[1],
-                   formatter_class=argparse.RawDescriptionHelpFormatter)
+PARSER_TEXT = help_text(__doc__)
 # the options of one recipe only, with their defaults (given with the other recipe: an error)
 TARGET_ONLY = dict(num_prompts=1024, code_fraction=0.65, max_new=160, prompt_cap=128, batch_size=32, refill=None,
                    time_limit=None, list_prompts=False)
@@ -136,12 +134,4 @@ def main(argv=None) -> int:
     """``dflash-jax make-data`` with ``argv`` (without the program and subcommand names; default
     ``sys.argv[1:]``): 0 when made, 2 after a one-line usage error. DFlashError (bad input found
     after the options parsed) propagates."""
-    argv = list(sys.argv[1:] if argv is None else argv)
-    try:
-        args = build_parser().parse_args(argv)
-    except UsageError as e:
-        print(f"error: {one_line(e)}", file=sys.stderr, flush=True)
-        return 2
-    except SystemExit as e:  # --help
-        return int(e.code or 0) if not isinstance(e.code, str) else 2
-    return run(args, argv)
+    return parse_and_run(build_parser, run, argv)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 from typing import Sequence
 
@@ -178,7 +179,38 @@ def one_line(msg) -> str:
     return " ".join(str(msg).split())
 
 
-__all__ = ["Parser", "UsageError", "choices_metavar", "extra_message", "int_list", "integer", "number", "one_line", "one_of"]
+_ROLE = re.compile(r":[a-z]+:`(~?)([^`]+)`")  # :func:`a.b.c` (shown a.b.c), :func:`~a.b.c` (shown c)
+
+
+def help_text(doc: str) -> dict:
+    """``description=``, ``epilog=`` and ``formatter_class=`` of a subcommand's parser from its
+    module docstring ``doc`` (the first paragraph, then the rest, line breaks kept), with the
+    Sphinx markup --help would print raw taken out: a role ``:mod:`a.b``` becomes ``a.b``
+    (``:func:`~a.b.c``` becomes ``c``), ````x```` becomes ``x``, a closing ``::`` becomes ``:``."""
+    text = _ROLE.sub(lambda m: m.group(2).rsplit(".", 1)[-1] if m.group(1) else m.group(2), doc)
+    text = re.sub(r"``([^`]+)``", r"\1", text)
+    text = re.sub(r"(\S)::$", r"\1:", text, flags=re.MULTILINE)
+    first, _, rest = text.partition("\n\n")
+    return dict(description=first, epilog=rest, formatter_class=argparse.RawDescriptionHelpFormatter)
+
+
+def parse_and_run(build_parser, run, argv=None) -> int:
+    """A subcommand's ``main``: parses ``argv`` (without the program and subcommand names; default
+    ``sys.argv[1:]``) with ``build_parser()`` and returns ``run(args, argv)``; after a usage error
+    prints ``error: <one line>`` to stderr and returns 2; after ``--help`` returns its exit code (0)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        args = build_parser().parse_args(argv)
+    except UsageError as e:
+        print(f"error: {one_line(e)}", file=sys.stderr, flush=True)
+        return 2
+    except SystemExit as e:  # --help
+        return int(e.code or 0) if not isinstance(e.code, str) else 2
+    return run(args, argv)
+
+
+__all__ = ["Parser", "UsageError", "choices_metavar", "extra_message", "help_text", "int_list", "integer", "number", "one_line",
+           "one_of", "parse_and_run"]
 
 
 def json_object(text: str) -> dict:

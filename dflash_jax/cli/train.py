@@ -30,14 +30,15 @@ from pathlib import Path
 from dflash_jax.drafter import vocab as draft_vocab
 from dflash_jax.cli.options import (
     Parser,
-    UsageError,
     add_process_options,
     choices_metavar,
+    help_text,
     int_list,
     integer,
     number,
     one_line,
     one_of,
+    parse_and_run,
 )
 from dflash_jax.errors import DFlashError, option_error
 from dflash_jax.train.optim import COMPUTE_DTYPES, DECAYS
@@ -46,8 +47,7 @@ from dflash_jax.train.optim import COMPUTE_DTYPES, DECAYS
 EXPORT_DTYPES = ("bfloat16", "float16", "float32")
 
 
-PARSER_TEXT = dict(description=__doc__.split("\n\n")[0], epilog=__doc__.split("\n\n", 1)[1],
-                   formatter_class=argparse.RawDescriptionHelpFormatter)
+PARSER_TEXT = help_text(__doc__)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -219,14 +219,7 @@ def main(argv=None) -> int:
     Args:
       argv: arguments without the program and subcommand names (default ``sys.argv[1:]``).
     """
-    try:
-        args = build_parser().parse_args(argv)
-    except UsageError as e:
-        print(f"error: {one_line(e)}", file=sys.stderr, flush=True)
-        return 2
-    except SystemExit as e:  # --help
-        return int(e.code or 0) if not isinstance(e.code, str) else 2
-    return run(args, argv)
+    return parse_and_run(build_parser, run, argv)
 
 
 def run(args, argv) -> int:

@@ -16,13 +16,20 @@ from pathlib import Path
 
 import numpy as np
 
+from dflash_jax.errors import DFlashError
+
 L2 = 1.0  # pull of (scale - 1, bias) towards the identity, in units of one sample's log-loss
 
 
 def record_steps(target, drafter, prompts: list[list[int]], max_new: int, max_len: int):
     """Greedy decoding of all ``prompts`` in one batch, verifying every draft: returns
     ``(conf [N, n], accepted [N], n_valid [N], row [N])`` over the steps of running rows, in
-    step order (a row's last step, whose acceptance a stop or the budget may cut, is left out)."""
+    step order (a row's last step, whose acceptance a stop or the budget may cut, is left out).
+
+    Raises:
+      DFlashError: no step recorded (every row stopped or reached ``max_new`` in its first step;
+        names ``max_new (--max-new-tokens)`` and asks for more new tokens or more prompts).
+    """
     import jax
     import jax.numpy as jnp
 
@@ -45,6 +52,10 @@ def record_steps(target, drafter, prompts: list[list[int]], max_new: int, max_le
         acc, done = jax.device_get((st.speculative.accepted - before, st.done))
         keep = running & ~done
         confs.append(np.asarray(conf)[keep]), accs.append(acc[keep]), valids.append(n_valid[keep]), rows.append(np.flatnonzero(keep))
+    if not sum(len(a) for a in accs):
+        raise DFlashError("max_new (--max-new-tokens)", f"{max_new} new tokens per prompt recorded no verify step over "
+                          f"{len(prompts)} prompts (a prompt's last step is not recorded: a stop or the budget may cut it)",
+                          "more new tokens per prompt (at least 2), or more prompts")
     return np.concatenate(confs), np.concatenate(accs), np.concatenate(valids), np.concatenate(rows)
 
 
