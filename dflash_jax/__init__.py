@@ -1,6 +1,6 @@
 """dflash_jax: DFlash speculative decoding in pure-functional JAX.
 
-Public API (see :mod:`dflash_jax`)::
+The public API (the guide: docs/python_api.md)::
 
     import dflash_jax as dj
     target = dj.load_target()                       # embedded default, or an HF folder / .gguf
