@@ -83,3 +83,9 @@ def write_safetensors(path: str | os.PathLike, tensors: Mapping[str, np.ndarray]
     with atomic_path(path) as tmp:
         safetensors.numpy.save_file(arrays, str(tmp), metadata=meta)
     return path
+
+
+def cache_key(path: str) -> str:
+    """``"<size>:<mtime_ns>"`` of a file: what a cache built from it is keyed by."""
+    st = os.stat(path)
+    return f"{st.st_size}:{st.st_mtime_ns}"

@@ -1,12 +1,12 @@
 """The cache of a GGUF's tokenizer: ``<file>.gguf.tokenizer.json`` beside the file, keyed by its size
-and mtime (:func:`dflash_jax.families.dense.gguf_cache.cache_key`), so a later load skips the GGUF metadata."""
+and mtime (:func:`dflash_jax.formats.files.cache_key`), so a later load skips the GGUF metadata."""
 
 from __future__ import annotations
 
 import json
 import os
 from pathlib import Path
-from dflash_jax.formats.files import atomic_path
+from dflash_jax.formats.files import atomic_path, cache_key
 
 
 _TOK_CACHE_FORMAT = "dflash_jax.gguf.tokenizer/3"  # 2: harmony stops; 3: qwen35 regex, SentencePiece vocabularies
@@ -22,7 +22,6 @@ def read_tok_cache(path: str) -> dict | None:
     ``None`` when there is no cache, it is stale (another size / mtime / format) or unreadable (never raises)."""
     from tokenizers import Tokenizer as HFTokenizer
 
-    from dflash_jax.families.dense.gguf_cache import cache_key
 
     cpath = _tok_cache_path(path)
     try:
@@ -42,7 +41,6 @@ def write_tok_cache(path: str, tok) -> None:
     an unwritable folder only prints a warning to stderr."""
     import sys
 
-    from dflash_jax.families.dense.gguf_cache import cache_key
 
     cpath = _tok_cache_path(path)
     d = dict(format=_TOK_CACHE_FORMAT, source_key=cache_key(path), tokenizer=tok._tok.to_str(), bos_token_id=tok.bos_token_id,

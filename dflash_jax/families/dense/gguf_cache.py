@@ -25,7 +25,7 @@ import jax
 import numpy as np
 from dflash_jax.families.hf_config import RopeConfig
 from dflash_jax.families.dense.config import TargetConfig
-from dflash_jax.formats.files import save_npy, umasked, write_text
+from dflash_jax.formats.files import cache_key, save_npy, umasked, write_text
 from dflash_jax.families.dense.model import MODEL
 
 
@@ -38,12 +38,6 @@ _META = "meta.json"
 def cache_path(path: str | os.PathLike) -> Path:
     """Where the float32 cache of ``path`` lives: the folder ``<path>.f32``."""
     return Path(str(path) + _CACHE_SUFFIX)
-
-
-def cache_key(path: str) -> str:
-    """``"<size>:<mtime_ns>"`` of a file: what a cache built from it is keyed by."""
-    st = os.stat(path)
-    return f"{st.st_size}:{st.st_mtime_ns}"
 
 
 def _flatten(params: dict) -> dict[str, np.ndarray]:
