@@ -39,7 +39,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from dflash_jax.decode.sampling import sample_at, top2_gap
+from dflash_jax.decode.sampling import sample_at, top2_gap, uniform_at
 from dflash_jax.decode.state import DecodeState, SpeculativeState, commit
 from dflash_jax.decode.state import Decoding, Params, check_step_inputs
 from dflash_jax.drafter import model as drafter
@@ -79,30 +79,64 @@ def block_positions(state: DecodeState, width: int):
     return start, positions, jnp.clip(room, 1, width).astype(jnp.int32)
 
 
+class Proposal(NamedTuple):
+    """One propose: the drafts and what they were drawn from.
+
+    Attributes:
+      drafts: ``[B, n]`` int32 target ids.
+      conf: ``[B, n]`` float32 the top probability of the drafter's (unwarped) logits per slot.
+      logits: ``[B, n, V']`` float32 the drafter's logits (``V'``: its draft vocabulary if any).
+      candidates: ``[B, n, k]`` int32 a selector drafter's candidates per slot (DFlash2,
+        :mod:`dflash_jax.drafter.selector`), else ``None``.
+      q: ``[B, n, k]`` float32 the selector's distribution over ``candidates`` at each slot given
+        the drafts before it (``softmax(score / T)``; one-hot for a greedy row or an argmax
+        propose), else ``None`` (a generic drafter's ``q`` is its warped ``logits``).
+    """
+
+    drafts: jnp.ndarray
+    conf: jnp.ndarray
+    logits: jnp.ndarray
+    candidates: jnp.ndarray | None = None
+    q: jnp.ndarray | None = None
+
+
 def propose_fn(params: Params, state: DecodeState, static: Decoding):
     """Drafts ``static.depth`` tokens per row (pure; the state is read only).
 
-    ``static.draft_mode`` ``"argmax"`` proposes the drafter's argmax; ``"sample"`` draws each
-    draft from the drafter's distribution warped by the row's sampling settings
-    (``state.sampling``; a greedy row's draft is the argmax), with the uniform of the draft's
-    position, the uniform the target's token there is drawn with (:mod:`dflash_jax.decode.sampling`:
-    the two are coupled, what is committed does not change).
+    ``static.draft_mode`` ``"argmax"`` proposes the drafter's argmax (a DFlash2 drafter: its
+    selector's greedy path); ``"sample"`` draws each draft from the drafter's distribution warped
+    by the row's sampling settings (``state.sampling``; a greedy row's draft is the argmax; a
+    DFlash2 drafter draws from its selector's ``q``), with the uniform of the draft's position, the
+    uniform the target's token there is drawn with (:mod:`dflash_jax.decode.sampling`: the two are
+    coupled, what is committed does not change).
 
     Returns:
       ``(drafts [B, n] int32 target ids, conf [B, n] float32)``: ``conf`` is the top probability
       of the drafter's (unwarped) distribution at each position, a function of the distribution
       only, never of a sampled draft (:mod:`dflash_jax.decode.auto.policy` chooses the verify
-      width from it).
+      width from it). :func:`proposal_fn` gives the whole :class:`Proposal`.
     """
+    p = proposal_fn(params, state, static)
+    return p.drafts, p.conf
+
+
+def proposal_fn(params: Params, state: DecodeState, static: Decoding) -> Proposal:
+    """:func:`propose_fn`'s :class:`Proposal` (with the logits and a selector's ``q``)."""
     cfg_t, cfg_d = static.target, static.drafter
     params_d = params.drafter
-    lg, positions = draft_logits(params, state, static)
+    lg, positions, hidden, anchor = draft_pass(params, state, static)
     conf = top_confidence(lg)
-    if static.draft_mode == "argmax":
-        return drafter.draft_token_ids(params_d, cfg_d, jnp.argmax(lg, axis=-1)), conf
+    sampled = static.draft_mode != "argmax"
+    if drafter.has_selector(cfg_d):
+        x = drafter.selector_inputs(params_d, cfg_d, hidden, lg)
+        t, u = (state.sampling.temperature, uniform_at(state.rng, positions[:, 1:])) if sampled else (None, None)
+        path, q = drafter.select(params_d, cfg_d, x, anchor, t, u)
+        return Proposal(path, conf, lg, x.candidates, q)
+    if not sampled:
+        return Proposal(drafter.draft_token_ids(params_d, cfg_d, jnp.argmax(lg, axis=-1)), conf, lg)
     ids = params_d["draft_ids"] if cfg_d.draft_vocab_size else None  # the target ids of the columns of lg
     # the mask at position p drafts the token at index p: the target draws that token with the same uniform
-    return sample_at(state.rng, positions[:, 1:], lg, state.sampling, vocab=cfg_t.vocab_size, ids=ids), conf
+    return Proposal(sample_at(state.rng, positions[:, 1:], lg, state.sampling, vocab=cfg_t.vocab_size, ids=ids), conf, lg)
 
 
 def top_confidence(logits: jnp.ndarray) -> jnp.ndarray:
@@ -118,6 +152,12 @@ def draft_logits(params: Params, state: DecodeState, static: Decoding):
       each mask slot (``V'``: its draft vocabulary when it has one, else the target's) and the
       block's positions (:func:`block_positions`).
     """
+    return draft_pass(params, state, static)[:2]
+
+
+def draft_pass(params: Params, state: DecodeState, static: Decoding):
+    """:func:`draft_logits` and what a selector also reads: ``(logits, positions, hidden
+    [B, width - 1, H] the final-normed hidden states of the mask slots, anchor [B] int32)``."""
     cfg_t, cfg_d, width = static.target, static.drafter, static.width
     params_d = params.drafter
     start, positions, block_len = block_positions(state, width)
@@ -125,8 +165,8 @@ def draft_logits(params: Params, state: DecodeState, static: Decoding):
     block = jnp.concatenate([anchor, jnp.full((anchor.shape[0], width - 1), cfg_d.mask_token_id, jnp.int32)], axis=1)
     ctx = state.speculative
     hidden = drafter.forward(params_d, cfg_d, module_for(cfg_t), params.target, cfg_t, block, positions, ctx.ctx_k, ctx.ctx_v, start, block_len,
-                             pages=ctx.context.pages)
-    return drafter.logits(params_d, cfg_d, module_for(cfg_t), params.target, cfg_t, hidden[:, 1:]), positions
+                             pages=ctx.context.pages)[:, 1:]
+    return drafter.logits(params_d, cfg_d, module_for(cfg_t), params.target, cfg_t, hidden), positions, hidden, anchor[:, 0]
 
 
 @functools.partial(jax.jit, static_argnames=("static",))

@@ -20,6 +20,7 @@ from dflash_jax.families.laguna.config import _num as _laguna_num, _pos_int as _
 
 DFLASH_DRAFTER = "DFlashDraftModel"
 LAGUNA_DRAFTER = "DFlashLagunaForCausalLM"
+DFLASH2_DRAFTER = "DFlash2DraftModel"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,7 +43,14 @@ class DrafterConfig:
 
     ``input_embedding_scale``, ``output_multiplier``, ``final_logit_softcapping`` act on the target
     family's ``embed`` / ``lm_head`` outputs; a z-lab config's values (relative to the raw
-    embedding and head) are restated so by :func:`dflash_jax.drafter.knobs.knobs_through_family`.
+    embedding and head) are restated so by :func:`dflash_jax.drafter.knobs.knobs_through_family`;
+    ``raw_head``: the draft logits come from the target's head before the family's soft-cap (a
+    Gemma drafter whose own cap differs from its target's, or is unset).
+
+    ``architecture == "DFlash2DraftModel"`` (:mod:`dflash_jax.drafter.dflash2`): grouped dynamic
+    causal convolutions of ``conv_kernel_size`` taps over channel groups of ``conv_group_size``
+    around every sublayer, and a candidate selector of rank ``selector_rank`` over the head's
+    ``selector_top_k`` best tokens per slot (all four 0 for the other kinds).
     """
 
     hidden_size: int
@@ -69,6 +77,11 @@ class DrafterConfig:
     gate: str = ""
     gating_explicit: bool = False
     draft_vocab_size: int = 0
+    raw_head: bool = False
+    conv_kernel_size: int = 0
+    conv_group_size: int = 0
+    selector_rank: int = 0
+    selector_top_k: int = 0
     dtype: str = "float32"
 
     def with_dtype(self, dtype: str) -> "DrafterConfig":

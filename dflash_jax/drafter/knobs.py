@@ -15,7 +15,6 @@ config's values to those terms when a drafter is paired with its target
 from __future__ import annotations
 
 import dataclasses
-from dflash_jax.errors import DFlashError
 
 
 def family_embedding_scale(target_cfg) -> float:
@@ -32,22 +31,20 @@ def family_logit_softcap(target_cfg) -> float:
 def knobs_through_family(d, target_cfg, source: str = "drafter config"):
     """``d`` (a :class:`~dflash_jax.drafter.config.DrafterConfig` parsed from a z-lab ``config.json``) with its
     knobs restated against the family's ``embed`` / ``lm_head`` outputs (module docstring):
-    ``input_embedding_scale / family scale``; with a family soft-cap, the drafter's own cap (which
-    must equal it, with ``output_multiplier`` 1) dropped, since the family's ``lm_head`` applies it.
+    ``input_embedding_scale / family scale``. With a family soft-cap: a drafter whose own cap equals
+    it with ``output_multiplier`` 1 has its cap dropped (the family's ``lm_head`` applies it, as
+    z-lab would); any other drafter (its cap unset, so z-lab does not cap the draft logits, or
+    another cap or multiplier) drafts through the raw head (``raw_head``: the family's cap off, the
+    drafter's multiplier and own cap applied, as z-lab's ``compute_logits`` does).
 
-    Raises:
-      DFlashError: a target with a logit soft-cap and a drafter whose ``final_logit_softcapping``
-        differs from it or whose ``output_multiplier`` is not 1 (z-lab would cap other logits than
-        the family's ``lm_head`` gives; names ``source`` and the field).
+    ``source`` is kept for the messages of callers that check more; nothing here is refused.
     """
     cap_t, cap = family_logit_softcap(target_cfg), d.final_logit_softcapping
+    raw = False
     if cap_t > 0:
-        if d.output_multiplier != 1.0:
-            raise DFlashError(f"{source}: field dflash_config.output_multiplier", f"{d.output_multiplier} with a target soft-capping "
-                              f"its logits at {cap_t}", "1.0 (the target family's lm_head applies the cap)")
-        if cap != cap_t:
-            raise DFlashError(f"{source}: field dflash_config.final_logit_softcapping", f"{cap or None}",
-                              f"{cap_t} (the target's final_logit_softcapping, applied by its family's lm_head)")
-        cap = 0.0
+        if d.output_multiplier == 1.0 and cap == cap_t:
+            cap = 0.0
+        else:
+            raw = True
     return dataclasses.replace(d, input_embedding_scale=d.input_embedding_scale / family_embedding_scale(target_cfg),
-                               final_logit_softcapping=cap)
+                               final_logit_softcapping=cap, raw_head=raw)

@@ -30,9 +30,11 @@ import jax
 import jax.numpy as jnp
 
 from dflash_jax.drafter import config as drafter_config
+from dflash_jax.drafter import dflash2 as dflash2_drafter
 from dflash_jax.drafter import generic as dflash_drafter
 from dflash_jax.drafter import knobs as drafter_knobs
 from dflash_jax.drafter import laguna as laguna_drafter
+from dflash_jax.drafter import selector as candidate_selector
 from dflash_jax.drafter.config import DrafterConfig
 from dflash_jax.errors import DFlashError
 from dflash_jax.families import hf_config as family_config
@@ -74,12 +76,12 @@ DRAFTER_KINDS: tuple[DrafterKind, ...] = (
     DrafterKind(architecture=drafter_config.LAGUNA_DRAFTER, parse_hf=drafter_config.laguna_drafter_config_from_hf, model=laguna_drafter,
                 load_hf=laguna_drafter.load_laguna_drafter_safetensors, gguf_architectures=("dflash-draft", "dflash"),
                 load_gguf=laguna_drafter.load_laguna_drafter_gguf),
+    DrafterKind(architecture=drafter_config.DFLASH2_DRAFTER, parse_hf=dflash2_drafter.dflash2_drafter_config_from_hf, model=dflash2_drafter,
+                load_hf=dflash2_drafter.load_dflash2_drafter_weights, per_layer=True),
 )
 
-# recognised and refused by name, with the reason
-REFUSED_DRAFTERS = {
-    "DFlash2DraftModel": "DFlash 2 drafters (grouped dynamic convolutions and a candidate selector) are not supported",
-}
+# recognised and refused by name, with the reason (none at present)
+REFUSED_DRAFTERS: dict[str, str] = {}
 
 
 def drafter_kind(architecture: str) -> DrafterKind:
@@ -100,8 +102,7 @@ def drafter_config_from_hf(cfg: Mapping[str, Any], source: str = "config.json"):
     kind its ``architectures`` names.
 
     Raises:
-      DFlashError: an unsupported architecture (DFlash 2 refused by name) or whatever the kind's
-        parser finds (``source`` and the field named).
+      DFlashError: an unsupported architecture or whatever the kind's parser finds (``source`` and the field named).
     """
     archs = list(cfg.get("architectures") or [])
     for arch in archs:
@@ -138,7 +139,7 @@ def load_hf_drafter(folder: str | os.PathLike, target_cfg=None, dtype: str = "fl
     cfg = drafter_config_from_hf(family_config.read_json(config_path), config_path).with_dtype(target.name)
     if target_cfg is not None:
         drafter_config.check_drafter_fits(cfg, target_cfg, source=config_path)
-        if cfg.architecture == drafter_config.DFLASH_DRAFTER:  # z-lab's Gemma knobs, restated against the family
+        if cfg.architecture in (drafter_config.DFLASH_DRAFTER, drafter_config.DFLASH2_DRAFTER):  # z-lab's knobs, against the family
             cfg = drafter_knobs.knobs_through_family(cfg, target_cfg, config_path)
     return drafter_kind(cfg.architecture).load_hf(folder, cfg, target)
 
@@ -269,7 +270,16 @@ def logits(params: dict, cfg: DrafterConfig, family: FamilyModel, target_params:
     """
     if cfg.draft_vocab_size:
         return head_logits(cfg, family, target_cfg, hidden, params["draft_head"])
-    return _finish_logits(cfg, family.lm_head(target_params, target_cfg, hidden))
+    return _finish_logits(cfg, family.lm_head(target_params, _head_cfg(cfg, target_cfg), hidden))
+
+
+def _head_cfg(cfg: DrafterConfig, target_cfg):
+    """The target config the drafter's head runs under: with ``cfg.raw_head``, the family's
+    logit soft-cap off (z-lab's ``compute_logits`` reads the raw head;
+    :func:`dflash_jax.drafter.knobs.knobs_through_family`)."""
+    if cfg.raw_head and getattr(target_cfg, "final_logit_softcapping", 0.0):
+        return dataclasses.replace(target_cfg, final_logit_softcapping=0.0)
+    return target_cfg
 
 
 def head_logits(cfg: DrafterConfig, family: FamilyModel, target_cfg, hidden: jnp.ndarray, head: jnp.ndarray) -> jnp.ndarray:
@@ -279,7 +289,7 @@ def head_logits(cfg: DrafterConfig, family: FamilyModel, target_cfg, hidden: jnp
     so that any family soft-cap applies to these columns as to the full head's; then the drafter's
     ``output_multiplier`` and soft-cap."""
     head_only = {"lm_head": head.astype(hidden.dtype)}
-    return _finish_logits(cfg, family.lm_head(head_only, target_cfg, hidden))
+    return _finish_logits(cfg, family.lm_head(head_only, _head_cfg(cfg, target_cfg), hidden))
 
 
 def draft_token_ids(params: dict, cfg: DrafterConfig, index: jnp.ndarray) -> jnp.ndarray:
@@ -294,3 +304,29 @@ def _finish_logits(cfg: DrafterConfig, out: jnp.ndarray) -> jnp.ndarray:
         cap = cfg.final_logit_softcapping
         out = jnp.tanh(out / cap) * cap
     return out
+
+
+def has_selector(cfg: DrafterConfig) -> bool:
+    """Whether the drafter picks its drafts with a candidate selector (DFlash2,
+    :mod:`dflash_jax.drafter.selector`) rather than the argmax / a sample of its logits."""
+    return cfg.selector_top_k > 0
+
+
+def selector_inputs(params: dict, cfg: DrafterConfig, hidden: jnp.ndarray, logits: jnp.ndarray):
+    """The selector's :class:`~dflash_jax.drafter.selector.SelectorInputs` of a draft pass: the
+    top ``selector_top_k`` of ``logits [B, n, V']`` (mapped to target ids through a draft
+    vocabulary) and ``hidden [B, n, H]`` (the final-normed hidden states of the draft slots)."""
+    ids = params["draft_ids"] if cfg.draft_vocab_size else None
+    return candidate_selector.inputs(params["selector"], min(cfg.selector_top_k, logits.shape[-1]), hidden, logits, ids)
+
+
+def select(params: dict, cfg: DrafterConfig, x, anchor: jnp.ndarray, temperature=None, uniforms=None):
+    """The selector's path and its distributions: :func:`dflash_jax.drafter.selector.select` with
+    the drafter's selector params; ``(path [B, n] int32, q [B, n, k] float32)``."""
+    return candidate_selector.select(params["selector"], x, anchor, temperature, uniforms)
+
+
+def selector_scores(params: dict, x, slot, predecessor: jnp.ndarray) -> jnp.ndarray:
+    """``[B, k]`` float32 pairwise scores of a slot's candidates after ``predecessor [B]``
+    (:func:`dflash_jax.drafter.selector.scores`)."""
+    return candidate_selector.scores(params["selector"], x, slot, predecessor)
