@@ -222,7 +222,6 @@ def test_same_tokens_and_verify_steps_as_zlab_dflash_generate(target, tmp_path):
     assert got == want == free and lengths == accepted
     argmax_only = (d[0].__class__(**{**d[0].__dict__, "selector_top_k": 1}), d[1])
     got1, lengths1 = _ours_steps(t_cfg, t_params, prompt, n, argmax_only)
-    print("dflash2 accepted", accepted, "argmax only", lengths1)
     assert got1 == free and len(lengths1) > len(lengths), "the selector should decide which drafts are accepted"
 
 

@@ -145,11 +145,16 @@ def test_same_tokens_and_verify_steps_as_zlab_dflash_generate(case, tmp_path):
     _draft_logits_match_zlab(zlab, draft, model, cfg, params, d_cfg, d_params, prompt[:5])
     got, steps = ours_greedy(cfg, params, prompt, n, 4, (d_cfg, d_params))
     assert got == want == free and steps == len(accepted)
+    # final_logit_softcapping unset: z-lab drafts through the raw head (no cap); so do we
     dc.dflash_config = dict(dc.dflash_config, final_logit_softcapping=None)
     draft.config = dc
     draft.save_pretrained(tmp_path, safe_serialization=True)
-    with pytest.raises(DFlashError, match="field dflash_config.final_logit_softcapping"):
-        load_hf_drafter(tmp_path, cfg)
+    want, accepted = zlab_generate(zlab, draft, model, prompt, n, block_size=4)
+    d_cfg, d_params = load_hf_drafter(tmp_path, cfg)
+    assert d_cfg.raw_head and d_cfg.final_logit_softcapping == 0.0
+    _draft_logits_match_zlab(zlab, draft, model, cfg, params, d_cfg, d_params, prompt[:5])
+    got, steps = ours_greedy(cfg, params, prompt, n, 4, (d_cfg, d_params))
+    assert got == want == free and steps == len(accepted)
 
 
 SHARED = dict(CONF, num_kv_shared_layers=2, use_double_wide_mlp=True, hidden_size_per_layer_input=0, tie_word_embeddings=False,

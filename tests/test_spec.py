@@ -291,7 +291,7 @@ def test_bug_config_schema_refuses_what_it_cannot_run(target):
         "dflash_config": {"mask_token_id": 127, "target_layer_ids": [0, 2], "block_size": 4},
     }
     assert drafter_config_from_hf(base).target_layer_ids == (0, 2)
-    with pytest.raises(DFlashError, match="DFlash2DraftModel"):
+    with pytest.raises(DFlashError, match="field dflash_config.conv_kernel_size"):  # a DFlash2 drafter without its fields
         drafter_config_from_hf(dict(base, architectures=["DFlash2DraftModel"]))
     for field in ("mask_token_id", "target_layer_ids", "block_size"):
         broken = dict(base, dflash_config={k: v for k, v in base["dflash_config"].items() if k != field})
