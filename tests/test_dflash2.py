@@ -237,3 +237,96 @@ def _ours_steps(t_cfg, t_params, prompt, n, d):
         st = decode.decode_step(params, st, static)
         lengths.append(int(st.length[0]) - before)
     return [int(t) for t in np.asarray(st.tokens[0, len(prompt): int(st.length[0])])], lengths
+
+
+TINY2 = dict(architecture="DFlash2DraftModel", conv_kernel_size=2, conv_group_size=16, selector_rank=8, selector_top_k=5)
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    from dflash_jax.testing import tiny_drafter, tiny_target
+
+    cfg, params = tiny_target("llama", seed=3, scale=0.5, vocab_size=12)
+    return (cfg, params), tiny_drafter(cfg, seed=2, block_size=5, layer_ids=(0, 2), scale=0.5, **TINY2)
+
+
+def _run(target, d, prompts, n, sampling=None, mode="argmax", tree=None, n_max=None, seed=7):
+    from dflash_jax.decode import loop as decode
+    from test_spec import auto_policy
+    from dflash_jax.decode.sampling import SamplingConfig
+
+    (cfg, params), (dcfg, dparams) = target, d if d is not None else (None, None)
+    static, weights = Decoding(cfg, dcfg, mode, n_max, tree=tree), Params(params, dparams)
+    if n_max == "auto":
+        weights = weights._replace(depth=auto_policy(static.depth))
+    st = decode.init_state(static, prompts, 48, n, seed=seed, sampling=sampling or SamplingConfig())
+    st = decode.decode_loop(weights, decode.prefill(weights, st, static, 4), static)
+    return [np.asarray(st.tokens[b, len(p): int(st.length[b])]).tolist() for b, p in enumerate(prompts)], st
+
+
+PROMPTS = [[3, 7, 4, 8, 1], [5, 9, 2]]
+
+
+def test_seeded_sampled_answer_is_independent_of_the_drafter(tiny):
+    """A seeded sampled answer is the target's sample with the row's key: the same with a DFlash2
+    drafter drafting from its selector's q (coupled by the positions' uniforms), with its greedy
+    path, and without a drafter; some drafts are accepted."""
+    from dflash_jax.decode.sampling import SamplingConfig
+
+    target, d = tiny
+    s = SamplingConfig(0.9, top_k=6)
+    prompts = PROMPTS + [PROMPTS[0]] * 4  # each row its own key
+    plain, _ = _run(target, None, prompts, 16, s)
+    sampled, st = _run(target, d, prompts, 16, s, mode="sample")
+    greedy_path, _ = _run(target, d, prompts, 16, s)
+    assert sampled == plain == greedy_path
+    assert int(np.asarray(st.speculative.accepted).sum()) > 0
+
+
+def test_trees_and_auto_width_with_dflash2_equal_plain_greedy(tiny):
+    """Greedy chains, best-first trees ranked by the selector's pairwise scores and the adaptive
+    width all give plain greedy decoding's tokens with a DFlash2 drafter."""
+    target, d = tiny
+    plain, _ = _run(target, None, PROMPTS, 20)
+    chain, _ = _run(target, d, PROMPTS, 20)
+    tree, _ = _run(target, d, PROMPTS, 20, tree=7)
+    auto, _ = _run(target, d, PROMPTS, 20, n_max="auto")
+    assert chain == tree == auto == plain
+    from dflash_jax.decode.auto.costs import CostModel
+    from test_tree import run_auto_tree
+
+    chooses = CostModel(step_cost=((1.3, 1.6),), plain_cost=(1.0,), widths=(3, 7))
+    st = run_auto_tree(target, d, PROMPTS, 20, chooses)
+    assert [np.asarray(st.tokens[b, len(p): int(st.length[b])]).tolist() for b, p in enumerate(PROMPTS)] == plain
+
+
+def test_tree_ranks_children_by_the_selector(tiny):
+    """The tree's root children are the first slot's candidates in the selector's order after the
+    anchor, and its deepest first-child chain is the selector's greedy path."""
+    from dflash_jax.decode import loop as decode
+    from dflash_jax.decode.step import draft_pass
+    from dflash_jax.decode.tree import build_tree, tree_inputs, tree_of
+
+    (cfg, params), (dcfg, dparams) = tiny
+    static, weights = Decoding(cfg, dcfg, tree=12), Params(params, dparams)
+    st = decode.prefill(weights, decode.init_state(static, PROMPTS, 48, 8), static, 4)
+    lg, _, hidden, anchor = draft_pass(weights, st, static)
+    x = drafter.selector_inputs(dparams, dcfg, hidden, lg)
+    path, _ = drafter.select(dparams, dcfg, x, anchor)
+    tree, _ = tree_of(weights, static, *tree_inputs(weights, st, static))
+    tokens, parent, rank = (np.asarray(a) for a in (tree.tokens, tree.parent, tree.rank))
+    for b in range(len(PROMPTS)):
+        first = [i for i in range(12) if rank[b, i] == 0]
+        node, walk = -1, []
+        while True:  # follow each node's first child from the anchor
+            nxt = [i for i in first if parent[b, i] == node + 1]
+            if not nxt:
+                break
+            node = nxt[0]
+            walk.append(int(tokens[b, node]))
+        assert walk and walk == np.asarray(path)[b, : len(walk)].tolist()
+        root = [int(tokens[b, i]) for i in range(12) if parent[b, i] == 0]
+        scores = np.asarray(drafter.selector_scores(dparams, x, 0, anchor))[b]
+        want = np.asarray(x.candidates)[b, 0][np.argsort(-scores)].tolist()
+        assert root == want[: len(root)]
+    assert np.asarray(build_tree(lg, 12)[1].rank).shape == (2, 12)

@@ -393,15 +393,20 @@ def _chi2_threshold(df, z=3.29):  # Wilson-Hilferty, upper 0.9995 quantile
     return df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
 
 
-@pytest.mark.parametrize("mode,sampling,n_max", [("argmax", SamplingConfig(1.0), None), ("sample", SamplingConfig(1.0), None),
-                                                  ("sample", SamplingConfig(0.8, top_k=5), None), ("sample", SamplingConfig(1.0), "auto")])
-def test_sampled_tokens_follow_target_distribution(mode, sampling, n_max):
+DFLASH2 = dict(architecture="DFlash2DraftModel", conv_kernel_size=2, conv_group_size=16, selector_rank=8, selector_top_k=4)
+
+
+@pytest.mark.parametrize("mode,sampling,n_max,kind", [("argmax", SamplingConfig(1.0), None, {}), ("sample", SamplingConfig(1.0), None, {}),
+                                                       ("sample", SamplingConfig(0.8, top_k=5), None, {}), ("sample", SamplingConfig(1.0), "auto", {}),
+                                                       ("sample", SamplingConfig(1.0), None, DFLASH2), ("argmax", SamplingConfig(0.8, top_p=0.9), None, DFLASH2)])
+def test_sampled_tokens_follow_target_distribution(mode, sampling, n_max, kind):
     """Chi-square of (t1, t2, t3) over many independent rows against the exact enumerated target
     distribution, on an 8-token vocabulary (two of three tokens come from a verify step). With
     ``n_max="auto"`` the first step verifies the width its policy chooses (holding both drafts that fit) and,
-    as that propose does not pay, the rows that need a third token get it from a plain step."""
+    as that propose does not pay, the rows that need a third token get it from a plain step. ``kind``: a
+    DFlash2 drafter (its selector's drafts, sampled from its q over 4 candidates, or its greedy path)."""
     cfg, params = tiny_target("llama", seed=11, vocab_size=8, scale=0.5)
-    d = tiny_drafter(cfg, seed=1, block_size=4, layer_ids=(0, 2), scale=0.5)
+    d = tiny_drafter(cfg, seed=1, block_size=4, layer_ids=(0, 2), scale=0.5, **kind)
     prompt = [1, 5, 2]
     n = 6000
     st = run_spec((cfg, params), d, [prompt] * n, 3, chunk=4, max_len=8, sampling=sampling, seed=123, mode=mode, n_max=n_max)

@@ -31,7 +31,7 @@ from dflash_jax.nn.attention import TreeBlock
 from dflash_jax.families.registry import module_for
 from dflash_jax.decode.sampling import sample_at, top2_gap
 from dflash_jax.decode.step import block_capture
-from dflash_jax.decode.step import block_positions, draft_logits, top_confidence
+from dflash_jax.decode.step import block_positions, draft_pass, top_confidence
 from dflash_jax.decode.step import Verdict
 from dflash_jax.decode.state import DecodeState
 
@@ -72,21 +72,33 @@ class DraftTree(NamedTuple):
         return TreeBlock(depth=jnp.pad(self.depth, ((0, 0), (1, 0))), mask=self.mask)
 
 
-def build_tree(logits: jnp.ndarray, nodes: int) -> tuple[jnp.ndarray, DraftTree]:
+def build_tree(logits: jnp.ndarray, nodes: int, children_of=None, anchor: jnp.ndarray | None = None) -> tuple[jnp.ndarray, DraftTree]:
     """The best-first tree of ``nodes`` candidates over per-slot drafter logits (module docstring).
 
     Args:
       logits: ``[B, n, V']`` float32 the drafter's logits at its ``n`` draft slots.
       nodes: static node budget ``N`` (the anchor not counted).
+      children_of: ``(slot [B] int32, token [B] int32) -> (lp [B, k], ix [B, k])``: the ranked
+        children (log-probabilities best first, their ids) of a node holding ``token`` whose children
+        sit at draft slot ``slot``; ``None``: the drafter's own top ``min(N, V')`` per slot, the same
+        for every node of a slot (a DFlash2 selector ranks each node's children after its token:
+        :func:`tree_of`).
+      anchor: ``[B]`` int32 the root's token (read by ``children_of`` only).
     Returns:
-      ``(index [B, N] int32, tree)``: each node's column of ``logits`` (its draft-vocabulary id;
-      ``tree.tokens`` is left zero for the caller to map) and the :class:`DraftTree`.
+      ``(index [B, N] int32, tree)``: each node's id as ``children_of`` gives it (without it, its
+      column of ``logits``: its draft-vocabulary id; ``tree.tokens`` is left zero for the caller to
+      map) and the :class:`DraftTree`.
     """
     b, n, v = logits.shape
-    k = min(nodes, v)
-    top_lp, top_ix = jax.lax.top_k(jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1), k)  # [B, n, k]
-    m = nodes + 1
     rows = jnp.arange(b)
+    if children_of is None:
+        top_lp, top_ix = jax.lax.top_k(jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1), min(nodes, v))  # [B, n, k]
+        children_of = lambda slot, tok: (top_lp[rows, slot], top_ix[rows, slot])  # noqa: E731
+    m = nodes + 1
+    lp0, ix0 = children_of(jnp.zeros((b,), jnp.int32), jnp.zeros((b,), jnp.int32) if anchor is None else anchor)
+    k = lp0.shape[-1]
+    child_lp = jnp.zeros((b, m, k), jnp.float32).at[:, 0].set(lp0)  # each node's ranked children
+    child_ix = jnp.zeros((b, m, k), jnp.int32).at[:, 0].set(ix0)
     depth = jnp.zeros((b, m), jnp.int32)
     score = jnp.zeros((b, m), jnp.float32)
     children = jnp.zeros((b, m), jnp.int32)
@@ -98,21 +110,26 @@ def build_tree(logits: jnp.ndarray, nodes: int) -> tuple[jnp.ndarray, DraftTree]
     mask = jnp.zeros((b, m, m), bool).at[:, 0, 0].set(True)
     for s in range(1, m):  # N small static steps; each adds the best frontier child
         open_ = alive & (depth < n) & (children < k)
-        d = jnp.minimum(depth, n - 1)
         r = jnp.minimum(children, k - 1)
-        cand = jnp.where(open_, score + top_lp[rows[:, None], d, r], -jnp.inf)  # [B, m]
+        lp_next = jnp.take_along_axis(child_lp, r[:, :, None], axis=2)[:, :, 0]  # [B, m] each node's next child
+        cand = jnp.where(open_, score + lp_next, -jnp.inf)
         u = jnp.argmax(cand, axis=1)
         ok = jnp.isfinite(cand[rows, u])
-        du, ru = d[rows, u], r[rows, u]
-        depth = depth.at[:, s].set(depth[rows, u] + 1)
+        ru = r[rows, u]
+        tok = child_ix[rows, u, ru]
+        du = depth[rows, u] + 1
+        depth = depth.at[:, s].set(du)
         score = score.at[:, s].set(cand[rows, u])
         parent = parent.at[:, s].set(u.astype(jnp.int32))
-        index = index.at[:, s].set(top_ix[rows, du, ru])
+        index = index.at[:, s].set(tok)
         rank = rank.at[:, s].set(ru)
-        prob = prob.at[:, s].set(jnp.exp(top_lp[rows, du, ru]))
+        prob = prob.at[:, s].set(jnp.exp(child_lp[rows, u, ru]))
         alive = alive.at[:, s].set(ok)
         children = children.at[rows, u].add(ok.astype(jnp.int32))
         mask = mask.at[:, s].set(mask[rows, u] | (jnp.arange(m) == s)[None, :])
+        if s < m - 1:  # the new node's own ranked children (at the slot after its own; unused at depth n)
+            lp_s, ix_s = children_of(jnp.minimum(du, n - 1), tok)
+            child_lp, child_ix = child_lp.at[:, s].set(lp_s), child_ix.at[:, s].set(ix_s)
     tree = DraftTree(tokens=jnp.zeros((b, nodes), jnp.int32), parent=parent[:, 1:], depth=depth[:, 1:],
                      alive=alive[:, 1:], mask=mask, prob=prob[:, 1:], rank=rank[:, 1:])
     return index[:, 1:], tree
@@ -154,13 +171,35 @@ def propose_tree_fn(params: Params, state: DecodeState, static: Decoding) -> tup
       float32 the top probability at each slot (as :func:`~dflash_jax.decode.step.propose_fn`
       reports it).
     """
-    return tree_of(params, static, draft_logits(params, state, static)[0])
+    return tree_of(params, static, *tree_inputs(params, state, static))
 
 
-def tree_of(params: Params, static: Decoding, logits: jnp.ndarray) -> tuple[DraftTree, jnp.ndarray]:
-    """:func:`propose_tree_fn` after the drafter's pass, from its ``logits [B, n, V']``. (The
+def tree_inputs(params: Params, state: DecodeState, static: Decoding) -> tuple:
+    """What :func:`tree_of` reads of the drafter's pass: ``(logits,)``, and for a DFlash2 drafter
+    also the mask slots' hidden states and the anchors (its selector ranks the children)."""
+    lg, _, hidden, anchor = draft_pass(params, state, static)
+    return (lg, hidden, anchor) if drafter.has_selector(static.drafter) else (lg,)
+
+
+def tree_of(params: Params, static: Decoding, logits: jnp.ndarray, hidden=None, anchor=None) -> tuple[DraftTree, jnp.ndarray]:
+    """:func:`propose_tree_fn` after the drafter's pass, from :func:`tree_inputs`. (The
     adaptive step runs the pass under a conditional and builds the tree outside it: the tree's
-    many small updates cost about 3 ms more per step inside an XLA:CPU conditional.)"""
+    many small updates cost about 3 ms more per step inside an XLA:CPU conditional.)
+
+    A DFlash2 drafter's tree ranks each node's children by its selector's pairwise scores after the
+    node's token (``log_softmax`` over the ``selector_top_k`` candidates of the next slot; the
+    root's after the anchor), so the tree's first path is the selector's greedy path."""
+    if hidden is not None:
+        x = drafter.selector_inputs(params.drafter, static.drafter, hidden, logits)
+        rows = jnp.arange(logits.shape[0])
+
+        def children_of(slot, tok):
+            lp = jax.nn.log_softmax(drafter.selector_scores(params.drafter, x, slot, tok), axis=-1)
+            lp, order = jax.lax.top_k(lp, lp.shape[-1])
+            return lp, jnp.take_along_axis(x.candidates[rows, slot], order, axis=-1)
+
+        tokens, tree = build_tree(logits, static.tree, children_of, anchor)
+        return tree._replace(tokens=tokens), top_confidence(logits)
     index, tree = build_tree(logits, static.tree)
     return tree._replace(tokens=drafter.draft_token_ids(params.drafter, static.drafter, index)), top_confidence(logits)
 

@@ -17,8 +17,8 @@ import jax.numpy as jnp
 from dflash_jax.decode.state import Decoding, Params, check_depth_policy, check_step_inputs
 from dflash_jax.decode.auto import policy as depth
 from dflash_jax.decode.step import commit_block, count_width
-from dflash_jax.decode.step import block_positions, draft_logits, propose_fn
-from dflash_jax.decode.tree import tree_of, verify_tree_fn
+from dflash_jax.decode.step import block_positions, propose_fn
+from dflash_jax.decode.tree import tree_inputs, tree_of, verify_tree_fn
 from dflash_jax.decode.step import verify_fn
 from dflash_jax.decode.state import DecodeState
 
@@ -29,14 +29,14 @@ def step_fn(params: Params, state: DecodeState, static: Decoding) -> DecodeState
     plain = state.speculative.plain_left > 0
 
     def draft(_):  # a tree's drafter pass only: the tree is built outside the conditional (tree.tree_of)
-        return draft_logits(params, state, static)[0] if static.tree else propose_fn(params, state, static)
+        return tree_inputs(params, state, static) if static.tree else propose_fn(params, state, static)
 
     def skip(_):  # zeros of the propose's shapes: a plain step verifies the anchor alone
         return jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), jax.eval_shape(draft, None))
 
     drafted = jax.lax.cond(plain, skip, draft, None)
     if static.tree:
-        return verify_chosen_tree(params, state, static, *tree_of(params, static, drafted), plain)
+        return verify_chosen_tree(params, state, static, *tree_of(params, static, *drafted), plain)
     return verify_chosen(params, state, static, *drafted, plain)
 
 
