@@ -330,3 +330,27 @@ def test_tree_ranks_children_by_the_selector(tiny):
         want = np.asarray(x.candidates)[b, 0][np.argsort(-scores)].tolist()
         assert root == want[: len(root)]
     assert np.asarray(build_tree(lg, 12)[1].rank).shape == (2, 12)
+
+
+def _families():
+    from dflash_jax.families import registry
+
+    return registry.TARGET_FAMILIES
+
+
+@pytest.mark.parametrize("fam", _families(), ids=lambda f: f.name)
+def test_every_family_drafts_with_dflash2(fam):
+    """Every target family takes a DFlash2 drafter through the drafter API it gives a generic one
+    (embed, lm_head, captured features): greedy DFlash2 decoding equals plain greedy decoding."""
+    import jax
+
+    from dflash_jax.testing import tiny_drafter
+    from test_families import TINY_HF
+
+    cfg = fam.parse_hf(TINY_HF[fam.name], f"{fam.name}/config.json")
+    params = fam.model.init_params(cfg, jax.random.key(0), 0.3)
+    d = tiny_drafter(cfg, seed=1, block_size=4, layer_ids=(0, 1), **dict(TINY2, selector_top_k=3))
+    prompts = [[1, 5, 9, 3, 7], [2, 4]]
+    plain, _ = _run((cfg, params), None, prompts, 10)
+    spec, st = _run((cfg, params), d, prompts, 10)
+    assert spec == plain and int(np.asarray(st.speculative.verify_steps).max()) > 0
