@@ -20,6 +20,15 @@ that travels to a lent GPU) are replaced by random weights of their exact shapes
   MXFP4 as the loaders do) with a DFlash drafter of z-lab's Qwen3 layout (5 layers, block 16) at
   hidden 2880 with the target's attention heads (an assumed drafter shape: speed, not acceptance).
 
+- ``qwen3.8-27b``: a Qwen3.8-27B-shaped hybrid target (``Qwen3_5ForCausalLM``: Gated DeltaNet and
+  full attention 3:1, hidden 5120, 64 layers, 24 heads, 4 KV heads, head_dim 256, MLP 17408, vocab
+  248320, partial RoPE 0.25, theta 1e7: Qwen3.5-27B's published shape, assumed for Qwen3.8-27B;
+  the linear-attention heads, 16 key and 48 value heads of 128, are assumed too) with the
+  ``Qwen3.8-27B-DFlash2`` drafter as docs/specs/dflash.md 1.3 gives it (``DFlash2DraftModel``:
+  5 sliding layers, window 2048, hidden 5120, 32/8 heads of 128, block 8, ``conv_kernel_size`` 2,
+  ``conv_group_size`` 16, ``selector_rank`` 256, ``selector_top_k`` 16, captured layers
+  [5, 19, 33, 47, 61]; its MLP width 17408 and mask id 248070 assumed from Qwen3.6-27B-DFlash).
+
 ``TINY`` holds the same kinds at toy sizes for ``--dry-run`` on a CPU.
 """
 
@@ -53,6 +62,22 @@ def _dflash(hidden, inter, layers, heads, kv, head_dim, vocab, block, mask, ids,
             "num_hidden_layers": layers, "num_attention_heads": heads, "num_key_value_heads": kv, "head_dim": head_dim,
             "vocab_size": vocab, "rms_norm_eps": 1e-6, "rope_theta": theta, "num_target_layers": n_target,
             "block_size": block, "dflash_config": {"block_size": block, "mask_token_id": mask, "target_layer_ids": ids}}
+
+
+def _dflash2(hidden, inter, layers, heads, kv, head_dim, vocab, block, mask, ids, n_target, theta, window, conv, group, rank, top_k):
+    d = _dflash(hidden, inter, layers, heads, kv, head_dim, vocab, block, mask, ids, n_target, theta)
+    d.update(architectures=["DFlash2DraftModel"], layer_types=["sliding_attention"] * layers, sliding_window=window)
+    d["dflash_config"].update(conv_kernel_size=conv, conv_group_size=group, selector_rank=rank, selector_top_k=top_k)
+    return d
+
+
+def _qwen3_5(vocab, hidden, inter, layers, heads, kv, head_dim, lin_k, lin_v, lin_dim, theta=1e7):
+    return {"architectures": ["Qwen3_5ForCausalLM"], "model_type": "qwen3_5_text", "vocab_size": vocab, "hidden_size": hidden,
+            "intermediate_size": inter, "num_hidden_layers": layers, "num_attention_heads": heads, "num_key_value_heads": kv,
+            "head_dim": head_dim, "linear_conv_kernel_dim": 4, "linear_key_head_dim": lin_dim, "linear_value_head_dim": lin_dim,
+            "linear_num_key_heads": lin_k, "linear_num_value_heads": lin_v, "tie_word_embeddings": False, "rms_norm_eps": 1e-6,
+            "layer_types": ["full_attention" if i % 4 == 3 else "linear_attention" for i in range(layers)],
+            "rope_parameters": {"rope_type": "default", "rope_theta": theta, "partial_rotary_factor": 0.25}, "max_position_embeddings": 262144}
 
 
 def _laguna(hidden, layers, heads, kv, head_dim, experts, top_k, moe, window, vocab, inter):
@@ -107,6 +132,8 @@ REAL = {
                             lambda: _dflash(2048, 6144, 5, 32, 4, 128, 151936, 16, 151669, [1, 12, 23, 34, 45], 48, 1e7), 0),
     "gpt-oss-20b": (lambda: _gpt_oss(201088, 2880, 2880, 24, 64, 8, 64, 32, 4, 128),
                     lambda: _dflash(2880, 7680, 5, 64, 8, 64, 201088, 16, 200017, [1, 6, 11, 16, 21], 24, 150000.0), 0),
+    "qwen3.8-27b": (lambda: _qwen3_5(248320, 5120, 17408, 64, 24, 4, 256, 16, 48, 128),
+                    lambda: _dflash2(5120, 17408, 5, 32, 8, 128, 248320, 8, 248070, [5, 19, 33, 47, 61], 64, 1e7, 2048, 2, 16, 256, 16), 0),
 }
 TINY = {
     "smollm2-135m": (lambda: _llama(512, 64, 128, 4, 4, 2, 16, 100000.0, True),
@@ -119,6 +146,8 @@ TINY = {
                             lambda: _dflash(64, 96, 2, 4, 2, 16, 512, 8, 511, [0, 3], 4, 1e6), 0),
     "gpt-oss-20b": (lambda: _gpt_oss(512, 64, 32, 4, 4, 2, 16, 8, 2, 32, 16, 4096),
                     lambda: _dflash(64, 96, 2, 4, 2, 16, 512, 8, 511, [0, 3], 4, 150000.0), 0),
+    "qwen3.8-27b": (lambda: _qwen3_5(512, 64, 128, 4, 4, 2, 16, 2, 4, 8),
+                    lambda: _dflash2(64, 96, 2, 4, 2, 16, 512, 8, 511, [0, 3], 4, 1e7, 32, 2, 16, 16, 8), 0),
 }
 
 

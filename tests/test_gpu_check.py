@@ -39,7 +39,7 @@ def test_dry_run_measures_every_section(dry_run):
     out, res, stdout = dry_run
     runs = {(e["shape"], e["dtype"]): e for e in res["runs"]}
     assert set(runs) == {("qwen3-8b", "bfloat16"), ("laguna-xs-2.1", "bfloat16"), ("smollm2-135m", "float32"),
-                         ("qwen3-coder-30b-a3b", "bfloat16"), ("gpt-oss-20b", "bfloat16")}
+                         ("qwen3-coder-30b-a3b", "bfloat16"), ("gpt-oss-20b", "bfloat16"), ("qwen3.8-27b", "bfloat16")}
     assert all(not e.get("skipped") for e in runs.values()), [e.get("skipped") for e in runs.values()]
     qwen = runs[("qwen3-8b", "bfloat16")]
     assert [d["live"] for d in qwen["decode"]] == [64, 200]
@@ -153,3 +153,17 @@ def test_gpt_oss_20b_real_shapes():
     assert sorted(target) == ["embed", "lm_head", "norm", "seg0_0", "seg0_1"] and target["seg0_1"]["e_down"].shape == (12, 32, 2880, 2880)
     assert 20.85e9 < gpu_shapes.tree_bytes(target) / 2 < 20.95e9
     assert 3.55e9 < gpu_shapes.weight_bytes_per_token(target, cfg) / 2 < 3.65e9
+
+
+def test_qwen3_8_27b_dflash2_real_shapes():
+    """The Qwen3.8-27B shapes (assumed: Qwen3.5-27B's, :mod:`dflash_jax.shapes`) hold about 27B
+    target parameters in 64 hybrid layers, and its DFlash2 drafter the specs' layout: 5 sliding
+    layers, block 8, convolutions of 2 taps over groups of 16, a rank-256 selector over the top 16."""
+    cfg, dcfg = gpu_shapes.configs("qwen3.8-27b", "bfloat16")
+    assert cfg.num_hidden_layers == 64 and dcfg.architecture == "DFlash2DraftModel" and dcfg.target_layer_ids == (5, 19, 33, 47, 61)
+    assert (dcfg.block_size, dcfg.conv_kernel_size, dcfg.conv_group_size, dcfg.selector_rank, dcfg.selector_top_k) == (8, 2, 16, 256, 16)
+    assert dcfg.layer_window == (2048,) * 5 and all(dcfg.layer_causal)
+    target, drafter = jax.eval_shape(lambda: gpu_shapes.random_models(cfg, dcfg))
+    assert 25e9 < gpu_shapes.tree_bytes(target) / 2 < 29e9
+    assert drafter["layers"]["attn_conv_proj"].shape == (5, 5120, 2 * 2 * 320) and drafter["selector"]["pred"].shape == (248320, 256)
+    assert 1.7e9 < gpu_shapes.tree_bytes(drafter) / 2 < 2.0e9

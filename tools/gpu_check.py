@@ -8,9 +8,9 @@ On the device machine (the image has jax with the CUDA plugin; nothing is instal
     python tools/gpu_check.py --dry-run          # the same code, tiny shapes, on this CPU
     python tools/gpu_check.py --merge OUT/gpu_check.md   # put a fetched section into BENCHMARKS.md
 
-Measured, for targets shaped like SmolLM2-135M, Qwen3-8B, Laguna-XS-2.1, Qwen3-Coder-30B-A3B and
-gpt-oss-20b (:mod:`dflash_jax.shapes`; random weights: speed does not depend on their values) with drafters
-of their real shapes:
+Measured, for targets shaped like SmolLM2-135M, Qwen3-8B, Laguna-XS-2.1, Qwen3-Coder-30B-A3B,
+gpt-oss-20b and Qwen3.8-27B (:mod:`dflash_jax.shapes`; random weights: speed does not depend on their values) with drafters
+of their real shapes (Qwen3.8-27B's: the DFlash2 drafter, its convolutions and candidate selector):
 
 - decode step time (the on-device ``generate`` loop, batch 1) and the fraction of HBM bandwidth it
   reaches: bytes that must move per step (every weight once, only the chosen experts of a MoE, the
@@ -108,6 +108,7 @@ PLANS = {
                        Run("laguna-xs-2.1", "bfloat16", _LEN, (1, 16, 2, 4, 8), (0, 15, 1, 3, 7)),
                        Run("qwen3-coder-30b-a3b", "bfloat16", (1024, 2048), (1, 16, 4), (0, 15, 3)),
                        Run("gpt-oss-20b", "bfloat16", (1024, 2048), (1, 16, 4), (0, 15, 3)),
+                       Run("qwen3.8-27b", "bfloat16", (1024,), (1, 8), (0, 7, 3)),  # a DFlash2 drafter (block 8)
                        Run("qwen3-8b", "float32", (1024,)), Run("smollm2-135m", "float32", (1024,)),
                        Run("qwen3-8b", "bfloat16", widths=(12, 3, 6, 10, 14, 5, 7, 9, 11, 13, 15))),  # B = 1..16 if time is left
                  capacity=4096, steps=64, repeats=5, calls=20, chunk=512, copy_bytes=4 << 30,
@@ -116,7 +117,8 @@ PLANS = {
                         Run("smollm2-135m", "bfloat16", (1024, 1984), (1, 16), (0, 7, 3), trees=(7,)),
                         Run("laguna-xs-2.1", "bfloat16", (1024,), (1, 16), (0, 15)),
                         Run("qwen3-coder-30b-a3b", "bfloat16", (1024,), (1, 16), (0, 15)),
-                        Run("gpt-oss-20b", "bfloat16", (1024,), (1, 16), (0, 15)), Run("qwen3-8b", "float32", (1024,))),
+                        Run("gpt-oss-20b", "bfloat16", (1024,), (1, 16), (0, 15)), Run("qwen3-8b", "float32", (1024,)),
+                        Run("qwen3.8-27b", "bfloat16", (1024,), (1, 8), (0, 7))),
                   capacity=2048, steps=32, repeats=3, calls=10, chunk=512, copy_bytes=2 << 30,
                   oracle=(ORACLE_FILES, ORACLE_EXPR), oracle_s=60, budget_s=240),
     # every shape kind, both dtypes, every section and a fill-in run, at toy sizes; a budget that skips nothing
@@ -124,6 +126,7 @@ PLANS = {
                           Run("laguna-xs-2.1", "bfloat16", (64,), (1,), (7,), 64),
                           Run("qwen3-coder-30b-a3b", "bfloat16", (64,), (1,), (7,), 64),
                           Run("gpt-oss-20b", "bfloat16", (64,), (1,), (7,), 64),
+                          Run("qwen3.8-27b", "bfloat16", (64,), (1,), (3,), 64),
                           Run("smollm2-135m", "float32", (64,), (1,), (3,), 64, trees=(3,)), Run("qwen3-8b", "bfloat16", widths=(4,), context=64)),
                     capacity=256, steps=8, repeats=2, calls=3, chunk=32, copy_bytes=64 << 20,
                     oracle=(("tests/test_sampling.py",), "greedy_and_gap"), oracle_s=120, budget_s=900, tiny=True),
