@@ -18,7 +18,7 @@ from dflash_jax.drafter.model import load_hf_drafter  # noqa: E402
 from dflash_jax.errors import DFlashError  # noqa: E402
 from dflash_jax.families.dense.safetensors import load_hf_target  # noqa: E402
 from dflash_jax.families.registry import module_for  # noqa: E402
-from hf_oracle import hf_greedy, ours_greedy, rel_err, zlab_generate  # noqa: E402
+from hf_oracle import hf_greedy, rel_err, zlab_generate  # noqa: E402
 
 H, V, TARGET_LAYERS, TOL = 64, 96, 4, 1e-4
 DFLASH2 = {"conv_kernel_size": 3, "conv_group_size": 16, "selector_rank": 8, "selector_top_k": 6}
@@ -105,7 +105,7 @@ def _block_pass(ref, target, d_cfg, d_params, ctx_len=9, w=4):
 
 
 def test_config_and_tensors(target, pair):
-    ref, (cfg, params) = pair
+    _, (cfg, params) = pair
     assert cfg.architecture == "DFlash2DraftModel" and (cfg.conv_kernel_size, cfg.conv_group_size, cfg.selector_rank, cfg.selector_top_k) == (3, 16, 8, 6)
     assert params["layers"]["attn_conv_proj"].shape == (2, H, 2 * 3 * 4) and params["selector"]["pred"].shape == (V, 8)
 
@@ -124,6 +124,7 @@ def test_layers_logits_path_and_q_match_zlab(target, pair, monkeypatch):
     x = drafter.selector_inputs(params, cfg, got[:, 1:], logits)
     anchor = jnp.array([7], jnp.int32)
     path, q = drafter.select(params, cfg, x, anchor)
+    assert np.allclose(np.asarray(q).sum(-1), 1.0) and np.asarray(q).max(-1).min() == 1.0  # greedy: one-hot q
     with torch.no_grad():
         want_path, want_cand, _ = ref.propose(hid[:, 1:], torch.tensor([7]), t_model.lm_head, 0.0)
     assert np.asarray(path).tolist() == want_path.tolist()

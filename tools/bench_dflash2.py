@@ -26,6 +26,7 @@ import jax  # noqa: E402
 
 from benchlib import busy_seconds, machine  # noqa: E402
 from dflash_jax.decode.state import Decoding, Params  # noqa: E402
+from dflash_jax.decode.step import proposal_fn  # noqa: E402
 from dflash_jax.drafter import model as drafter  # noqa: E402
 from dflash_jax.drafter.config import DFLASH2_DRAFTER  # noqa: E402
 from dflash_jax.shapes import configs, random_models  # noqa: E402
@@ -71,16 +72,35 @@ def main(argv=None) -> int:
             r = g.run(states[k], args.accept, 1)
             times[k].append(1e3 * r["seconds"] / r["steps"])
     busy1, wall = busy_seconds(), time.perf_counter() - t0
-    base = statistics.median(times["DFlash"])
     load = None if busy0 is None else round((busy1 - busy0) / wall, 2)
     print(f"machine: {machine()}; busy CPUs during the timing (all processes, this one included): {load} over {wall:.0f} s")
     print(f"shape {args.shape} {args.dtype}, block {dcfg.block_size}, context {args.context}, accept {args.accept}, "
           f"conv {kernel}x{group}, selector rank {rank} top {top_k}, {args.rounds} alternating rounds of {args.steps} steps")
-    print("| drafter | step ms (median) | against DFlash |\n|---|---|---|")
+    print("| drafter | step ms (median) | min - max | against DFlash (median of per-round ratios) |\n|---|---|---|---|")
     for k, t in times.items():
-        m = statistics.median(t)
-        print(f"| {k} | {m:.2f} | {m / base:.3f}x |")
+        ratio = statistics.median(a / b for a, b in zip(t, times["DFlash"]))
+        print(f"| {k} | {statistics.median(t):.2f} | {min(t):.2f} - {max(t):.2f} | {ratio:.3f}x |")
+    propose_times(kinds, states, args.rounds * 3)
     return 0
+
+
+def propose_times(kinds: dict, states: dict, rounds: int) -> None:
+    """The drafter's part alone: the propose (draft pass, logits, the selector's walk) of each
+    chain kind from its prefilled state, alternating, ``rounds`` times; prints a table."""
+    fns = {k: jax.jit(lambda params, state, static=g.static: proposal_fn(params, state, static)[:2])
+           for k, g in kinds.items() if not g.static.tree}
+    times = {k: [] for k in fns}
+    for k, f in fns.items():
+        jax.block_until_ready(f(kinds[k].params, states[k]))
+    for _ in range(rounds):
+        for k, f in fns.items():
+            t0 = time.perf_counter()
+            jax.block_until_ready(f(kinds[k].params, states[k]))
+            times[k].append(1e3 * (time.perf_counter() - t0))
+    print(f"\npropose alone, {rounds} alternating calls\n| drafter | propose ms (median) | against DFlash (median of per-call ratios) |\n|---|---|---|")
+    for k, t in times.items():
+        ratio = statistics.median(a / b for a, b in zip(t, times["DFlash"]))
+        print(f"| {k} | {statistics.median(t):.2f} | {ratio:.3f}x |")
 
 
 if __name__ == "__main__":
