@@ -3,7 +3,9 @@
 **Kinds.** A :class:`DrafterKind` names a drafter ``architectures`` value, its config parser, its
 model module and its loaders; adding a kind is one entry in :data:`DRAFTER_KINDS`
 (:mod:`dflash_jax.drafter.generic` for z-lab ``DFlashDraftModel``, :mod:`dflash_jax.drafter.laguna`
-for ``DFlashLagunaForCausalLM``). Loading asks here (:func:`drafter_config_from_hf`,
+for ``DFlashLagunaForCausalLM``, :mod:`dflash_jax.drafter.dflash2` for ``DFlash2DraftModel``, whose
+candidate selector, :mod:`dflash_jax.drafter.selector`, is reached through :func:`has_selector`,
+:func:`selector_inputs`, :func:`select` and :func:`selector_scores`). Loading asks here (:func:`drafter_config_from_hf`,
 :func:`load_hf_drafter`, :func:`load_gguf_drafter`).
 
 **The model, as pure functions over a parameter pytree.** Captured target features are fused and
