@@ -285,14 +285,17 @@ def test_seeded_sampled_answer_is_independent_of_the_drafter(tiny):
 
 
 def test_trees_and_auto_width_with_dflash2_equal_plain_greedy(tiny):
-    """Greedy chains, best-first trees ranked by the selector's pairwise scores and the adaptive
-    width all give plain greedy decoding's tokens with a DFlash2 drafter."""
+    """Greedy chains (layers stacked or held per layer), best-first trees ranked by the selector's
+    pairwise scores and the adaptive width all give plain greedy decoding's tokens with a DFlash2 drafter."""
     target, d = tiny
     plain, _ = _run(target, None, PROMPTS, 20)
     chain, _ = _run(target, d, PROMPTS, 20)
     tree, _ = _run(target, d, PROMPTS, 20, tree=7)
     auto, _ = _run(target, d, PROMPTS, 20, n_max="auto")
-    assert chain == tree == auto == plain
+    from dflash_jax.nn.params import unstack_layers
+
+    per_layer, _ = _run(target, (d[0], unstack_layers(d[1])), PROMPTS, 20)  # the CPU inference layout
+    assert chain == tree == auto == per_layer == plain
     from dflash_jax.decode.auto.costs import CostModel
     from test_tree import run_auto_tree
 
