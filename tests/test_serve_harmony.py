@@ -107,7 +107,7 @@ def answer_through_server(tok, answer: str, tools) -> tuple[dict, dict]:
 
     async def both():
         engine = SimpleNamespace(wake=lambda: None)
-        reasoning, content, calls, done = await responses.collect(job(), options, asyncio.get_running_loop().create_future(), engine)
+        reasoning, content, calls, done, _ = await responses.collect(job(), options, asyncio.get_running_loop().create_future(), engine)
         whole = dict(reasoning=reasoning, content=content, calls=[c["function"] for c in calls],
                      finish=responses.chat_completion("m", reasoning, content, calls, done, bool(calls)).choices[0].finish_reason)
         streamed = dict(reasoning="", content="", calls=[], finish=None)

@@ -125,18 +125,20 @@ def build_app(engine: Engine, metrics: Metrics | None = None, api_key: str | Non
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         if body.stream:
             return EventSourceResponse(responses.chat_stream(job, options, model.name, include_usage, engine))
-        reasoning, content, calls, done = await responses.collect(job, options, _disconnect(request), engine)
-        return responses.chat_completion(model.name, reasoning, content, calls, done, bool(calls))
+        reasoning, content, calls, done, entries = await responses.collect(job, options, _disconnect(request), engine)
+        logprobs = responses.chat_logprobs(engine.tokenizer, entries, spec.logprobs)
+        return responses.chat_completion(model.name, reasoning, content, calls, done, bool(calls), logprobs)
 
     @app.post("/v1/completions", dependencies=auth)
     async def completions(body: CompletionRequest, request: Request):
-        spec = completion_job(model, body, engine.max_len)
+        spec, echo = completion_job(model, body, engine.max_len)
         job = Job(spec, asyncio.get_running_loop())
         _submit(engine, job, metrics)
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         if body.stream:
-            return EventSourceResponse(responses.completion_stream(job, model.name, include_usage, engine))
-        _, content, _, done = await responses.collect(job, None, _disconnect(request), engine)
-        return responses.text_completion(model.name, content, done)
+            return EventSourceResponse(responses.completion_stream(job, model.name, include_usage, engine, echo))
+        _, content, _, done, entries = await responses.collect(job, None, _disconnect(request), engine)
+        return responses.text_completion(model.name, echo + content, done,
+                                         responses.completion_logprobs(engine.tokenizer, entries, spec.logprobs, len(echo)))
 
     return app

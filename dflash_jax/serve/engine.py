@@ -36,6 +36,7 @@ from dflash_jax import progress
 from dflash_jax.errors import DFlashError
 from dflash_jax.serve.batch import Batch, Prefill, bucket
 from dflash_jax.serve.follow import Mirrored
+from dflash_jax.serve.logprobs import entries
 from dflash_jax.serve.jobs import MAX_STOPS, Done, Failed, Job, ServedModel, Text
 from dflash_jax.serve.pages import kv_layout
 from dflash_jax.serve.prefix_cache import PrefixCache
@@ -362,10 +363,11 @@ class Engine:
     def _deliver(self, readback) -> None:
         """Hands every running request its new tokens; finishes and frees ended rows."""
         tokens, length, finish = readback
+        lp = self._batch.read_logprobs() if self._static.logprobs is not None else None
         ended = []
         for r in [r for r in self._rows if r is not None]:
             try:
-                if self._feed(r, tokens[r.row, r.seen : length[r.row]]):
+                if self._feed(r, tokens[r.row, r.seen : length[r.row]], entries(tokens, lp, r.row, r.seen, int(length[r.row]))):
                     ended.append((r, self._done(r, "stop")))
                 elif finish[r.row] != RUNNING:
                     reason = FINISH_REASONS[int(finish[r.row])]
@@ -376,9 +378,9 @@ class Engine:
                 ended.append((r, Failed(f"{type(e).__name__}: {e}", 500)))
         self._end(ended)
 
-    def _feed(self, r: RunningRequest, new: np.ndarray) -> bool:
-        """Feeds ``new`` ids to the request's text stream; ``True`` when a stop text ended it
-        (a stop id ends the row on device, as EOS does)."""
+    def _feed(self, r: RunningRequest, new: np.ndarray, logprobs: list) -> bool:
+        """Feeds ``new`` ids (and their log-probability entries, when recorded) to the request's text
+        stream; ``True`` when a stop text ended it (a stop id ends the row on device, as EOS does)."""
         ids = [int(t) for t in new]
         if not ids:
             return False
@@ -388,7 +390,7 @@ class Engine:
                 self.metrics.ttft.observe(r.job.first_token_at - r.job.created)
         r.ids.extend(ids)
         text = r.stream.feed(ids)
-        r.job.post(Text(text, len(ids)))
+        r.job.post(Text(text, len(ids), logprobs if r.job.spec.logprobs is not None else []))
         return r.stream.stopped
 
     def _done(self, r: RunningRequest, reason: str, stats: bool = True) -> Done:

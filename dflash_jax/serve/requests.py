@@ -101,14 +101,13 @@ def _completion_prompt(model: ServedModel, req: CompletionRequest) -> list[int]:
 
 
 # OpenAI's fields whose effect this server does not have, each with the values that ask for none
-_NEUTRAL = {"logprobs": (None, False), "top_logprobs": (None, 0), "frequency_penalty": (None, 0), "presence_penalty": (None, 0),
-            "logit_bias": (None, {}), "response_format": (None, {"type": "text"}), "echo": (None, False), "best_of": (None, 1),
-            "suffix": (None, "")}
+_NEUTRAL = {"frequency_penalty": (None, 0), "presence_penalty": (None, 0), "logit_bias": (None, {}),
+            "response_format": (None, {"type": "text"}), "best_of": (None, 1), "suffix": (None, "")}
 
 
 def check_unsupported(req) -> None:
     """400 ``unsupported_parameter`` naming the first field of :data:`_NEUTRAL` the request sets to
-    something other than its neutral values (log-probabilities are not returned, no penalties...)."""
+    something other than its neutral values (no penalties, no logit bias...)."""
     for name, neutral in _NEUTRAL.items():
         value = getattr(req, name, None)
         if not any(value == n and isinstance(value, bool) == isinstance(n, bool) for n in neutral):
@@ -117,9 +116,22 @@ def check_unsupported(req) -> None:
                            name, "unsupported_parameter")
 
 
+def logprobs_asked(req) -> int | None:
+    """The alternatives per token a request's answer reports with its log-probabilities, or
+    ``None`` when it asks for none: chat's ``logprobs: true`` with ``top_logprobs`` (a
+    ``top_logprobs`` alone asks for them too), completions' ``logprobs: N``."""
+    if isinstance(req, CompletionRequest):
+        if req.logprobs is not None and req.echo:
+            raise APIError(400, "echo: true with logprobs is not supported by this server (expected echo false, or no logprobs: "
+                           "the prompt's log-probabilities are not computed)", "echo", "unsupported_parameter")
+        return req.logprobs
+    return (req.top_logprobs or 0) if (req.logprobs or req.top_logprobs) else None
+
+
 def _spec(model: ServedModel, req, prompt: list[int], max_tokens: int | None, max_len: int, prompt_field: str) -> JobSpec:
     """The checks both endpoints share, then the job."""
     check_unsupported(req)
+    logprobs = logprobs_asked(req)
     if req.n != 1:
         raise APIError(400, f"n: got {req.n} (expected 1: one choice per request)", "n", "invalid_value")
     if not prompt:
@@ -136,7 +148,7 @@ def _spec(model: ServedModel, req, prompt: list[int], max_tokens: int | None, ma
     if req.n_max is not None and model.drafter is None:
         raise APIError(400, "n_max: this server decodes without a drafter (expected no n_max)", "n_max", "invalid_value")
     try:
-        static = model.decoding(req.n_max)
+        static = model.decoding(req.n_max, logprobs=logprobs is not None)
     except DFlashError as e:
         raise from_dflash(e, "n_max") from e
     stops = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
@@ -147,7 +159,8 @@ def _spec(model: ServedModel, req, prompt: list[int], max_tokens: int | None, ma
     stop_ids, _ = split_stop(model.target.tokenizer, stops) if stops else ([], [])
     return JobSpec(prompt=tuple(prompt), max_new=room if max_tokens is None else max_tokens, static=static,
                    sampling=sampling, ignore_eos=req.ignore_eos, stop_texts=tuple(stops), stop_ids=tuple(stop_ids),
-                   seed=secrets.randbelow(2**63) if req.seed is None else req.seed)  # no seed: an answer of its own
+                   seed=secrets.randbelow(2**63) if req.seed is None else req.seed,  # no seed: an answer of its own
+                   logprobs=logprobs)
 
 
 def chat_job(model: ServedModel, req: ChatCompletionRequest, max_len: int) -> tuple[JobSpec, ChatOptions]:
@@ -159,7 +172,14 @@ def chat_job(model: ServedModel, req: ChatCompletionRequest, max_len: int) -> tu
     return dataclasses.replace(spec, special_tokens=options.harmony), options
 
 
-def completion_job(model: ServedModel, req: CompletionRequest, max_len: int) -> JobSpec:
-    """The job of a completion request."""
+def completion_job(model: ServedModel, req: CompletionRequest, max_len: int) -> tuple[JobSpec, str]:
+    """The job of a completion request, and the text its answer starts with (the prompt under
+    ``echo``, else ``""``)."""
     check_model(model, req.model)
-    return _spec(model, req, _completion_prompt(model, req), req.max_tokens, max_len, "prompt")
+    prompt = _completion_prompt(model, req)
+    spec = _spec(model, req, prompt, req.max_tokens, max_len, "prompt")
+    if not req.echo:
+        return spec, ""
+    p = req.prompt if not isinstance(req.prompt, list) or not req.prompt or not isinstance(req.prompt[0], str) else req.prompt[0]
+    tok = model.target.tokenizer
+    return spec, p if isinstance(p, str) else (tok.decode(prompt) if tok is not None else "")
