@@ -114,6 +114,10 @@ def _check(args) -> None:
         raise DFlashError("--kv-cache-mb", f"got {args.kv_cache_mb}", "a number of MiB > 0")
 
 
+DEFAULT_SHORT_NAME = "smollm2-135m-instruct"
+"""The name the embedded default model is served under (its file name is accepted too)."""
+
+
 def build_engine(args, channel=None):
     """Loads the model of the options and builds the engine (raises DFlashError for bad input)."""
     from dflash_jax.serve.engine import Engine
@@ -132,8 +136,11 @@ def build_engine(args, channel=None):
         except DFlashError as e:
             raise option_error(e) from e
         why += f"; n_max {static.n_max}" + (f" over a tree of {static.tree} node{'s' * (static.tree > 1)}" if static.tree else "")
-    model = ServedModel(target, drafter, name=args.served_model_name or Path(target.source).name, n_max=n_max, tree=args.tree,
-                        chat_template_kwargs=args.chat_template_kwargs)
+    file_name = Path(target.source).name
+    short = DEFAULT_SHORT_NAME if args.target is None else None  # the embedded default model
+    name = args.served_model_name or short or file_name
+    model = ServedModel(target, drafter, name=name, n_max=n_max, tree=args.tree, chat_template_kwargs=args.chat_template_kwargs,
+                        aliases=(file_name,) if short and not args.served_model_name else ())
     engine = Engine(model, max_batch=args.max_batch, max_len=args.max_len, max_queue=args.max_queue, chunk_size=args.chunk_size,
                     steps_per_round=args.steps_per_round, metrics=Metrics(), prefix_cache_bytes=int(args.prefix_cache_mb * 2**20),
                     channel=channel, kv_cache_bytes=None if args.kv_cache_mb is None else int(args.kv_cache_mb * 2**20),

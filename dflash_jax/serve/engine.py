@@ -167,6 +167,15 @@ class Engine:
         if self._thread.is_alive():
             self._thread.join(timeout + 60)
 
+    @property
+    def status(self) -> str:
+        """``"starting"`` (not started), ``"ready"``, ``"draining"`` (stopping) or ``"dead"``."""
+        if self.error is not None:
+            return "dead"
+        if self._stopping:
+            return "draining"
+        return "ready" if self.started else "starting"
+
     def counts(self) -> tuple[int, int]:
         """``(running requests, waiting requests)``."""
         return sum(r is not None for r in self._rows) + len(self._reserved), len(self._queue)

@@ -39,6 +39,7 @@ class ServedModel:
         :func:`~dflash_jax.arguments.drafter_decoding`.
       chat_template_kwargs: template variables every chat request gets (a request's own
         ``chat_template_kwargs`` override them).
+      aliases: other names clients may send for it (the embedded default model's file name).
     """
 
     target: Target
@@ -47,7 +48,13 @@ class ServedModel:
     n_max: int | str | None = None
     tree: int | None = None
     chat_template_kwargs: dict | None = None
+    aliases: tuple[str, ...] = ()
     _costs: dict = dataclasses.field(default_factory=dict, repr=False, compare=False)
+
+    @property
+    def names(self) -> list[str]:
+        """Every name the model is served under: :attr:`name` first, then :attr:`aliases`."""
+        return [self.name, *(a for a in self.aliases if a != self.name)]
 
     @property
     def params(self) -> Params:

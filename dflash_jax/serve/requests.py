@@ -32,14 +32,14 @@ class ChatOptions:
 
 
 def check_model(model: ServedModel, name: str) -> None:
-    """404 ``model_not_found`` unless ``name`` is the served model's name (never used as a path)."""
-    if name != model.name:
+    """404 ``model_not_found`` unless ``name`` is one of the served model's names (never used as a path)."""
+    if name not in model.names:
         raise APIError(404, f"model: {name!r} is not served here (expected {model.name!r})", "model", "model_not_found")
 
 
 def _message(m: ChatMessage) -> dict:
     """A request message as the chat template sees it (text parts joined, tool-call arguments as
-    objects, as Hugging Face templates expect)."""
+    objects, as Hugging Face templates expect; arguments that are not JSON stay the text sent)."""
     content = m.content if not isinstance(m.content, list) else "".join(p.text for p in m.content)
     out = {"role": "system" if m.role == "developer" else m.role, "content": content or ""}
     if m.name is not None:
@@ -51,9 +51,8 @@ def _message(m: ChatMessage) -> dict:
         for c in m.tool_calls:
             try:
                 args = json.loads(c.function.arguments)
-            except ValueError:
-                raise APIError(400, f"messages: tool call {c.function.name!r} has arguments that are not JSON "
-                               "(expected a JSON object as a string)", "messages", "invalid_value") from None
+            except ValueError:  # not JSON (a model's own malformed call sent back): the template gets the text as it was
+                args = c.function.arguments
             calls.append({"id": c.id, "type": "function", "function": {"name": c.function.name, "arguments": args}})
         out["tool_calls"] = calls
     return out
@@ -63,6 +62,10 @@ def _chat_prompt(model: ServedModel, req: ChatCompletionRequest) -> tuple[list[i
     tok = model.target.tokenizer
     if tok is None or tok.chat_template is None:
         raise APIError(400, "messages: this model has no chat template (expected /v1/completions with a prompt)", "messages", "invalid_value")
+    reserved = sorted(set(req.chat_template_kwargs or {}) & {"messages", "add_generation_prompt", "tools"})
+    if reserved:
+        raise APIError(400, f"chat_template_kwargs: {reserved[0]!r} is set by the server (expected other template variables)",
+                       "chat_template_kwargs", "invalid_value")
     kwargs = dict(model.chat_template_kwargs or {}, **(req.chat_template_kwargs or {}))
     tools = None
     if req.tools and req.tool_choice != "none":
@@ -140,9 +143,11 @@ def _spec(model: ServedModel, req, prompt: list[int], max_tokens: int | None, ma
         raise APIError(400, f"{prompt_field}: the prompt has {len(prompt)} tokens; this server's context is {max_len} tokens "
                        "(--max-len), leaving no room for an answer", prompt_field, "context_length_exceeded")
     room = max_len - len(prompt)
-    if max_tokens is not None and max_tokens > room:
-        raise APIError(400, f"max_tokens: {max_tokens} after a prompt of {len(prompt)} tokens exceeds this server's context of "
-                       f"{max_len} tokens (expected at most {room})", "max_tokens", "context_length_exceeded")
+    for name in ("max_tokens", "max_completion_tokens"):  # both bounded, whichever is used
+        value = getattr(req, name, None)
+        if value is not None and value > room:
+            raise APIError(400, f"{name}: {value} after a prompt of {len(prompt)} tokens exceeds this server's context of "
+                           f"{max_len} tokens (expected at most {room})", name, "context_length_exceeded")
     temperature = 1.0 if req.temperature is None else float(req.temperature)
     sampling = SamplingConfig(temperature=temperature, top_k=req.top_k or 0, top_p=1.0 if req.top_p is None else float(req.top_p))
     if req.n_max is not None and model.drafter is None:

@@ -1,0 +1,112 @@
+"""The server's contract: its OpenAPI document fuzzed by schemathesis (a tool no one here wrote,
+every check), and log-probabilities through the ``openai`` client equal to a plain server's.
+
+Oracles: schemathesis's checks against the server's own ``/openapi.json`` (a schema-valid request
+must be answered 2xx but for the one refusal a schema cannot state, tests/schemathesis_hooks.py;
+a schema-violating one 4xx; every answer must match its documented schema and status); a
+``--no-spec`` server of the same target for the log-probabilities (every committed token is the
+target's own choice, so they must agree within float32 noise).
+"""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import openai
+import pytest
+from conftest import SERVE_MAX_LEN
+from serve_util import raw, serve_in_thread
+
+HERE = Path(__file__).parent
+EXAMPLES = int(os.environ.get("DFLASH_SCHEMATHESIS_EXAMPLES", "25"))
+"""Examples per operation (the issue's bar, 100, with DFLASH_SCHEMATHESIS_EXAMPLES=100: about 25 s more)."""
+
+
+def test_schemathesis_finds_nothing_and_the_server_stays_healthy(serve_tiny, tmp_path):
+    pytest.importorskip("schemathesis")
+    url, _ = serve_tiny
+    exe = Path(sys.executable).with_name("schemathesis")
+    env = dict(os.environ, SCHEMATHESIS_HOOKS="schemathesis_hooks", PYTHONPATH=os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")]))
+    r = subprocess.run([str(exe), "--config-file", str(HERE / "fixtures" / "schemathesis.toml"), "run", url + "/openapi.json",
+                        "--checks", "all", "-n", str(EXAMPLES), "--seed", "50", "--no-color"],
+                       cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stdout[-6000:] + r.stderr[-3000:]
+    assert "5 selected" in r.stdout and "generated" in r.stdout
+    status, _, body = raw(url + "/health")
+    assert status == 200 and json.loads(body)["status"] == "ready"
+    c = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
+    assert c.completions.create(model="tiny", prompt=[1, 2, 3], max_tokens=3, temperature=0).choices[0].finish_reason == "length"
+
+
+def test_the_document_states_the_contract(serve_tiny):
+    url, _ = serve_tiny
+    doc = json.loads(raw(url + "/openapi.json")[2])
+    req = doc["components"]["schemas"]["ChatCompletionRequest"]["properties"]
+    assert req["model"]["enum"] == ["tiny"] and req["max_tokens"]["maximum"] == SERVE_MAX_LEN - 1
+    assert req["seed"]["maximum"] == 2**63 - 1 and "tools" not in req  # the tiny template takes no tools
+    post = doc["paths"]["/v1/chat/completions"]["post"]["responses"]
+    assert set(post) == {"200", "400", "404", "413", "429", "503"} and "text/event-stream" in post["200"]["content"]
+    assert post["400"]["content"]["application/json"]["schema"]["$ref"] == "#/components/schemas/Error"
+    assert list(doc["paths"]["/metrics"]["get"]["responses"]["200"]["content"]) == ["text/plain"]
+
+
+@pytest.fixture(scope="module")
+def plain_server(serve_tiny_model):
+    """A ``--no-spec`` server of the tiny target."""
+    from dflash_jax.serve.app import build_app
+    from dflash_jax.serve.engine import Engine
+    from dflash_jax.serve.jobs import ServedModel
+
+    engine = Engine(ServedModel(serve_tiny_model[1], None, name="tiny"), max_batch=2, max_len=SERVE_MAX_LEN)
+    url, stop = serve_in_thread(build_app(engine))
+    yield url
+    stop()
+
+
+def chat_logprobs(url, stream, **kw):
+    c = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=120)
+    args = dict(model="tiny", messages=[{"role": "user", "content": "Name a colour."}], max_tokens=16, logprobs=True, top_logprobs=3, **kw)
+    if stream:
+        chunks = list(c.chat.completions.create(stream=True, **args))
+        items = [t for ch in chunks if ch.choices and ch.choices[0].logprobs for t in ch.choices[0].logprobs.content]
+        text = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
+    else:
+        choice = c.chat.completions.create(**args).choices[0]
+        items, text = choice.logprobs.content, choice.message.content
+    return text, [(t.token, t.logprob, [(a.token, a.logprob) for a in t.top_logprobs]) for t in items]
+
+
+def close(a, b):
+    assert [t for t, _, _ in a] == [t for t, _, _ in b]
+    for (_, x, tx), (_, y, ty) in zip(a, b):
+        assert abs(x - y) < 1e-4 and [t for t, _ in tx] == [t for t, _ in ty]
+        assert all(abs(p - q) < 1e-4 for (_, p), (_, q) in zip(tx, ty))
+
+
+@pytest.mark.parametrize("sampling", [dict(temperature=0), dict(temperature=0.9, seed=11)])
+def test_dflash_logprobs_equal_a_plain_servers_streamed_and_whole(serve_tiny, plain_server, sampling):
+    url, _ = serve_tiny
+    text, whole = chat_logprobs(url, False, **sampling)
+    assert len(whole) == 16 and all(len(top) == 3 for _, _, top in whole)
+    assert all(top[0][1] >= lp - 1e-6 for _, lp, top in whole)  # the best alternative first
+    close(chat_logprobs(url, True, **sampling)[1], whole)
+    close(chat_logprobs(plain_server, False, **sampling)[1], whole)
+
+
+def test_completion_logprobs_and_echo(serve_tiny, plain_server):
+    url, _ = serve_tiny
+    outs = []
+    for u in (url, plain_server):
+        c = openai.OpenAI(base_url=u + "/v1", api_key="x", max_retries=0)
+        r = c.completions.create(model="tiny", prompt="abc", max_tokens=6, temperature=0, logprobs=2)
+        lp = r.choices[0].logprobs
+        assert len(lp.tokens) == 6 and len(lp.top_logprobs) == 6 and lp.text_offset[0] == 0
+        streamed = [t for ch in c.completions.create(model="tiny", prompt="abc", max_tokens=6, temperature=0, logprobs=2, stream=True)
+                    if ch.choices and ch.choices[0].logprobs for t in ch.choices[0].logprobs.token_logprobs]
+        assert streamed == pytest.approx(lp.token_logprobs, abs=1e-6)
+        echo = c.completions.create(model="tiny", prompt="abc", max_tokens=6, temperature=0, echo=True).choices[0].text
+        assert echo == "abc" + r.choices[0].text
+        outs.append(lp.token_logprobs)
+    assert outs[0] == pytest.approx(outs[1], abs=1e-4)
