@@ -128,7 +128,8 @@ def test_api_key_queue_full_and_engine_death(serve_tiny_model):
         assert out["error"]["code"] == "invalid_api_key"
         assert raw(url + "/v1/models", headers=key)[0] == 200 and raw(url + "/v1/models")[0] == 401
         assert raw(url + "/metrics")[0] == 401 and raw(url + "/metrics", headers=key)[0] == 200  # the key guards /metrics
-        assert raw(url + "/health")[0] == 200  # probes need none
+        status, _, body = raw(url + "/health")  # probes need no key; an engine not started is not ready yet
+        assert status == 503 and json.loads(body)["status"] == "starting"
         first = {}
         waiting = threading.Thread(target=lambda: first.update(r=post(url, CHAT, headers=key)))
         waiting.start()
@@ -178,9 +179,9 @@ def test_disconnect_while_waiting_for_a_whole_answer_frees_the_row(serve_tiny, m
     assert post(url, dict(request, max_tokens=8), "/v1/completions")[0] == 200
     real = engine._feed
 
-    def slow_feed(r, new):
+    def slow_feed(r, new, *rest):
         time.sleep(0.05)
-        return real(r, new)
+        return real(r, new, *rest)
 
     monkeypatch.setattr(engine, "_feed", slow_feed)
     cancelled, lengths = finished(url, "cancelled"), finished(url, "length")
@@ -206,10 +207,10 @@ def test_a_failing_request_fails_alone(serve_tiny, monkeypatch):
     url, engine = serve_tiny
     real = engine._feed
 
-    def feed(r, new):
+    def feed(r, new, *rest):
         if r.job.spec.prompt[0] == 77:
             raise ValueError("bad row")
-        return real(r, new)
+        return real(r, new, *rest)
 
     monkeypatch.setattr(engine, "_feed", feed)
     out = {}

@@ -88,8 +88,8 @@ def close(a, b):
 @pytest.mark.parametrize("sampling", [dict(temperature=0), dict(temperature=0.9, seed=11)])
 def test_dflash_logprobs_equal_a_plain_servers_streamed_and_whole(serve_tiny, plain_server, sampling):
     url, _ = serve_tiny
-    text, whole = chat_logprobs(url, False, **sampling)
-    assert len(whole) == 16 and all(len(top) == 3 for _, _, top in whole)
+    _, whole = chat_logprobs(url, False, **sampling)
+    assert 1 <= len(whole) <= 16 and all(len(top) == 3 for _, _, top in whole)
     assert all(top[0][1] >= lp - 1e-6 for _, lp, top in whole)  # the best alternative first
     close(chat_logprobs(url, True, **sampling)[1], whole)
     close(chat_logprobs(plain_server, False, **sampling)[1], whole)
@@ -110,3 +110,46 @@ def test_completion_logprobs_and_echo(serve_tiny, plain_server):
         assert echo == "abc" + r.choices[0].text
         outs.append(lp.token_logprobs)
     assert outs[0] == pytest.approx(outs[1], abs=1e-4)
+
+
+def test_a_bounded_warm_up_listens_early_and_readies_the_rest_before_use(serve_tiny_model):
+    """``--warm-up 1``: the server listens once batch size 1 is ready, says ``starting`` before
+    that, makes sizes 2 and 4 ready while idle, then a burst of 4 requests compiles nothing;
+    ``draining`` once it stops."""
+    import time
+    from concurrent.futures import ThreadPoolExecutor
+
+    from dflash_jax.errors import DFlashError
+    from dflash_jax.runtime.compiled import count_compilations
+    from dflash_jax.serve.app import build_app
+    from dflash_jax.serve.engine import Engine
+    from dflash_jax.serve.jobs import ServedModel
+    from dflash_jax.serve.warmup import parse_sizes
+
+    _, target, drafter = serve_tiny_model
+    model = ServedModel(target, drafter, name="tiny", aliases=("tiny.gguf",))
+    with pytest.raises(DFlashError, match="--warm-up"):
+        Engine(model, max_batch=4, max_len=SERVE_MAX_LEN, warm_sizes=[3])
+    assert parse_sizes("all") is None and parse_sizes("none") == [] and parse_sizes("2,1") == [1, 2]
+    engine = Engine(model, max_batch=4, max_len=SERVE_MAX_LEN, warm_sizes=parse_sizes("1"))
+    assert engine.status == "starting"
+    url, stop = serve_in_thread(build_app(engine))
+    try:
+        deadline = time.time() + 300
+        while engine._warm.cold():
+            assert time.time() < deadline
+            time.sleep(0.1)
+        status, _, body = raw(url + "/health")
+        assert status == 200 and json.loads(body)["status"] == "ready"
+        c = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=120)
+        assert [m.id for m in c.models.list().data] == ["tiny", "tiny.gguf"]
+
+        def ask(i):
+            return c.completions.create(model="tiny.gguf" if i % 2 else "tiny", prompt=[1, 2, i], max_tokens=4, temperature=0)
+
+        with count_compilations() as compiled, ThreadPoolExecutor(4) as pool:
+            answers = list(pool.map(ask, range(4)))
+        assert compiled() == 0 and all(a.choices[0].finish_reason == "length" for a in answers)
+    finally:
+        stop()
+    assert engine.status == "draining"

@@ -65,6 +65,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--shutdown-timeout", type=number, default=30.0, metavar="S",
                    help="seconds running requests get to finish on SIGTERM/SIGINT (default 30)")
     p.add_argument("--max-body-bytes", type=integer, default=4 << 20, metavar="N", help="largest request body (default 4 MiB)")
+    p.add_argument("--warm-up", default="all", metavar="SIZES",
+                   help="batch sizes to compile (and under --n-max auto measure) before listening: 'all' (default), 'none' or a "
+                   "list such as 1,2; the others are compiled by the engine while idle, before the batch grows to them")
     p.add_argument("--debug", action="store_true", help="show tracebacks on errors")
     add_process_options(p, "listens on --host/--port and the others follow its schedule")
 
@@ -100,7 +103,10 @@ def api_key(args, environ=None) -> str | None:
 
 
 def _check(args) -> None:
+    from dflash_jax.serve.warmup import parse_sizes
+
     check_model_options(args)
+    parse_sizes(args.warm_up)
     for name in ("max_batch", "max_len", "max_queue", "chunk_size", "steps_per_round", "max_body_bytes"):
         if getattr(args, name) < 1:
             raise DFlashError("--" + name.replace("_", "-"), f"got {getattr(args, name)}", "an integer >= 1")
@@ -123,6 +129,7 @@ def build_engine(args, channel=None):
     from dflash_jax.serve.engine import Engine
     from dflash_jax.serve.jobs import ServedModel
     from dflash_jax.serve.metrics import Metrics
+    from dflash_jax.serve.warmup import parse_sizes
 
     target, drafter, n_max, why = load_model(args)
     limit = int(target.cfg.max_position_embeddings)
@@ -144,7 +151,7 @@ def build_engine(args, channel=None):
     engine = Engine(model, max_batch=args.max_batch, max_len=args.max_len, max_queue=args.max_queue, chunk_size=args.chunk_size,
                     steps_per_round=args.steps_per_round, metrics=Metrics(), prefix_cache_bytes=int(args.prefix_cache_mb * 2**20),
                     channel=channel, kv_cache_bytes=None if args.kv_cache_mb is None else int(args.kv_cache_mb * 2**20),
-                    paged=args.kv_layout == "paged")
+                    paged=args.kv_layout == "paged", warm_sizes=parse_sizes(args.warm_up))
     return engine, why
 
 
