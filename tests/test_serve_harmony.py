@@ -89,8 +89,8 @@ def answer_through_server(tok, answer: str, tools) -> tuple[dict, dict]:
     from dflash_jax.serve.running import RunningRequest
     from dflash_jax.serve.schemas import ChatCompletionRequest
 
-    model = SimpleNamespace(target=SimpleNamespace(tokenizer=tok, cfg=None), name="m", chat_template_kwargs=None, drafter=None,
-                            decoding=lambda n_max=None: None)
+    model = SimpleNamespace(target=SimpleNamespace(tokenizer=tok, cfg=None), name="m", names=["m"], chat_template_kwargs=None, drafter=None,
+                            decoding=lambda n_max=None, logprobs=False: None)
     req = ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "Weather in Paris?"}], tools=tools)
     spec, options = chat_job(model, req, max_len=4096)
     ids = tok.encode(answer, add_bos=False)
