@@ -153,3 +153,38 @@ def test_a_bounded_warm_up_listens_early_and_readies_the_rest_before_use(serve_t
     finally:
         stop()
     assert engine.status == "draining"
+
+
+@pytest.mark.slow
+def test_default_model_short_name_and_logprobs_with_real_acceptance():
+    """The embedded default model through ``dflash-jax serve``'s own engine builder: served as
+    ``smollm2-135m-instruct`` (its file name accepted too); with its shipped drafter accepting drafts
+    (tau > 1), ``logprobs=True, top_logprobs=3`` gives a ``--no-spec`` server's tokens and
+    log-probabilities within 1e-4, streamed equal to whole."""
+    from dflash_jax.cli import main as cli
+    from dflash_jax.cli import serve as serve_cli
+    from dflash_jax.serve.app import build_app
+    from dflash_jax.serve.engine import Engine
+    from dflash_jax.serve.jobs import ServedModel
+
+    engine, _ = serve_cli.build_engine(cli.build_parser().parse_args(["serve", "--max-batch", "1", "--max-len", "256"]))
+    assert engine.model.names == ["smollm2-135m-instruct", "SmolLM2-135M-Instruct.Q4_1.gguf"] and engine.model.drafter is not None
+    plain = Engine(ServedModel(engine.model.target, None, name=engine.model.name, aliases=engine.model.aliases), max_batch=1, max_len=256)
+    messages = [{"role": "user", "content": "Write a Python function that adds two numbers."}]
+    got = {}
+    for name, e in (("dflash", engine), ("plain", plain)):
+        url, stop = serve_in_thread(build_app(e))
+        try:
+            c = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=600)
+            args = dict(messages=messages, max_tokens=32, temperature=0, logprobs=True, top_logprobs=3)
+            r = c.chat.completions.create(model="SmolLM2-135M-Instruct.Q4_1.gguf", **args)
+            whole = [(t.token, t.logprob, [(a.token, a.logprob) for a in t.top_logprobs]) for t in r.choices[0].logprobs.content]
+            chunks = list(c.chat.completions.create(model="smollm2-135m-instruct", stream=True, **args))
+            streamed = [(t.token, t.logprob, [(a.token, a.logprob) for a in t.top_logprobs])
+                        for ch in chunks if ch.choices and ch.choices[0].logprobs for t in ch.choices[0].logprobs.content]
+            close(streamed, whole)
+            got[name] = (whole, r.speculative)
+        finally:
+            stop()
+    assert got["dflash"][1]["tau"] > 1 and len(got["dflash"][0]) == 32
+    close(got["dflash"][0], got["plain"][0])

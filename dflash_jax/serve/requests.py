@@ -34,7 +34,7 @@ class ChatOptions:
 def check_model(model: ServedModel, name: str) -> None:
     """404 ``model_not_found`` unless ``name`` is one of the served model's names (never used as a path)."""
     if name not in model.names:
-        raise APIError(404, f"model: {name!r} is not served here (expected {model.name!r})", "model", "model_not_found")
+        raise APIError(404, f"model: {name!r} is not served here (expected {' or '.join(map(repr, model.names))})", "model", "model_not_found")
 
 
 def _message(m: ChatMessage) -> dict:
