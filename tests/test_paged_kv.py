@@ -85,6 +85,12 @@ def test_the_ledger_hands_out_pages_as_rows_grow():
         PagePool(pages=10, page_size=16, max_len=160)
 
 
+def by_hand(engine, model):
+    """Readies ``engine`` for rounds driven by hand (no warm-up: every batch size may compile at its first use)."""
+    engine._switch(model.decoding())
+    engine._warm.ready = list(engine._warm.sizes)
+
+
 def test_the_engine_admits_by_pages_and_holds_more_short_rows_than_the_budget_holds_unpaged(serve_tiny_model):
     """A budget of two unpaged rows of SERVE_MAX_LEN: unpaged, the engine runs 2 rows; paged, six
     short requests (3 pages each) run at once and answer as the unpaged engine does. When the pool
@@ -103,7 +109,7 @@ def test_the_engine_admits_by_pages_and_holds_more_short_rows_than_the_budget_ho
     def serve(paged, specs=specs, budget=budget):
         engine = Engine(model, max_batch=8, max_len=SERVE_MAX_LEN, max_queue=8, kv_cache_bytes=budget, paged=paged, prefix_cache_bytes=0,
                         metrics=Metrics())
-        engine._switch(model.decoding())
+        by_hand(engine, model)
         jobs = [Job(s) for s in specs]
         for j in jobs:
             engine.submit(j)
@@ -134,7 +140,7 @@ def test_the_engine_admits_by_pages_and_holds_more_short_rows_than_the_budget_ho
     # resumes and finishes with the same answer rather than getting the shutdown's 503
     engine = Engine(model, max_batch=8, max_len=SERVE_MAX_LEN, max_queue=8, kv_cache_bytes=one, paged=True, prefix_cache_bytes=0,
                     metrics=Metrics())
-    engine._switch(model.decoding())
+    by_hand(engine, model)
     jobs = [Job(s) for s in long]
     for j in jobs:
         engine.submit(j)
@@ -148,7 +154,7 @@ def test_the_engine_admits_by_pages_and_holds_more_short_rows_than_the_budget_ho
     assert ["".join(e.text for e in ev if isinstance(e, Text)) for ev in events] == texts[0]
 
     engine = Engine(model, max_batch=8, max_len=SERVE_MAX_LEN, max_queue=1, kv_cache_bytes=budget, paged=True, prefix_cache_bytes=0)
-    engine._switch(model.decoding())
+    by_hand(engine, model)
     for r in (5, 6):  # every page held (two rows of max_len)
         engine._batch.pool.grow(r, SERVE_MAX_LEN)
     engine.submit(Job(specs[0]))

@@ -131,7 +131,7 @@ def test_models_health_and_metrics(serve_tiny):
     models = c.models.list()
     assert [m.id for m in models.data] == ["tiny"] and models.data[0].max_model_len == SERVE_MAX_LEN
     status, _, body = raw(url + "/health")
-    assert status == 200 and json.loads(body)["status"] == "ok"
+    assert status == 200 and json.loads(body)["status"] == "ready"
     c.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=3, temperature=0)
     m = raw(url + "/metrics")[2].decode()
     for name in ("dflash_requests_total", "dflash_generation_tokens_total", "dflash_time_to_first_token_seconds_bucket",

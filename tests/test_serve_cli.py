@@ -130,7 +130,7 @@ def test_default_pair_end_to_end():
         assert r.speculative["tau"] > 1 and r.usage.completion_tokens_details.accepted_prediction_tokens > 0
         chunks = list(c.chat.completions.create(model="smollm2", messages=messages, max_tokens=24, temperature=0, stream=True))
         assert "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices) == want.texts[0]
-        assert json.loads(raw(url + "/health")[2])["status"] == "ok"
+        assert json.loads(raw(url + "/health")[2])["status"] == "ready"
     finally:
         stop()
 

@@ -26,7 +26,7 @@ def post(url, body, path="/v1/chat/completions", headers=None):
 
 def healthy(url):
     status, _, body = raw(url + "/health")
-    return status == 200 and json.loads(body)["status"] == "ok"
+    return status == 200 and json.loads(body)["status"] == "ready"
 
 
 def finished(url, reason):
@@ -51,8 +51,11 @@ def finished(url, reason):
     (dict(CHAT, tool_choice="required", tools=[{"type": "function", "function": {"name": "f"}}]), "tool_choice", "invalid_value"),
     (dict(CHAT, tools=[{"type": "function", "function": {"name": "f"}}]), "tools", "invalid_value"),  # the template takes none
     (dict(CHAT, max_tokens=1000), "max_tokens", "context_length_exceeded"),
-    (dict(CHAT, logprobs=True), "logprobs", "unsupported_parameter"),
-    (dict(CHAT, top_logprobs=2), "top_logprobs", "unsupported_parameter"),
+    (dict(CHAT, top_logprobs=21), "top_logprobs", "invalid_value"),  # OpenAI's bound: 20
+    (dict(CHAT, chat_template_kwargs={"add_generation_prompt": False}), "chat_template_kwargs", "invalid_value"),
+    (dict(CHAT, max_tokens=4, max_completion_tokens=1000), "max_completion_tokens", "context_length_exceeded"),
+    (None, None, "missing_body"),
+    (b"[1, 2]", None, "invalid_body"),
     (dict(CHAT, frequency_penalty=0.5), "frequency_penalty", "unsupported_parameter"),
     (dict(CHAT, logit_bias={"5": 10}), "logit_bias", "unsupported_parameter"),
     (dict(CHAT, response_format={"type": "json_object"}), "response_format", "unsupported_parameter"),
@@ -61,12 +64,13 @@ def finished(url, reason):
 ])
 def test_bad_requests_are_400_naming_the_field(serve_tiny, body, param, code):
     url, _ = serve_tiny
-    status, _, out = post(url, body)
+    status, _, out = post(url, body if body is not None else b"")
     assert status == 400, out
     err = out["error"]
     assert set(err) == {"message", "type", "param", "code"} and err["type"] == "invalid_request_error"
     assert (err["param"], err["code"]) == (param, code), err
     assert param is None or param.split(".")[0] in err["message"]
+    assert param is not None or code == "invalid_json" or err["message"].startswith("request body: ")
     assert healthy(url), raw(url + "/health")
 
 
@@ -80,11 +84,11 @@ def test_neutral_and_bookkeeping_parameters_are_taken_the_rest_refused_through_o
     same = c.chat.completions.create(**args, logprobs=False, frequency_penalty=0, presence_penalty=0.0, logit_bias={}, user="u",
                                      store=False, metadata={"k": "v"}, response_format={"type": "text"}, parallel_tool_calls=True)
     assert same.choices[0].message.content == plain and same.choices[0].logprobs is None
-    for extra, param in ((dict(logprobs=True, top_logprobs=1), "logprobs"), (dict(extra_body={"best_fit": 1}), "best_fit")):
+    for extra, param in ((dict(frequency_penalty=1), "frequency_penalty"), (dict(extra_body={"best_fit": 1}), "best_fit")):
         with pytest.raises(openai.BadRequestError) as e:
             c.chat.completions.create(**args, **extra)
         assert e.value.body["param"] == param, e.value.body
-    for extra, param in ((dict(logprobs=0), "logprobs"), (dict(echo=True), "echo"), (dict(best_of=2), "best_of")):
+    for extra, param in ((dict(logprobs=0, echo=True), "echo"), (dict(best_of=2), "best_of")):
         with pytest.raises(openai.BadRequestError) as e:
             c.completions.create(model="tiny", prompt=[1, 2], max_tokens=2, **extra)
         assert e.value.body["param"] == param and e.value.body["code"] == "unsupported_parameter", e.value.body
@@ -124,7 +128,8 @@ def test_api_key_queue_full_and_engine_death(serve_tiny_model):
         assert out["error"]["code"] == "invalid_api_key"
         assert raw(url + "/v1/models", headers=key)[0] == 200 and raw(url + "/v1/models")[0] == 401
         assert raw(url + "/metrics")[0] == 401 and raw(url + "/metrics", headers=key)[0] == 200  # the key guards /metrics
-        assert raw(url + "/health")[0] == 200  # probes need none
+        status, _, body = raw(url + "/health")  # probes need no key; an engine not started is not ready yet
+        assert status == 503 and json.loads(body)["status"] == "starting"
         first = {}
         waiting = threading.Thread(target=lambda: first.update(r=post(url, CHAT, headers=key)))
         waiting.start()
@@ -174,9 +179,9 @@ def test_disconnect_while_waiting_for_a_whole_answer_frees_the_row(serve_tiny, m
     assert post(url, dict(request, max_tokens=8), "/v1/completions")[0] == 200
     real = engine._feed
 
-    def slow_feed(r, new):
+    def slow_feed(r, new, *rest):
         time.sleep(0.05)
-        return real(r, new)
+        return real(r, new, *rest)
 
     monkeypatch.setattr(engine, "_feed", slow_feed)
     cancelled, lengths = finished(url, "cancelled"), finished(url, "length")
@@ -202,10 +207,10 @@ def test_a_failing_request_fails_alone(serve_tiny, monkeypatch):
     url, engine = serve_tiny
     real = engine._feed
 
-    def feed(r, new):
+    def feed(r, new, *rest):
         if r.job.spec.prompt[0] == 77:
             raise ValueError("bad row")
-        return real(r, new)
+        return real(r, new, *rest)
 
     monkeypatch.setattr(engine, "_feed", feed)
     out = {}

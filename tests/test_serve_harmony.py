@@ -89,8 +89,8 @@ def answer_through_server(tok, answer: str, tools) -> tuple[dict, dict]:
     from dflash_jax.serve.running import RunningRequest
     from dflash_jax.serve.schemas import ChatCompletionRequest
 
-    model = SimpleNamespace(target=SimpleNamespace(tokenizer=tok, cfg=None), name="m", chat_template_kwargs=None, drafter=None,
-                            decoding=lambda n_max=None: None)
+    model = SimpleNamespace(target=SimpleNamespace(tokenizer=tok, cfg=None), name="m", names=["m"], chat_template_kwargs=None, drafter=None,
+                            decoding=lambda n_max=None, logprobs=False: None)
     req = ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "Weather in Paris?"}], tools=tools)
     spec, options = chat_job(model, req, max_len=4096)
     ids = tok.encode(answer, add_bos=False)
@@ -107,7 +107,7 @@ def answer_through_server(tok, answer: str, tools) -> tuple[dict, dict]:
 
     async def both():
         engine = SimpleNamespace(wake=lambda: None)
-        reasoning, content, calls, done = await responses.collect(job(), options, asyncio.get_running_loop().create_future(), engine)
+        reasoning, content, calls, done, _ = await responses.collect(job(), options, asyncio.get_running_loop().create_future(), engine)
         whole = dict(reasoning=reasoning, content=content, calls=[c["function"] for c in calls],
                      finish=responses.chat_completion("m", reasoning, content, calls, done, bool(calls)).choices[0].finish_reason)
         streamed = dict(reasoning="", content="", calls=[], finish=None)

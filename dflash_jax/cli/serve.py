@@ -65,6 +65,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--shutdown-timeout", type=number, default=30.0, metavar="S",
                    help="seconds running requests get to finish on SIGTERM/SIGINT (default 30)")
     p.add_argument("--max-body-bytes", type=integer, default=4 << 20, metavar="N", help="largest request body (default 4 MiB)")
+    p.add_argument("--warm-up", default="all", metavar="SIZES",
+                   help="batch sizes to compile (and under --n-max auto measure) before listening: 'all' (default), 'none' or a "
+                   "list such as 1,2; the others are compiled by the engine while idle, before the batch grows to them")
     p.add_argument("--debug", action="store_true", help="show tracebacks on errors")
     add_process_options(p, "listens on --host/--port and the others follow its schedule")
 
@@ -100,7 +103,10 @@ def api_key(args, environ=None) -> str | None:
 
 
 def _check(args) -> None:
+    from dflash_jax.serve.warmup import parse_sizes
+
     check_model_options(args)
+    parse_sizes(args.warm_up)
     for name in ("max_batch", "max_len", "max_queue", "chunk_size", "steps_per_round", "max_body_bytes"):
         if getattr(args, name) < 1:
             raise DFlashError("--" + name.replace("_", "-"), f"got {getattr(args, name)}", "an integer >= 1")
@@ -114,11 +120,16 @@ def _check(args) -> None:
         raise DFlashError("--kv-cache-mb", f"got {args.kv_cache_mb}", "a number of MiB > 0")
 
 
+DEFAULT_SHORT_NAME = "smollm2-135m-instruct"
+"""The name the embedded default model is served under (its file name is accepted too)."""
+
+
 def build_engine(args, channel=None):
     """Loads the model of the options and builds the engine (raises DFlashError for bad input)."""
     from dflash_jax.serve.engine import Engine
     from dflash_jax.serve.jobs import ServedModel
     from dflash_jax.serve.metrics import Metrics
+    from dflash_jax.serve.warmup import parse_sizes
 
     target, drafter, n_max, why = load_model(args)
     limit = int(target.cfg.max_position_embeddings)
@@ -132,12 +143,15 @@ def build_engine(args, channel=None):
         except DFlashError as e:
             raise option_error(e) from e
         why += f"; n_max {static.n_max}" + (f" over a tree of {static.tree} node{'s' * (static.tree > 1)}" if static.tree else "")
-    model = ServedModel(target, drafter, name=args.served_model_name or Path(target.source).name, n_max=n_max, tree=args.tree,
-                        chat_template_kwargs=args.chat_template_kwargs)
+    file_name = Path(target.source).name
+    short = DEFAULT_SHORT_NAME if args.target is None else None  # the embedded default model
+    name = args.served_model_name or short or file_name
+    model = ServedModel(target, drafter, name=name, n_max=n_max, tree=args.tree, chat_template_kwargs=args.chat_template_kwargs,
+                        aliases=(file_name,) if short and not args.served_model_name else ())
     engine = Engine(model, max_batch=args.max_batch, max_len=args.max_len, max_queue=args.max_queue, chunk_size=args.chunk_size,
                     steps_per_round=args.steps_per_round, metrics=Metrics(), prefix_cache_bytes=int(args.prefix_cache_mb * 2**20),
                     channel=channel, kv_cache_bytes=None if args.kv_cache_mb is None else int(args.kv_cache_mb * 2**20),
-                    paged=args.kv_layout == "paged")
+                    paged=args.kv_layout == "paged", warm_sizes=parse_sizes(args.warm_up))
     return engine, why
 
 

@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from dflash_jax.decode import logprobs as token_logprobs
 from dflash_jax.decode.auto import adaptive
 from dflash_jax.decode.prefill import (  # noqa: F401  (part of this API)
     compile_prefill,
@@ -155,8 +156,9 @@ def _empty_buffers(static: Decoding, b: int, max_len: int, cache_len: int) -> di
     eager ``jnp.zeros`` would dispatch one small program per shape, each looked up in the compile
     cache at every start."""
     speculative = None if static.drafter is None else init_speculative_state(static.drafter, b, cache_len, static.depth, static.verify_top)
+    lp = None if static.logprobs is None else token_logprobs.empty(b, max_len, static.logprobs)
     return dict(cache=module_for(static.target).init_cache(static.target, b, cache_len), finish=jnp.zeros((b,), jnp.int32),
-                gaps=jnp.zeros((b, max_len), jnp.float32), steps=jnp.zeros((), jnp.int32), speculative=speculative)
+                gaps=jnp.zeros((b, max_len), jnp.float32), steps=jnp.zeros((), jnp.int32), speculative=speculative, logprobs=lp)
 
 
 def plain_step_fn(params: Params, state: DecodeState, static: Decoding) -> DecodeState:
@@ -170,7 +172,8 @@ def plain_step_fn(params: Params, state: DecodeState, static: Decoding) -> Decod
     logits = mod.lm_head(params.target, cfg, hidden[:, 0])
     nxt = sample_at(state.rng, state.length[:, None], logits[:, None], state.sampling)[:, 0]
     state = state.replace(cache=cache, steps=state.steps + 1)
-    return commit(state, nxt[:, None], jnp.ones((b,), jnp.int32), top2_gap(logits)[:, None])
+    lp = None if static.logprobs is None else token_logprobs.of_logits(logits[:, None], nxt[:, None], static.logprobs)
+    return commit(state, nxt[:, None], jnp.ones((b,), jnp.int32), top2_gap(logits)[:, None], lp)
 
 
 def speculative_step_fn(params: Params, state: DecodeState, static: Decoding) -> DecodeState:

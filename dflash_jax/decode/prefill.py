@@ -17,6 +17,7 @@ from dflash_jax.decode.state import Decoding, Params, check_step_inputs
 from dflash_jax.runtime.distributed import fetch
 from dflash_jax.errors import DFlashError
 from dflash_jax.families.registry import module_for
+from dflash_jax.decode import logprobs as token_logprobs
 from dflash_jax.decode.sampling import sample_at, top2_gap
 from dflash_jax.decode.step import absorb_context, block_capture
 from dflash_jax.decode.state import DecodeState, commit
@@ -77,7 +78,8 @@ prefill_chunk.__doc__ = ("Jitted :func:`prefill_chunk_fn` (state and accumulator
 def finish_prefill(state: DecodeState, static: Decoding, logits_acc) -> DecodeState:
     """Samples each row's first new token from its last prompt row's logits and commits it."""
     first = sample_at(state.rng, state.length[:, None], logits_acc[:, None], state.sampling)[:, 0]
-    return commit(state, first[:, None], jnp.ones_like(first), top2_gap(logits_acc)[:, None])
+    lp = None if static.logprobs is None else token_logprobs.of_logits(logits_acc[:, None], first[:, None], static.logprobs)
+    return commit(state, first[:, None], jnp.ones_like(first), top2_gap(logits_acc)[:, None], lp)
 
 
 def compile_prefill(params: Params, state: DecodeState, static: Decoding, chunk_size: int):

@@ -23,6 +23,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
+from dflash_jax.decode import logprobs as token_logprobs
 from dflash_jax.decode.sampling import (
     RowSampling,
     SamplingConfig,  # only to name it in an error
@@ -79,6 +80,9 @@ class Decoding:
         ``draft_mode="argmax"``. Under ``n_max="auto"`` the tree is ``auto_depth`` deep and every
         step chooses how many of its first nodes to verify (the first ``w`` nodes of a best-first
         tree are the best tree of ``w`` nodes), or a plain step.
+      logprobs: ``None`` (default: nothing recorded, the steps' programs unchanged), or record the
+        target's log-probability of every committed token and its ``logprobs`` best alternatives
+        (an integer in ``[0, 20]``) in ``DecodeState.logprobs`` (:mod:`dflash_jax.decode.logprobs`).
     The sampling settings are not here: they are each row's, in the decode state
     (:func:`dflash_jax.decode.loop.init_state`'s ``sampling``), so one compiled step serves any mix.
 
@@ -95,6 +99,7 @@ class Decoding:
     n_max: int | str | None = None
     auto_depth: int | None = None
     tree: int | None = None
+    logprobs: int | None = None
 
     def __post_init__(self):
         if isinstance(self.draft_mode, SamplingConfig):
@@ -107,6 +112,10 @@ class Decoding:
             raise DFlashError("draft_mode", f"got {self.draft_mode!r}", f"one of {', '.join(DRAFT_MODES)}")
         if self.tree is not None:
             self._check_tree()
+        top = token_logprobs.MAX_TOP_LOGPROBS
+        if self.logprobs is not None and (isinstance(self.logprobs, bool) or not isinstance(self.logprobs, numbers.Integral)
+                                          or not 0 <= self.logprobs <= top):
+            raise DFlashError("logprobs", f"got {self.logprobs!r}", f"None (off) or an integer in [0, {top}] (alternatives per token)")
         if self.drafter is None:
             if self.n_max is not None:
                 raise DFlashError("n_max (--n-max)", f"got {self.n_max} without a drafter (plain decoding drafts nothing)", "a drafter, or n_max=None")
@@ -206,6 +215,10 @@ def check_step_inputs(params, state, static) -> None:
         raise DFlashError("decode state", f"{got} under a Decoding with n_max {static.n_max}", "a state from init_state with the same Decoding")
     if not static.speculative and ctx is not None:
         raise DFlashError("decode state", "a drafter context under a Decoding without a drafter", "a state from init_state with the same Decoding")
+    lp = getattr(state, "logprobs", None)
+    if (lp is None) != (static.logprobs is None) or (lp is not None and lp.k != static.logprobs):
+        got = "no log-probability buffer" if lp is None else f"a log-probability buffer of {lp.k} alternatives"
+        raise DFlashError("decode state", f"{got} under a Decoding with logprobs={static.logprobs}", "a state from init_state with the same Decoding")
 
 
 def check_depth_policy(policy, static: Decoding) -> None:
@@ -267,6 +280,8 @@ class DecodeState:
       steps: ``[]`` int32 target passes after prefill (decode steps or verify steps).
       speculative: :class:`~dflash_jax.decode.state.SpeculativeState` (drafter context and
         statistics) with a drafter, else ``None``.
+      logprobs: :class:`~dflash_jax.decode.logprobs.TokenLogprobs` of the committed tokens under
+        ``Decoding(logprobs=k)``, else ``None``.
     """
 
     tokens: jnp.ndarray = axes_field("batch", "seq")
@@ -281,6 +296,7 @@ class DecodeState:
     gaps: jnp.ndarray = axes_field("batch", "seq")
     steps: jnp.ndarray = axes_field()
     speculative: Any = None
+    logprobs: Any = None
 
     @property
     def capacity(self) -> int:
@@ -303,7 +319,7 @@ class DecodeState:
         return self.length - self.prompt_len
 
 
-def commit(state: DecodeState, new: jnp.ndarray, n_new: jnp.ndarray, gaps: jnp.ndarray) -> DecodeState:
+def commit(state: DecodeState, new: jnp.ndarray, n_new: jnp.ndarray, gaps: jnp.ndarray, logprobs=None) -> DecodeState:
     """Appends up to ``n_new[b]`` of ``new[b]`` to each running row, stopping exactly at the limits.
 
     A row keeps tokens up to and including its first stop id, never more than its remaining
@@ -315,8 +331,10 @@ def commit(state: DecodeState, new: jnp.ndarray, n_new: jnp.ndarray, gaps: jnp.n
       new: ``[B, K]`` int32 candidate tokens in order.
       n_new: ``[B]`` int32 how many leading candidates are proposed for commit (``1..K``).
       gaps: ``[B, K]`` float32 top-2 logit gaps of the steps that chose them.
+      logprobs: their :class:`~dflash_jax.decode.logprobs.TokenLogprobs` (``[B, K]`` slots), written
+        to ``state.logprobs`` when the state records them (``None`` otherwise).
     Returns:
-      The state with ``tokens``, ``gaps``, ``length`` and ``finish`` updated.
+      The state with ``tokens``, ``gaps``, ``length``, ``finish`` (and ``logprobs``) updated.
     """
     b, k = new.shape
     idx = jnp.arange(k, dtype=jnp.int32)[None, :]
@@ -341,6 +359,8 @@ def commit(state: DecodeState, new: jnp.ndarray, n_new: jnp.ndarray, gaps: jnp.n
             jnp.where(length - state.prompt_len >= state.max_new, LENGTH, jnp.where(length >= state.capacity, CAPACITY, RUNNING)),
         ),
     ).astype(jnp.int32)
+    if state.logprobs is not None:
+        state = state.replace(logprobs=token_logprobs.write(state.logprobs, rows, pos, logprobs))
     return state.replace(tokens=tokens, gaps=all_gaps, length=length, finish=finish)
 
 

@@ -39,6 +39,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from dflash_jax.decode import logprobs as token_logprobs
 from dflash_jax.decode.sampling import sample_at, top2_gap, uniform_at
 from dflash_jax.decode.state import DecodeState, SpeculativeState, commit
 from dflash_jax.decode.state import Decoding, Params, check_step_inputs
@@ -204,6 +205,8 @@ class Verdict(NamedTuple):
       gaps: ``[B, n + 1]`` float32 top-2 logit gaps of the target at each block slot.
       cache: the target cache with the block's K/V written.
       capture: the block's captured target features (base = the anchor's position).
+      logprobs: under ``Decoding(logprobs=k)`` the target's log-probabilities of ``tokens``
+        (:class:`~dflash_jax.decode.logprobs.TokenLogprobs`, ``[B, n + 1]`` slots), else ``None``.
     """
 
     tokens: jnp.ndarray
@@ -212,6 +215,7 @@ class Verdict(NamedTuple):
     gaps: jnp.ndarray
     cache: object
     capture: Capture
+    logprobs: object = None
 
 
 def verify_fn(params: Params, state: DecodeState, static: Decoding, drafts) -> Verdict:
@@ -240,7 +244,8 @@ def verify_fn(params: Params, state: DecodeState, static: Decoding, drafts) -> V
     k = jnp.arange(width, dtype=jnp.int32)[None, :]
     drafts_pad = jnp.pad(drafts, ((0, 0), (0, 1)))
     tokens = jnp.where(k < a[:, None], drafts_pad, bonus[:, None])
-    return Verdict(tokens=tokens, accepted=a, n_valid=n_valid, gaps=top2_gap(logits), cache=cache, capture=capture)
+    lp = None if static.logprobs is None else token_logprobs.of_logits(logits, tokens, static.logprobs)
+    return Verdict(tokens=tokens, accepted=a, n_valid=n_valid, gaps=top2_gap(logits), cache=cache, capture=capture, logprobs=lp)
 
 
 def commit_block(params: Params, state: DecodeState, static: Decoding, verdict: Verdict) -> DecodeState:
@@ -250,7 +255,7 @@ def commit_block(params: Params, state: DecodeState, static: Decoding, verdict: 
     tokens only. Counts one target pass (``steps``)."""
     running = ~state.done
     before = state.length
-    state = commit(state.replace(cache=verdict.cache), verdict.tokens, verdict.accepted + 1, verdict.gaps)
+    state = commit(state.replace(cache=verdict.cache), verdict.tokens, verdict.accepted + 1, verdict.gaps, verdict.logprobs)
     kept = state.length - before
     mod = module_for(static.target)
     if mod.recurrent_state:  # the recurrent states after the kept positions (verify_block kept them all)

@@ -29,6 +29,7 @@ from dflash_jax.decode.state import Decoding, Params
 from dflash_jax.drafter import model as drafter
 from dflash_jax.nn.attention import TreeBlock
 from dflash_jax.families.registry import module_for
+from dflash_jax.decode import logprobs as token_logprobs
 from dflash_jax.decode.sampling import sample_at, top2_gap
 from dflash_jax.decode.step import block_capture
 from dflash_jax.decode.step import block_positions, draft_pass, top_confidence
@@ -231,6 +232,7 @@ def verify_tree_fn(params: Params, state: DecodeState, static: Decoding, tree: D
     dst = start[:, None] + jnp.arange(deepest + 1, dtype=jnp.int32)[None, :]
     cache = mod.move_rows(cfg_t, cache, start[:, None] + path, dst)
     capture = capture.replace(hidden=jnp.take_along_axis(capture.hidden, path[:, :, None], axis=1))
-    return Verdict(tokens=jnp.take_along_axis(chosen, path, axis=1), accepted=a,
-                   n_valid=jnp.sum(valid, axis=1).astype(jnp.int32),
-                   gaps=jnp.take_along_axis(top2_gap(logits), path, axis=1), cache=cache, capture=capture)
+    tokens = jnp.take_along_axis(chosen, path, axis=1)
+    lp = None if static.logprobs is None else token_logprobs.of_logits(token_logprobs.along(logits, path), tokens, static.logprobs)
+    return Verdict(tokens=tokens, accepted=a, n_valid=jnp.sum(valid, axis=1).astype(jnp.int32),
+                   gaps=jnp.take_along_axis(top2_gap(logits), path, axis=1), cache=cache, capture=capture, logprobs=lp)

@@ -27,6 +27,7 @@ from dflash_jax.serve.engine import Engine, NoFreePages, NotAccepting, QueueFull
 from dflash_jax.serve.errors import APIError, install_handlers
 from dflash_jax.serve.jobs import Job
 from dflash_jax.serve.metrics import Metrics
+from dflash_jax.serve.openapi import document
 from dflash_jax.serve.requests import chat_job, completion_job
 from dflash_jax.serve.schemas import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
 
@@ -104,10 +105,13 @@ def build_app(engine: Engine, metrics: Metrics | None = None, api_key: str | Non
 
     @app.get("/health")
     async def health():
+        """``starting`` (the engine has not started), ``ready``, ``draining`` (after SIGTERM) or
+        ``dead``; 200 only when ready."""
         if engine.error is not None:
             return JSONResponse({"status": "dead", "error": f"{type(engine.error).__name__}: {engine.error}"}, status_code=503)
         running, waiting = engine.counts()
-        return {"status": "ok", "running": running, "waiting": waiting}
+        status = engine.status
+        return JSONResponse({"status": status, "running": running, "waiting": waiting}, status_code=200 if status == "ready" else 503)
 
     @app.get("/metrics", dependencies=auth)
     async def prometheus():
@@ -115,7 +119,7 @@ def build_app(engine: Engine, metrics: Metrics | None = None, api_key: str | Non
 
     @app.get("/v1/models", dependencies=auth)
     async def models() -> ModelList:
-        return ModelList(data=[ModelCard(id=model.name, created=created, max_model_len=engine.max_len)])
+        return ModelList(data=[ModelCard(id=name, created=created, max_model_len=engine.max_len) for name in model.names])
 
     @app.post("/v1/chat/completions", dependencies=auth)
     async def chat(body: ChatCompletionRequest, request: Request):
@@ -125,18 +129,30 @@ def build_app(engine: Engine, metrics: Metrics | None = None, api_key: str | Non
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         if body.stream:
             return EventSourceResponse(responses.chat_stream(job, options, model.name, include_usage, engine))
-        reasoning, content, calls, done = await responses.collect(job, options, _disconnect(request), engine)
-        return responses.chat_completion(model.name, reasoning, content, calls, done, bool(calls))
+        reasoning, content, calls, done, entries = await responses.collect(job, options, _disconnect(request), engine)
+        logprobs = responses.chat_logprobs(engine.tokenizer, entries, spec.logprobs)
+        return responses.chat_completion(model.name, reasoning, content, calls, done, bool(calls), logprobs)
 
     @app.post("/v1/completions", dependencies=auth)
     async def completions(body: CompletionRequest, request: Request):
-        spec = completion_job(model, body, engine.max_len)
+        spec, echo = completion_job(model, body, engine.max_len)
         job = Job(spec, asyncio.get_running_loop())
         _submit(engine, job, metrics)
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         if body.stream:
-            return EventSourceResponse(responses.completion_stream(job, model.name, include_usage, engine))
-        _, content, _, done = await responses.collect(job, None, _disconnect(request), engine)
-        return responses.text_completion(model.name, content, done)
+            return EventSourceResponse(responses.completion_stream(job, model.name, include_usage, engine, echo))
+        _, content, _, done, entries = await responses.collect(job, None, _disconnect(request), engine)
+        return responses.text_completion(model.name, echo + content, done,
+                                         responses.completion_logprobs(engine.tokenizer, entries, spec.logprobs, len(echo)))
 
+    tok = model.target.tokenizer
+    tools = tok is not None and tok.chat_template is not None and "tools" in tok.chat_template
+    n_max = None if model.drafter is None else model.drafter.cfg.block_size - 1
+
+    def openapi():
+        if app.openapi_schema is None:
+            app.openapi_schema = document(app, model.names, engine.max_len, model.target.cfg.vocab_size, n_max, tools, api_key is not None)
+        return app.openapi_schema
+
+    app.openapi = openapi
     return app

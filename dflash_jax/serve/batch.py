@@ -236,6 +236,11 @@ class Batch:
         """``(tokens [B, S], length [B], finish [B])`` on the host."""
         return fetch((self.state.tokens, self.state.length, self.state.finish))
 
+    def read_logprobs(self):
+        """The host copy of the state's :class:`~dflash_jax.decode.logprobs.TokenLogprobs` (``None``
+        when this set-up records none)."""
+        return None if self.state.logprobs is None else fetch(self.state.logprobs)
+
     def grow(self, want: dict[int, int]) -> None:
         """In a paged batch, gives each row of ``want`` the pages of its positions ``[0, want[row])``
         (:meth:`~dflash_jax.serve.pages.PagePool.grow`; the caller checked they are free) and

@@ -36,10 +36,13 @@ from dflash_jax import progress
 from dflash_jax.errors import DFlashError
 from dflash_jax.serve.batch import Batch, Prefill, bucket
 from dflash_jax.serve.follow import Mirrored
+from dflash_jax.serve.kv_rounds import KVRounds
+from dflash_jax.serve.logprobs import entries
 from dflash_jax.serve.jobs import MAX_STOPS, Done, Failed, Job, ServedModel, Text
 from dflash_jax.serve.pages import kv_layout
 from dflash_jax.serve.prefix_cache import PrefixCache
 from dflash_jax.serve.running import RunningRequest
+from dflash_jax.serve.warmup import WarmUp
 from dflash_jax.decode.state import FINISH_REASONS, RUNNING
 from dflash_jax.text import cut_at_stop_text
 
@@ -56,7 +59,7 @@ class NotAccepting(Exception):
     """The engine is stopping or dead."""
 
 
-class Engine:
+class Engine(KVRounds):
     """Continuous batching over ``max_batch`` rows (module docstring).
 
     Args:
@@ -73,11 +76,13 @@ class Engine:
       on_death: called (from the engine thread) with the exception that ended the engine.
       channel: with several processes, process 0's :class:`~dflash_jax.runtime.distributed.Broadcast` to
         the followers (:mod:`~dflash_jax.serve.follow`): the batch's device calls are sent on it.
+      warm_sizes: the batch sizes :meth:`warm_up` makes ready (``None``: all; ``--warm-up``); the
+        rest are made ready by the engine thread before the batch grows to them (:mod:`~dflash_jax.serve.warmup`).
     """
 
     def __init__(self, model: ServedModel, max_batch: int = 16, max_len: int = 1024, max_queue: int = 256,
                  chunk_size: int = 256, steps_per_round: int = 4, metrics=None, on_death=None, prefix_cache_bytes: int = 1 << 30,
-                 channel=None, kv_cache_bytes: int | None = None, paged: bool = True):
+                 channel=None, kv_cache_bytes: int | None = None, paged: bool = True, warm_sizes: list[int] | None = None):
         self.model, self.max_len, self.max_queue = model, max_len, max_queue
         self.layout = kv_layout(model.decoding(), max_batch, max_len, kv_cache_bytes, paged, model.target.mesh)
         self.max_batch = self.layout.rows
@@ -95,6 +100,8 @@ class Engine:
         self._deadline: float | None = None
         self.error: BaseException | None = None
         self._thread = threading.Thread(target=self._main, name="dflash-engine", daemon=True)
+        self._warm = WarmUp(self.batch_sizes())
+        self.warm_sizes = self._warm.check(warm_sizes)
 
     # ------------------------------------------------------------------ control (any thread)
 
@@ -112,29 +119,35 @@ class Engine:
         return sorted({min(self.max_batch, bucket(n)) for n in range(1, self.max_batch + 1)})
 
     def warm_up(self) -> None:
-        """Gets every batch size ready before the server listens (call it before :meth:`start`):
-        runs the server's programs (its draft depth) once at each size of
-        :meth:`batch_sizes` (:meth:`Batch.warm_up <dflash_jax.serve.batch.Batch.warm_up>`) and
-        resizes the batch from each size to each other, so the first requests compile nothing
-        (greedy or sampled: the settings are the rows') and, under ``n_max="auto"``, the step
-        costs of each size are read from ``depth_costs/`` or measured now. Prompts longer than
-        the smallest prefill chunk, and a request's own ``n_max``, compile their programs when
-        they first come."""
+        """Gets the batch sizes of :attr:`warm_sizes` (default every size of :meth:`batch_sizes`)
+        ready before the server listens (call it before :meth:`start`): runs the server's programs
+        (its draft depth) once at each (:meth:`Batch.warm_up <dflash_jax.serve.batch.Batch.warm_up>`)
+        and resizes the batch from each size to each other, so requests compile nothing (greedy or
+        sampled: the settings are the rows') and, under ``n_max="auto"``, the step costs of each
+        size are read from ``depth_costs/`` or measured now. The other sizes are made ready by the
+        engine thread while idle, before the batch grows to them. Prompts longer than the smallest
+        prefill chunk, and a request's own ``n_max`` or log-probabilities, compile their programs
+        when they first come."""
         static = self.model.decoding()
-        sizes = self.batch_sizes()
         what = "compiling" + (" and measuring the step costs" if static.adaptive else "")
-        with progress.step(f"{what} for batch sizes {', '.join(map(str, sizes))}", "every batch size is ready"):
-            self._switch(static)
-            for rows in sizes:
-                self._batch.resize(rows, [])
-                self._batch.warm_up()
-            for src in sizes:  # a burst may jump between any two sizes (1 -> 4): each jump is a program
-                for dst in sizes:
-                    if dst != src:
-                        self._batch.resize(src, [])
-                        self._batch.resize(dst, [])
-            self._batch.resize(sizes[0], [])
-            self._rows = [None] * self._batch.rows
+        self._switch(static)
+        if self.warm_sizes:
+            with progress.step(f"{what} for batch sizes {', '.join(map(str, self.warm_sizes))}", "those batch sizes are ready"):
+                for rows in self.warm_sizes:
+                    self._warm.make_ready(self._batch, rows)
+        self._rows = [None] * self._batch.rows
+
+    def _warm_next(self) -> bool:
+        """Makes the next cold batch size ready when the batch is idle under the server's set-up and
+        no request could be admitted now; ``True`` when it did (:mod:`~dflash_jax.serve.warmup`)."""
+        cold = self._warm.cold()
+        if not cold or self._prefill is not None or any(r is not None for r in self._rows) or self._static != self.model.decoding():
+            return False
+        if self._queue and self._warm.ready_rows() > 0:
+            return False  # requests first: they run at the ready sizes
+        self._warm.make_ready(self._batch, cold[0])
+        self._rows = [None] * self._batch.rows
+        return True
 
     def submit(self, job: Job) -> None:
         """Queues ``job``. Raises :class:`QueueFull` or :class:`NotAccepting`."""
@@ -166,6 +179,16 @@ class Engine:
         if self._thread.is_alive():
             self._thread.join(timeout + 60)
 
+    @property
+    def status(self) -> str:
+        """``"starting"`` (not started, or no batch size ready), ``"ready"``, ``"draining"``
+        (stopping) or ``"dead"``."""
+        if self.error is not None:
+            return "dead"
+        if self._stopping:
+            return "draining"
+        return "ready" if self.started and self._warm.ready_rows() > 0 else "starting"
+
     def counts(self) -> tuple[int, int]:
         """``(running requests, waiting requests)``."""
         return sum(r is not None for r in self._rows) + len(self._reserved), len(self._queue)
@@ -196,6 +219,8 @@ class Engine:
             if time.monotonic() > self._deadline:
                 self._fail_everyone(Failed("the server is shutting down (cancelled after --shutdown-timeout)", 503))
                 return False
+        if self._warm_next():
+            return True
         self._admit()
         if any(r is not None for r in self._rows):
             self._decode()
@@ -236,15 +261,18 @@ class Engine:
         set-ups (a request's own ``n_max``) when the batch is idle."""
         active = sum(r is not None for r in self._rows)
         with self._cv:
-            if not self._queue or active >= self.max_batch:
+            if not self._queue:
                 return
             head = self._queue[0].spec.static
+            top = self._warm.ready_rows() if head == self.model.decoding() else self.max_batch  # never a cold size
+            if active >= top:
+                return
             if head != self._static:
                 if active:
                     return  # the running set-up drains first
                 self._switch(head)
             n = 0
-            while n < min(self.max_batch - active, len(self._queue)) and self._queue[n].spec.static == head:
+            while n < min(top - active, len(self._queue)) and self._queue[n].spec.static == head:
                 n += 1
             if self._batch.pool is not None:  # as many as have their first round's pages free beside the running rows' next round
                 n = self._first_rounds(list(self._queue)[:n])
@@ -252,7 +280,7 @@ class Engine:
                     return
             n = 1 << (n.bit_length() - 1)  # few group sizes: few compiles
             jobs = [self._queue.popleft() for _ in range(n)]
-        self._resize(min(self.max_batch, bucket(active + n)))
+        self._resize(min(top, bucket(active + n)))
         rows = [i for i, r in enumerate(self._rows) if r is None][:n]
         try:
             specs = [j.spec for j in jobs]
@@ -303,50 +331,6 @@ class Engine:
                       self.model.target.mesh, self.layout.pages_for(static))
         return batch if self.channel is None else Mirrored(batch, self.channel)
 
-    def _first_round(self, job: Job) -> int:
-        """Positions a queued request holds once prefilled and through its first decode round."""
-        return min(len(RunningRequest.prompt(job)) + 1 + self._reach(), self.max_len)
-
-    def _first_rounds(self, jobs: list[Job]) -> int:
-        """How many of ``jobs``, in order, have their first round's pages free beside the running
-        rows' next round (:meth:`~dflash_jax.serve.pages.PagePool.fits`)."""
-        pool = self._batch.pool
-        return pool.fits([pool.pages(self._first_round(j)) for j in jobs], keep=pool.short(self._next_round()))
-
-    def _reach(self) -> int:
-        """Positions past its committed length a row may write in one round of decode steps."""
-        return self.steps_per_round * self._static.width + self._static.verify_top
-
-    def _next_round(self) -> dict[int, int]:
-        """Row -> the positions each running row must hold for the next round."""
-        reach = self._reach()
-        return {r.row: min(r.seen + reach, r.limit(self.max_len, self._static.verify_top + 1)) for r in self._rows if r is not None}
-
-    def _make_room(self) -> None:
-        """In a paged batch, gives the running rows their next round's pages, first preempting the
-        rows admitted last while the pool lacks them (:mod:`~dflash_jax.serve.pages`)."""
-        pool = self._batch.pool
-        if pool is None:
-            return
-        want = self._next_round()
-        while pool.short(want) > pool.free:
-            self._preempt(max((r for r in self._rows if r is not None), key=lambda r: r.order))
-            want = self._next_round()
-        self._batch.grow(want)
-        self._gauges()
-
-    def _preempt(self, r: RunningRequest) -> None:
-        """Frees ``r``'s row and pages and puts its request back at the head of the queue, with what
-        it generated so far (it resumes as prompt + those tokens: the same positions, the same
-        seeded draws)."""
-        self._batch.release([r.row])
-        self._rows[r.row] = None
-        r.job.resumed = r
-        with self._cv:
-            self._queue.appendleft(r.job)
-        if self.metrics is not None:
-            self.metrics.preemptions.inc()
-
     def _decode(self) -> None:
         """Up to ``steps_per_round`` steps on device (back early when one more row finishes)."""
         self._make_room()
@@ -362,10 +346,11 @@ class Engine:
     def _deliver(self, readback) -> None:
         """Hands every running request its new tokens; finishes and frees ended rows."""
         tokens, length, finish = readback
+        lp = self._batch.read_logprobs() if self._static.logprobs is not None else None
         ended = []
         for r in [r for r in self._rows if r is not None]:
             try:
-                if self._feed(r, tokens[r.row, r.seen : length[r.row]]):
+                if self._feed(r, tokens[r.row, r.seen : length[r.row]], entries(tokens, lp, r.row, r.seen, int(length[r.row]))):
                     ended.append((r, self._done(r, "stop")))
                 elif finish[r.row] != RUNNING:
                     reason = FINISH_REASONS[int(finish[r.row])]
@@ -376,9 +361,9 @@ class Engine:
                 ended.append((r, Failed(f"{type(e).__name__}: {e}", 500)))
         self._end(ended)
 
-    def _feed(self, r: RunningRequest, new: np.ndarray) -> bool:
-        """Feeds ``new`` ids to the request's text stream; ``True`` when a stop text ended it
-        (a stop id ends the row on device, as EOS does)."""
+    def _feed(self, r: RunningRequest, new: np.ndarray, logprobs: list) -> bool:
+        """Feeds ``new`` ids (and their log-probability entries, when recorded) to the request's text
+        stream; ``True`` when a stop text ended it (a stop id ends the row on device, as EOS does)."""
         ids = [int(t) for t in new]
         if not ids:
             return False
@@ -388,7 +373,7 @@ class Engine:
                 self.metrics.ttft.observe(r.job.first_token_at - r.job.created)
         r.ids.extend(ids)
         text = r.stream.feed(ids)
-        r.job.post(Text(text, len(ids)))
+        r.job.post(Text(text, len(ids), logprobs if r.job.spec.logprobs is not None else []))
         return r.stream.stopped
 
     def _done(self, r: RunningRequest, reason: str, stats: bool = True) -> Done:

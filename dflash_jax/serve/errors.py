@@ -61,6 +61,11 @@ def validation_error(exc: RequestValidationError) -> APIError:
     kind = str(first.get("type", ""))
     if kind == "json_invalid":
         return APIError(400, f"malformed JSON body: {first.get('msg')} (expected a JSON object)", None, "invalid_json")
+    if field is None and kind == "missing":
+        return APIError(400, "request body: missing (expected a JSON object with the endpoint's fields)", None, "missing_body")
+    if field is None and kind in ("model_attributes_type", "dict_type", "model_type"):
+        got = first.get("input")
+        return APIError(400, f"request body: a JSON {_json_type(got)} (expected a JSON object with the endpoint's fields)", None, "invalid_body")
     if kind == "missing":
         return APIError(400, f"{field}: missing (expected a value)", field, "missing_required_parameter")
     if kind == "extra_forbidden":
@@ -71,6 +76,10 @@ def validation_error(exc: RequestValidationError) -> APIError:
     code = "invalid_type" if kind.endswith("_type") or kind.endswith("_parsing") or kind == "model_attributes_type" else "invalid_value"
     where = field or "body"
     return APIError(400, f"{where}: {first.get('msg')} (got {shown})", field, code)
+
+
+def _json_type(x) -> str:
+    return {list: "array", str: "string", bool: "boolean", int: "number", float: "number", type(None): "null"}.get(type(x), type(x).__name__)
 
 
 def install_handlers(app: FastAPI) -> None:

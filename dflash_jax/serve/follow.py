@@ -23,7 +23,7 @@ import traceback
 from dflash_jax.runtime import distributed
 from dflash_jax.errors import DFlashError
 
-CALLS = ("resize", "warm_up", "start_prefill", "prefill_step", "run", "read", "release", "row_stats", "grow")
+CALLS = ("resize", "warm_up", "start_prefill", "prefill_step", "run", "read", "read_logprobs", "release", "row_stats", "grow")
 """The :class:`~dflash_jax.serve.batch.Batch` methods that touch the devices."""
 
 PROCESS_ONLY = frozenset({"host", "port", "max_queue", "api_key", "api_key_file", "served_model_name", "shutdown_timeout",

@@ -17,6 +17,7 @@ from typing import Any
 
 from dflash_jax.decode.auto import costs
 from dflash_jax.arguments import drafter_decoding
+from dflash_jax.decode.logprobs import MAX_TOP_LOGPROBS
 from dflash_jax.decode.state import Decoding, Params
 from dflash_jax.loading import Drafter, Target
 from dflash_jax.decode.sampling import SamplingConfig
@@ -38,6 +39,7 @@ class ServedModel:
         :func:`~dflash_jax.arguments.drafter_decoding`.
       chat_template_kwargs: template variables every chat request gets (a request's own
         ``chat_template_kwargs`` override them).
+      aliases: other names clients may send for it (the embedded default model's file name).
     """
 
     target: Target
@@ -46,7 +48,13 @@ class ServedModel:
     n_max: int | str | None = None
     tree: int | None = None
     chat_template_kwargs: dict | None = None
+    aliases: tuple[str, ...] = ()
     _costs: dict = dataclasses.field(default_factory=dict, repr=False, compare=False)
+
+    @property
+    def names(self) -> list[str]:
+        """Every name the model is served under: :attr:`name` first, then :attr:`aliases`."""
+        return [self.name, *(a for a in self.aliases if a != self.name)]
 
     @property
     def params(self) -> Params:
@@ -64,13 +72,17 @@ class ServedModel:
         params, self._costs[name] = costs.adaptive_params(params, static, calibration, run, key, state, self._costs.get(name))
         return params
 
-    def decoding(self, n_max: int | None = None) -> Decoding:
+    def decoding(self, n_max: int | None = None, logprobs: bool = False) -> Decoding:
         """The static decoding set-up of a request: the server's, or a chain of the request's own
-        ``n_max`` (raises DFlashError for a bad one)."""
+        ``n_max`` (raises DFlashError for a bad one); with ``logprobs`` one that records the
+        target's log-probabilities (``MAX_TOP_LOGPROBS`` alternatives: every request that asks
+        for them shares it)."""
         if self.drafter is None:
-            return Decoding(self.target.cfg)
-        depth = n_max if n_max is not None else self.n_max
-        return drafter_decoding(self.target.cfg, self.drafter, "argmax", depth, self.tree if n_max is None else None)
+            static = Decoding(self.target.cfg)
+        else:
+            depth = n_max if n_max is not None else self.n_max
+            static = drafter_decoding(self.target.cfg, self.drafter, "argmax", depth, self.tree if n_max is None else None)
+        return dataclasses.replace(static, logprobs=MAX_TOP_LOGPROBS) if logprobs else static
 
 
 MAX_STOPS = 4
@@ -92,6 +104,8 @@ class JobSpec:
       stop_ids: single-token stop texts' ids (its row ends at them on device, as at EOS).
       seed: sampling seed (the request's, else a random one): the row's key wherever it runs.
       special_tokens: its text keeps special tokens (a harmony chat answer's markers).
+      logprobs: ``None``, or the alternatives per token its answer reports with each token's
+        log-probability (its ``static`` records them).
     """
 
     prompt: tuple[int, ...]
@@ -103,14 +117,18 @@ class JobSpec:
     stop_ids: tuple[int, ...] = ()
     seed: int = 0
     special_tokens: bool = False
+    logprobs: int | None = None
 
 
 @dataclasses.dataclass
 class Text:
-    """New answer text (``text`` may be empty while a stop text or a partial character is held)."""
+    """New answer text (``text`` may be empty while a stop text or a partial character is held)
+    from ``tokens`` new tokens; ``logprobs``: their :class:`~dflash_jax.serve.logprobs.Entry`
+    when the request asked for them."""
 
     text: str
     tokens: int
+    logprobs: list = dataclasses.field(default_factory=list)
 
 
 @dataclasses.dataclass

@@ -14,13 +14,14 @@ from typing import AsyncIterator, Awaitable
 
 from fastapi.sse import format_sse_event
 
+from dflash_jax.serve import logprobs as lp
 from dflash_jax.serve.errors import APIError
 from dflash_jax.serve.harmony import HarmonyParser
 from dflash_jax.serve.jobs import Done, Failed, Job, Text
 from dflash_jax.serve.reasoning import ReasoningSplitter
 from dflash_jax.serve.requests import ChatOptions
 from dflash_jax.serve.tool_calls import ToolCallParser
-from dflash_jax.serve.schemas import (ChatChoice, ChatCompletion, ChatCompletionChunk, ChunkChoice, Completion, Delta,
+from dflash_jax.serve.schemas import (ChatChoice, ChatCompletion, ChatCompletionChunk, ChoiceLogprobs, ChunkChoice, Completion, Delta,
                                       DeltaToolCall, PredictionDetails, PromptDetails, ResponseMessage, ResponseToolCall,
                                       SpeculativeStats, TextChoice, Usage)
 
@@ -112,11 +113,12 @@ def _failed(ev: Failed) -> APIError:
     return APIError(ev.status, ev.message, None, code)
 
 
-async def collect(job: Job, options: ChatOptions | None, gone: Awaitable, engine) -> tuple[str, str, list[dict], Done]:
-    """Waits for the whole answer: ``(reasoning, content, tool calls, Done)``; cancels the job as
-    soon as ``gone`` (the client's disconnect) returns. Raises :class:`APIError` when the engine
-    failed the request or the client left."""
-    answer, parts = Answer(options), ([], [], [])
+async def collect(job: Job, options: ChatOptions | None, gone: Awaitable, engine) -> tuple[str, str, list[dict], Done, list]:
+    """Waits for the whole answer: ``(reasoning, content, tool calls, Done, log-probability
+    entries)`` (the entries of the answer's tokens, :class:`~dflash_jax.serve.logprobs.Entry`,
+    when the request asked for them); cancels the job as soon as ``gone`` (the client's
+    disconnect) returns. Raises :class:`APIError` when the engine failed the request or the client left."""
+    answer, parts, entries = Answer(options), ([], [], []), []
     watch = asyncio.ensure_future(cancel_when(gone, job, engine))
     try:
         async for ev in events(job):
@@ -126,8 +128,10 @@ async def collect(job: Job, options: ChatOptions | None, gone: Awaitable, engine
             parts[0].append(r)
             parts[1].append(c)
             parts[2].extend(calls)
-            if isinstance(ev, Done):
-                return "".join(parts[0]), "".join(parts[1]), parts[2], ev
+            if isinstance(ev, Text):
+                entries.extend(ev.logprobs)
+            if isinstance(ev, Done):  # a stop text cut the answer: the tokens it kept
+                return "".join(parts[0]), "".join(parts[1]), parts[2], ev, entries[: ev.completion_tokens]
     finally:
         watch.cancel()
 
@@ -136,17 +140,29 @@ def finish_reason(done: Done, answer: Answer) -> str:
     return "tool_calls" if answer.called else done.finish_reason
 
 
-def chat_completion(model_name: str, reasoning: str, content: str, calls: list[dict], done: Done, called: bool) -> ChatCompletion:
+def chat_logprobs(tokenizer, entries: list, k: int | None) -> ChoiceLogprobs | None:
+    """A chat choice's ``logprobs`` (``None`` when the request did not ask: ``k`` is ``None``)."""
+    return None if k is None else ChoiceLogprobs(content=lp.chat_content(tokenizer, entries, k))
+
+
+def completion_logprobs(tokenizer, entries: list, k: int | None, offset: int = 0) -> dict | None:
+    """A completion choice's ``logprobs`` (``None`` when the request did not ask)."""
+    return None if k is None else lp.completion_logprobs(tokenizer, entries, k, offset)
+
+
+def chat_completion(model_name: str, reasoning: str, content: str, calls: list[dict], done: Done, called: bool,
+                    logprobs: ChoiceLogprobs | None = None) -> ChatCompletion:
     msg = ResponseMessage(content=content if (content or not calls) else None, reasoning_content=reasoning or None,
                           tool_calls=[ResponseToolCall(id=c["id"], function=c["function"]) for c in calls] or None)
-    return ChatCompletion(id=new_id("chatcmpl"), created=int(time.time()), model=model_name,
-                          choices=[ChatChoice(message=msg, finish_reason="tool_calls" if called else done.finish_reason)],
+    choice = ChatChoice(message=msg, finish_reason="tool_calls" if called else done.finish_reason, logprobs=logprobs)
+    return ChatCompletion(id=new_id("chatcmpl"), created=int(time.time()), model=model_name, choices=[choice],
                           usage=usage(done), speculative=speculative(done))
 
 
-def text_completion(model_name: str, text: str, done: Done) -> Completion:
+def text_completion(model_name: str, text: str, done: Done, logprobs: dict | None = None) -> Completion:
     return Completion(id=new_id("cmpl"), created=int(time.time()), model=model_name,
-                      choices=[TextChoice(text=text, finish_reason=done.finish_reason)], usage=usage(done), speculative=speculative(done))
+                      choices=[TextChoice(text=text, finish_reason=done.finish_reason, logprobs=logprobs)], usage=usage(done),
+                      speculative=speculative(done))
 
 
 def sse(obj) -> bytes:
@@ -159,12 +175,15 @@ DONE = format_sse_event(data_str="[DONE]")
 
 
 async def chat_stream(job: Job, options: ChatOptions, model_name: str, include_usage: bool, engine) -> AsyncIterator[bytes]:
-    """The streamed chat answer (module docstring); cancels the job if the client goes away."""
+    """The streamed chat answer (module docstring); cancels the job if the client goes away. With
+    log-probabilities asked, each chunk carries those of the tokens that arrived with it."""
     answer, cid, created = Answer(options), new_id("chatcmpl"), int(time.time())
+    k = job.spec.logprobs
+    tokenizer = None if k is None else engine.tokenizer
 
-    def chunk(delta: Delta, finish=None, **extra) -> bytes:
-        return sse(ChatCompletionChunk(id=cid, created=created, model=model_name, choices=[ChunkChoice(delta=delta, finish_reason=finish)],
-                                       **extra))
+    def chunk(delta: Delta, finish=None, entries=(), **extra) -> bytes:
+        choice = ChunkChoice(delta=delta, finish_reason=finish, logprobs=chat_logprobs(tokenizer, list(entries), k) if entries else None)
+        return sse(ChatCompletionChunk(id=cid, created=created, model=model_name, choices=[choice], **extra))
     try:
         yield chunk(Delta(role="assistant", content=""))
         async for ev in events(job):
@@ -172,9 +191,10 @@ async def chat_stream(job: Job, options: ChatOptions, model_name: str, include_u
                 yield sse(_failed(ev).body())
                 break
             r, c, calls = answer.feed(ev.text) if isinstance(ev, Text) else answer.finish()
-            if r or c or calls:
+            entries = ev.logprobs if isinstance(ev, Text) else []
+            if r or c or calls or entries:
                 tc = [DeltaToolCall(index=x["index"], id=x["id"], type="function", function=x["function"]) for x in calls] or None
-                yield chunk(Delta(reasoning_content=r or None, content=c or None, tool_calls=tc))
+                yield chunk(Delta(reasoning_content=r or None, content=c or None, tool_calls=tc), entries=entries)
             if isinstance(ev, Done):
                 yield chunk(Delta(), finish_reason(ev, answer), speculative=speculative(ev))
                 if include_usage:
@@ -185,20 +205,27 @@ async def chat_stream(job: Job, options: ChatOptions, model_name: str, include_u
         engine.wake()
 
 
-async def completion_stream(job: Job, model_name: str, include_usage: bool, engine) -> AsyncIterator[bytes]:
-    """The streamed completion: text deltas, the final chunk, usage when asked, ``[DONE]``."""
+async def completion_stream(job: Job, model_name: str, include_usage: bool, engine, echo: str = "") -> AsyncIterator[bytes]:
+    """The streamed completion: ``echo`` (the prompt, when asked), text deltas (with their tokens'
+    log-probabilities when asked), the final chunk, usage when asked, ``[DONE]``."""
     cid, created = new_id("cmpl"), int(time.time())
+    offset = len(echo)
 
-    def chunk(text: str, finish=None, **extra) -> bytes:
-        return sse(Completion(id=cid, created=created, model=model_name, choices=[TextChoice(text=text, finish_reason=finish)], **extra))
+    def chunk(text: str, finish=None, logprobs=None, **extra) -> bytes:
+        choice = TextChoice(text=text, finish_reason=finish, logprobs=logprobs)
+        return sse(Completion(id=cid, created=created, model=model_name, choices=[choice], **extra))
     try:
+        if echo:
+            yield chunk(echo)
         async for ev in events(job):
             if isinstance(ev, Failed):
                 yield sse(_failed(ev).body())
                 break
             if isinstance(ev, Text):
-                if ev.text:
-                    yield chunk(ev.text)
+                if ev.text or ev.logprobs:
+                    logprobs = completion_logprobs(engine.tokenizer, ev.logprobs, job.spec.logprobs, offset) if ev.logprobs else None
+                    offset += sum(len(t) for t in logprobs["tokens"]) if logprobs else 0
+                    yield chunk(ev.text, logprobs=logprobs)
                 continue
             yield chunk("", ev.finish_reason, speculative=speculative(ev))
             if include_usage:

@@ -19,7 +19,11 @@ from __future__ import annotations
 
 from typing import Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr
+from typing import Annotated
+
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr
+
+from dflash_jax.decode.logprobs import MAX_TOP_LOGPROBS
 
 
 class _Request(BaseModel):
@@ -71,6 +75,13 @@ class StreamOptions(_Request):
     include_usage: StrictBool = False
 
 
+def _integral(x):
+    """JSON has one number type: ``11.0`` is the integer 11 (as JSON Schema says); ``11.5``,
+    ``"11"`` and ``true`` are not integers."""
+    return int(x) if isinstance(x, float) and x.is_integer() and abs(x) < 2**63 else x
+
+
+Int = Annotated[StrictInt, BeforeValidator(_integral)]
 Number = Union[StrictInt, StrictFloat]
 
 
@@ -81,17 +92,17 @@ class _Sampling(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     model: StrictStr
-    max_tokens: StrictInt | None = Field(default=None, ge=1)
+    max_tokens: Int | None = Field(default=None, ge=1)
     temperature: Number | None = Field(default=None, ge=0, le=2)
     top_p: Number | None = Field(default=None, gt=0, le=1)
-    top_k: StrictInt | None = Field(default=None, ge=0, lt=2**31)
-    seed: StrictInt | None = Field(default=None, ge=0, lt=2**63)
+    top_k: Int | None = Field(default=None, ge=0, lt=2**31)
+    seed: Int | None = Field(default=None, ge=0, lt=2**63)
     stop: StrictStr | list[StrictStr] | None = None
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
-    n: StrictInt = 1
+    n: Int = 1
     ignore_eos: StrictBool = False
-    n_max: StrictInt | None = Field(default=None, ge=1)
+    n_max: Int | None = Field(default=None, ge=1)
     # OpenAI's, refused unless neutral (serve.requests.check_unsupported)
     frequency_penalty: Number | None = None
     presence_penalty: Number | None = None
@@ -105,21 +116,21 @@ class _Sampling(BaseModel):
 
 class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: StrictInt | None = Field(default=None, ge=1)
+    max_completion_tokens: Int | None = Field(default=None, ge=1)
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     parallel_tool_calls: StrictBool | None = None
     logprobs: StrictBool | None = None
-    top_logprobs: StrictInt | None = None
+    top_logprobs: Int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
     response_format: dict[str, Any] | None = None
 
 
 class CompletionRequest(_Sampling):
-    prompt: StrictStr | list[StrictInt] | list[StrictStr] | list[list[StrictInt]]
-    logprobs: StrictInt | None = None
+    prompt: StrictStr | list[Int] | list[StrictStr] | list[list[Int]]
+    logprobs: Int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
     echo: StrictBool | None = None
-    best_of: StrictInt | None = None
+    best_of: Int | None = None
     suffix: StrictStr | None = None
 
 
@@ -173,11 +184,40 @@ class ResponseMessage(BaseModel):
     tool_calls: list[ResponseToolCall] | None = None
 
 
+class TopLogprob(BaseModel):
+    """A token and the target's log-probability of it (``log_softmax`` of the raw logits, before
+    temperature, top-k and top-p); ``bytes``: its UTF-8 bytes."""
+
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class TokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChoiceLogprobs(BaseModel):
+    """A chat choice's log-probabilities: one entry per answer token."""
+
+    content: list[TokenLogprob] | None = None
+    refusal: list[TokenLogprob] | None = None
+
+
+class CompletionLogprobs(BaseModel):
+    """A completion choice's log-probabilities (OpenAI's legacy layout)."""
+
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: list[dict[str, float]] | None = None
+    text_offset: list[int]
+
+
 class ChatChoice(BaseModel):
     index: int = 0
     message: ResponseMessage
     finish_reason: str | None
-    logprobs: None = None
+    logprobs: ChoiceLogprobs | None = None
 
 
 class _Answer(BaseModel):
@@ -214,7 +254,7 @@ class ChunkChoice(BaseModel):
     index: int = 0
     delta: Delta
     finish_reason: str | None = None
-    logprobs: None = None
+    logprobs: ChoiceLogprobs | None = None
 
 
 class ChatCompletionChunk(_Answer):
@@ -226,7 +266,7 @@ class TextChoice(BaseModel):
     index: int = 0
     text: str
     finish_reason: str | None
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
 
 
 class Completion(_Answer):
