@@ -35,6 +35,7 @@ import numpy as np
 
 from dflash_jax.drafter import model as drafter_mod
 from dflash_jax.nn import params as P
+from dflash_jax.nn import quant
 from dflash_jax.families.laguna.presets import DRAFTERS, PUBLISHED
 from dflash_jax.families.registry import family_for_hf, module_for
 from dflash_jax.drafter.model import drafter_config_from_hf
@@ -164,13 +165,14 @@ def tree_bytes(tree) -> int:
 def weight_bytes_per_token(params, cfg, batch: int = 1) -> int:
     """The fewest weight bytes one decode step of ``batch`` rows must read: every weight once,
     except the embedding table when the LM head is separate (``batch`` rows of it), and, of a
-    mixture of experts, only the experts the rows can choose (``min(E, batch * top_k)``)."""
+    mixture of experts, only the experts the rows can choose (``min(E, batch * top_k)``). A
+    quantized weight counts the bytes of its fields."""
     total = 0
-    for path, x in jax.tree_util.tree_leaves_with_path(params):
+    for path, x in jax.tree_util.tree_leaves_with_path(params, is_leaf=quant.is_quantized):
         name = jax.tree_util.keystr(path[-1:]).strip("[]'\"")
-        n = int(x.size) * x.dtype.itemsize
+        n = x.nbytes if quant.is_quantized(x) else int(x.size) * x.dtype.itemsize
         if name == "embed" and "lm_head" in params:
-            n = batch * n // x.shape[0]
+            n = batch * n // (x.out_features if quant.is_quantized(x) else x.shape[0])
         elif name in ("e_gate", "e_up", "e_down"):
             n = n * min(cfg.num_experts, batch * cfg.num_experts_per_tok) // cfg.num_experts
         total += n

@@ -63,6 +63,7 @@ from dflash_jax.formats.checkpoint import (
     load_named,
 )
 from dflash_jax.nn import params as P
+from dflash_jax.nn import quant
 from dflash_jax.nn.layer import rms_norm
 from dflash_jax.nn.params import ParamSpec, decoder_layer, stacked
 
@@ -304,7 +305,7 @@ def fuse(params: dict, cfg: DrafterConfig, features: jnp.ndarray) -> jnp.ndarray
     b, t, _ = features.shape
     K, H = len(cfg.target_layer_ids), cfg.hidden_size
     f = rms_norm(features.astype(cfg.dtype).reshape(b, t, K, H), params["aux_norm"], cfg.rms_norm_eps)
-    return rms_norm(f.reshape(b, t, K * H) @ params["fc"], params["hidden_norm"], cfg.rms_norm_eps)
+    return rms_norm(quant.dot(f.reshape(b, t, K * H), params["fc"]), params["hidden_norm"], cfg.rms_norm_eps)
 
 
 def context_kv(params: dict, cfg: DrafterConfig, features: jnp.ndarray, positions: jnp.ndarray):
@@ -320,8 +321,7 @@ def context_kv(params: dict, cfg: DrafterConfig, features: jnp.ndarray, position
     lp = params["layers"]
     c = fuse(params, cfg, features)
     u = rms_norm(c[None], lp["attn_norm"][:, None, None, :], cfg.rms_norm_eps)
-    k = jnp.einsum("lbth,lhd->lbtd", u, lp["wk"])
-    v = jnp.einsum("lbth,lhd->lbtd", u, lp["wv"])
+    k, v = generic.layers_dot(u, lp["wk"]), generic.layers_dot(u, lp["wv"])
     return context_heads(cfg, k, v, lp["k_norm"], positions)
 
 

@@ -41,6 +41,7 @@ from dflash_jax.families.dense.config import TargetConfig
 from dflash_jax.formats import gguf_file
 from dflash_jax.formats.checkpoint import numpy_dtype
 from dflash_jax.nn import params as P
+from dflash_jax.nn import quant
 from dflash_jax.nn.params import ParamSpec
 
 
@@ -278,7 +279,7 @@ def head_logits(cfg: DrafterConfig, family: FamilyModel, target_cfg, hidden: jnp
     the target family's LM head (``family.lm_head``) as its head ``{"lm_head": head}`` (:attr:`dflash_jax.families.contract.FamilyModel.lm_head`),
     so that any family soft-cap applies to these columns as to the full head's; then the drafter's
     ``output_multiplier`` and soft-cap."""
-    head_only = {"lm_head": head.astype(hidden.dtype)}
+    head_only = {"lm_head": quant.astype(head, hidden.dtype)}
     return _finish_logits(cfg, family.lm_head(head_only, target_cfg, hidden))
 
 

@@ -155,6 +155,26 @@ def take_rows(w, index: jnp.ndarray) -> jnp.ndarray:
     return fmt.dequantize(fields, jnp.dtype(w.dtype))
 
 
+def output_rows(w, index: jnp.ndarray):
+    """The output columns ``index [n]`` (int) of a ``[..., in, out]`` weight -> ``[..., in, n]``:
+    ``jnp.take(w, index, axis=-1)`` of a float array; of a :class:`QuantizedWeight`, the same rows
+    of its fields (still quantized; a draft vocabulary's head columns)."""
+    if not isinstance(w, QuantizedWeight):
+        return jnp.take(w, index, axis=-1)
+    fmt = format_of(w.format)
+    if fmt.rows is not None and not w.lead:
+        return w.replace(fields=fmt.rows(w.fields, index))
+    return w.replace(fields={k: jnp.take(a, index, axis=-2) for k, a in w.fields.items()})
+
+
+def astype(w, dtype):
+    """``w`` computing in ``dtype``: a float array cast; a :class:`QuantizedWeight` relabelled
+    (it dequantizes straight to ``dtype``; the fields are not copied)."""
+    if isinstance(w, QuantizedWeight):
+        return w.replace(dtype=jnp.dtype(dtype).name)
+    return w.astype(dtype)
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Formats. Q8_0 (GGUF) stands as the example of the field convention; the others live beside it.
 

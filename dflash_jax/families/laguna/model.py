@@ -62,6 +62,7 @@ from dflash_jax.nn.layer import swiglu
 from dflash_jax.nn.attention import cache_attention, live_keys
 from dflash_jax.nn.layer import embed
 from dflash_jax.nn.layer import attention_output, mlp_residual, project_qkv
+from dflash_jax.nn import quant
 from dflash_jax.nn.moe import routed_experts
 from dflash_jax.nn.layer import rms_norm
 from dflash_jax.nn.layer import rope_tables
@@ -166,7 +167,7 @@ def moe(cfg: LagunaConfig, lp: dict, h: jnp.ndarray) -> jnp.ndarray:
     shape = h.shape
     x = h.reshape(-1, shape[-1])
     k = cfg.num_experts_per_tok
-    logits = jnp.dot(x.astype(jnp.float32), lp["router"].astype(jnp.float32), preferred_element_type=jnp.float32)
+    logits = quant.dot(x.astype(jnp.float32), quant.astype(lp["router"], jnp.float32), preferred_element_type=jnp.float32)
     if cfg.router_softcap > 0:
         logits = jnp.tanh(logits / cfg.router_softcap) * cfg.router_softcap
     scores = jax.nn.sigmoid(logits) if cfg.router_score == "sigmoid" else jnp.sqrt(jax.nn.softplus(logits))

@@ -45,6 +45,7 @@ from dflash_jax.nn.attention import TreeBlock, block_visible, rope_positions
 from dflash_jax.nn.layer import embed
 from dflash_jax.nn.layer import attention_output, mlp_residual, project_qkv
 from dflash_jax.nn.attention import cache_attention, live_keys
+from dflash_jax.nn import quant
 from dflash_jax.nn.moe import routed_experts, softmax_top_k
 from dflash_jax.nn.layer import rms_norm
 from dflash_jax.nn.layer import inv_frequencies
@@ -89,7 +90,7 @@ def moe(cfg: Qwen3MoeConfig, lp: dict, h: jnp.ndarray) -> jnp.ndarray:
     Source: transformers ``Qwen3MoeSparseMoeBlock`` / ``Qwen3MoeTopKRouter``."""
     shape = h.shape
     x = h.reshape(-1, shape[-1])
-    w, idx = softmax_top_k(jnp.dot(x, lp["router"].astype(x.dtype)), cfg.num_experts_per_tok, cfg.norm_topk_prob)
+    w, idx = softmax_top_k(quant.dot(x, quant.astype(lp["router"], x.dtype)), cfg.num_experts_per_tok, cfg.norm_topk_prob)
     return routed_experts(x, idx, w.astype(x.dtype), lp["e_gate"], lp["e_up"], lp["e_down"]).reshape(shape)
 
 
