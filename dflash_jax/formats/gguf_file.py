@@ -168,10 +168,10 @@ def embedding_vocab(reader, tensors: dict, path: str, vocab_key: str) -> int:
     return vocab
 
 
-def empty_params(path: str, tensors: dict, names, shapes: dict, dtype: np.dtype, model: str, dtype_of=None) -> dict:
+def empty_params(path: str, tensors: dict, names, shapes: dict, dtype: np.dtype, model: str, dtype_of=None, skip=()) -> dict:
     """The empty parameter tree a family's GGUF loader fills, once the file holds exactly the
     tensors ``names`` lists (arguments as :func:`read_params`'s; ``names`` any collection of
-    tensor names).
+    tensor names). Leaves ``(key, leaf or "")`` in ``skip`` are ``None`` (no float buffer).
 
     Raises:
       DFlashError: a missing or unexpected tensor (file and tensor named).
@@ -181,11 +181,41 @@ def empty_params(path: str, tensors: dict, names, shapes: dict, dtype: np.dtype,
     for name in sorted(set(tensors) - set(names)):
         raise DFlashError(f"{path}: tensor {name}", "unexpected", f"only the tensors of {model}")
     dt = dtype_of or (lambda leaf: dtype)
-    return {k: (np.empty(v, dtype) if isinstance(v, tuple) else {leaf: np.empty(s, dt(leaf)) for leaf, s in v.items()})
+    return {k: ((None if (k, "") in skip else np.empty(v, dtype)) if isinstance(v, tuple)
+                else {leaf: None if (k, leaf) in skip else np.empty(s, dt(leaf)) for leaf, s in v.items()})
             for k, v in shapes.items()}
 
 
-def read_params(path: str, tensors: dict, names: dict, shapes: dict, dtype: np.dtype, model: str, dtype_of=None) -> dict:
+def _quantized_leaves(path: str, tensors: dict, names: dict, shapes: dict, dtype: np.dtype) -> dict:
+    """``{(key, leaf or ""): QuantizedWeight}`` of the leaves :func:`read_params` keeps quantized
+    (:mod:`dflash_jax.formats.gguf_leaves`): matrices stored ``[.., out, in]`` and gathered tables,
+    every tensor of the leaf of one quantized type."""
+    from dflash_jax import progress
+    from dflash_jax.formats import gguf_leaves
+
+    groups: dict = {}
+    for name, (key, leaf, r, conv) in names.items():
+        groups.setdefault((key, leaf or ""), []).append((name, r, conv))
+    out, mixed = {}, []
+    for (key, leaf), parts in groups.items():
+        table = (leaf or key) in gguf_leaves.TABLES
+        convs = {c for _, _, c in parts}
+        if not (convs <= set(gguf_leaves.MATRIX_CONVERSIONS) or (table and convs == {None})):
+            continue
+        kinds = {gguf_leaves.tensor_format(tensors[n]) for n, _, _ in parts if n in tensors}
+        shape = shapes[key] if not leaf else shapes[key][leaf]
+        qw = gguf_leaves.quantized_leaf(path, tensors, [(n, r) for n, r, _ in parts if n in tensors], shape, dtype, table)
+        if qw is not None:
+            out[(key, leaf)] = qw
+        elif len(kinds) > 1 and kinds != {"float"}:
+            mixed.append(f"{key}.{leaf}" if leaf else key)
+    if mixed:
+        progress.note(gguf_leaves.mixed_note(path, mixed))
+    return out
+
+
+def read_params(path: str, tensors: dict, names: dict, shapes: dict, dtype: np.dtype, model: str, dtype_of=None,
+                weights: str = "float") -> dict:
     """The parameter tree of a family's GGUF loader, every array read from its tensor.
 
     Args:
@@ -197,13 +227,25 @@ def read_params(path: str, tensors: dict, names: dict, shapes: dict, dtype: np.d
       shapes: the family's ``param_shapes`` (a shape tuple, or ``{leaf: shape}``, per key).
       dtype: numpy dtype of the arrays; ``dtype_of``: ``leaf -> dtype`` where some differ.
       model: what the file must be, for errors (``"a 24-layer gpt-oss model"``).
+      weights: ``"float"`` (every tensor dequantized) or ``"quantized"``: quantized matrices and
+        tables stay quantized (:func:`_quantized_leaves`; F32/F16/BF16 tensors stay float).
     Returns:
-      The tree of numpy arrays.
+      The tree of numpy arrays (and :class:`~dflash_jax.nn.quant.QuantizedWeight` leaves of
+      numpy fields).
     Raises:
       DFlashError: a missing, unexpected or mis-shaped tensor (file and tensor named).
     """
-    out = empty_params(path, tensors, names, shapes, dtype, model, dtype_of)
+    empty_params(path, tensors, names, {}, dtype, model)  # the tensor set first: errors before any conversion
+    quantized = _quantized_leaves(path, tensors, names, shapes, dtype) if weights == "quantized" else {}
+    out = empty_params(path, tensors, names, shapes, dtype, model, dtype_of, skip=quantized)
+    for (key, leaf), qw in quantized.items():
+        if leaf:
+            out[key][leaf] = qw
+        else:
+            out[key] = qw
     for name, (key, leaf, r, conv) in names.items():
+        if (key, leaf or "") in quantized:
+            continue
         dst = out[key] if not leaf else out[key][leaf]
         want = dst.shape if r is None else dst.shape[1:]
         stored = tuple(reversed(want)) if conv == "T" else (want[0], want[2], want[1]) if conv == "E" else want

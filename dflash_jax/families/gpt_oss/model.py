@@ -53,8 +53,9 @@ Params = dict[str, Any]
 
 
 def segments(cfg: GptOssConfig) -> tuple[tuple[int, int, int], ...]:
-    """``(first layer, period, reps)`` runs of a repeated sliding/full pattern."""
-    return P.repeat_segments(list(cfg.layer_types))
+    """``(first layer, period, reps)`` runs of a repeated sliding/full pattern (layers of quantized
+    weights stack only with layers of their formats, ``cfg.weight_formats``)."""
+    return P.repeat_segments(list(zip(cfg.layer_types, cfg.weight_formats)) if cfg.weight_formats else list(cfg.layer_types))
 
 
 def layer_slot(cfg: GptOssConfig, layer: int) -> tuple[str, int]:

@@ -76,9 +76,10 @@ Params = dict[str, Any]
 
 
 def layer_signature(cfg: LagunaConfig, i: int) -> tuple:
-    """``(query heads, layer type, mlp type, gate per head)`` of layer ``i``: layers with equal
-    signatures have parameters and caches of equal shapes."""
-    return (cfg.heads_per_layer[i], cfg.layer_types[i], cfg.mlp_layer_types[i], cfg.gate_per_head[i])
+    """``(query heads, layer type, mlp type, gate per head[, weight formats])`` of layer ``i``: layers
+    with equal signatures have parameters (quantized ones of equal formats) and caches of equal shapes."""
+    sig = (cfg.heads_per_layer[i], cfg.layer_types[i], cfg.mlp_layer_types[i], cfg.gate_per_head[i])
+    return sig + (cfg.weight_formats[i],) if cfg.weight_formats else sig
 
 
 def segments(cfg: LagunaConfig, max_period: int = 8) -> tuple[tuple[int, int, int], ...]:

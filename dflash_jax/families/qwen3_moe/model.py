@@ -55,8 +55,9 @@ Params = dict[str, Any]
 
 
 def segments(cfg: Qwen3MoeConfig) -> tuple[tuple[int, int, int], ...]:
-    """``(first layer, period, reps)`` runs of a repeated dense/sparse pattern (module docstring)."""
-    return P.repeat_segments(list(cfg.sparse_layers))
+    """``(first layer, period, reps)`` runs of a repeated dense/sparse pattern (module docstring; layers
+    of quantized weights stack only with layers of their formats, ``cfg.weight_formats``)."""
+    return P.repeat_segments(list(zip(cfg.sparse_layers, cfg.weight_formats)) if cfg.weight_formats else list(cfg.sparse_layers))
 
 
 def layer_slot(cfg: Qwen3MoeConfig, layer: int) -> tuple[str, int]:
