@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from dflash_jax.nn import quant_gguf  # noqa: F401  (registers q8_0)
 from dflash_jax.nn.quant import QuantizedWeight
 
 # leaves multiplied as [..., in, out]; gathered tables [V, H] (stored as V rows of H)
