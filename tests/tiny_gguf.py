@@ -93,3 +93,35 @@ def tokens_for(cfg):
 def write_model(path, cfg, params, *, tensors=None, tokens=None, qtype=None):
     return write_gguf(path, cfg.family, model_kv(cfg), tensors if tensors is not None else model_tensors(cfg, params, qtype),
                       tokens if tokens is not None else tokens_for(cfg))
+
+
+def requantize(src, dst, choose) -> dict:
+    """Copies the GGUF ``src`` to ``dst`` with the float tensors ``choose(name, numpy shape)`` names a
+    type for (``"Q8_0"``, ``"Q4_0"``, ... that ``gguf.quants.quantize`` writes) quantized from their
+    float32 values; other tensors (quantized ones too) as they are, every metadata key copied.
+    Returns ``{tensor name: type name}`` of ``dst``."""
+    from dflash_jax.formats.gguf_file import dequantize_tensor
+
+    r = gguf.GGUFReader(str(src))
+    w = gguf.GGUFWriter(str(dst), r.fields["general.architecture"].contents())
+    for key, f in r.fields.items():
+        if key.startswith("GGUF.") or key == "general.architecture":
+            continue
+        vtype = f.types[0]
+        w.add_key_value(key, f.contents(), vtype, f.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None)
+    types = {}
+    for t in r.tensors:
+        is_float = t.tensor_type in (Q.F32, Q.F16)
+        kind = choose(t.name, tuple(reversed([int(d) for d in t.shape]))) if is_float else None
+        if kind is not None:
+            w.add_tensor(t.name, gguf.quants.quantize(dequantize_tensor(t, str(src)), Q[kind]), raw_dtype=Q[kind])
+        elif is_float:
+            w.add_tensor(t.name, np.array(t.data))
+        else:
+            w.add_tensor(t.name, np.array(t.data), raw_dtype=t.tensor_type)
+        types[t.name] = kind or t.tensor_type.name
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return types
