@@ -56,7 +56,7 @@ class DrafterKind:
         :mod:`dflash_jax.drafter.model`.
       load_hf: ``(folder, cfg, numpy dtype) -> (cfg, params)`` (weights of a checked config).
       gguf_architectures: GGUF ``general.architecture`` values of its GGUF form (none: no GGUF).
-      load_gguf: ``(path, target cfg, dtype) -> (cfg, params)`` of a GGUF drafter file.
+      load_gguf: ``(path, target cfg, dtype, weights=) -> (cfg, params)`` of a GGUF drafter file.
       per_layer: its draft layers may be held per layer (:func:`dflash_jax.nn.params.unstack_layers`).
     """
 
@@ -144,9 +144,10 @@ def load_hf_drafter(folder: str | os.PathLike, target_cfg=None, dtype: str = "fl
     return drafter_kind(cfg.architecture).load_hf(folder, cfg, target)
 
 
-def load_gguf_drafter(path: str | os.PathLike, target_cfg, dtype: str = "float32") -> tuple[Any, dict]:
+def load_gguf_drafter(path: str | os.PathLike, target_cfg, dtype: str = "float32", weights: str = "float") -> tuple[Any, dict]:
     """Loads a drafter ``.gguf`` file as ``(DrafterConfig, params)`` by the kind its
-    ``general.architecture`` names (``dflash-draft`` / ``dflash``: Laguna drafters).
+    ``general.architecture`` names (``dflash-draft`` / ``dflash``: Laguna drafters); ``weights``
+    ``"quantized"`` keeps its quantized matrices quantized (``"float"``: all dequantized).
 
     Raises:
       DFlashError: a file of no registered drafter kind, or whatever the kind's loader finds
@@ -155,7 +156,7 @@ def load_gguf_drafter(path: str | os.PathLike, target_cfg, dtype: str = "float32
     arch = gguf_file.architecture(path)
     for kind in DRAFTER_KINDS:
         if arch in kind.gguf_architectures:
-            return kind.load_gguf(path, target_cfg, dtype)
+            return kind.load_gguf(path, target_cfg, dtype, weights=weights)
     known = tuple(a for k in DRAFTER_KINDS for a in k.gguf_architectures)
     raise DFlashError(f"{path}: key general.architecture", f"got {arch!r}", f"one of {known} (a DFlash drafter GGUF)")
 
