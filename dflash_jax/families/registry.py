@@ -77,8 +77,8 @@ class TargetFamily:
     gguf_config: Callable[[str, str], Any]
 
 
-def _laguna_gguf(path, dtype, use_cache, as_numpy):
-    return laguna_gguf.load_laguna_gguf_target(path, dtype, as_numpy=as_numpy)  # no weight cache: converted on the fly
+def _laguna_gguf(path, dtype, use_cache, as_numpy, weights="float"):
+    return laguna_gguf.load_laguna_gguf_target(path, dtype, as_numpy=as_numpy, weights=weights)  # no weight cache: converted on the fly
 
 
 def _gguf_config(build):
@@ -103,14 +103,16 @@ TARGET_FAMILIES: tuple[TargetFamily, ...] = (
         name="qwen3_moe", config_type=config_qwen3_moe.Qwen3MoeConfig, hf_architectures=("Qwen3MoeForCausalLM",),
         hf_model_types=("qwen3_moe",), gguf_architectures=(qwen3_moe_gguf.ARCH,), parse_hf=config_qwen3_moe.qwen3_moe_config_from_hf,
         model=qwen3_moe_model.MODEL, load_hf=qwen3_moe_io.load_qwen3_moe_target,
-        load_gguf=lambda path, dtype, use_cache, as_numpy: qwen3_moe_gguf.load_qwen3_moe_gguf_target(path, dtype, as_numpy=as_numpy),
+        load_gguf=lambda path, dtype, use_cache, as_numpy, weights="float": qwen3_moe_gguf.load_qwen3_moe_gguf_target(
+            path, dtype, as_numpy=as_numpy, weights=weights),
         gguf_config=_gguf_config(qwen3_moe_gguf.qwen3_moe_gguf_config),
     ),
     TargetFamily(
         name="gpt_oss", config_type=config_gpt_oss.GptOssConfig, hf_architectures=("GptOssForCausalLM",),
         hf_model_types=("gpt_oss",), gguf_architectures=(gpt_oss_gguf.ARCH,), parse_hf=config_gpt_oss.gpt_oss_config_from_hf,
         model=gpt_oss_model.MODEL, load_hf=gpt_oss_io.load_gpt_oss_target,
-        load_gguf=lambda path, dtype, use_cache, as_numpy: gpt_oss_gguf.load_gpt_oss_gguf_target(path, dtype, as_numpy=as_numpy),
+        load_gguf=lambda path, dtype, use_cache, as_numpy, weights="float": gpt_oss_gguf.load_gpt_oss_gguf_target(
+            path, dtype, as_numpy=as_numpy, weights=weights),
         gguf_config=_gguf_config(gpt_oss_gguf.gpt_oss_gguf_config),
     ),
     # hybrid (Gated DeltaNet + gated full attention), Qwen3.5-MoE and Qwen3-Next; the verify hooks: families/qwen3_5/model.py
@@ -118,7 +120,8 @@ TARGET_FAMILIES: tuple[TargetFamily, ...] = (
         name="qwen3_5", config_type=config_qwen3_5.Qwen3_5Config, hf_architectures=config_qwen3_5.HF_ARCHITECTURES,
         hf_model_types=config_qwen3_5.HF_MODEL_TYPES, gguf_architectures=tuple(qwen3_5_gguf.ARCHS),
         parse_hf=config_qwen3_5.qwen3_5_config_from_hf, model=qwen3_5_model.MODEL, load_hf=qwen3_5_io.load_qwen3_5_target,
-        load_gguf=lambda path, dtype, use_cache, as_numpy: qwen3_5_gguf.load_qwen3_5_gguf_target(path, dtype, as_numpy=as_numpy),
+        load_gguf=lambda path, dtype, use_cache, as_numpy, weights="float": qwen3_5_gguf.load_qwen3_5_gguf_target(
+            path, dtype, as_numpy=as_numpy, weights=weights),
         gguf_config=_gguf_config(qwen3_5_gguf.qwen3_5_gguf_config),
     ),
     # Gemma 4 text, and Gemma4ForConditionalGeneration's text decoder (sliding/full layers of their own head sizes,
@@ -127,7 +130,8 @@ TARGET_FAMILIES: tuple[TargetFamily, ...] = (
         name="gemma4", config_type=config_gemma4.Gemma4Config, hf_architectures=("Gemma4ForCausalLM", "Gemma4ForConditionalGeneration"),
         hf_model_types=("gemma4_text",), gguf_architectures=(gemma4_gguf.ARCH,), parse_hf=config_gemma4.gemma4_config_from_hf,
         model=gemma4_model.MODEL, load_hf=gemma4_io.load_gemma4_target,
-        load_gguf=lambda path, dtype, use_cache, as_numpy: gemma4_gguf.load_gemma4_gguf_target(path, dtype, as_numpy=as_numpy),
+        load_gguf=lambda path, dtype, use_cache, as_numpy, weights="float": gemma4_gguf.load_gemma4_gguf_target(
+            path, dtype, as_numpy=as_numpy, weights=weights),
         gguf_config=_gguf_config(gemma4_gguf.gemma4_gguf_config),
     ),
 )
