@@ -84,8 +84,10 @@ def layer_signature(cfg: LagunaConfig, i: int) -> tuple:
 
 def segments(cfg: LagunaConfig, max_period: int = 8) -> tuple[tuple[int, int, int], ...]:
     """Splits the layers into ``(first layer, period p, reps)`` runs of a repeated pattern of
-    :func:`layer_signature` (:func:`dflash_jax.nn.params.repeat_segments`)."""
-    return P.repeat_segments([layer_signature(cfg, i) for i in range(cfg.num_hidden_layers)], max_period)
+    :func:`layer_signature` (:func:`dflash_jax.nn.params.repeat_segments`); with quantized weights
+    patterns up to 12 layers long (XS-2.1's 4 attention kinds times a Q4_K_M file's 3 formats)."""
+    period = max(max_period, 12) if cfg.weight_formats else max_period
+    return P.repeat_segments([layer_signature(cfg, i) for i in range(cfg.num_hidden_layers)], period)
 
 
 def layer_slot(cfg: LagunaConfig, layer: int) -> tuple[str, int]:
