@@ -31,7 +31,7 @@ OVERRIDES = {
     "qwen3_5": dict(WIDE),
     "gemma4": dict(WIDE),
 }
-SKIP = ("embed", "lm_head")  # kept float until nn/layer.embed and lm_head take quantized weights (branch q-gguf)
+SKIP = ()  # leaves kept float (none: the embedding gather and the head take quantized weights too)
 
 
 def _family(name):

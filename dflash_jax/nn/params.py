@@ -357,8 +357,11 @@ def project(x: jnp.ndarray, w, wt, min_rows: int, preferred_element_type=None) -
     """``x [..., in] @ w [in, out]`` -> ``[..., out]``, computed as ``wt x^T`` with the copy
     ``wt [out, in]`` instead when there is one (not ``None``) and ``x`` has at least ``min_rows``
     rows (the product of its leading dims, static). The expression is the one
-    ``tools/bench_layout.py`` at commit 9868b87 timed; ``preferred_element_type`` as in ``jnp.einsum``."""
+    ``tools/bench_layout.py`` at commit 9868b87 timed; ``preferred_element_type`` as in ``jnp.einsum``.
+    A quantized ``w`` goes through :func:`dflash_jax.nn.quant.dot` (``wt`` is then ``None``)."""
     rows = math.prod(x.shape[:-1])
+    if quant.is_quantized(w):
+        return quant.dot(x, w, preferred_element_type)
     if wt is None or rows < min_rows:
         if preferred_element_type is None:
             return x @ w
