@@ -310,3 +310,16 @@ def quantized_models(cfg, dcfg, scheme: str, seed: int = 0):
     target = swap(target, cfg.num_hidden_layers, False, lambda names: starts.get(names[0]))
     drafter = swap(drafter, dcfg.num_hidden_layers, True, lambda names: 0)
     return target, drafter
+
+
+def weight_memory(name: str, scheme: str = "", dtype: str = "bfloat16") -> tuple[int, int]:
+    """``(target bytes, drafter bytes)`` of the device memory the weights of shape ``name`` take,
+    float in ``dtype`` (``scheme`` ``""``) or quantized by ``scheme`` (:data:`SCHEMES`); computed
+    from the shapes alone (``jax.eval_shape``: nothing is allocated). docs/models.md quotes these."""
+    if scheme:
+        cfg, dcfg = quantized_configs(name, dtype, scheme)
+        trees = jax.eval_shape(lambda: quantized_models(cfg, dcfg, scheme))
+    else:
+        cfg, dcfg = configs(name, dtype)
+        trees = jax.eval_shape(lambda: random_models(cfg, dcfg))
+    return tree_bytes(trees[0]), tree_bytes(trees[1])
