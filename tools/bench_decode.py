@@ -9,6 +9,7 @@ same target and dtype)::
     python tools/bench_decode.py --dtype bfloat16 --repeats 5 --no-write
     python tools/bench_decode.py --layers per_layer,stacked   # both layer layouts, alternating
     python tools/bench_decode.py --weights quantized,float    # quantized against float weights, alternating
+    python tools/bench_decode.py --weights float,quantized --spec   # and DFlash (shipped drafter) for each
     python tools/bench_decode.py --ttft              # time to first token of `dflash-jax generate`
 
 ``--ttft`` times what a user waits for, the time to first token of ``dflash-jax generate``
@@ -72,6 +73,8 @@ def main(argv=None) -> int:
     p.add_argument("--weights", default="auto",
                    help="comma-separated weights choices of load_target (auto, quantized, float), run alternately in one process "
                    "(with several layouts: every layout with every choice)")
+    p.add_argument("--spec", action="store_true",
+                   help="also run DFlash with the target's shipped drafter (loaded for each variant; its recorded depth), alternating")
     p.add_argument("--output", default=str(REPO / "BENCHMARKS.md"))
     p.add_argument("--no-write", action="store_true", help="print the figures only")
     p.add_argument("--ttft", action="store_true", help="time to first token of the command line, cold and warm (see above)")
@@ -91,6 +94,12 @@ def main(argv=None) -> int:
     for lay in layouts:
         for w in choices:  # a variant "layout" or "layout weights=choice" when several choices run
             targets[lay if len(choices) == 1 else f"{lay} weights={w}"] = dj.load_target(args.target, dtype=args.dtype, layers=lay, weights=w)
+    if args.spec:
+        for key in list(targets):
+            drafter = dj.shipped_drafter(targets[key])
+            if drafter is None:
+                p.error(f"no shipped drafter for the target of {key}")
+            targets[key + " dflash"] = (targets[key], drafter)
     layouts = list(targets)
     target = targets[layouts[0]]
     ids = prompt_ids(target, args.prompt_len)
@@ -100,7 +109,8 @@ def main(argv=None) -> int:
     outputs = {}
     for r in range(args.repeats):
         for lay in layouts:
-            res = dj.generate(targets[lay], [ids], max_new_tokens=args.max_new_tokens, chunk_size=args.chunk_size, ignore_eos=True)
+            t, d = targets[lay] if isinstance(targets[lay], tuple) else (targets[lay], None)
+            res = dj.generate(t, [ids], max_new_tokens=args.max_new_tokens, chunk_size=args.chunk_size, ignore_eos=True, drafter=d)
             st = res.stats
             by_layout[lay].append(st)
             outputs[lay] = res.output_ids
@@ -124,7 +134,8 @@ def main(argv=None) -> int:
     n_params = sum(int(x.size) for x in __import__("jax").tree_util.tree_leaves(target.params) if x.dtype.kind == "f")
     if getattr(c, "tie_word_embeddings", False) and "lm_head" in target.params:
         n_params -= int(target.params["lm_head"].size)  # load_target's [H, V] copy of the tied embedding
-    lay_label = lambda lay: lay if not lay.startswith("auto") else lay.replace("auto", "auto: " + ("per_layer" if is_per_layer(targets[lay].params["layers"]) else "stacked"), 1)  # noqa: E731
+    target_of = lambda lay: targets[lay][0] if isinstance(targets[lay], tuple) else targets[lay]  # noqa: E731
+    lay_label = lambda lay: lay if not lay.startswith("auto") else lay.replace("auto", "auto: " + ("per_layer" if is_per_layer(target_of(lay).params["layers"]) else "stacked"), 1)  # noqa: E731
     layout_rows = "".join(
         f"| decode, layers {lay_label(lay)} | {med('decode_tokens_per_s', rs):.2f} tok/s | {best('decode_tokens_per_s', rs):.2f} tok/s |\n"
         for lay, rs in by_layout.items()) if len(layouts) > 1 else ""
