@@ -6,6 +6,8 @@ per layer) in one jitted function, Q4_1 weights (random, gguf-py quantized) held
 * ``float``: the gguf-py dequantized float32 matrices ``[in, out]`` (what ``weights="float"`` holds);
 * ``packed``: :mod:`dflash_jax.nn.quant_gguf`'s fields (two 4-bit codes per byte, ``[out, in/2]``,
   float16 scale and offset per 32), through :func:`dflash_jax.nn.quant.dot` (``weights="quantized"``);
+* ``interleaved``: two 4-bit codes per byte in input order (byte ``j`` holds codes ``2j``, ``2j + 1``,
+  unpacked by a stack instead of ggml's concatenation), same ``dot``;
 * ``int8``: one code per byte ``[out, in]`` (twice the memory), same scales, same ``dot``;
 * ``int8 in-out``: codes ``[in, out]`` and ``x @ W`` (the float layout);
 * ``int8 mul-sum``: ``sum(x * W, -1)`` per 32-group, then over groups (a reduction instead of a dot).
@@ -40,6 +42,15 @@ def _int8_deq(f, dtype):
 quant.register(QuantFormat("bench_q4_1_int8", lambda f: f["codes"].shape[-1], _int8_deq))
 
 
+def _interleaved_deq(f, dtype):
+    c = f["codes"]
+    q = jnp.stack([c & 15, c >> 4], axis=-1).reshape(c.shape[:-1] + (-1,))
+    return _int8_deq(dict(f, codes=q), dtype)
+
+
+quant.register(QuantFormat("bench_q4_1_interleaved", lambda f: 2 * f["codes"].shape[-1], _interleaved_deq))
+
+
 def weights(rng):
     """The variants' weight lists (module docstring)."""
     x = rng.standard_normal((L, OUT, IN)).astype(np.float32) * 0.05
@@ -49,11 +60,14 @@ def weights(rng):
     codes = blocks[..., 4:].reshape(L, OUT, -1).copy()
     c = codes.reshape(L, OUT, -1, 16)
     q8 = np.concatenate([c & 15, c >> 4], -1).reshape(L, OUT, IN).astype(np.int8)
+    inter = (q8[..., 0::2] | (q8[..., 1::2] << 4)).astype(np.uint8)
     flt = gguf.quants.dequantize(blocks.reshape(L, OUT, -1), gguf.GGMLQuantizationType.Q4_1).reshape(L, OUT, IN)
     j = jnp.asarray
     return {
         "float": [j(flt[i].T) for i in range(L)],
         "packed": [QuantizedWeight({"codes": j(codes[i]), "scale": j(scale[i]), "offset": j(off[i])}, "q4_1") for i in range(L)],
+        "interleaved": [QuantizedWeight({"codes": j(inter[i]), "scale": j(scale[i]), "offset": j(off[i])}, "bench_q4_1_interleaved")
+                        for i in range(L)],
         "int8": [QuantizedWeight({"codes": j(q8[i]), "scale": j(scale[i]), "offset": j(off[i])}, "bench_q4_1_int8") for i in range(L)],
         "int8 in-out": [{"codes": j(q8[i].T.copy()), "scale": j(scale[i].T.copy()), "offset": j(off[i].T.copy())} for i in range(L)],
         "int8 mul-sum": [QuantizedWeight({"codes": j(q8[i]), "scale": j(scale[i]), "offset": j(off[i])}, "bench_q4_1_int8")
@@ -71,7 +85,7 @@ def _mul_sum(x, w):
     return (x.reshape(x.shape[0], 1, -1, 32) * wq).sum(-1).sum(-1)
 
 
-PRODUCTS = {"float": quant.dot, "packed": quant.dot, "int8": quant.dot, "int8 in-out": _in_out, "int8 mul-sum": _mul_sum}
+PRODUCTS = {"float": quant.dot, "packed": quant.dot, "interleaved": quant.dot, "int8": quant.dot, "int8 in-out": _in_out, "int8 mul-sum": _mul_sum}
 
 
 def main(argv=None) -> int:
