@@ -184,8 +184,13 @@ def _read_target(p: Path, dtype: str, weights: str = "float"):
         tok = Tokenizer.from_hf_folder(p) if (p / "tokenizer.json").is_file() else None
         return cfg, params, tok, tuple(tok.eos_token_ids) if tok is not None else _hf_eos_ids(p)
     if p.is_file() and p.suffix.lower() == ".gguf":
-        cfg, params = registry.load_gguf_target(p, dtype=dtype, as_numpy=weights == "float", weights=weights)
-        tok = Tokenizer.from_gguf(p)
+        if weights == "float":
+            cfg, params = registry.load_gguf_target(p, dtype=dtype, as_numpy=True)
+            tok = Tokenizer.from_gguf(p)
+        else:  # the tokenizer first, then its parsed lists freed: they and the weights do not add up
+            tok = Tokenizer.from_gguf(p)
+            gguf_file.drop_token_lists(gguf_file.open_gguf(p))
+            cfg, params = registry.load_gguf_target(p, dtype=dtype, weights=weights)
         return cfg, params, tok, tuple(tok.eos_token_ids)
     if not p.exists():
         raise DFlashError(str(p), "no such file or folder", "a Hugging Face checkpoint folder or a .gguf file")

@@ -66,9 +66,10 @@ def test_every_type_dequantizes_as_gguf_py_inside_jit(gguf_tensors, kind):
     qw = jax.tree_util.tree_map(jnp.asarray, qw)
     got = jax.jit(quant.dequantize)(qw)
     np.testing.assert_allclose(np.asarray(got), want, rtol=1e-6, atol=1e-6 * np.abs(want).max())
-    x = np.random.default_rng(1).standard_normal((3, 512)).astype(np.float32)
-    y = jax.jit(quant.dot)(jnp.asarray(x), qw)
-    np.testing.assert_allclose(np.asarray(y), x @ want.T, rtol=1e-4, atol=1e-4 * np.abs(x @ want.T).max())
+    for rows in ((3,), (1, 1)):  # several rows, and the one-row path of a decode step
+        x = np.random.default_rng(1).standard_normal(rows + (512,)).astype(np.float32)
+        y = jax.jit(quant.dot)(jnp.asarray(x), qw)
+        np.testing.assert_allclose(np.asarray(y), x @ want.T, rtol=1e-4, atol=1e-4 * np.abs(x @ want.T).max())
     rows = jnp.array([[5, 0], [7, 7]])
     np.testing.assert_allclose(np.asarray(jax.jit(quant.take_rows)(qw, rows)), want[np.asarray(rows)], rtol=1e-6, atol=1e-6)
 

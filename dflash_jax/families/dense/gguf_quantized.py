@@ -27,7 +27,7 @@ from dflash_jax import progress
 from dflash_jax.families.dense import gguf as dense_gguf
 from dflash_jax.families.dense.config import TargetConfig
 from dflash_jax.families.dense.model import MODEL
-from dflash_jax.formats.gguf_file import dequantize_tensor, open_gguf
+from dflash_jax.formats.gguf_file import dequantize_tensor, open_gguf, release_pages
 from dflash_jax.formats.gguf_quant import quantized_tensor
 from dflash_jax.nn.params import PerLayer
 from dflash_jax.nn.quant import QuantizedWeight
@@ -63,9 +63,12 @@ def load_quantized_gguf_target(path: str | os.PathLike, dtype: str = "float32", 
         if qw is None:
             x = dequantize_tensor(t, path)
             x = x if rows_of is None else rows_of(x)
-            return put(np.asarray(x.T if x.ndim == 2 and transpose else x, np_dtype))
-        fields = qw.fields if rows_of is None else {k: np.ascontiguousarray(rows_of(a)) for k, a in qw.fields.items()}
-        return QuantizedWeight(fields={k: put(a) for k, a in fields.items()}, format=qw.format, dtype=qw.dtype)
+            out = put(np.asarray(x.T if x.ndim == 2 and transpose else x, np_dtype))
+        else:
+            fields = qw.fields if rows_of is None else {k: np.ascontiguousarray(rows_of(a)) for k, a in qw.fields.items()}
+            out = QuantizedWeight(fields={k: put(a) for k, a in fields.items()}, format=qw.format, dtype=qw.dtype)
+        release_pages(reader, t)  # its bytes are converted (copies): out of the resident set
+        return out
 
     shapes = MODEL.param_shapes(cfg)
     H, V = cfg.hidden_size, cfg.vocab_size
