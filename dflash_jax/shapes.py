@@ -30,6 +30,13 @@ that travels to a lent GPU) are replaced by random weights of their exact shapes
   [5, 19, 33, 47, 61]; its MLP width 17408 and mask id 248070 assumed from Qwen3.6-27B-DFlash).
 
 ``TINY`` holds the same kinds at toy sizes for ``--dry-run`` on a CPU.
+
+Quantized weights (:func:`quantized_models`, :data:`SCHEMES`): the same shapes with random codes in
+the field layout the GGUF loaders keep (:mod:`dflash_jax.formats.gguf_quant`): ``"q4_k_m"`` as
+llama.cpp's ``Q4_K_M`` assigns types (``attn_v`` and ``ffn_down`` of the ``use_more_bits`` layers
+and the output head ``Q6_K``, every other matrix ``Q4_K``; routers, norms and biases float; a
+matrix whose input width is not a multiple of 256 ``Q8_0``) with a ``Q8_0`` drafter; ``"mxfp4"``
+as gpt-oss ships: the routed experts MXFP4, the rest float, the drafter float.
 """
 
 from __future__ import annotations
@@ -37,6 +44,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import zlib
 from pathlib import Path
 
 import jax
@@ -44,6 +52,8 @@ import numpy as np
 
 from dflash_jax.drafter import model as drafter_mod
 from dflash_jax.nn import params as P
+from dflash_jax.nn import quant
+from dflash_jax.nn.quant import QuantizedWeight
 from dflash_jax.families.laguna.presets import DRAFTERS, PUBLISHED
 from dflash_jax.families.registry import family_for_hf, module_for
 from dflash_jax.drafter.model import drafter_config_from_hf
@@ -193,13 +203,14 @@ def tree_bytes(tree) -> int:
 def weight_bytes_per_token(params, cfg, batch: int = 1) -> int:
     """The fewest weight bytes one decode step of ``batch`` rows must read: every weight once,
     except the embedding table when the LM head is separate (``batch`` rows of it), and, of a
-    mixture of experts, only the experts the rows can choose (``min(E, batch * top_k)``)."""
+    mixture of experts, only the experts the rows can choose (``min(E, batch * top_k)``). A
+    quantized weight counts the bytes of its fields."""
     total = 0
-    for path, x in jax.tree_util.tree_leaves_with_path(params):
+    for path, x in jax.tree_util.tree_leaves_with_path(params, is_leaf=quant.is_quantized):
         name = jax.tree_util.keystr(path[-1:]).strip("[]'\"")
-        n = int(x.size) * x.dtype.itemsize
+        n = x.nbytes if quant.is_quantized(x) else int(x.size) * x.dtype.itemsize
         if name == "embed" and "lm_head" in params:
-            n = batch * n // x.shape[0]
+            n = batch * n // (x.out_features if quant.is_quantized(x) else x.shape[0])
         elif name in ("e_gate", "e_up", "e_down"):
             n = n * min(cfg.num_experts, batch * cfg.num_experts_per_tok) // cfg.num_experts
         total += n
@@ -217,3 +228,127 @@ def kv_bytes_live(cache, capacity: int, live: int, window: int = 0) -> int:
         rows = live if x.shape[-3] == capacity else min(live, window)
         total += int(np.prod(x.shape[:-3])) * rows * int(np.prod(x.shape[-2:])) * x.dtype.itemsize
     return total
+
+
+SCHEMES = ("q4_k_m", "mxfp4")
+_MORE_BITS = ("wv", "w_down", "e_down", "s_down")  # llama.cpp's attn_v / ffn_down categories
+_KEEP_FLOAT = ("router", "s_router")
+
+
+def _use_more_bits(i: int, n: int) -> bool:
+    """llama.cpp ``use_more_bits``: the first and last eighth of the layers and every third between."""
+    return i < n // 8 or i >= 7 * n // 8 or (i - n // 8) % 3 == 2
+
+
+def leaf_type(scheme: str, name: str, layer: int | None, n_layers: int, n_in: int, drafter: bool = False) -> str | None:
+    """The GGML type ``scheme`` gives the leaf ``name`` (of decoder layer ``layer``, None for the
+    embedding and head) of input width ``n_in``, or ``None`` (float)."""
+    matrix = name in ("embed", "lm_head", "fc") or (name.startswith(("w", "e_", "s_", "pl_")) and name not in _KEEP_FLOAT)
+    if not matrix or n_in % 32:
+        return None
+    if scheme == "mxfp4":
+        return "MXFP4" if name.startswith("e_") and not drafter else None
+    if drafter:
+        return "Q8_0"
+    if n_in % 256:
+        return "Q8_0"
+    more = name == "lm_head" or (name in _MORE_BITS and layer is not None and _use_more_bits(layer, n_layers))
+    return "Q6_K" if more else "Q4_K"
+
+
+@functools.lru_cache(maxsize=None)
+def _field_layout(kind: str) -> tuple:
+    """``((field, per-block width, dtype), ...)``, ``block``: the fields one block of ``kind`` gives."""
+    from types import SimpleNamespace
+
+    import gguf
+
+    from dflash_jax.formats.gguf_quant import block_bytes, quantized_tensor
+
+    block = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[kind]][0]
+    probe = SimpleNamespace(name="probe", tensor_type=gguf.GGMLQuantizationType[kind], shape=[block, 1],
+                            data=np.zeros(block_bytes(kind), np.uint8))
+    qw = quantized_tensor(probe, "probe")
+    return tuple((k, a.shape[-1], a.dtype.name) for k, a in qw.fields.items()), block, qw.format
+
+
+def random_quantized(key, kind: str, lead: tuple, n_in: int, n_out: int, dtype: str) -> QuantizedWeight:
+    """A :class:`QuantizedWeight` ``[*lead, n_in, n_out]`` of ``kind`` with random codes and small
+    scales (speed does not depend on the values)."""
+    import jax.numpy as jnp
+
+    layout, block, fmt = _field_layout(kind)
+    fields = {}
+    for i, (name, width, dt) in enumerate(layout):
+        shape = (*lead, n_out, width * (n_in // block))
+        k = jax.random.fold_in(key, i)
+        if dt == "float16":
+            fields[name] = jax.random.uniform(k, shape, jnp.float32, 1e-3, 2e-3).astype(jnp.float16)
+        else:
+            hi = 64 if name in ("sub", "submin") else 127 if dt == "int8" else 256
+            fields[name] = jax.random.randint(k, shape, 0, hi, jnp.int32).astype(dt)
+    return QuantizedWeight(fields=fields, format=fmt, dtype=str(dtype))
+
+
+def quantized_configs(name: str, dtype: str, scheme: str, tiny: bool = False):
+    """:func:`configs` with the target's ``weight_formats`` set as ``scheme`` stores each layer
+    (so the layer scans stack layers of one format)."""
+    cfg, dcfg = configs(name, dtype, tiny)
+    if not hasattr(cfg, "weight_formats"):
+        return cfg, dcfg
+    specs = module_for(dataclasses.replace(cfg, weight_formats=())).param_specs(cfg)
+    n = cfg.num_hidden_layers
+    per = []
+    for i in range(n):
+        key, _ = P.segment_slot(_segments(cfg), i)
+        per.append(",".join(f"{leaf}={leaf_type(scheme, leaf, i, n, s.shape[-2])}" for leaf, s in sorted(specs[key].items())))
+    return dataclasses.replace(cfg, weight_formats=tuple(per)), dcfg
+
+
+def _segments(cfg):
+    import importlib
+
+    return importlib.import_module(module_for(cfg).module).segments(cfg)
+
+
+def quantized_models(cfg, dcfg, scheme: str, seed: int = 0):
+    """``(target params, drafter params)`` of :func:`random_models` with every leaf ``scheme``
+    quantizes (:func:`leaf_type`) replaced by random codes of its format, made on the device leaf
+    by leaf (``cfg`` from :func:`quantized_configs`)."""
+    target, drafter = random_models(cfg, dcfg, seed)
+    key = jax.random.key(seed + 1)
+    starts = {f"seg{j}_{k}": start + k for j, (start, p, _) in enumerate(_segments(cfg)) for k in range(p)} if hasattr(cfg, "weight_formats") else {}
+
+    def swap(tree, n_layers, drafter_side, layer_of):
+        def one(path, a):
+            if a.ndim < 2:
+                return a
+            names = [getattr(p, "key", None) for p in path]
+            leaf = names[-1]
+            table = leaf == "embed"
+            n_in = a.shape[-1] if table else a.shape[-2]
+            kind = leaf_type(scheme, leaf, layer_of(names), n_layers, n_in, drafter_side)
+            if kind is None:
+                return a
+            k = jax.random.fold_in(key, zlib.crc32(jax.tree_util.keystr(path).encode()))
+            lead, n_out = (a.shape[:-2], a.shape[-2]) if table else (a.shape[:-2], a.shape[-1])
+            return random_quantized(k, kind, lead, n_in, n_out, str(a.dtype))
+
+        return jax.tree_util.tree_map_with_path(one, tree)
+
+    target = swap(target, cfg.num_hidden_layers, False, lambda names: starts.get(names[0]))
+    drafter = swap(drafter, dcfg.num_hidden_layers, True, lambda names: 0)
+    return target, drafter
+
+
+def weight_memory(name: str, scheme: str = "", dtype: str = "bfloat16") -> tuple[int, int]:
+    """``(target bytes, drafter bytes)`` of the device memory the weights of shape ``name`` take,
+    float in ``dtype`` (``scheme`` ``""``) or quantized by ``scheme`` (:data:`SCHEMES`); computed
+    from the shapes alone (``jax.eval_shape``: nothing is allocated). docs/models.md quotes these."""
+    if scheme:
+        cfg, dcfg = quantized_configs(name, dtype, scheme)
+        trees = jax.eval_shape(lambda: quantized_models(cfg, dcfg, scheme))
+    else:
+        cfg, dcfg = configs(name, dtype)
+        trees = jax.eval_shape(lambda: random_models(cfg, dcfg))
+    return tree_bytes(trees[0]), tree_bytes(trees[1])

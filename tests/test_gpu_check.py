@@ -39,7 +39,10 @@ def test_dry_run_measures_every_section(dry_run):
     out, res, stdout = dry_run
     runs = {(e["shape"], e["dtype"]): e for e in res["runs"]}
     assert set(runs) == {("qwen3-8b", "bfloat16"), ("laguna-xs-2.1", "bfloat16"), ("smollm2-135m", "float32"),
-                         ("qwen3-coder-30b-a3b", "bfloat16"), ("gpt-oss-20b", "bfloat16"), ("qwen3.8-27b", "bfloat16")}
+                         ("qwen3-coder-30b-a3b", "bfloat16"), ("gpt-oss-20b", "bfloat16"), ("qwen3.8-27b", "bfloat16"), ("laguna-xs-2.1 q4_k_m", "bfloat16"),
+                         ("gpt-oss-20b mxfp4", "bfloat16")}
+    for quantized, float_entry in (("laguna-xs-2.1 q4_k_m", "laguna-xs-2.1"), ("gpt-oss-20b mxfp4", "gpt-oss-20b")):
+        assert runs[(quantized, "bfloat16")]["weights_bytes"] < runs[(float_entry, "bfloat16")]["weights_bytes"]
     assert all(not e.get("skipped") for e in runs.values()), [e.get("skipped") for e in runs.values()]
     qwen = runs[("qwen3-8b", "bfloat16")]
     assert [d["live"] for d in qwen["decode"]] == [64, 200]
@@ -57,7 +60,7 @@ def test_dry_run_measures_every_section(dry_run):
     m = res["mesh"]
     assert m["runs"] and m["same_tokens"] and m["error"] is None and m["devices"] == 1, m
     md = (out / "gpu_check.md").read_text(encoding="utf-8")
-    for heading in ("Oracle tests on the device", "Mesh", "Decode step and HBM bandwidth", "Decode step against live length", "Verify cost",
+    for heading in ("Oracle tests on the device", "Mesh", "Weights in device memory", "Decode step and HBM bandwidth", "Decode step against live length", "Verify cost",
                     "DFlash tokens/s against acceptance", "Compile times"):
         assert f"### {heading}" in md and f"### {heading}" in stdout
     assert "Skipped" not in md

@@ -22,6 +22,10 @@ of their real shapes (Qwen3.8-27B's: the DFlash2 drafter, its convolutions and c
   for chains and for best-first trees of 7 and 15 nodes (tree verification: what a wider verify pass
   costs on the device);
 - compile seconds of every program; bf16 and fp32;
+- quantized weights kept quantized (:func:`dflash_jax.shapes.quantized_models`): Laguna-XS-2.1 in
+  Q4_K_M with a Q8_0 drafter and gpt-oss-20b with its MXFP4 experts (random codes in the layout the
+  GGUF loaders keep): device memory of the weights, decode and verify step times (results entry
+  ``"<shape> <scheme>"``);
 - the oracle tests (transformers parity, losslessness, exact sampling) with pytest on the device;
 - whether the mesh path lowers and runs on the devices found (``--mesh``: a tiny model on a mesh of
   every device, its tokens against one device's).
@@ -54,7 +58,7 @@ import jax  # noqa: E402
 
 from benchlib import machine, write_section  # noqa: E402
 from dflash_jax.decode.state import Decoding, Params  # noqa: E402
-from dflash_jax.shapes import configs, random_models, tree_bytes  # noqa: E402
+from dflash_jax.shapes import configs, quantized_configs, quantized_models, random_models, tree_bytes  # noqa: E402
 from gpu_measure import Generation, clocked, copy_bandwidth, decode_at, dflash_at, markdown, mesh_check, oracle_tests, verify_cost  # noqa: E402
 
 H200_COPY_BW = 4.3e12  # bytes/s, device-to-device copy measured on an H200 of this workplace (read + written)
@@ -78,6 +82,12 @@ class Run:
     accepts: tuple = ()
     context: int = 1024
     trees: tuple = ()  # tree verification: steps over best-first trees of these many nodes, accepting TREE_ACCEPT drafts
+    weights: str = ""  # "": float weights of dtype; a scheme of dflash_jax.shapes.SCHEMES: quantized ones (computing in dtype)
+
+    @property
+    def label(self) -> str:
+        """The results entry's model name: the shape, and the quantization scheme when there is one."""
+        return f"{self.shape} {self.weights}".strip()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -110,6 +120,8 @@ PLANS = {
                        Run("gpt-oss-20b", "bfloat16", (1024, 2048), (1, 16, 4), (0, 15, 3)),
                        Run("qwen3.8-27b", "bfloat16", (1024,), (1, 8), (0, 7, 3)),  # a DFlash2 drafter (block 8)
                        Run("qwen3-8b", "float32", (1024,)), Run("smollm2-135m", "float32", (1024,)),
+                       Run("laguna-xs-2.1", "bfloat16", (1024,), (1, 16), (0, 15), weights="q4_k_m"),
+                       Run("gpt-oss-20b", "bfloat16", (1024,), (1, 16), (0, 15), weights="mxfp4"),
                        Run("qwen3-8b", "bfloat16", widths=(12, 3, 6, 10, 14, 5, 7, 9, 11, 13, 15))),  # B = 1..16 if time is left
                  capacity=4096, steps=64, repeats=5, calls=20, chunk=512, copy_bytes=4 << 30,
                  oracle=(ORACLE_FILES, ORACLE_EXPR), oracle_s=120, budget_s=420),
@@ -118,7 +130,9 @@ PLANS = {
                         Run("laguna-xs-2.1", "bfloat16", (1024,), (1, 16), (0, 15)),
                         Run("qwen3-coder-30b-a3b", "bfloat16", (1024,), (1, 16), (0, 15)),
                         Run("gpt-oss-20b", "bfloat16", (1024,), (1, 16), (0, 15)), Run("qwen3-8b", "float32", (1024,)),
-                        Run("qwen3.8-27b", "bfloat16", (1024,), (1, 8), (0, 7))),
+                        Run("qwen3.8-27b", "bfloat16", (1024,), (1, 8), (0, 7)),
+                        Run("laguna-xs-2.1", "bfloat16", (1024,), (1, 16), weights="q4_k_m"),
+                        Run("gpt-oss-20b", "bfloat16", (1024,), (1, 16), weights="mxfp4")),
                   capacity=2048, steps=32, repeats=3, calls=10, chunk=512, copy_bytes=2 << 30,
                   oracle=(ORACLE_FILES, ORACLE_EXPR), oracle_s=60, budget_s=240),
     # every shape kind, both dtypes, every section and a fill-in run, at toy sizes; a budget that skips nothing
@@ -127,7 +141,9 @@ PLANS = {
                           Run("qwen3-coder-30b-a3b", "bfloat16", (64,), (1,), (7,), 64),
                           Run("gpt-oss-20b", "bfloat16", (64,), (1,), (7,), 64),
                           Run("qwen3.8-27b", "bfloat16", (64,), (1,), (3,), 64),
-                          Run("smollm2-135m", "float32", (64,), (1,), (3,), 64, trees=(3,)), Run("qwen3-8b", "bfloat16", widths=(4,), context=64)),
+                          Run("smollm2-135m", "float32", (64,), (1,), (3,), 64, trees=(3,)), Run("qwen3-8b", "bfloat16", widths=(4,), context=64),
+                          Run("laguna-xs-2.1", "bfloat16", (64,), (1,), (7,), 64, weights="q4_k_m"),
+                          Run("gpt-oss-20b", "bfloat16", (64,), (1,), (7,), 64, weights="mxfp4")),
                     capacity=256, steps=8, repeats=2, calls=3, chunk=32, copy_bytes=64 << 20,
                     oracle=(("tests/test_sampling.py",), "greedy_and_gap"), oracle_s=120, budget_s=900, tiny=True),
 }
@@ -176,11 +192,15 @@ class Report:
 
 def measure_run(run: Run, plan: Plan, budget: Budget, report: Report, peak_bw: float) -> None:
     """Every measurement of one :class:`Run`, in priority order, into the entry of its model and dtype."""
-    entry = report.entry(run.shape, run.dtype, plan.capacity)
+    entry = report.entry(run.label, run.dtype, plan.capacity)
     if not budget.fits(2 if run.lengths else 1, 15.0):
         return report.skip(entry, f"decode {list(run.lengths)}, verify {list(run.widths)}, DFlash {list(run.accepts)}")
-    cfg, dcfg = configs(run.shape, run.dtype, plan.tiny)
-    (params, dparams), init_s = clocked(lambda: random_models(cfg, dcfg))
+    if run.weights:
+        cfg, dcfg = quantized_configs(run.shape, run.dtype, run.weights, plan.tiny)
+        (params, dparams), init_s = clocked(lambda: quantized_models(cfg, dcfg, run.weights))
+    else:
+        cfg, dcfg = configs(run.shape, run.dtype, plan.tiny)
+        (params, dparams), init_s = clocked(lambda: random_models(cfg, dcfg))
     entry.setdefault("init_s", init_s)  # a later run of the same model reuses the compiled initializer
     entry.update(weights_bytes=tree_bytes(params), drafter_bytes=tree_bytes(dparams), layers=cfg.num_hidden_layers,
                  block_size=dcfg.block_size)
@@ -266,11 +286,11 @@ def check(plan: Plan, mode: str, out: Path, argv) -> dict:
     results["peak_source"] = "4.3 TB/s, copy bandwidth of an H200 (KINDS.md)" if gpu else "copy bandwidth measured in this run"
     report.save()
     for run in plan.runs:
-        print(f"run: {run.shape} {run.dtype} ({budget.left():.0f} s left)", file=sys.stderr)
+        print(f"run: {run.label} {run.dtype} ({budget.left():.0f} s left)", file=sys.stderr)
         try:
             measure_run(run, plan, budget, report, peak)
         except Exception as e:  # one failing run (out of memory, say) must not cost the others
-            report.skip(report.entry(run.shape, run.dtype, plan.capacity), "the rest of this run", f"{type(e).__name__}: {e}"[:600])
+            report.skip(report.entry(run.label, run.dtype, plan.capacity), "the rest of this run", f"{type(e).__name__}: {e}"[:600])
             traceback.print_exc()
             del e
         gc.collect()  # the run's weights go before the next run's come

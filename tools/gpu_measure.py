@@ -363,6 +363,13 @@ def _oracle(results: dict) -> str:
     return text + ("\nFailed: " + ", ".join(f"`{f}`" for f in o["failures"]) if o["failures"] else "")
 
 
+def _memory(results: dict) -> str:
+    """Device memory of each model's weights (quantized entries keep their codes: ``"<shape> <scheme>"``)."""
+    rows = [[r["shape"], r["dtype"], f"{r['weights_bytes'] / 1e9:.2f}", f"{r['drafter_bytes'] / 1e9:.2f}"]
+            for r in results.get("runs", []) if "weights_bytes" in r]
+    return _table(["model", "dtype", "target weights GB", "drafter weights GB"], rows) if rows else "not measured"
+
+
 def markdown(results: dict) -> str:
     """The section (Markdown, without its BENCHMARKS.md markers) for the results of one run."""
     dev, m = results.get("device", {}), results.get("machine", {})
@@ -380,6 +387,7 @@ def markdown(results: dict) -> str:
         "compiled ahead of time as `generate` does; each figure is the median of several runs after a warm-up.",
         "### Oracle tests on the device", _oracle(results),
         "### Mesh", _mesh(results),
+        "### Weights in device memory", _memory(results),
         "### Decode step and HBM bandwidth", _decode(results),
         "### Decode step against live length", _scaling(results),
         "### Verify cost", _verify(results),

@@ -49,6 +49,7 @@ from dflash_jax.formats.checkpoint import (
     load_named,
 )
 from dflash_jax.nn import params as P
+from dflash_jax.nn import quant
 from dflash_jax.nn.attention import cache_attention
 from dflash_jax.nn.layer import (
     apply_rope,
@@ -208,6 +209,19 @@ def param_shapes(cfg: DrafterConfig) -> dict:
     return P.shapes(param_specs(cfg))
 
 
+def layers_dot(x: jnp.ndarray, w) -> jnp.ndarray:
+    """Every layer's projection of ``x``: ``x [B, T, H]`` (shared) or ``[L, B, T, H]`` (one per
+    layer) times the stacked ``w [L, H, D]`` -> ``[L, B, T, D]``. A float stack is one einsum; a
+    quantized one (:class:`~dflash_jax.nn.quant.QuantizedWeight`) maps :func:`~dflash_jax.nn.quant.dot`
+    over its layers."""
+    shared = x.ndim == 3
+    if not quant.is_quantized(w):
+        return jnp.einsum("bth,lhd->lbtd" if shared else "lbth,lhd->lbtd", x, w)
+    if shared:
+        return jax.vmap(lambda wl: quant.dot(x, wl))(w)
+    return jax.vmap(quant.dot)(x, w)
+
+
 def context_kv(params: dict, cfg: DrafterConfig, features: jnp.ndarray, positions: jnp.ndarray):
     """Projects captured target features into every draft layer's context keys and values.
 
@@ -219,14 +233,13 @@ def context_kv(params: dict, cfg: DrafterConfig, features: jnp.ndarray, position
       (context rows skip ``input_layernorm``; source: ``Qwen3DFlashAttention.forward``).
     """
     lp = params["layers"]
-    c = rms_norm(features.astype(cfg.dtype) @ params["fc"], params["hidden_norm"], cfg.rms_norm_eps)
+    c = rms_norm(quant.dot(features.astype(cfg.dtype), params["fc"]), params["hidden_norm"], cfg.rms_norm_eps)
     if P.is_per_layer(lp):  # per-layer buffers: project per layer, stack the results
-        k = jnp.stack([c @ layer["wk"] for layer in lp])
-        v = jnp.stack([c @ layer["wv"] for layer in lp])
+        k = jnp.stack([quant.dot(c, layer["wk"]) for layer in lp])
+        v = jnp.stack([quant.dot(c, layer["wv"]) for layer in lp])
         lp = {n: jnp.stack([layer[n] for layer in lp]) for n in ("bk", "bv", "k_norm") if n in lp[0]}
     else:
-        k = jnp.einsum("bth,lhd->lbtd", c, lp["wk"])
-        v = jnp.einsum("bth,lhd->lbtd", c, lp["wv"])
+        k, v = layers_dot(c, lp["wk"]), layers_dot(c, lp["wv"])
     if cfg.attention_bias:
         k, v = k + lp["bk"][:, None, None, :], v + lp["bv"][:, None, None, :]
     return context_heads(cfg, k, v, lp["k_norm"], positions)

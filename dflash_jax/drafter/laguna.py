@@ -63,6 +63,7 @@ from dflash_jax.formats.checkpoint import (
     load_named,
 )
 from dflash_jax.nn import params as P
+from dflash_jax.nn import quant
 from dflash_jax.nn.layer import rms_norm
 from dflash_jax.nn.params import ParamSpec, decoder_layer, stacked
 
@@ -215,9 +216,11 @@ def _gguf_config(reader, path: str, p: str, target_cfg, dtype: str, sliding_wind
     )
 
 
-def _gguf_params(reader, path: str, ik: bool, cfg: DrafterConfig) -> tuple[DrafterConfig, dict]:
+def _gguf_params(reader, path: str, ik: bool, cfg: DrafterConfig, weights: str = "float") -> tuple[DrafterConfig, dict]:
     """``(cfg with the gate kind of the attn_gate width, float32 numpy params)``; every tensor
-    checked against the config's shapes."""
+    checked against the config's shapes. With ``weights="quantized"`` the quantized matrices
+    (``fc``, each stacked layer matrix whose layers share one type) are
+    :class:`~dflash_jax.nn.quant.QuantizedWeight` leaves instead (:mod:`dflash_jax.formats.gguf_leaves`)."""
     n, K = cfg.num_hidden_layers, len(cfg.target_layer_ids)
     tensors = {t.name: t for t in reader.tensors}
     if ik:
@@ -244,19 +247,35 @@ def _gguf_params(reader, path: str, ik: bool, cfg: DrafterConfig) -> tuple[Draft
     out["fc"] = out["fc"].T
     out["aux_norm"] = np.stack([read(a) for a in aux]) if ik else read(aux[0]).reshape(K, -1)
     names = dict(_GGUF_LAYER, **{mlp_norm: "mlp_norm"})
-    out["layers"] = {leaf: np.stack([r.T if leaf in _MATRICES else r for r in (read(f"blk.{i}.{gg}.weight") for i in range(n))])
+    quantized = _quantized(path, tensors, {"fc": ([(glob["fc"], None)], shapes["fc"])} | {
+        ("layers", leaf): ([(f"blk.{i}.{gg}.weight", i) for i in range(n)], shapes["layers"][leaf])
+        for gg, leaf in names.items() if leaf in _MATRICES}, cfg.dtype) if weights == "quantized" else {}
+    out["layers"] = {leaf: quantized.get(("layers", leaf)) or np.stack([r.T if leaf in _MATRICES else r for r in
+                                                                       (read(f"blk.{i}.{gg}.weight") for i in range(n))])
                      for gg, leaf in names.items()}
+    if "fc" in quantized:
+        out["fc"] = quantized["fc"]
     for k, v in out.items():
-        if k != "layers" and v.shape != shapes[k]:
+        if k != "layers" and tuple(v.shape) != shapes[k]:
             raise DFlashError(f"{path}: tensor {glob.get(k, aux[0])}", f"shape {v.shape}", f"{shapes[k]} for this config")
     for leaf, arr in out["layers"].items():
-        if arr.shape != shapes["layers"][leaf]:
+        if tuple(arr.shape) != shapes["layers"][leaf]:
             raise DFlashError(f"{path}: tensors blk.*.{[g for g, l in names.items() if l == leaf][0]}.weight",
                               f"stacked shape {arr.shape}", f"{shapes['layers'][leaf]} for this config")
     return cfg, out
 
 
-def load_laguna_drafter_gguf(path: str | os.PathLike, target_cfg, dtype: str = "float32", sliding_window: int = 512) -> tuple[DrafterConfig, dict]:
+def _quantized(path: str, tensors: dict, leaves: dict, dtype) -> dict:
+    """``{leaf key: QuantizedWeight}`` of the ``{key: (parts, float shape)}`` leaves whose tensors
+    share one quantized type (:func:`dflash_jax.formats.gguf_leaves.quantized_leaf`)."""
+    from dflash_jax.formats import gguf_leaves
+
+    out = {k: gguf_leaves.quantized_leaf(path, tensors, parts, shape, dtype) for k, (parts, shape) in leaves.items()}
+    return {k: v for k, v in out.items() if v is not None}
+
+
+def load_laguna_drafter_gguf(path: str | os.PathLike, target_cfg, dtype: str = "float32", sliding_window: int = 512,
+                             weights: str = "float") -> tuple[DrafterConfig, dict]:
     """Loads a Laguna drafter GGUF in the ik ``dflash-draft`` or mainline ``dflash`` layout.
 
     Args:
@@ -264,6 +283,8 @@ def load_laguna_drafter_gguf(path: str | os.PathLike, target_cfg, dtype: str = "
       target_cfg: the target config (vocab size and layer count are not in the drafter file).
       dtype: parameter dtype name.
       sliding_window: window for the ``dflash`` layout, which stores none (vLLM's 512).
+      weights: ``"float"``, or ``"quantized"`` (``"auto"``): its quantized matrices (a Q8_0
+        drafter's) stay quantized.
     Returns:
       ``(DrafterConfig, params)`` equal to what the safetensors checkpoint loads to.
     Raises:
@@ -276,8 +297,11 @@ def load_laguna_drafter_gguf(path: str | os.PathLike, target_cfg, dtype: str = "
     prefix = _gguf_prefix(reader, path)
     cfg = _gguf_config(reader, path, prefix, target_cfg, dtype, sliding_window)
     check_drafter_fits(cfg, target_cfg, source=path)
-    cfg, out = _gguf_params(reader, path, prefix == "dflash-draft.", cfg)
-    return cfg, jax.tree_util.tree_map(lambda a: jax.numpy.asarray(a.astype(dtype)), out)
+    from dflash_jax.formats.gguf_leaves import check_weights
+
+    cfg, out = _gguf_params(reader, path, prefix == "dflash-draft.", cfg, check_weights(weights))
+    return cfg, jax.tree_util.tree_map(lambda a: jax.device_put(a) if quant.is_quantized(a) else jax.numpy.asarray(a.astype(dtype)),
+                                       out, is_leaf=quant.is_quantized)
 
 
 def param_specs(cfg: DrafterConfig) -> dict:
@@ -304,7 +328,7 @@ def fuse(params: dict, cfg: DrafterConfig, features: jnp.ndarray) -> jnp.ndarray
     b, t, _ = features.shape
     K, H = len(cfg.target_layer_ids), cfg.hidden_size
     f = rms_norm(features.astype(cfg.dtype).reshape(b, t, K, H), params["aux_norm"], cfg.rms_norm_eps)
-    return rms_norm(f.reshape(b, t, K * H) @ params["fc"], params["hidden_norm"], cfg.rms_norm_eps)
+    return rms_norm(quant.dot(f.reshape(b, t, K * H), params["fc"]), params["hidden_norm"], cfg.rms_norm_eps)
 
 
 def context_kv(params: dict, cfg: DrafterConfig, features: jnp.ndarray, positions: jnp.ndarray):
@@ -320,8 +344,7 @@ def context_kv(params: dict, cfg: DrafterConfig, features: jnp.ndarray, position
     lp = params["layers"]
     c = fuse(params, cfg, features)
     u = rms_norm(c[None], lp["attn_norm"][:, None, None, :], cfg.rms_norm_eps)
-    k = jnp.einsum("lbth,lhd->lbtd", u, lp["wk"])
-    v = jnp.einsum("lbth,lhd->lbtd", u, lp["wv"])
+    k, v = generic.layers_dot(u, lp["wk"]), generic.layers_dot(u, lp["wv"])
     return context_heads(cfg, k, v, lp["k_norm"], positions)
 
 

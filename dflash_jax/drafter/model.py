@@ -45,6 +45,7 @@ from dflash_jax.families.dense.config import TargetConfig
 from dflash_jax.formats import gguf_file
 from dflash_jax.formats.checkpoint import numpy_dtype
 from dflash_jax.nn import params as P
+from dflash_jax.nn import quant
 from dflash_jax.nn.params import ParamSpec
 
 
@@ -59,7 +60,7 @@ class DrafterKind:
         :mod:`dflash_jax.drafter.model`.
       load_hf: ``(folder, cfg, numpy dtype) -> (cfg, params)`` (weights of a checked config).
       gguf_architectures: GGUF ``general.architecture`` values of its GGUF form (none: no GGUF).
-      load_gguf: ``(path, target cfg, dtype) -> (cfg, params)`` of a GGUF drafter file.
+      load_gguf: ``(path, target cfg, dtype, weights=) -> (cfg, params)`` of a GGUF drafter file.
       per_layer: its draft layers may be held per layer (:func:`dflash_jax.nn.params.unstack_layers`).
     """
 
@@ -146,9 +147,10 @@ def load_hf_drafter(folder: str | os.PathLike, target_cfg=None, dtype: str = "fl
     return drafter_kind(cfg.architecture).load_hf(folder, cfg, target)
 
 
-def load_gguf_drafter(path: str | os.PathLike, target_cfg, dtype: str = "float32") -> tuple[Any, dict]:
+def load_gguf_drafter(path: str | os.PathLike, target_cfg, dtype: str = "float32", weights: str = "float") -> tuple[Any, dict]:
     """Loads a drafter ``.gguf`` file as ``(DrafterConfig, params)`` by the kind its
-    ``general.architecture`` names (``dflash-draft`` / ``dflash``: Laguna drafters).
+    ``general.architecture`` names (``dflash-draft`` / ``dflash``: Laguna drafters); ``weights``
+    ``"quantized"`` keeps its quantized matrices quantized (``"float"``: all dequantized).
 
     Raises:
       DFlashError: a file of no registered drafter kind, or whatever the kind's loader finds
@@ -157,7 +159,7 @@ def load_gguf_drafter(path: str | os.PathLike, target_cfg, dtype: str = "float32
     arch = gguf_file.architecture(path)
     for kind in DRAFTER_KINDS:
         if arch in kind.gguf_architectures:
-            return kind.load_gguf(path, target_cfg, dtype)
+            return kind.load_gguf(path, target_cfg, dtype, weights=weights)
     known = tuple(a for k in DRAFTER_KINDS for a in k.gguf_architectures)
     raise DFlashError(f"{path}: key general.architecture", f"got {arch!r}", f"one of {known} (a DFlash drafter GGUF)")
 
@@ -290,7 +292,7 @@ def head_logits(cfg: DrafterConfig, family: FamilyModel, target_cfg, hidden: jnp
     the target family's LM head (``family.lm_head``) as its head ``{"lm_head": head}`` (:attr:`dflash_jax.families.contract.FamilyModel.lm_head`),
     so that any family soft-cap applies to these columns as to the full head's; then the drafter's
     ``output_multiplier`` and soft-cap."""
-    head_only = {"lm_head": head.astype(hidden.dtype)}
+    head_only = {"lm_head": quant.astype(head, hidden.dtype)}
     return _finish_logits(cfg, family.lm_head(head_only, _head_cfg(cfg, target_cfg), hidden))
 
 

@@ -23,6 +23,7 @@ from pathlib import Path
 import jax.numpy as jnp
 import numpy as np
 from dflash_jax.errors import DFlashError
+from dflash_jax.nn import quant
 
 
 FILE_NAME = "draft_vocab.safetensors"
@@ -97,9 +98,12 @@ def load(folder: str | os.PathLike, vocab_size: int) -> np.ndarray | None:
 def head_columns(target_params: dict, ids: jnp.ndarray) -> jnp.ndarray:
     """``[H, Vd]``: the target LM-head columns of ``ids`` (tied heads read the embedding rows); the
     drafter's logits run them through the target family's ``lm_head`` (any soft-cap applies:
-    :func:`dflash_jax.drafter.model.head_logits`)."""
+    :func:`dflash_jax.drafter.model.head_logits`). A quantized head's columns stay quantized
+    (:func:`dflash_jax.nn.quant.output_rows`: its rows are the vocabulary)."""
     if "lm_head" in target_params:
-        return jnp.take(target_params["lm_head"], ids, axis=1)
+        return quant.output_rows(target_params["lm_head"], ids)
+    if quant.is_quantized(target_params["embed"]):  # stored as V rows of H: it is the [H, V] head already
+        return quant.output_rows(target_params["embed"], ids)
     return jnp.transpose(jnp.take(target_params["embed"], ids, axis=0))
 
 

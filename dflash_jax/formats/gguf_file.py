@@ -10,6 +10,7 @@ types ``gguf`` can dequantize). GGUF stores dims in ggml order (``ne[0]`` innerm
 from __future__ import annotations
 
 import contextlib
+import gc
 import math
 import os
 from typing import Any, Iterator
@@ -75,6 +76,50 @@ def shared_readers() -> Iterator[None]:
     finally:
         if outer is None:
             _SHARED[0] = None
+
+
+TOKEN_LISTS = ("tokenizer.ggml.tokens", "tokenizer.ggml.token_type", "tokenizer.ggml.merges", "tokenizer.ggml.scores")
+
+
+class _DroppedList:
+    """Stands for a list field :func:`drop_token_lists` dropped: its length only (``len(data)``)."""
+
+    def __init__(self, name: str, n: int):
+        self.name, self.data = name, range(n)
+
+    def contents(self, *_):
+        raise DFlashError(f"metadata {self.name}", "dropped from this reader after the tokenizer was built", "a fresh reader")
+
+
+def drop_token_lists(reader) -> None:
+    """Frees a reader's parsed token lists (:data:`TOKEN_LISTS`; ``gguf.GGUFReader`` holds a numpy
+    view per string: about 160 MB of host memory for a 49k-token vocabulary) once the tokenizer is
+    built, keeping their lengths (the embedding's vocabulary check reads them). A quantized load
+    calls it before reading the weights, so the two do not add up in the loading peak."""
+    for key in TOKEN_LISTS:
+        field = reader.fields.get(key)
+        if field is not None and not isinstance(field, _DroppedList):
+            reader.fields[key] = _DroppedList(key, len(field.data))
+    gc.collect()  # the views form cycles with their memory map: free them now, before the weights
+
+
+def release_pages(reader, tensor) -> None:
+    """Drops the pages of ``tensor``'s bytes from the process's resident memory (``madvise
+    MADV_DONTNEED`` on the reader's read-only file mapping; a later read maps them from the file
+    again, so views stay valid), so a load that converts tensor by tensor does not accumulate the
+    whole file in its resident set. A no-op where the mapping or ``madvise`` is unavailable."""
+    import mmap
+
+    m = getattr(getattr(reader, "data", None), "_mmap", None)
+    if m is None or not hasattr(m, "madvise") or not hasattr(mmap, "MADV_DONTNEED"):
+        return
+    page = mmap.PAGESIZE
+    start = int(tensor.data_offset) // page * page
+    end = int(tensor.data_offset) + int(tensor.n_bytes)
+    try:
+        m.madvise(mmap.MADV_DONTNEED, start, end - start)
+    except (OSError, ValueError):
+        pass
 
 
 def reader_name(reader) -> str:
@@ -168,10 +213,10 @@ def embedding_vocab(reader, tensors: dict, path: str, vocab_key: str) -> int:
     return vocab
 
 
-def empty_params(path: str, tensors: dict, names, shapes: dict, dtype: np.dtype, model: str, dtype_of=None) -> dict:
+def empty_params(path: str, tensors: dict, names, shapes: dict, dtype: np.dtype, model: str, dtype_of=None, skip=()) -> dict:
     """The empty parameter tree a family's GGUF loader fills, once the file holds exactly the
     tensors ``names`` lists (arguments as :func:`read_params`'s; ``names`` any collection of
-    tensor names).
+    tensor names). Leaves ``(key, leaf or "")`` in ``skip`` are ``None`` (no float buffer).
 
     Raises:
       DFlashError: a missing or unexpected tensor (file and tensor named).
@@ -181,11 +226,41 @@ def empty_params(path: str, tensors: dict, names, shapes: dict, dtype: np.dtype,
     for name in sorted(set(tensors) - set(names)):
         raise DFlashError(f"{path}: tensor {name}", "unexpected", f"only the tensors of {model}")
     dt = dtype_of or (lambda leaf: dtype)
-    return {k: (np.empty(v, dtype) if isinstance(v, tuple) else {leaf: np.empty(s, dt(leaf)) for leaf, s in v.items()})
+    return {k: ((None if (k, "") in skip else np.empty(v, dtype)) if isinstance(v, tuple)
+                else {leaf: None if (k, leaf) in skip else np.empty(s, dt(leaf)) for leaf, s in v.items()})
             for k, v in shapes.items()}
 
 
-def read_params(path: str, tensors: dict, names: dict, shapes: dict, dtype: np.dtype, model: str, dtype_of=None) -> dict:
+def _quantized_leaves(path: str, tensors: dict, names: dict, shapes: dict, dtype: np.dtype) -> dict:
+    """``{(key, leaf or ""): QuantizedWeight}`` of the leaves :func:`read_params` keeps quantized
+    (:mod:`dflash_jax.formats.gguf_leaves`): matrices stored ``[.., out, in]`` and gathered tables,
+    every tensor of the leaf of one quantized type."""
+    from dflash_jax import progress
+    from dflash_jax.formats import gguf_leaves
+
+    groups: dict = {}
+    for name, (key, leaf, r, conv) in names.items():
+        groups.setdefault((key, leaf or ""), []).append((name, r, conv))
+    out, mixed = {}, []
+    for (key, leaf), parts in groups.items():
+        table = (leaf or key) in gguf_leaves.TABLES
+        convs = {c for _, _, c in parts}
+        if not (convs <= set(gguf_leaves.MATRIX_CONVERSIONS) or (table and convs == {None})):
+            continue
+        kinds = {gguf_leaves.tensor_format(tensors[n]) for n, _, _ in parts if n in tensors}
+        shape = shapes[key] if not leaf else shapes[key][leaf]
+        qw = gguf_leaves.quantized_leaf(path, tensors, [(n, r) for n, r, _ in parts if n in tensors], shape, dtype, table)
+        if qw is not None:
+            out[(key, leaf)] = qw
+        elif len(kinds) > 1 and kinds != {"float"}:
+            mixed.append(f"{key}.{leaf}" if leaf else key)
+    if mixed:
+        progress.note(gguf_leaves.mixed_note(path, mixed))
+    return out
+
+
+def read_params(path: str, tensors: dict, names: dict, shapes: dict, dtype: np.dtype, model: str, dtype_of=None,
+                weights: str = "float") -> dict:
     """The parameter tree of a family's GGUF loader, every array read from its tensor.
 
     Args:
@@ -197,13 +272,25 @@ def read_params(path: str, tensors: dict, names: dict, shapes: dict, dtype: np.d
       shapes: the family's ``param_shapes`` (a shape tuple, or ``{leaf: shape}``, per key).
       dtype: numpy dtype of the arrays; ``dtype_of``: ``leaf -> dtype`` where some differ.
       model: what the file must be, for errors (``"a 24-layer gpt-oss model"``).
+      weights: ``"float"`` (every tensor dequantized) or ``"quantized"``: quantized matrices and
+        tables stay quantized (:func:`_quantized_leaves`; F32/F16/BF16 tensors stay float).
     Returns:
-      The tree of numpy arrays.
+      The tree of numpy arrays (and :class:`~dflash_jax.nn.quant.QuantizedWeight` leaves of
+      numpy fields).
     Raises:
       DFlashError: a missing, unexpected or mis-shaped tensor (file and tensor named).
     """
-    out = empty_params(path, tensors, names, shapes, dtype, model, dtype_of)
+    empty_params(path, tensors, names, {}, dtype, model)  # the tensor set first: errors before any conversion
+    quantized = _quantized_leaves(path, tensors, names, shapes, dtype) if weights == "quantized" else {}
+    out = empty_params(path, tensors, names, shapes, dtype, model, dtype_of, skip=quantized)
+    for (key, leaf), qw in quantized.items():
+        if leaf:
+            out[key][leaf] = qw
+        else:
+            out[key] = qw
     for name, (key, leaf, r, conv) in names.items():
+        if (key, leaf or "") in quantized:
+            continue
         dst = out[key] if not leaf else out[key][leaf]
         want = dst.shape if r is None else dst.shape[1:]
         stored = tuple(reversed(want)) if conv == "T" else (want[0], want[2], want[1]) if conv == "E" else want

@@ -3,6 +3,13 @@ chosen experts run.
 
 The ``N*k`` (token, expert) pairs are sorted by expert and run through ``jax.lax.ragged_dot``
 with per-expert group sizes, then scattered back weighted by their routing weights.
+
+Quantized expert stacks (:class:`~dflash_jax.nn.quant.QuantizedWeight`, fields ``[E, out, k]``):
+when the pairs are fewer than the experts (``N*k < E``: decode and short verify passes of a model
+with many experts), only the chosen experts' fields are gathered and dequantized, one weight per
+pair, and each pair multiplies its own; otherwise (prefill) the whole stack is dequantized inside
+the computation for the ragged matmul. So a step never holds more than ``min(N*k, E)`` experts in
+float.
 """
 
 from __future__ import annotations
@@ -10,6 +17,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 from jax import lax
+from dflash_jax.nn import quant
 from dflash_jax.nn.layer import swiglu
 
 
@@ -29,8 +37,21 @@ def clamped_glu(limit: float, alpha: float):
     return act
 
 
-def routed_experts(x: jnp.ndarray, idx: jnp.ndarray, w: jnp.ndarray, e_gate: jnp.ndarray, e_up: jnp.ndarray,
-                   e_down: jnp.ndarray, *, biases=None, act=silu_glu) -> jnp.ndarray:
+def _expert_matmul(xs: jnp.ndarray, w, sizes: jnp.ndarray, pair_e: jnp.ndarray) -> jnp.ndarray:
+    """``xs [P, in]`` (pairs sorted by expert) times each pair's expert of ``w [E, in, out]`` ->
+    ``[P, out]``: ``ragged_dot`` over a float stack; a quantized stack dequantized whole when
+    ``P >= E``, else only the ``P`` chosen experts ``pair_e [P]`` (module docstring)."""
+    if not quant.is_quantized(w):
+        return lax.ragged_dot(xs, w, sizes)
+    if xs.shape[0] >= w.lead[0]:
+        return lax.ragged_dot(xs, w.dequantized().astype(xs.dtype), sizes)
+    fields = {k: jnp.take(a, pair_e, axis=0) for k, a in w.fields.items()}
+    chosen = quant.dequantize(w.replace(fields=fields))  # [P, out, in]
+    return jnp.einsum("pi,poi->po", xs, chosen.astype(xs.dtype))
+
+
+def routed_experts(x: jnp.ndarray, idx: jnp.ndarray, w: jnp.ndarray, e_gate, e_up, e_down, *, biases=None,
+                   act=silu_glu) -> jnp.ndarray:
     """``sum_j w[n, j] * expert_{idx[n, j]}(x[n])`` with gated experts
     ``down(act(x gate + b_gate, x up + b_up)) + b_down``.
 
@@ -38,7 +59,8 @@ def routed_experts(x: jnp.ndarray, idx: jnp.ndarray, w: jnp.ndarray, e_gate: jnp
       x: ``[N, H]`` tokens.
       idx: ``[N, k]`` int chosen expert ids in ``[0, E)``.
       w: ``[N, k]`` routing weights (cast to ``x.dtype`` by the caller).
-      e_gate, e_up: ``[E, H, I]``; e_down: ``[E, I, H]`` (``[in, out]`` per expert).
+      e_gate, e_up: ``[E, H, I]``; e_down: ``[E, I, H]`` (``[in, out]`` per expert): float
+        arrays or :class:`~dflash_jax.nn.quant.QuantizedWeight` stacks (module docstring).
       biases: optional ``(b_gate [E, I], b_up [E, I], b_down [E, H])`` (gpt-oss).
       act: ``(gate, up) -> hidden`` (:func:`silu_glu`; :func:`clamped_glu` for gpt-oss).
     Returns:
@@ -51,13 +73,13 @@ def routed_experts(x: jnp.ndarray, idx: jnp.ndarray, w: jnp.ndarray, e_gate: jnp
     order = jnp.argsort(flat_e, stable=True)
     tok = order // k
     sizes = jnp.bincount(flat_e, length=n_experts).astype(jnp.int32)
+    row_e = jnp.take(flat_e, order)
     xs = jnp.take(x, tok, axis=0)
-    g = lax.ragged_dot(xs, e_gate, sizes)
-    u = lax.ragged_dot(xs, e_up, sizes)
+    g = _expert_matmul(xs, e_gate, sizes, row_e)
+    u = _expert_matmul(xs, e_up, sizes, row_e)
     if biases is not None:
-        row_e = jnp.take(flat_e, order)
         g, u = g + jnp.take(biases[0], row_e, axis=0), u + jnp.take(biases[1], row_e, axis=0)
-    y = lax.ragged_dot(act(g, u), e_down, sizes)
+    y = _expert_matmul(act(g, u), e_down, sizes, row_e)
     if biases is not None:
         y = y + jnp.take(biases[2], row_e, axis=0)
     y = y * jnp.take(w.reshape(-1), order)[:, None]
@@ -85,7 +107,7 @@ def softmax_moe(lp: dict, h: jnp.ndarray, top_k: int, norm_topk: bool) -> jnp.nd
     """
     shape = h.shape
     x = h.reshape(-1, shape[-1])
-    w, idx = softmax_top_k(x @ lp["router"], top_k, norm_topk)
+    w, idx = softmax_top_k(quant.dot(x, lp["router"]), top_k, norm_topk)
     routed = routed_experts(x, idx, w.astype(x.dtype), lp["e_gate"], lp["e_up"], lp["e_down"])
-    shared = swiglu(x, lp["s_gate"], lp["s_up"], lp["s_down"]) * jax.nn.sigmoid(x @ lp["s_router"])
+    shared = swiglu(x, lp["s_gate"], lp["s_up"], lp["s_down"]) * jax.nn.sigmoid(quant.dot(x, lp["s_router"]))
     return (routed + shared).reshape(shape)

@@ -36,6 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from dflash_jax.errors import DFlashError
+from dflash_jax.nn import quant
 
 
 class ParamSpec(NamedTuple):
@@ -299,7 +300,9 @@ def with_wide_layouts(params: dict, kinds=KINDS, tied: bool = False) -> dict:
         ``lm_head_t`` is then the embedding itself, no new buffer.
     Returns:
       the tree with those copies (the models use them from :data:`GATE_UP_MIN_ROWS` and
-      :data:`HEAD_MIN_ROWS` rows on).
+      :data:`HEAD_MIN_ROWS` rows on). A quantized weight (:class:`~dflash_jax.nn.quant.QuantizedWeight`)
+      gets no copy: its fields are ``[out, in]``-ordered already, and a float copy would undo
+      the memory it saves.
     Raises:
       DFlashError: a kind not in :data:`KINDS`.
     """
@@ -307,9 +310,13 @@ def with_wide_layouts(params: dict, kinds=KINDS, tied: bool = False) -> dict:
         raise DFlashError("kinds", f"got {sorted(set(kinds) - set(KINDS))}", f"some of {KINDS}")
     out = dict(params)
     if "gate_up" in kinds:
-        out["layers"] = _each_layer(params["layers"], lambda lp: dict(lp, w_gate_t=_swap(lp["w_gate"]), w_up_t=_swap(lp["w_up"])))
-    if "lm_head" in kinds and "lm_head" in params:  # without it the tied embedding [V, H] is the head already
-        out["lm_head_t"] = params["embed"] if tied else _swap(params["lm_head"])
+        def add(lp):
+            return dict(lp, **{f"{k}_t": _swap(lp[k]) for k in ("w_gate", "w_up") if not quant.is_quantized(lp[k])})
+
+        out["layers"] = _each_layer(params["layers"], add)
+    source = params.get("embed") if tied else params.get("lm_head")
+    if "lm_head" in kinds and "lm_head" in params and not quant.is_quantized(source):  # tied: the embedding [V, H] is the head
+        out["lm_head_t"] = source if tied else _swap(source)
     return out
 
 
@@ -350,8 +357,11 @@ def project(x: jnp.ndarray, w, wt, min_rows: int, preferred_element_type=None) -
     """``x [..., in] @ w [in, out]`` -> ``[..., out]``, computed as ``wt x^T`` with the copy
     ``wt [out, in]`` instead when there is one (not ``None``) and ``x`` has at least ``min_rows``
     rows (the product of its leading dims, static). The expression is the one
-    ``tools/bench_layout.py`` at commit 9868b87 timed; ``preferred_element_type`` as in ``jnp.einsum``."""
+    ``tools/bench_layout.py`` at commit 9868b87 timed; ``preferred_element_type`` as in ``jnp.einsum``.
+    A quantized ``w`` goes through :func:`dflash_jax.nn.quant.dot` (``wt`` is then ``None``)."""
     rows = math.prod(x.shape[:-1])
+    if quant.is_quantized(w):
+        return quant.dot(x, w, preferred_element_type)
     if wt is None or rows < min_rows:
         if preferred_element_type is None:
             return x @ w

@@ -15,12 +15,15 @@ checkpoint's row order: output features first, the groups running along the inpu
 :func:`take_rows` is the embedding gather: it dequantizes only the gathered rows.
 
 **Formats** register a :class:`QuantFormat`: how many weights a group holds along the input
-dimension and how to turn the fields into float ``[..., out, in]``.
+dimension and how to turn the fields into float ``[..., out, in]``. The GGUF block formats
+(Q4_0..Q8_0, Q2_K..Q6_K, MXFP4) are in :mod:`dflash_jax.nn.quant_gguf`, registered when that module
+is imported (the GGUF loaders import it through :mod:`dflash_jax.formats.gguf_quant`).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Callable
 
 import jax
@@ -137,8 +140,14 @@ def dot(x: jnp.ndarray, w, preferred_element_type=None) -> jnp.ndarray:
         return jnp.einsum("...i,io->...o", x, w, preferred_element_type=preferred_element_type)
     if w.lead:
         raise DFlashError("quantized weight", f"dot takes a 2-D weight, got leading axes {w.lead}", "one layer's weight")
-    wt = dequantize(w)
-    return jnp.einsum("...i,oi->...o", x, wt.astype(x.dtype), preferred_element_type=preferred_element_type)
+    wt = dequantize(w).astype(x.dtype)
+    if math.prod(x.shape[:-1]) == 1:
+        # One row (a decode step): XLA:CPU fuses the dequantization into a slow scalar matrix-vector
+        # loop; dequantized first, [in, out], behind a barrier, the product runs 2.2x faster
+        # (tools/bench_quant_dot.py, BENCHMARKS.md "Quantized weights against float (CPU)").
+        w_io = jax.lax.optimization_barrier(jnp.swapaxes(wt, -1, -2))
+        return jnp.einsum("...i,io->...o", x, w_io, preferred_element_type=preferred_element_type)
+    return jnp.einsum("...i,oi->...o", x, wt, preferred_element_type=preferred_element_type)
 
 
 def take_rows(w, index: jnp.ndarray) -> jnp.ndarray:
@@ -155,18 +164,21 @@ def take_rows(w, index: jnp.ndarray) -> jnp.ndarray:
     return fmt.dequantize(fields, jnp.dtype(w.dtype))
 
 
-# ---------------------------------------------------------------------------------------------------------------
-# Formats. Q8_0 (GGUF) stands as the example of the field convention; the others live beside it.
+def output_rows(w, index: jnp.ndarray):
+    """The output columns ``index [n]`` (int) of a ``[..., in, out]`` weight -> ``[..., in, n]``:
+    ``jnp.take(w, index, axis=-1)`` of a float array; of a :class:`QuantizedWeight`, the same rows
+    of its fields (still quantized; a draft vocabulary's head columns)."""
+    if not isinstance(w, QuantizedWeight):
+        return jnp.take(w, index, axis=-1)
+    fmt = format_of(w.format)
+    if fmt.rows is not None and not w.lead:
+        return w.replace(fields=fmt.rows(w.fields, index))
+    return w.replace(fields={k: jnp.take(a, index, axis=-2) for k, a in w.fields.items()})
 
 
-def _q8_0_in(f):
-    return f["codes"].shape[-1]
-
-
-def _q8_0_dequantize(f, dtype):
-    codes, scale = f["codes"], f["scale"]  # int8 [..., out, in], float16 [..., out, in / 32]
-    groups = codes.reshape(codes.shape[:-1] + (scale.shape[-1], -1)).astype(jnp.float32)
-    return (groups * scale.astype(jnp.float32)[..., None]).reshape(codes.shape).astype(dtype)
-
-
-register(QuantFormat("q8_0", _q8_0_in, _q8_0_dequantize))
+def astype(w, dtype):
+    """``w`` computing in ``dtype``: a float array cast; a :class:`QuantizedWeight` relabelled
+    (it dequantizes straight to ``dtype``; the fields are not copied)."""
+    if isinstance(w, QuantizedWeight):
+        return w.replace(dtype=jnp.dtype(dtype).name)
+    return w.astype(dtype)

@@ -28,6 +28,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from dflash_jax.runtime.carry import declared_axes, flat_axes
 from dflash_jax.errors import DFlashError
 from dflash_jax.nn import params as layouts
+from dflash_jax.nn import quant
 
 
 MESH_AXES = ("data", "model", "expert")
@@ -238,11 +239,33 @@ def _named_shardings(tree, ax_leaves, mesh: Mesh, rules: ShardingRules, strict: 
     return jax.tree_util.tree_unflatten(tdef, out)
 
 
+def quantized_axes(axes, params):
+    """``axes`` with the logical axes of every field of each quantized leaf of ``params``.
+
+    A :class:`~dflash_jax.nn.quant.QuantizedWeight` standing for a float weight of logical axes
+    ``(*lead, in, out)`` holds fields ``[*lead, out, k]``: they get ``(*lead, out, None)`` (the
+    ``k`` values of a row stay together). The rows are the output axis, the last of a matmul
+    weight's ``[in, out]``; a gathered table (``embed [V, H]``: axes ``("vocab", ...)``) is stored
+    as ``V`` rows, so there the ``"vocab"`` axis is the rows'. Trees that do not match are
+    returned as they are (:func:`tree_shardings` names the mismatch)."""
+    def one(ax, leaf):
+        if not quant.is_quantized(leaf) or not _is_axes(ax) or len(ax) < 2:
+            return ax
+        rows = ax[-2] if ax[-2] == "vocab" else ax[-1]
+        return leaf.replace(fields={k: tuple(ax[:-2]) + (rows, None) for k in leaf.fields})
+
+    try:
+        return jax.tree_util.tree_map(one, axes, params, is_leaf=_is_axes)
+    except (ValueError, TypeError):
+        return axes
+
+
 def param_shardings(params, axes, mesh: Mesh, rules: ShardingRules = DEFAULT_RULES, strict: bool = False):
     """The :class:`NamedSharding` tree of ``params`` (e.g. for ``jax.jit(out_shardings=...)`` when loading);
     ``axes`` need not name the copies a loaded target holds, a tied head's ``lm_head`` and the
-    ``[out, in]`` copies of :mod:`dflash_jax.nn.params` (they follow their weights)."""
-    return tree_shardings(params, layouts.with_wide_axes(axes, params), mesh, rules, strict)
+    ``[out, in]`` copies of :mod:`dflash_jax.nn.params` (they follow their weights), nor the fields
+    of quantized weights (:func:`quantized_axes`)."""
+    return tree_shardings(params, quantized_axes(layouts.with_wide_axes(axes, params), params), mesh, rules, strict)
 
 
 def shard_params(params, axes, mesh: Mesh, rules: ShardingRules = DEFAULT_RULES, strict: bool = False):

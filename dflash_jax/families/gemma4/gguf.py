@@ -42,6 +42,7 @@ from dflash_jax.formats.gguf_file import (
     tensor_table,
 )
 from dflash_jax.formats.checkpoint import numpy_dtype
+from dflash_jax.formats import gguf_leaves
 
 
 ARCH = "gemma4"
@@ -222,21 +223,28 @@ def gguf_names(cfg: Gemma4Config) -> dict[str, tuple[str, str, None, str | None]
     return names
 
 
-def _fill_fused_experts(path: str, tensors: dict, cfg: Gemma4Config, out: dict) -> None:
-    """Each MoE layer's ``ffn_gate_up_exps [E, 2*Im, H]`` split into ``e_gate`` / ``e_up [E, H, Im]``."""
+def _fill_fused_experts(path: str, tensors: dict, cfg: Gemma4Config, out: dict, weights: str = "float") -> None:
+    """Each MoE layer's ``ffn_gate_up_exps [E, 2*Im, H]`` split into ``e_gate`` / ``e_up [E, H, Im]``
+    (with ``weights="quantized"``, a quantized tensor split by its rows, still quantized)."""
     E, Im, H = cfg.num_experts, cfg.moe_intermediate_size, cfg.hidden_size
     for i in range(cfg.num_hidden_layers if cfg.num_experts else 0):
         name = f"blk.{i}.{_FUSED}"
         if name not in tensors:
             raise DFlashError(f"{path}: tensor {name}", "missing", "the fused gate/up experts of every MoE layer")
+        lp = out[f"layer{i}"]
+        qw = gguf_leaves.quantized_leaf(path, tensors, [(name, None)], (E, H, 2 * Im), cfg.dtype) if weights == "quantized" else None
+        if qw is not None:
+            lp["e_gate"] = qw.replace(fields={k: a[:, :Im] for k, a in qw.fields.items()})
+            lp["e_up"] = qw.replace(fields={k: a[:, Im:] for k, a in qw.fields.items()})
+            continue
         x = dequantize_tensor(tensors[name], path)
         if x.shape != (E, 2 * Im, H):
             raise DFlashError(f"{path}: tensor {name}", f"ggml shape {list(reversed(x.shape))}", f"{[H, 2 * Im, E]} for this config")
-        lp = out[f"layer{i}"]
         lp["e_gate"][...], lp["e_up"][...] = np.swapaxes(x[:, :Im], 1, 2), np.swapaxes(x[:, Im:], 1, 2)
 
 
-def load_gemma4_gguf_target(path: str | os.PathLike, dtype: Any = "float32", *, as_numpy: bool = False) -> tuple[Gemma4Config, dict]:
+def load_gemma4_gguf_target(path: str | os.PathLike, dtype: Any = "float32", *, as_numpy: bool = False,
+                            weights: str = "float") -> tuple[Gemma4Config, dict]:
     """Loads a ``gemma4`` GGUF as ``(Gemma4Config, params)``, one tensor at a time (no float32 cache).
 
     Args:
@@ -244,6 +252,8 @@ def load_gemma4_gguf_target(path: str | os.PathLike, dtype: Any = "float32", *, 
       dtype: parameter dtype (``"float32"``, ``"bfloat16"``, ``"float16"``); weights are
         dequantized to float32, then cast.
       as_numpy: numpy leaves instead of jax arrays.
+      weights: ``"float"``, or ``"quantized"`` (``"auto"``): quantized matrices and tables stay
+        quantized (:func:`dflash_jax.formats.gguf_file.read_params`; every layer is its own leaf).
     Returns:
       The config and the params of :mod:`dflash_jax.families.gemma4.model`, equal to
       :func:`dflash_jax.families.gemma4.safetensors.load_gemma4_target` on the source safetensors.
@@ -257,10 +267,12 @@ def load_gemma4_gguf_target(path: str | os.PathLike, dtype: Any = "float32", *, 
     from dflash_jax.families.gemma4.model import MODEL
 
     path, target = str(path), numpy_dtype(dtype)
+    weights = gguf_leaves.check_weights(weights)
     reader = open_gguf(path)
     cfg, tensors = gemma4_gguf_config(reader, path, target.name)
     fused = cfg.num_experts > 0  # without experts a fused tensor stays in and is refused as unexpected
     plain = {k: t for k, t in tensors.items() if k != "rope_freqs.weight" and not (fused and k.endswith(_FUSED))}
-    out = read_params(path, plain, gguf_names(cfg), MODEL.param_shapes(cfg), target, f"a {cfg.num_hidden_layers}-layer gemma4 model")
-    _fill_fused_experts(path, tensors, cfg, out)
+    out = read_params(path, plain, gguf_names(cfg), MODEL.param_shapes(cfg), target, f"a {cfg.num_hidden_layers}-layer gemma4 model",
+                      weights=weights)
+    _fill_fused_experts(path, tensors, cfg, out, weights)
     return cfg, (out if as_numpy else jax.device_put(out))

@@ -70,6 +70,7 @@ from dflash_jax.nn import layer as embedding
 from dflash_jax.nn.attention import TreeBlock, block_visible, rope_positions, windowed
 from dflash_jax.nn.layer import split_heads
 from dflash_jax.nn.attention import cache_attention, live_keys
+from dflash_jax.nn import quant
 from dflash_jax.nn.moe import routed_experts, softmax_top_k
 from dflash_jax.nn.layer import apply_rope
 
@@ -147,7 +148,7 @@ def embed(params: Params, cfg: Gemma4Config, tokens: jnp.ndarray) -> jnp.ndarray
     """``[B, T]`` int32 -> ``[B, T, H]``: embedding rows times ``sqrt(H)`` rounded to the
     parameter dtype (transformers ``Gemma4TextScaledWordEmbedding``)."""
     e = params["embed"]
-    return jnp.take(e, tokens, axis=0) * jnp.asarray(cfg.hidden_size ** 0.5, e.dtype)
+    return quant.take_rows(e, tokens) * jnp.asarray(cfg.hidden_size ** 0.5, e.dtype)
 
 
 def lm_head(params: Params, cfg: Gemma4Config, hidden: jnp.ndarray) -> jnp.ndarray:
@@ -178,8 +179,8 @@ def per_layer_inputs(params: Params, cfg: Gemma4Config, tokens: jnp.ndarray, x: 
     b, t = tokens.shape
     Pl, n = cfg.per_layer_input, cfg.num_hidden_layers
     e = params["embed_pl"]
-    tok = (jnp.take(e, tokens, axis=0) * jnp.asarray(Pl ** 0.5, e.dtype)).reshape(b, t, n, Pl)
-    proj = _scaled(x @ params["pl_proj"], cfg.hidden_size ** -0.5)
+    tok = (quant.take_rows(e, tokens) * jnp.asarray(Pl ** 0.5, e.dtype)).reshape(b, t, n, Pl)
+    proj = _scaled(quant.dot(x, params["pl_proj"]), cfg.hidden_size ** -0.5)
     proj = rms(proj.reshape(b, t, n, Pl), params["pl_norm"], cfg.rms_norm_eps)
     return _scaled(proj + tok.astype(x.dtype), 2.0 ** -0.5)
 
@@ -215,7 +216,7 @@ def moe(cfg: Gemma4Config, lp: dict, x: jnp.ndarray) -> jnp.ndarray:
     shape, eps = x.shape, cfg.rms_norm_eps
     x = x.reshape(-1, shape[-1])
     r = _scaled(rms(x, None, eps) * lp["router_scale"].astype(x.dtype), cfg.hidden_size ** -0.5)
-    w, idx = softmax_top_k(r @ lp["router"], cfg.top_k_experts, True)
+    w, idx = softmax_top_k(quant.dot(r, lp["router"]), cfg.top_k_experts, True)
     w = w * jnp.take(lp["expert_scale"], idx).astype(jnp.float32)
     h = rms(x, lp["pre_moe_norm"], eps)
     return routed_experts(h, idx, w.astype(x.dtype), lp["e_gate"], lp["e_up"], lp["e_down"], act=_gelu_glu).reshape(shape)
@@ -228,25 +229,25 @@ def _layer(cfg: Gemma4Config, i: int, lp: dict, x, kv: list, pli, positions, rop
     d, hq, hkv = cfg.head_dims[kind], cfg.num_attention_heads, cfg.kv_heads[kind]
     freqs = inv_freq(cfg, kind)
     h = rms(x, lp["attn_norm"], eps)
-    q = apply_rope(rms(split_heads(h @ lp["wq"], hq, d), lp["q_norm"], eps), rope_pos, freqs)
+    q = apply_rope(rms(split_heads(quant.dot(h, lp["wq"]), hq, d), lp["q_norm"], eps), rope_pos, freqs)
     if not cfg.shares_kv(i):  # a KV-sharing layer attends the rows its type's last computing layer wrote
-        k = split_heads(h @ lp["wk"], hkv, d)
-        v = rms(k if cfg.k_eq_v(i) else split_heads(h @ lp["wv"], hkv, d), None, eps)  # k_eq_v: the raw keys
+        k = split_heads(quant.dot(h, lp["wk"]), hkv, d)
+        v = rms(k if cfg.k_eq_v(i) else split_heads(quant.dot(h, lp["wv"]), hkv, d), None, eps)  # k_eq_v: the raw keys
         k = apply_rope(rms(k, lp["k_norm"], eps), rope_pos, freqs)
         kv[kind] = [write_layer_rows(kv[kind][0], row, k, positions), write_layer_rows(kv[kind][1], row, v, positions)]
     k_all, v_all = kv[kind]
     q = _scaled(q, d ** 0.5)  # cache_attention scales by D^-1/2; Gemma 4's scale is 1
     a = cache_attention(q, k_all, v_all, row, n_keys, visible[kind])
     b, t = x.shape[:2]
-    x = x + rms(a.reshape(b, t, hq * d) @ lp["wo"], lp["post_attn_norm"], eps)
+    x = x + rms(quant.dot(a.reshape(b, t, hq * d), lp["wo"]), lp["post_attn_norm"], eps)
     h = rms(x, lp["mlp_norm"], eps)
-    m = (jax.nn.gelu(h @ lp["w_gate"], approximate=True) * (h @ lp["w_up"])) @ lp["w_down"]
+    m = quant.dot(jax.nn.gelu(quant.dot(h, lp["w_gate"]), approximate=True) * quant.dot(h, lp["w_up"]), lp["w_down"])
     if cfg.num_experts:  # the dense MLP and the routed experts side by side, each with its own norms
         m = rms(m, lp["post_mlp_norm_1"], eps) + rms(moe(cfg, lp, x), lp["post_moe_norm"], eps)
     x = x + rms(m, lp["post_mlp_norm"], eps)
     if cfg.per_layer_input:
-        g = jax.nn.gelu(x @ lp["pl_gate"], approximate=True) * pli[:, :, i]
-        x = x + rms(g @ lp["pl_out"], lp["post_pl_norm"], eps)
+        g = jax.nn.gelu(quant.dot(x, lp["pl_gate"]), approximate=True) * pli[:, :, i]
+        x = x + rms(quant.dot(g, lp["pl_out"]), lp["post_pl_norm"], eps)
     return x * lp["scalar"].astype(x.dtype)
 
 

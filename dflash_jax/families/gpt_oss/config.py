@@ -22,6 +22,9 @@ class GptOssConfig:
     ``sliding_window`` positions back. Every layer's MLP is a MoE: a biased router, the top
     ``num_experts_per_tok`` logits softmaxed, experts of width ``intermediate_size`` with biases
     and the clamped SwiGLU (``swiglu_limit``, ``swiglu_alpha``).
+    ``weight_formats``: per decoder layer, the storage formats of its weights when they are kept
+    quantized (:func:`dflash_jax.formats.gguf_leaves.layer_formats`): only layers of equal formats
+    stack into one layer scan; ``()`` for float weights.
     """
 
     vocab_size: int
@@ -42,6 +45,7 @@ class GptOssConfig:
     tie_word_embeddings: bool = False
     max_position_embeddings: int = 131072
     dtype: str = "float32"
+    weight_formats: tuple = ()
 
     def __post_init__(self):
         if self.num_attention_heads % self.num_key_value_heads:

@@ -24,6 +24,7 @@ than YaRN or none, or a YaRN ``attn_factor``/``ext_factor`` other than 1, is ref
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from typing import Any
 import numpy as np
@@ -33,6 +34,7 @@ from dflash_jax.errors import DFlashError
 from dflash_jax.families.dense.gguf import arch_config
 from dflash_jax.formats.gguf_file import as_f32, embedding_vocab, metadata, open_gguf, read_params, tensor_table
 from dflash_jax.formats.checkpoint import numpy_dtype
+from dflash_jax.formats import gguf_leaves
 
 
 ARCH = "gpt-oss"
@@ -120,7 +122,8 @@ def gguf_names(cfg: GptOssConfig) -> dict[str, tuple[str, str, int | None, str |
     return names
 
 
-def load_gpt_oss_gguf_target(path: str | os.PathLike, dtype: Any = "float32", *, as_numpy: bool = False) -> tuple[GptOssConfig, dict]:
+def load_gpt_oss_gguf_target(path: str | os.PathLike, dtype: Any = "float32", *, as_numpy: bool = False,
+                             weights: str = "float") -> tuple[GptOssConfig, dict]:
     """Loads a ``gpt-oss`` GGUF as ``(GptOssConfig, params)``, one tensor at a time (no float32 cache).
 
     Args:
@@ -129,6 +132,9 @@ def load_gpt_oss_gguf_target(path: str | os.PathLike, dtype: Any = "float32", *,
       dtype: parameter dtype (``"float32"``, ``"bfloat16"``, ``"float16"``); weights are
         dequantized to float32, then cast; ``sinks`` stay float32.
       as_numpy: numpy leaves instead of jax arrays.
+      weights: ``"float"``, or ``"quantized"`` (``"auto"``): quantized matrices stay quantized
+        (MXFP4 experts as MXFP4; :func:`dflash_jax.formats.gguf_file.read_params`), layers stacked by
+        their formats (``cfg.weight_formats``).
     Returns:
       The config and the params of :mod:`dflash_jax.families.gpt_oss.model`, equal to
       :func:`dflash_jax.families.gpt_oss.safetensors.load_gpt_oss_target` on the source safetensors.
@@ -141,7 +147,10 @@ def load_gpt_oss_gguf_target(path: str | os.PathLike, dtype: Any = "float32", *,
     from dflash_jax.families.gpt_oss.model import MODEL
 
     path, target = str(path), numpy_dtype(dtype)
+    weights = gguf_leaves.check_weights(weights)
     cfg, tensors = gpt_oss_gguf_config(open_gguf(path), path, target.name)
+    if weights == "quantized":
+        cfg = dataclasses.replace(cfg, weight_formats=gguf_leaves.layer_formats(tensors, cfg.num_hidden_layers))
     out = read_params(path, tensors, gguf_names(cfg), MODEL.param_shapes(cfg), target, f"a {cfg.num_hidden_layers}-layer gpt-oss model",
-                      dtype_of=lambda leaf: np.dtype(np.float32) if leaf == "sinks" else target)
+                      dtype_of=lambda leaf: np.dtype(np.float32) if leaf == "sinks" else target, weights=weights)
     return cfg, (out if as_numpy else jax.device_put(out))

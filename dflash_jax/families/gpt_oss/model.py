@@ -43,6 +43,7 @@ from dflash_jax.nn.attention import TreeBlock, block_visible, rope_positions, wi
 from dflash_jax.nn.layer import embed
 from dflash_jax.nn.layer import attention_output, project_qkv
 from dflash_jax.nn.attention import cache_attention, live_keys
+from dflash_jax.nn import quant
 from dflash_jax.nn.moe import clamped_glu, routed_experts
 from dflash_jax.nn.layer import rms_norm
 from dflash_jax.nn.layer import rope_tables
@@ -52,8 +53,9 @@ Params = dict[str, Any]
 
 
 def segments(cfg: GptOssConfig) -> tuple[tuple[int, int, int], ...]:
-    """``(first layer, period, reps)`` runs of a repeated sliding/full pattern."""
-    return P.repeat_segments(list(cfg.layer_types))
+    """``(first layer, period, reps)`` runs of a repeated sliding/full pattern (layers of quantized
+    weights stack only with layers of their formats, ``cfg.weight_formats``)."""
+    return P.repeat_segments(list(zip(cfg.layer_types, cfg.weight_formats)) if cfg.weight_formats else list(cfg.layer_types))
 
 
 def layer_slot(cfg: GptOssConfig, layer: int) -> tuple[str, int]:
@@ -84,7 +86,7 @@ def moe(cfg: GptOssConfig, lp: dict, h: jnp.ndarray) -> jnp.ndarray:
     ``GptOssTopKRouter`` (top-k of the biased logits, softmax over those k) and ``GptOssExperts``."""
     shape = h.shape
     x = h.reshape(-1, shape[-1])
-    logits = jnp.dot(x, lp["router"].astype(x.dtype)) + lp["router_bias"].astype(x.dtype)
+    logits = quant.dot(x, quant.astype(lp["router"], x.dtype)) + lp["router_bias"].astype(x.dtype)
     top, idx = lax.top_k(logits, cfg.num_experts_per_tok)
     w = jax.nn.softmax(top.astype(jnp.float32), axis=-1).astype(x.dtype)
     y = routed_experts(x, idx, w, lp["e_gate"], lp["e_up"], lp["e_down"], biases=(lp["eb_gate"], lp["eb_up"], lp["eb_down"]),

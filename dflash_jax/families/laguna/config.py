@@ -50,6 +50,9 @@ class LagunaConfig:
     ``max_block``: the most tokens one forward may write past the committed length (the
     speculative block width); sliding layers keep ``sliding_window + max_block`` cache rows.
     ``router_score``: ``"sigmoid"`` (released models) or ``"sqrtsoftplus"``.
+    ``weight_formats``: per decoder layer, the storage formats of its weights when they are kept
+    quantized (:func:`dflash_jax.formats.gguf_leaves.layer_formats`): only layers of equal formats
+    stack into one layer scan; ``()`` for float weights.
     """
 
     vocab_size: int
@@ -79,6 +82,7 @@ class LagunaConfig:
     attention_factor_rule: str = "transformers"
     max_block: int = 16
     dtype: str = "float32"
+    weight_formats: tuple = ()
 
     def __post_init__(self):
         n = self.num_hidden_layers

@@ -47,6 +47,7 @@ import numpy as np
 from dflash_jax.families.hf_config import RopeConfig
 from dflash_jax.families.laguna.config import LagunaConfig
 from dflash_jax.errors import DFlashError
+from dflash_jax.formats import gguf_leaves
 from dflash_jax.formats.gguf_file import as_f32, dequantize_tensor, embedding_vocab, metadata, open_gguf, tensor_table
 from dflash_jax.formats.checkpoint import numpy_dtype
 from dflash_jax.families.laguna.safetensors import resolve_gating
@@ -289,7 +290,8 @@ def gguf_names(cfg: LagunaConfig) -> dict[str, tuple[tuple[str, ...], int | None
     return names
 
 
-def load_laguna_gguf_target(path: str | os.PathLike, dtype: Any = "float32", *, as_numpy: bool = False) -> tuple[LagunaConfig, dict]:
+def load_laguna_gguf_target(path: str | os.PathLike, dtype: Any = "float32", *, as_numpy: bool = False,
+                            weights: str = "float") -> tuple[LagunaConfig, dict]:
     """Loads a Laguna target GGUF as ``(LagunaConfig, params)``, one tensor at a time.
 
     Args:
@@ -298,6 +300,9 @@ def load_laguna_gguf_target(path: str | os.PathLike, dtype: Any = "float32", *, 
       dtype: parameter dtype (``"float32"``, ``"bfloat16"``, ``"float16"``); weights are
         dequantized to float32 and cast; ``router_bias`` (``exp_probs_b``) stays float32.
       as_numpy: numpy leaves instead of jax arrays.
+      weights: ``"float"``, or ``"quantized"`` (``"auto"``): quantized matrices, experts and the
+        embedding stay quantized (:mod:`dflash_jax.formats.gguf_leaves`), layers stacked by their
+        formats (``cfg.weight_formats``); each leaf goes to the device as it is read.
     Returns:
       The config (module docstring) and the params of :mod:`dflash_jax.families.laguna.model`, equal to
       :func:`dflash_jax.families.laguna.safetensors.load_laguna_target` on the source safetensors.
@@ -309,8 +314,11 @@ def load_laguna_gguf_target(path: str | os.PathLike, dtype: Any = "float32", *, 
 
     path = str(path)
     target = numpy_dtype(dtype)
+    weights = gguf_leaves.check_weights(weights)
     reader = open_gguf(path)
     cfg, tensors = laguna_gguf_config(reader, path, target.name)
+    if weights == "quantized":
+        cfg = dataclasses.replace(cfg, weight_formats=gguf_leaves.layer_formats(tensors, cfg.num_hidden_layers))
     names = gguf_names(cfg)
     shapes = laguna.MODEL.param_shapes(cfg)
     for name in names:
@@ -331,6 +339,11 @@ def load_laguna_gguf_target(path: str | os.PathLike, dtype: Any = "float32", *, 
     def leaf(leaf_path):
         full = shapes[leaf_path[0]] if len(leaf_path) == 1 else shapes[leaf_path[0]][leaf_path[1]]
         dt = np.dtype(np.float32) if leaf_path[-1] == "router_bias" else target
+        parts, table = by_leaf[leaf_path], leaf_path[-1] in gguf_leaves.TABLES
+        if weights == "quantized" and ({how for _, _, how in parts} <= set(gguf_leaves.MATRIX_CONVERSIONS) or table):
+            qw = gguf_leaves.quantized_leaf(path, tensors, [(name, r) for name, r, _ in parts], full, target, table)
+            if qw is not None:
+                return qw if as_numpy else jax.device_put(qw)
         out = np.empty(full, dt)
         for name, r, how in by_leaf[leaf_path]:
             x = _to_leaf(dequantize_tensor(tensors[name], path), how)

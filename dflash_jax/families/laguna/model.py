@@ -62,6 +62,7 @@ from dflash_jax.nn.layer import swiglu
 from dflash_jax.nn.attention import cache_attention, live_keys
 from dflash_jax.nn.layer import embed
 from dflash_jax.nn.layer import attention_output, mlp_residual, project_qkv
+from dflash_jax.nn import quant
 from dflash_jax.nn.moe import routed_experts
 from dflash_jax.nn.layer import rms_norm
 from dflash_jax.nn.layer import rope_tables
@@ -75,15 +76,18 @@ Params = dict[str, Any]
 
 
 def layer_signature(cfg: LagunaConfig, i: int) -> tuple:
-    """``(query heads, layer type, mlp type, gate per head)`` of layer ``i``: layers with equal
-    signatures have parameters and caches of equal shapes."""
-    return (cfg.heads_per_layer[i], cfg.layer_types[i], cfg.mlp_layer_types[i], cfg.gate_per_head[i])
+    """``(query heads, layer type, mlp type, gate per head[, weight formats])`` of layer ``i``: layers
+    with equal signatures have parameters (quantized ones of equal formats) and caches of equal shapes."""
+    sig = (cfg.heads_per_layer[i], cfg.layer_types[i], cfg.mlp_layer_types[i], cfg.gate_per_head[i])
+    return sig + (cfg.weight_formats[i],) if cfg.weight_formats else sig
 
 
 def segments(cfg: LagunaConfig, max_period: int = 8) -> tuple[tuple[int, int, int], ...]:
     """Splits the layers into ``(first layer, period p, reps)`` runs of a repeated pattern of
-    :func:`layer_signature` (:func:`dflash_jax.nn.params.repeat_segments`)."""
-    return P.repeat_segments([layer_signature(cfg, i) for i in range(cfg.num_hidden_layers)], max_period)
+    :func:`layer_signature` (:func:`dflash_jax.nn.params.repeat_segments`); with quantized weights
+    patterns up to 12 layers long (XS-2.1's 4 attention kinds times a Q4_K_M file's 3 formats)."""
+    period = max(max_period, 12) if cfg.weight_formats else max_period
+    return P.repeat_segments([layer_signature(cfg, i) for i in range(cfg.num_hidden_layers)], period)
 
 
 def layer_slot(cfg: LagunaConfig, layer: int) -> tuple[str, int]:
@@ -166,7 +170,7 @@ def moe(cfg: LagunaConfig, lp: dict, h: jnp.ndarray) -> jnp.ndarray:
     shape = h.shape
     x = h.reshape(-1, shape[-1])
     k = cfg.num_experts_per_tok
-    logits = jnp.dot(x.astype(jnp.float32), lp["router"].astype(jnp.float32), preferred_element_type=jnp.float32)
+    logits = quant.dot(x.astype(jnp.float32), quant.astype(lp["router"], jnp.float32), preferred_element_type=jnp.float32)
     if cfg.router_softcap > 0:
         logits = jnp.tanh(logits / cfg.router_softcap) * cfg.router_softcap
     scores = jax.nn.sigmoid(logits) if cfg.router_score == "sigmoid" else jnp.sqrt(jax.nn.softplus(logits))

@@ -197,13 +197,77 @@ def gguf_plan(cfg: Qwen3_5Config) -> dict[str, tuple[tuple, list]]:
     return plan
 
 
-def _read(path: str, tensors: dict, plan: dict, shapes: dict, dtype: np.dtype, model: str) -> dict:
+def _rows_of(fn, stored: tuple):
+    """The stored ``[out, in]`` rows ``fn`` picks, in order, when ``fn`` is a row selection then a
+    transpose with the inputs in their order (how the plan makes most matrix leaves); ``None``
+    otherwise (``ssm_out``'s inputs are reordered: that leaf is read as float). Found by running
+    ``fn`` on each entry's flat index."""
+    if fn is None or len(stored) != 2:
+        return None
+    n_in = stored[1]
+    try:
+        y = fn(np.arange(stored[0] * n_in, dtype=np.int64).reshape(stored))
+    except (ValueError, TypeError, DFlashError):
+        return None
+    if y.ndim != 2 or y.shape[0] != n_in:
+        return None
+    rows = y[0] // n_in
+    return rows if (y == rows[None, :] * n_in + np.arange(n_in)[:, None]).all() else None
+
+
+def _quantized(path: str, tensors: dict, plan: dict, shapes: dict, dtype: np.dtype) -> dict:
+    """``{(key, leaf): QuantizedWeight}``: the leaves whose tensors share one quantized type and
+    reach them by whole experts, whole tables or row selections (fields gathered by row, no
+    float values); the other leaves are read as float (:func:`_read`)."""
+    from dflash_jax.formats import gguf_leaves
+    from dflash_jax.formats.gguf_quant import quantized_tensor
+
+    by_leaf: dict = {}
+    for name, (stored, parts) in plan.items():
+        for key, leaf, r, fn in parts:
+            by_leaf.setdefault((key, leaf), []).append((name, stored, r, fn))
+    ok = {}
+    for (key, leaf), parts in by_leaf.items():
+        kinds = {gguf_leaves.tensor_format(tensors[n]) for n, *_ in parts if n in tensors}
+        if len(kinds) != 1 or "float" in kinds:
+            continue
+        how = [(leaf or key) in gguf_leaves.TABLES and fn is None and "table" or len(stored) == 3 and "experts"
+               or _rows_of(fn, stored) for _, stored, _, fn in parts]
+        if all(h is not None and h is not False for h in how):
+            ok[(key, leaf)] = how
+    out, cache = {}, {}
+    for (key, leaf), how in ok.items():
+        full, buf, qw = shapes[key][leaf] if leaf else shapes[key], None, None
+        for (name, stored, r, fn), h in zip(by_leaf[(key, leaf)], how):
+            whole = cache[name] = cache.get(name) or quantized_tensor(tensors[name], path, str(np.dtype(dtype)))
+            qw = whole if isinstance(h, str) else whole.replace(fields={k: a[h] for k, a in whole.fields.items()})
+            got, want = (qw.shape[::-1] if isinstance(h, str) and h == "table" else qw.shape), (full if r is None else full[1:])
+            if tuple(got) != tuple(want):
+                raise DFlashError(f"{path}: tensor {name}", f"{qw.format} weight of shape {list(got)}", f"{list(want)} for this config")
+            if r is None:
+                break
+            buf = buf or {k: np.empty((full[0],) + a.shape, a.dtype) for k, a in qw.fields.items()}
+            for k, a in qw.fields.items():
+                buf[k][r] = a
+        out[(key, leaf)] = qw if buf is None else qw.replace(fields=buf)
+    return out
+
+
+def _read(path: str, tensors: dict, plan: dict, shapes: dict, dtype: np.dtype, model: str, weights: str = "float") -> dict:
     """The params tree of numpy arrays filled by ``plan`` (:func:`gguf_plan`); a stored tensor
-    whose shape differs only by unit dims (ggml's ``[H, 1]`` of a ``[H]`` gate) is reshaped.
+    whose shape differs only by unit dims (ggml's ``[H, 1]`` of a ``[H]`` gate) is reshaped. With
+    ``weights="quantized"``, the leaves :func:`_quantized` keeps are QuantizedWeights.
     Raises DFlashError for a missing, unexpected (:func:`~dflash_jax.formats.gguf_file.empty_params`) or
     mis-shaped tensor (file and tensor named)."""
-    out = empty_params(path, tensors, plan, shapes, dtype, model)
+    empty_params(path, tensors, plan, {}, dtype, model)
+    quantized = _quantized(path, tensors, plan, shapes, dtype) if weights == "quantized" else {}
+    out = empty_params(path, tensors, plan, shapes, dtype, model, skip=quantized)
+    for (key, leaf), qw in quantized.items():
+        out[key] = qw if not leaf else dict(out[key], **{leaf: qw})
     for name, (stored, parts) in plan.items():
+        parts = [p for p in parts if (p[0], p[1]) not in quantized]
+        if not parts:
+            continue
         x = dequantize_tensor(tensors[name], path)
         if x.shape != tuple(stored) and [d for d in x.shape if d != 1] == [d for d in stored if d != 1]:
             x = x.reshape(stored)
@@ -222,7 +286,8 @@ def _read(path: str, tensors: dict, plan: dict, shapes: dict, dtype: np.dtype, m
     return out
 
 
-def load_qwen3_5_gguf_target(path: str | os.PathLike, dtype: Any = "float32", *, as_numpy: bool = False) -> tuple[Qwen3_5Config, dict]:
+def load_qwen3_5_gguf_target(path: str | os.PathLike, dtype: Any = "float32", *, as_numpy: bool = False,
+                             weights: str = "float") -> tuple[Qwen3_5Config, dict]:
     """Loads a ``qwen35`` / ``qwen35moe`` / ``qwen3next`` GGUF as ``(Qwen3_5Config, params)``, one
     tensor at a time (no float32 cache).
 
@@ -231,6 +296,9 @@ def load_qwen3_5_gguf_target(path: str | os.PathLike, dtype: Any = "float32", *,
       dtype: parameter dtype (``"float32"``, ``"bfloat16"``, ``"float16"``); weights are
         dequantized to float32, then cast.
       as_numpy: numpy leaves instead of jax arrays.
+      weights: ``"float"``, or ``"quantized"`` (``"auto"``): quantized matrices, experts and the
+        embedding stay quantized where a stacked leaf's layers share one type (:func:`_quantized`;
+        the fused ``attn_qkv`` / ``attn_q`` split by rows, still quantized).
     Returns:
       The config and the params of :mod:`dflash_jax.families.qwen3_5.model` (``[in, out]`` weights, layers
       stacked per type), those :func:`dflash_jax.families.qwen3_5.safetensors.load_qwen3_5_target` gives for the
@@ -243,8 +311,10 @@ def load_qwen3_5_gguf_target(path: str | os.PathLike, dtype: Any = "float32", *,
 
     from dflash_jax.families.qwen3_5.model import MODEL
 
-    path, target = str(path), numpy_dtype(dtype)
+    from dflash_jax.formats.gguf_leaves import check_weights
+
+    path, target, weights = str(path), numpy_dtype(dtype), check_weights(weights)
     cfg, tensors = qwen3_5_gguf_config(open_gguf(path), path, target.name)
     arch = next(a for a, v in ARCHS.items() if v == cfg.variant)
-    out = _read(path, tensors, gguf_plan(cfg), MODEL.param_shapes(cfg), target, f"a {cfg.num_hidden_layers}-layer {arch} model")
+    out = _read(path, tensors, gguf_plan(cfg), MODEL.param_shapes(cfg), target, f"a {cfg.num_hidden_layers}-layer {arch} model", weights)
     return cfg, (out if as_numpy else jax.device_put(out))

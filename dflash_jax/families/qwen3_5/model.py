@@ -74,6 +74,7 @@ from dflash_jax.runtime import carry as captures
 from dflash_jax.families.contract import FamilyModel
 from dflash_jax.nn.params import ParamSpec, decoder_layer, stacked
 from dflash_jax.nn import gated_deltanet as gdn
+from dflash_jax.nn import quant
 from dflash_jax.nn.attention import block_visible
 from dflash_jax.nn.layer import embed
 from dflash_jax.nn.layer import mlp_residual, project_qkv, split_heads
@@ -249,15 +250,15 @@ def _linear_mixer(cfg: Qwen3_5Config, lp: dict, h, conv_state, rec_state, valid,
     """
     b, t, _ = h.shape
     hk, hv, dk, dv = cfg.linear_num_key_heads, cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim
-    mixed = jnp.concatenate([h @ lp["wq"], h @ lp["wk"], h @ lp["wv"]], axis=-1)
+    mixed = jnp.concatenate([quant.dot(h, lp["wq"]), quant.dot(h, lp["wk"]), quant.dot(h, lp["wv"])], axis=-1)
     window = jnp.concatenate([conv_state.astype(mixed.dtype), mixed], axis=1)
     conv = gdn.causal_conv(window, jnp.concatenate([lp["conv_q"], lp["conv_k"], lp["conv_v"]], axis=-1)).astype(h.dtype)
     q, k, v = jnp.split(conv, [hk * dk, 2 * hk * dk], axis=-1)
     rep = hv // hk
     q = jnp.repeat(gdn.l2_normalize(split_heads(q, hk, dk)), rep, axis=2) * (dk ** -0.5)
     k = jnp.repeat(gdn.l2_normalize(split_heads(k, hk, dk)), rep, axis=2)
-    beta = jax.nn.sigmoid((h @ lp["wb"]).astype(jnp.float32))
-    g = -jnp.exp(lp["a_log"].astype(jnp.float32)) * jax.nn.softplus((h @ lp["wa"]).astype(jnp.float32) + lp["dt_bias"].astype(jnp.float32))
+    beta = jax.nn.sigmoid(quant.dot(h, lp["wb"]).astype(jnp.float32))
+    g = -jnp.exp(lp["a_log"].astype(jnp.float32)) * jax.nn.softplus(quant.dot(h, lp["wa"]).astype(jnp.float32) + lp["dt_bias"].astype(jnp.float32))
     v = split_heads(v, hv, dv).astype(jnp.float32)
     if keep or t == 1:  # decode and verify: token by token (a verify keeps what each position leaves)
         out, final, states = gdn.gated_delta_scan(q, k, v, g, beta, rec_state, valid, keep == "states")
@@ -265,9 +266,9 @@ def _linear_mixer(cfg: Qwen3_5Config, lp: dict, h, conv_state, rec_state, valid,
         out, final, states = gdn.gated_delta_chunked(q, k, v, g, beta, rec_state, valid)
     if keep == "replay":
         states = jnp.concatenate([k, v, g[..., None], beta[..., None]], axis=-1)
-    z = split_heads(h @ lp["wz"], hv, dv)
+    z = split_heads(quant.dot(h, lp["wz"]), hv, dv)
     out = gdn.gated_rms_norm(out, lp["gnorm"], z, cfg.rms_norm_eps).reshape(b, t, hv * dv)
-    return out @ lp["wo"], window, final, states
+    return quant.dot(out, lp["wo"]), window, final, states
 
 
 def _attention_mixer(cfg: Qwen3_5Config, lp: dict, h, k_all, v_all, j: int, positions, inv_freq, n_keys, visible):
@@ -278,8 +279,8 @@ def _attention_mixer(cfg: Qwen3_5Config, lp: dict, h, k_all, v_all, j: int, posi
     q, k, v = project_qkv(lp, h, nh, cfg.num_key_value_heads, D, positions, inv_freq, cfg.rms_norm_eps, qk_norm=True)
     k_all, v_all = write_layer_rows(k_all, j, k, positions), write_layer_rows(v_all, j, v, positions)
     a = cache_attention(q, k_all, v_all, j, n_keys, visible).reshape(b, t, nh * D)
-    gate = jax.nn.sigmoid((h @ lp["wg"]).astype(jnp.float32)).astype(a.dtype)
-    return (a * gate) @ lp["wo"], k_all, v_all
+    gate = jax.nn.sigmoid(quant.dot(h, lp["wg"]).astype(jnp.float32)).astype(a.dtype)
+    return quant.dot(a * gate, lp["wo"]), k_all, v_all
 
 
 def _mlp_residual(cfg: Qwen3_5Config, lp: dict, x):

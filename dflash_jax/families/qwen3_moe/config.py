@@ -23,6 +23,9 @@ class Qwen3MoeConfig:
     experts of ``moe_intermediate_size``, ``num_experts_per_tok`` chosen by a softmax router,
     renormalised when ``norm_topk_prob``); otherwise the dense MLP of ``intermediate_size``.
     ``dtype``: compute and parameter dtype name.
+    ``weight_formats``: per decoder layer, the storage formats of its weights when they are kept
+    quantized (:func:`dflash_jax.formats.gguf_leaves.layer_formats`): only layers of equal formats
+    stack into one layer scan; ``()`` for float weights.
     """
 
     vocab_size: int
@@ -43,6 +46,7 @@ class Qwen3MoeConfig:
     attention_bias: bool = False
     max_position_embeddings: int = 40960
     dtype: str = "float32"
+    weight_formats: tuple = ()
 
     def __post_init__(self):
         if self.num_attention_heads % self.num_key_value_heads:

@@ -13,6 +13,7 @@ llama.cpp's ``qwen3moe`` graph runs every layer as MoE and always renormalises t
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from typing import Any
 from dflash_jax.families.qwen3_moe.config import Qwen3MoeConfig
@@ -20,6 +21,7 @@ from dflash_jax.errors import DFlashError
 from dflash_jax.families.dense.gguf import arch_config, rope_config
 from dflash_jax.formats.gguf_file import embedding_vocab, metadata, open_gguf, read_params, tensor_table
 from dflash_jax.formats.checkpoint import numpy_dtype
+from dflash_jax.formats import gguf_leaves
 
 
 ARCH = "qwen3moe"
@@ -90,7 +92,8 @@ def gguf_names(cfg: Qwen3MoeConfig) -> dict[str, tuple[str, str, int | None, str
     return names
 
 
-def load_qwen3_moe_gguf_target(path: str | os.PathLike, dtype: Any = "float32", *, as_numpy: bool = False) -> tuple[Qwen3MoeConfig, dict]:
+def load_qwen3_moe_gguf_target(path: str | os.PathLike, dtype: Any = "float32", *, as_numpy: bool = False,
+                               weights: str = "float") -> tuple[Qwen3MoeConfig, dict]:
     """Loads a ``qwen3moe`` GGUF as ``(Qwen3MoeConfig, params)``, one tensor at a time (no float32
     cache).
 
@@ -99,6 +102,9 @@ def load_qwen3_moe_gguf_target(path: str | os.PathLike, dtype: Any = "float32", 
       dtype: parameter dtype (``"float32"``, ``"bfloat16"``, ``"float16"``); weights are
         dequantized to float32, then cast.
       as_numpy: numpy leaves instead of jax arrays.
+      weights: ``"float"``, or ``"quantized"`` (``"auto"``): quantized matrices and the embedding
+        stay quantized (:func:`dflash_jax.formats.gguf_file.read_params`), layers stacked by their
+        formats (``cfg.weight_formats``).
     Returns:
       The config and the params of :mod:`dflash_jax.families.qwen3_moe.model`, equal to
       :func:`dflash_jax.families.qwen3_moe.safetensors.load_qwen3_moe_target` on the source safetensors.
@@ -112,6 +118,10 @@ def load_qwen3_moe_gguf_target(path: str | os.PathLike, dtype: Any = "float32", 
 
     path, target = str(path), numpy_dtype(dtype)
     reader = open_gguf(path)
+    weights = gguf_leaves.check_weights(weights)
     cfg, tensors = qwen3_moe_gguf_config(reader, path, target.name)
-    out = read_params(path, tensors, gguf_names(cfg), MODEL.param_shapes(cfg), target, f"a {cfg.num_hidden_layers}-layer qwen3moe model")
+    if weights == "quantized":
+        cfg = dataclasses.replace(cfg, weight_formats=gguf_leaves.layer_formats(tensors, cfg.num_hidden_layers))
+    out = read_params(path, tensors, gguf_names(cfg), MODEL.param_shapes(cfg), target, f"a {cfg.num_hidden_layers}-layer qwen3moe model",
+                      weights=weights)
     return cfg, (out if as_numpy else jax.device_put(out))

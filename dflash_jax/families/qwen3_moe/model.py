@@ -45,6 +45,7 @@ from dflash_jax.nn.attention import TreeBlock, block_visible, rope_positions
 from dflash_jax.nn.layer import embed
 from dflash_jax.nn.layer import attention_output, mlp_residual, project_qkv
 from dflash_jax.nn.attention import cache_attention, live_keys
+from dflash_jax.nn import quant
 from dflash_jax.nn.moe import routed_experts, softmax_top_k
 from dflash_jax.nn.layer import rms_norm
 from dflash_jax.nn.layer import inv_frequencies
@@ -54,8 +55,9 @@ Params = dict[str, Any]
 
 
 def segments(cfg: Qwen3MoeConfig) -> tuple[tuple[int, int, int], ...]:
-    """``(first layer, period, reps)`` runs of a repeated dense/sparse pattern (module docstring)."""
-    return P.repeat_segments(list(cfg.sparse_layers))
+    """``(first layer, period, reps)`` runs of a repeated dense/sparse pattern (module docstring; layers
+    of quantized weights stack only with layers of their formats, ``cfg.weight_formats``)."""
+    return P.repeat_segments(list(zip(cfg.sparse_layers, cfg.weight_formats)) if cfg.weight_formats else list(cfg.sparse_layers))
 
 
 def layer_slot(cfg: Qwen3MoeConfig, layer: int) -> tuple[str, int]:
@@ -89,7 +91,7 @@ def moe(cfg: Qwen3MoeConfig, lp: dict, h: jnp.ndarray) -> jnp.ndarray:
     Source: transformers ``Qwen3MoeSparseMoeBlock`` / ``Qwen3MoeTopKRouter``."""
     shape = h.shape
     x = h.reshape(-1, shape[-1])
-    w, idx = softmax_top_k(jnp.dot(x, lp["router"].astype(x.dtype)), cfg.num_experts_per_tok, cfg.norm_topk_prob)
+    w, idx = softmax_top_k(quant.dot(x, quant.astype(lp["router"], x.dtype)), cfg.num_experts_per_tok, cfg.norm_topk_prob)
     return routed_experts(x, idx, w.astype(x.dtype), lp["e_gate"], lp["e_up"], lp["e_down"]).reshape(shape)
 
 
