@@ -236,3 +236,79 @@ def test_default_model_in_int8_decodes_the_same_first_greedy_tokens():
         agree = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), len(want))
         print(f"{text!r}: {agree} of {len(want)} greedy tokens agree")
         assert agree >= 8, (got, want)
+
+
+def test_fp8_qwen3_moe_experts_stay_fp8_in_their_layer_and_expert_slots(tmp_path):
+    """The other families share the path: a Qwen3-MoE FP8 checkpoint (per-expert tensors, router
+    kept float as Qwen3-30B-A3B-FP8 keeps it) loads its experts as FP8 [R, E, out, in] whose
+    dequantization equals the weights="float" load of the same file, slot by slot."""
+    from dflash_jax.families.qwen3_moe.safetensors import load_qwen3_moe_target
+
+    conf = dict(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, max_position_embeddings=64,
+                decoder_sparse_step=1, norm_topk_prob=True, tie_word_embeddings=False)
+    save_tiny("Qwen3MoeConfig", "Qwen3MoeForCausalLM", tmp_path / "float", seed=5, **conf)
+    write_fp8(tmp_path / "float", tmp_path / "fp8")
+    _, q = load_qwen3_moe_target(tmp_path / "fp8", weights="quantized")
+    _, f = load_qwen3_moe_target(tmp_path / "fp8", weights="float")
+    experts = [(k, n) for k, v in q.items() if isinstance(v, dict) for n, w in v.items() if n.startswith("e_")]
+    assert experts and all(isinstance(q[k][n], quant.QuantizedWeight) for k, n in experts)
+    for k, n in experts:
+        w = q[k][n]
+        assert w.fields["codes"].dtype == jnp.float8_e4m3fn and w.lead == f[k][n].shape[:-2] and w.shape == f[k][n].shape
+        assert np.array_equal(np.asarray(w.dequantized()), np.asarray(f[k][n])), (k, n)
+    assert not any(isinstance(q[k].get("router"), quant.QuantizedWeight) for k, _ in experts)
+
+
+_RSS_SCRIPT = """
+import sys
+import jax
+jax.numpy.zeros(1).block_until_ready()
+from dflash_jax.families.dense.safetensors import load_hf_target
+from dflash_jax.nn import quant
+
+def status(key):  # kB
+    return int(next(l for l in open("/proc/self/status") if l.startswith(key)).split()[1])
+
+open("/proc/self/clear_refs", "w").write("5")  # the peak RSS (VmHWM) restarts from the current RSS
+before = status("VmRSS:")
+cfg, params = load_hf_target(sys.argv[1], weights=sys.argv[2])
+print((status("VmHWM:") - before) * 1024, isinstance(params["layers"]["w_up"], quant.QuantizedWeight))
+"""
+
+
+def test_fp8_load_streams_near_the_file_size(tmp_path):
+    """A 4-layer FP8 Qwen3 of 49 MB (linear weights of 1024 x 2816): loading it quantized raises
+    the process's peak RSS (Linux's VmHWM, reset before the load) by at most 1.6x the file's size;
+    loading it as float (four times the bytes) by more than twice that, so the bound can fail."""
+    import os
+    import subprocess
+    import sys
+
+    conf = dict(CONF, hidden_size=1024, intermediate_size=2816, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=2,
+                head_dim=128, vocab_size=512, architectures=["Qwen3ForCausalLM"], model_type="qwen3", rms_norm_eps=1e-6)
+    gen, tensors = torch.Generator().manual_seed(0), {}
+    for i in range(conf["num_hidden_layers"]):
+        for name, shape in (("self_attn.q_proj", (1024, 1024)), ("self_attn.k_proj", (256, 1024)), ("self_attn.v_proj", (256, 1024)),
+                            ("self_attn.o_proj", (1024, 1024)), ("mlp.gate_proj", (2816, 1024)), ("mlp.up_proj", (2816, 1024)),
+                            ("mlp.down_proj", (1024, 2816))):
+            codes, scale = fp8_blocks(0.05 * torch.randn(shape, generator=gen))
+            tensors[f"model.layers.{i}.{name}.weight"], tensors[f"model.layers.{i}.{name}.weight_scale_inv"] = codes, scale
+        for name in ("input_layernorm", "post_attention_layernorm", "self_attn.q_norm", "self_attn.k_norm"):
+            tensors[f"model.layers.{i}.{name}.weight"] = torch.ones(128 if "_norm" in name and "attn" in name else 1024)
+    tensors.update({"model.embed_tokens.weight": torch.randn(512, 1024), "lm_head.weight": torch.randn(512, 1024),
+                    "model.norm.weight": torch.ones(1024)})
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    conf["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128], "activation_scheme": "dynamic"}
+    (tmp_path / "config.json").write_text(json.dumps(conf))
+    size = (tmp_path / "model.safetensors").stat().st_size
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    grew = {}
+    for weights in ("quantized", "float"):
+        r = subprocess.run([sys.executable, "-c", _RSS_SCRIPT, str(tmp_path), weights], capture_output=True, text=True, env=env, timeout=300)
+        assert r.returncode == 0, r.stderr[-3000:]
+        out = r.stdout.split()
+        grew[weights] = int(out[-2])
+        assert out[-1] == str(weights == "quantized")
+    print(f"file {size} bytes; peak RSS grew {grew}")
+    assert grew["quantized"] <= 1.6 * size < 0.75 * grew["float"], (grew, size)  # measured 1.34x and 4.7x
