@@ -15,7 +15,9 @@ checkpoint's row order: output features first, the groups running along the inpu
 :func:`take_rows` is the embedding gather: it dequantizes only the gathered rows.
 
 **Formats** register a :class:`QuantFormat`: how many weights a group holds along the input
-dimension and how to turn the fields into float ``[..., out, in]``.
+dimension and how to turn the fields into float ``[..., out, in]``. The GGUF block formats
+(Q4_0..Q8_0, Q2_K..Q6_K, MXFP4) are in :mod:`dflash_jax.nn.quant_gguf`, registered when that module
+is imported (the GGUF loaders import it through :mod:`dflash_jax.formats.gguf_quant`).
 """
 
 from __future__ import annotations
@@ -153,20 +155,3 @@ def take_rows(w, index: jnp.ndarray) -> jnp.ndarray:
     else:
         fields = {k: jnp.take(a, index, axis=0) for k, a in w.fields.items()}
     return fmt.dequantize(fields, jnp.dtype(w.dtype))
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# Formats. Q8_0 (GGUF) stands as the example of the field convention; the others live beside it.
-
-
-def _q8_0_in(f):
-    return f["codes"].shape[-1]
-
-
-def _q8_0_dequantize(f, dtype):
-    codes, scale = f["codes"], f["scale"]  # int8 [..., out, in], float16 [..., out, in / 32]
-    groups = codes.reshape(codes.shape[:-1] + (scale.shape[-1], -1)).astype(jnp.float32)
-    return (groups * scale.astype(jnp.float32)[..., None]).reshape(codes.shape).astype(dtype)
-
-
-register(QuantFormat("q8_0", _q8_0_in, _q8_0_dequantize))

@@ -1,0 +1,114 @@
+"""The GGUF block formats kept quantized (formats/gguf_quant.py -> nn/quant_gguf.py) against gguf-py's
+own dequantizer (``gguf.quants.dequantize``): every type, read from a real GGUF file, dequantized
+and multiplied inside jit, equals gguf-py's float32 weights within float32 rounding."""
+
+from __future__ import annotations
+
+import types
+
+import gguf
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from dflash_jax.errors import DFlashError
+from dflash_jax.formats import gguf_file
+from dflash_jax.formats.gguf_quant import SUPPORTED, block_bytes, quantized_tensor
+from dflash_jax.nn import quant
+
+Q = gguf.GGMLQuantizationType
+LEGACY = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "MXFP4")  # gguf.quants.quantize writes these
+K_QUANTS = ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")  # gguf-py reads them only: random valid blocks
+F16_AT = {"Q2_K": (80, 82), "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}
+
+
+def random_blocks(kind: str, n_blocks: int, rng) -> np.ndarray:
+    """``n_blocks`` valid blocks of a K-quant: random bytes, the float16 fields finite and small."""
+    blocks = rng.integers(0, 256, (n_blocks, block_bytes(kind)), dtype=np.uint8)
+    for at in F16_AT[kind]:
+        blocks[:, at:at + 2] = rng.uniform(-0.05, 0.05, n_blocks).astype(np.float16).reshape(-1, 1).view(np.uint8)
+    return blocks
+
+
+def tensor_bytes(kind: str, shape: tuple, rng) -> np.ndarray:
+    """The quantized bytes of a tensor of numpy ``shape`` [*lead, out, in] (uint8 [*lead, out, row bytes])."""
+    qtype = Q[kind]
+    if kind in LEGACY:
+        x = rng.standard_normal(shape).astype(np.float32)
+        if kind == "MXFP4":
+            x *= 0.1
+        return gguf.quants.quantize(x, qtype)
+    block = gguf.GGML_QUANT_SIZES[qtype][0]
+    n = int(np.prod(shape)) // block
+    return random_blocks(kind, n, rng).reshape(shape[:-1] + (shape[-1] // block * block_bytes(kind),))
+
+
+@pytest.fixture(scope="module")
+def gguf_tensors(tmp_path_factory):
+    """A GGUF file holding one tensor of every supported type ([out 8, in 512]; Q4_K also stacked
+    [E 3, out 4, in 256]) plus an F16 one; ``{name: ReaderTensor}`` and the path."""
+    rng = np.random.default_rng(0)
+    path = str(tmp_path_factory.mktemp("q") / "all.gguf")
+    w = gguf.GGUFWriter(path, "llama")
+    for kind in SUPPORTED:
+        w.add_tensor(kind, tensor_bytes(kind, (8, 512), rng), raw_dtype=Q[kind])
+    w.add_tensor("Q4_K_stacked", tensor_bytes("Q4_K", (3, 4, 256), rng), raw_dtype=Q.Q4_K)
+    w.add_tensor("F16", rng.standard_normal((8, 32)).astype(np.float16))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    reader = gguf_file.open_gguf(path)
+    return path, gguf_file.tensor_table(reader, path)
+
+
+def oracle(tensor) -> np.ndarray:
+    return gguf.quants.dequantize(np.asarray(tensor.data), tensor.tensor_type).astype(np.float32)
+
+
+@pytest.mark.parametrize("kind", SUPPORTED)
+def test_every_type_dequantizes_as_gguf_py_inside_jit(gguf_tensors, kind):
+    path, tensors = gguf_tensors
+    t = tensors[kind]
+    qw = quantized_tensor(t, path)
+    want = oracle(t)  # [out, in]
+    assert qw.shape == (512, 8) and qw.format == kind.lower()
+    assert qw.nbytes <= 1.04 * t.n_bytes  # the file's bits, barely rearranged
+    qw = jax.tree_util.tree_map(jnp.asarray, qw)
+    got = jax.jit(quant.dequantize)(qw)
+    np.testing.assert_allclose(np.asarray(got), want, rtol=1e-6, atol=1e-6 * np.abs(want).max())
+    x = np.random.default_rng(1).standard_normal((3, 512)).astype(np.float32)
+    y = jax.jit(quant.dot)(jnp.asarray(x), qw)
+    np.testing.assert_allclose(np.asarray(y), x @ want.T, rtol=1e-4, atol=1e-4 * np.abs(x @ want.T).max())
+    rows = jnp.array([[5, 0], [7, 7]])
+    np.testing.assert_allclose(np.asarray(jax.jit(quant.take_rows)(qw, rows)), want[np.asarray(rows)], rtol=1e-6, atol=1e-6)
+
+
+def test_stacked_leading_axis_and_scan_slice(gguf_tensors):
+    path, tensors = gguf_tensors
+    t = tensors["Q4_K_stacked"]
+    qw = jax.tree_util.tree_map(jnp.asarray, quantized_tensor(t, path))
+    want = oracle(t).reshape(3, 4, 256)
+    assert qw.shape == (3, 256, 4)
+    np.testing.assert_allclose(np.asarray(quant.dequantize(qw)), want, rtol=1e-6, atol=1e-7)
+    one = jax.tree_util.tree_map(lambda a: a[1], qw)
+    np.testing.assert_allclose(np.asarray(quant.dequantize(one)), want[1], rtol=1e-6, atol=1e-7)
+
+
+def test_float_tensors_stay_float(gguf_tensors):
+    path, tensors = gguf_tensors
+    assert quantized_tensor(tensors["F16"], path) is None
+
+
+def fake(name, kind, shape_ggml, data):
+    return types.SimpleNamespace(name=name, tensor_type=Q[kind], shape=np.array(shape_ggml), data=data, n_bytes=data.size)
+
+
+def test_wrong_size_and_unknown_type_raise():
+    with pytest.raises(DFlashError, match=r"m\.gguf: tensor blk\.0\.w: Q4_K data of 143 bytes .*expected 144 bytes"):
+        quantized_tensor(fake("blk.0.w", "Q4_K", [256, 1], np.zeros((1, 143), np.uint8)), "m.gguf")
+    with pytest.raises(DFlashError, match=r"m\.gguf: tensor w: Q8_0 tensor of shape \[4, 48\]"):
+        quantized_tensor(fake("w", "Q8_0", [48, 4], np.zeros((4, 51), np.uint8)), "m.gguf")
+    with pytest.raises(DFlashError, match=r"m\.gguf: tensor w: quantization type IQ2_XXS is not supported"):
+        quantized_tensor(fake("w", "IQ2_XXS", [256, 1], np.zeros((1, 66), np.uint8)), "m.gguf")
