@@ -11,8 +11,9 @@ option to one of these):
   checkpoint this is ``"float"``.
 - ``"int8"``: a float checkpoint's decoder-layer linear weights (``*_proj.weight`` tensors of a
   layer: attention and MLP projections, experts; not norms, routers, embeddings or the LM head)
-  quantized to int8 at load, one tensor at a time (:mod:`dflash_jax.nn.quant_int8`). Refused on an
-  already quantized checkpoint (requantizing FP8 would lose precision silently).
+  quantized to int8 at load per group of 128 inputs, one tensor at a time
+  (:mod:`dflash_jax.nn.quant_int8`). Refused on an already quantized checkpoint (requantizing FP8
+  would lose precision silently).
 
 **Read**: ``quantization_config.quant_method: "fp8"`` with ``fmt: "e4m3"`` (or absent),
 ``weight_block_size: [bo, bi]`` and ``activation_scheme: "dynamic"`` (the Qwen3-*-FP8 / DeepSeek-V3
@@ -186,7 +187,7 @@ def quantized_leaf(ckpt, full: tuple, entries, kind: str, q: Quantization | None
     if kind == "fp8":
         fmt, groups, code = quant_fp8.format_name(q.block[1]), -(-n_in // q.block[1]), quant_fp8.CODE_DTYPE
     else:
-        fmt, groups, code = quant_int8.NAME, 1, np.dtype(np.int8)
+        fmt, groups, code = quant_int8.NAME, -(-n_in // quant_int8.GROUP), np.dtype(np.int8)
     codes, scale = np.empty(lead + (n_out, n_in), code), np.empty(lead + (n_out, groups), np.float32)
     for name, index, _ in entries:
         if kind == "fp8":

@@ -2,24 +2,27 @@
 
 **The scheme.** Symmetric absmax: each group of a weight's row gets ``scale = max |w| / 127`` and
 codes ``round(w / scale)`` in ``[-127, 127]``, so the dequantized ``codes * scale`` is within half a
-step (``scale / 2``) of the float weight. A group is a whole output row (per output channel,
-the default) or ``GROUP`` = 128 weights along ``in`` (:func:`quantize`'s ``group``).
+step (``scale / 2``) of the float weight. A group is ``GROUP`` = 128 weights along ``in`` (the
+default; the last group of a row may be partial) or a whole output row (:func:`quantize`'s
+``group=None``: per output channel).
 
 **The fields** (the :class:`~dflash_jax.nn.quant.QuantizedWeight` convention ``[*lead, out, k]``):
 ``codes`` ``int8 [*lead, out, in]`` (one byte a weight) and ``scale`` ``float32 [*lead, out, g]``:
-``g == 1`` is one scale per output row, ``g == ceil(in / 128)`` one per group of 128 (the last
-one partial). One format holds both: a single group spans the row whatever its width.
+``g == ceil(in / 128)``, one scale per group of 128, or ``g == 1``, one per row. One format holds
+both: a single group spans the row whatever its width.
 
-**Per channel, measured.** On this CPU (XLA:CPU, jax 0.10.2, 2 cores, alternating in one process,
-a light load; 2026-12-06), over the default model's layer weights: per-group-128 codes have a
-relative RMS error of 0.69 % (max 0.87 %) against 0.85 % (max 1.16 %) per channel, but a
-one-token product of the dequantized weight ``[1536, 576]`` took 343 us per channel against 549 us
-per group (the repeated scales of a partial group), 328 / 308 us for ``[576, 1536]`` and 15.9 /
-15.8 ms for ``[4096, 4096]``. Per channel is the default: as accurate as greedy decoding needs
-(tests/test_quant_safetensors.py counts the agreeing tokens) and never slower. Both are slower than
-float32 on XLA:CPU (169 us, 197 us, 1.8 ms for those shapes): it converts the int8 matrix to a
-float32 one in memory before the product, so int8 here buys memory (a quarter of float32's), not
-speed; a backend with int8 or fused dequantizing matmuls (GPU) is where it can gain both.
+**Per group of 128, measured** (this CPU: XLA:CPU, jax 0.10.2, 2 cores shared with other jobs,
+alternating in one process, 2026-12-06; BENCHMARKS.md "Int8 weight-only on this CPU"). Over the
+default model's layer weights, per-group codes have a relative RMS error of 0.69 % (max 0.87 %)
+against 0.85 % (max 1.16 %) per channel. Plain greedy decoding of the default model took, per
+token, 95 / 112 / 108 ms (per group / per channel / float32) in one run and 77 / 82 / 65 ms in
+another (load 7 on 2 cores: only the order within a run means anything): per group was the faster
+int8 in both, and both decode the same 64 greedy tokens as float32. So per group of 128 is the
+default, more accurate and not slower. Against float32 int8 buys memory (a quarter of the bytes),
+not speed, on XLA:CPU: timed alone, a one-token product of a dequantized ``[4096, 4096]`` int8
+weight took 15.8 ms against float32's 1.8 ms (the int8 matrix is converted to a float32 one in
+memory before the product); a backend with int8 or fused dequantizing matmuls (GPU) is where it can
+gain both.
 
 **qwix, judged.** qwix (Google's JAX quantization library, PyPI ``qwix`` 0.1.8) does weight-only
 int8 (per channel and sub-channel) and more, but it quantizes *Flax* models: its providers
@@ -44,12 +47,12 @@ NAME = "int8"
 GROUP = 128  # the width of a group when a row has several
 
 
-def quantize(w: np.ndarray, group: int | None = None) -> dict:
+def quantize(w: np.ndarray, group: int | None = GROUP) -> dict:
     """Int8 fields of a float weight (numpy, at load time).
 
     Args:
       w: float ``[out, in]`` (the checkpoint's row order).
-      group: ``None`` (one scale per output row: the default) or :data:`GROUP`.
+      group: :data:`GROUP` (the default) or ``None`` (one scale per output row).
     Returns:
       ``{"codes": int8 [out, in], "scale": float32 [out, g]}``; an all-zero group gets scale 0 and
       codes 0.
