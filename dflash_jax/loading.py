@@ -30,6 +30,9 @@ from dflash_jax.nn.params import unstack_layers
 from dflash_jax.drafter import model as drafter_model
 from dflash_jax.nn.params import is_per_layer
 from dflash_jax.nn import params as layouts
+from dflash_jax.nn.params import stack_layers
+from dflash_jax.nn.quant import is_quantized
+from dflash_jax import weights_choice
 from dflash_jax.decode.auto.policy import Calibration
 
 
@@ -54,6 +57,9 @@ class Target:
         (:func:`fingerprint_of`).
       mesh: the :class:`jax.sharding.Mesh` its parameters are laid out on (and its drafter's,
         and every decode state's), or ``None``: one device.
+      weights: how its weights are held, as :func:`load_target` resolved its ``weights``:
+        ``"quantized"`` (a quantized checkpoint's weights kept as
+        :class:`~dflash_jax.nn.quant.QuantizedWeight`), ``"float"`` or ``"int8"``.
     """
 
     cfg: TargetConfig
@@ -63,6 +69,7 @@ class Target:
     eos_ids: tuple[int, ...] = ()
     fingerprint: str | None = None
     mesh: Any = None
+    weights: str = "float"
 
 
 LAYER_LAYOUTS = ("auto", "stacked", "per_layer")
@@ -76,7 +83,8 @@ def _per_layer(layers: str) -> bool:
     return layers == "per_layer" or (layers == "auto" and jax.default_backend() == "cpu")
 
 
-def load_target(path: str | os.PathLike | None = None, dtype: str = "float32", layers: str = "auto", mesh=None) -> Target:
+def load_target(path: str | os.PathLike | None = None, dtype: str = "float32", layers: str = "auto", mesh=None,
+                weights: str = "auto") -> Target:
     """Loads a target model with its tokenizer, after turning on JAX's persistent compilation cache
     (:func:`dflash_jax.runtime.compiled.enable_compile_cache`).
 
@@ -97,35 +105,45 @@ def load_target(path: str | os.PathLike | None = None, dtype: str = "float32", l
         logical axes (:mod:`dflash_jax.runtime.sharding`: heads, MLP width and vocabulary split over
         ``model``, experts over ``expert``), and so are a drafter loaded for it and the decode
         states of :func:`dflash_jax.generate` and the server (rows over ``data``).
+      weights: ``"quantized"`` keeps a quantized checkpoint's weights quantized (GGUF block types,
+        :mod:`dflash_jax.nn.quant`; no float cache is written), ``"float"`` dequantizes them (a
+        GGUF's float32 cache beside the file), ``"int8"`` quantizes a float checkpoint's weights
+        to int8 on load, ``"auto"`` (default) is :func:`dflash_jax.weights_choice.resolve`'s rule
+        (docs/models.md, "Quantized weights"). :attr:`Target.weights` records the choice made.
     Returns:
       :class:`Target`.
     Raises:
-      DFlashError: an unsupported dtype or layout, a path that does not exist or is neither
-        kind, or any problem the loaders find (the message names the file).
+      DFlashError: an unsupported dtype, layout or weights choice (or one the checkpoint's family
+        cannot load), a path that does not exist or is neither kind, or any problem the loaders
+        find (the message names the file).
     """
     enable_compile_cache()  # before anything compiles: a second run reads its programs back
     if str(dtype) not in DTYPES:
         raise DFlashError("dtype (--dtype)", f"unsupported value {dtype!r}", f"one of {', '.join(DTYPES)}")
     per_layer = _per_layer(layers)
+    weights_choice.check(weights)
     mesh = None if mesh is None else sharding.parse_mesh(mesh)
     if path is None:
         from dflash_jax.assets.default_model import default_target_path
 
         p = default_target_path()
         try:
-            return load_target(p, dtype=dtype, layers=layers, mesh=mesh)
+            return load_target(p, dtype=dtype, layers=layers, mesh=mesh, weights=weights)
         except DFlashError as e:  # a damaged cached copy (e.g. an interrupted extraction)
             hint = f"delete {p} so that it is fetched again"
             raise DFlashError(e.where, e.what, f"{e.expected}; the cached default model looks damaged: {hint}" if e.expected else hint) from e
     p = Path(path).expanduser()
     with progress.step(f"loading {p}", f"loaded the target {p.name} ({dtype})", routine=True):
         with gguf_file.shared_readers():  # the registry, the weights and the tokenizer parse a GGUF once
-            cfg, params, tok, eos = _read_target(p, dtype)
+            weights = weights_choice.resolve(weights, p, dtype, can_quantize=lambda: registry.keeps_quantized(p))
+            cfg, params, tok, eos = _read_target(p, dtype, weights)
         if tok is not None and tok.vocab_size > cfg.vocab_size:
             raise DFlashError(f"{p}: tokenizer", f"{tok.vocab_size} ids but the embedding has {cfg.vocab_size} rows",
                               "a tokenizer no larger than the embedding")
         if per_layer and registry.module_for(cfg).per_layer:
             params = unstack_layers(params)  # numpy views of a GGUF's cache: no copy
+        elif not per_layer and is_per_layer(params.get("layers")):
+            params = _stacked_if_uniform(params)  # a quantized loader's layers, stacked where their types agree
         params = with_output_head(jax.device_put(params))
         if registry.module_for(cfg).per_layer and jax.default_backend() == "cpu":  # dense targets on XLA:CPU
             params = layouts.with_wide_layouts(params, layouts.CPU_KINDS, tied=cfg.tie_word_embeddings)
@@ -133,7 +151,18 @@ def load_target(path: str | os.PathLike | None = None, dtype: str = "float32", l
             params = sharding.shard_params(params, _axes(registry.module_for(cfg), cfg, params), mesh)
     info = gguf_cache.cache_info(str(p)) if p.is_file() else None
     return Target(cfg=cfg, params=params, tokenizer=tok, source=str(p), eos_ids=eos,
-                  fingerprint=None if info is None else info.get("fingerprint"), mesh=mesh)
+                  fingerprint=None if info is None else info.get("fingerprint"), mesh=mesh, weights=weights)
+
+
+def _stacked_if_uniform(params: dict) -> dict:
+    """``params`` with its per-layer ``layers`` stacked, or as they are when the layers differ in
+    structure (a Q4_K_M file quantizes some layers' tensors with other types: they run per layer)."""
+    layers = list(params["layers"])
+    first = jax.tree_util.tree_structure(layers[0])
+    shapes = [tuple(a.shape for a in jax.tree_util.tree_leaves(lp)) for lp in layers]
+    if any(jax.tree_util.tree_structure(lp) != first for lp in layers) or len(set(shapes)) != 1:
+        return params
+    return stack_layers(params)
 
 
 def _axes(module, cfg, params) -> dict:
@@ -143,19 +172,25 @@ def _axes(module, cfg, params) -> dict:
     return module.param_axes(cfg)
 
 
-def _read_target(p: Path, dtype: str):
+def _read_target(p: Path, dtype: str, weights: str = "float"):
     """``(cfg, params, tokenizer or None, eos ids)`` of an HF folder or a ``.gguf`` file, by the
-    family :mod:`dflash_jax.families.registry` finds for it (a GGUF's params are numpy arrays: float32
-    ones memory-mapped from its cache, which ``jax.device_put`` on the CPU uses without a copy)."""
+    family :mod:`dflash_jax.families.registry` finds for it, ``weights`` resolved (a GGUF's float
+    params are numpy arrays: float32 ones memory-mapped from its cache, which ``jax.device_put`` on
+    the CPU uses without a copy; quantized ones are moved to the device tensor by tensor)."""
     if p.is_dir():
         if not (p / "config.json").is_file():
             raise DFlashError(str(p), "folder has no config.json", "a Hugging Face checkpoint folder or a .gguf file")
-        cfg, params = registry.load_hf_target(p, dtype=dtype)
+        cfg, params = registry.load_hf_target(p, dtype=dtype, weights=weights)
         tok = Tokenizer.from_hf_folder(p) if (p / "tokenizer.json").is_file() else None
         return cfg, params, tok, tuple(tok.eos_token_ids) if tok is not None else _hf_eos_ids(p)
     if p.is_file() and p.suffix.lower() == ".gguf":
-        cfg, params = registry.load_gguf_target(p, dtype=dtype, as_numpy=True)
-        tok = Tokenizer.from_gguf(p)
+        if weights == "float":
+            cfg, params = registry.load_gguf_target(p, dtype=dtype, as_numpy=True)
+            tok = Tokenizer.from_gguf(p)
+        else:  # the tokenizer first, then its parsed lists freed: they and the weights do not add up
+            tok = Tokenizer.from_gguf(p)
+            gguf_file.drop_token_lists(gguf_file.open_gguf(p))
+            cfg, params = registry.load_gguf_target(p, dtype=dtype, weights=weights)
         return cfg, params, tok, tuple(tok.eos_token_ids)
     if not p.exists():
         raise DFlashError(str(p), "no such file or folder", "a Hugging Face checkpoint folder or a .gguf file")
@@ -167,8 +202,10 @@ def with_output_head(params: dict) -> dict:
 
     The models use ``params["lm_head"]`` when present; a stored ``[H, V]`` head multiplies about
     twice as fast on CPU as the transposed ``[V, H]`` embedding (measured in BENCHMARKS.md's notes).
+    A quantized embedding gets no float copy: the model's head multiplies it as it is
+    (:func:`dflash_jax.nn.layer.lm_head`).
     """
-    if "lm_head" in params:
+    if "lm_head" in params or is_quantized(params["embed"]):
         return params
     return dict(params, lm_head=jnp.asarray(jnp.transpose(params["embed"])))
 
@@ -203,10 +240,11 @@ class Drafter:
     calibration: Any = None
     auto_depth: int | None = None
     tree: int | None = None
+    weights: str = "float"
 
 
 def load_drafter(path: str | os.PathLike, target: Target, dtype: str | None = None, draft_vocab: bool = True,
-                 layers: str = "auto") -> Drafter:
+                 layers: str = "auto", weights: str | None = None) -> Drafter:
     """Loads a DFlash drafter for ``target`` (z-lab folder, or a Laguna drafter GGUF file).
 
     Args:
@@ -219,6 +257,9 @@ def load_drafter(path: str | os.PathLike, target: Target, dtype: str | None = No
       layers: layout of the draft layers, as :func:`load_target`'s ``layers`` (``"auto"``: per
         layer on the CPU backend, where a scan copied both layers' weights, about 28 MB, in every
         propose); Laguna drafters are always stacked.
+      weights: as :func:`load_target`'s; ``None`` follows the target's choice
+        (:attr:`Target.weights`) where the drafter's loader can (a float drafter checkpoint stays
+        float under ``"quantized"``). :attr:`Drafter.weights` records the choice made.
     The parameters are laid out on the target's mesh when it has one (:attr:`Target.mesh`).
 
     Raises:
@@ -228,11 +269,15 @@ def load_drafter(path: str | os.PathLike, target: Target, dtype: str | None = No
     per_layer = _per_layer(layers)
     p = Path(path).expanduser()
     dtype = dtype or target.cfg.dtype
+    explicit = weights is not None
+    weights = weights_choice.check(weights or target.weights)
     if p.is_file() and p.suffix.lower() == ".gguf":
-        cfg, params = drafter_model.load_gguf_drafter(p, target.cfg, dtype=dtype)
+        load, weights = weights_choice.loader(drafter_model.load_gguf_drafter, weights, explicit, p, dtype)
+        cfg, params = load(p, target.cfg, dtype=dtype)
         n_max = auto_depth = calibration = tree = None
     elif p.is_dir():
-        cfg, params = drafter_model.load_hf_drafter(p, target.cfg, dtype=dtype)
+        load, weights = weights_choice.loader(drafter_model.load_hf_drafter, weights, explicit, p, dtype)
+        cfg, params = load(p, target.cfg, dtype=dtype)
         n_max, auto_depth, calibration, tree = _recorded_policy(p / "config.json", cfg.block_size)
         ids = dv.load(p, cfg.vocab_size) if draft_vocab else None
         if ids is not None:
@@ -246,7 +291,8 @@ def load_drafter(path: str | os.PathLike, target: Target, dtype: str | None = No
         params = unstack_layers(params)
     if target.mesh is not None:
         params = sharding.shard_params(params, _axes(drafter_model, cfg, params), target.mesh)
-    return Drafter(cfg=cfg, params=params, source=str(p), n_max=n_max, calibration=calibration, auto_depth=auto_depth, tree=tree)
+    return Drafter(cfg=cfg, params=params, source=str(p), n_max=n_max, calibration=calibration, auto_depth=auto_depth, tree=tree,
+                   weights=weights)
 
 
 def _recorded_policy(config_path: Path, block_size: int):

@@ -319,6 +319,8 @@ def test_debug_shows_traceback(capsys, tmp_path):
         (["generate", "--chat-template-kwargs", "[1]"], "error: --chat-template-kwargs: got list (expected a JSON object)"),
         (["generate", "--prompt-ids", "1,x"], "error: --prompt-ids: got '1,x' (expected a comma-separated list of integers"),
         (["generate", "--dtype", "int8"], "error: --dtype: got 'int8' (expected one of: float32, bfloat16, float16)"),
+        (["generate", "--weights", "fp4"], "error: --weights: got 'fp4' (expected one of: auto, quantized, float, int8)"),
+        (["train", "--data", "d", "--out", "o", "--weights", "q"], "error: --weights: got 'q' (expected one of: auto, quantized, float, int8)"),
         (["generate", "--no-such-option"], "error: --no-such-option: unknown option (expected an option listed by dflash-jax generate --help)"),
         (["--no-such-option"], "error: --no-such-option: unknown option (expected an option listed by dflash-jax --help)"),
         (["generate", "one", "two"], "error: two: unexpected extra argument (expected at most one PROMPT"),

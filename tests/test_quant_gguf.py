@@ -14,23 +14,13 @@ import pytest
 
 from dflash_jax.errors import DFlashError
 from dflash_jax.formats import gguf_file
-from dflash_jax.formats.gguf_quant import SUPPORTED, block_bytes, quantized_tensor
+from dflash_jax.formats.gguf_quant import SUPPORTED, quantized_tensor
 from dflash_jax.nn import quant
+from tiny_gguf import kquant_bytes
 
 Q = gguf.GGMLQuantizationType
 LEGACY = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "MXFP4")  # gguf.quants.quantize writes these
 K_QUANTS = ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")  # gguf-py reads them only: random valid blocks
-F16_AT = {"Q2_K": (80, 82), "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}
-
-
-def random_blocks(kind: str, n_blocks: int, rng) -> np.ndarray:
-    """``n_blocks`` valid blocks of a K-quant: random bytes, the float16 fields finite and small."""
-    blocks = rng.integers(0, 256, (n_blocks, block_bytes(kind)), dtype=np.uint8)
-    for at in F16_AT[kind]:
-        blocks[:, at:at + 2] = rng.uniform(-0.05, 0.05, n_blocks).astype(np.float16).reshape(-1, 1).view(np.uint8)
-    return blocks
-
-
 def tensor_bytes(kind: str, shape: tuple, rng) -> np.ndarray:
     """The quantized bytes of a tensor of numpy ``shape`` [*lead, out, in] (uint8 [*lead, out, row bytes])."""
     qtype = Q[kind]
@@ -39,9 +29,7 @@ def tensor_bytes(kind: str, shape: tuple, rng) -> np.ndarray:
         if kind == "MXFP4":
             x *= 0.1
         return gguf.quants.quantize(x, qtype)
-    block = gguf.GGML_QUANT_SIZES[qtype][0]
-    n = int(np.prod(shape)) // block
-    return random_blocks(kind, n, rng).reshape(shape[:-1] + (shape[-1] // block * block_bytes(kind),))
+    return kquant_bytes(kind, shape, rng)
 
 
 @pytest.fixture(scope="module")

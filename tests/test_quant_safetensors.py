@@ -104,6 +104,20 @@ def test_fp8_logits_and_greedy_tokens_match_transformers_on_dequantized_weights(
     assert ours_greedy(cfg, params, PROMPT, 12, 4)[0] == hf_greedy(model, PROMPT, 12)
 
 
+def test_load_target_keeps_fp8_and_generates_transformers_tokens(fp8):
+    """Through the public option: dj.load_target(folder, weights="quantized") keeps the FP8 codes
+    (per-layer buffers on the CPU) and dj.generate decodes transformers' greedy tokens."""
+    import dflash_jax as dj
+
+    root, model, _, _ = fp8
+    t = dj.load_target(root / "fp8", weights="quantized")
+    assert t.weights == "quantized"
+    layers = list(t.params["layers"]) if not isinstance(t.params["layers"], dict) else [t.params["layers"]]
+    assert all(lp[k].fields["codes"].dtype == jnp.float8_e4m3fn for lp in layers for k in LINEAR)
+    out = dj.generate(t, [PROMPT], max_new_tokens=10, ignore_eos=True)
+    assert list(out.output_ids[0]) == hf_greedy(model, PROMPT, 10)
+
+
 def test_fp8_as_float_dequantizes_at_load(fp8):
     root, model, _, quantized = fp8
     cfg, params = load_hf_target(root / "fp8", weights="float")

@@ -14,7 +14,8 @@ Q = gguf.GGMLQuantizationType
 
 
 def write_gguf(path, arch: str, kv: dict, tensors: list, tokens: list[str] | None = None):
-    """Writes a GGUF; ``tensors`` holds (name, float32 array, qtype or None) in numpy order."""
+    """Writes a GGUF; ``tensors`` holds (name, float32 array, qtype or None) in numpy order, or
+    (name, uint8 blocks, qtype) already quantized (:func:`kquant_bytes`)."""
     w = gguf.GGUFWriter(str(path), arch)
     for key, value in kv.items():
         if isinstance(value, bool):
@@ -38,6 +39,8 @@ def write_gguf(path, arch: str, kv: dict, tensors: list, tokens: list[str] | Non
             w.add_tensor(name, np.ascontiguousarray(arr, np.float32))
         elif qtype == Q.F16:
             w.add_tensor(name, np.ascontiguousarray(arr, np.float16))
+        elif arr.dtype == np.uint8:  # blocks already quantized (kquant_bytes)
+            w.add_tensor(name, arr, raw_dtype=qtype)
         else:
             w.add_tensor(name, gguf.quants.quantize(np.ascontiguousarray(arr, np.float32), qtype), raw_dtype=qtype)
     w.write_header_to_file()
@@ -93,3 +96,19 @@ def tokens_for(cfg):
 def write_model(path, cfg, params, *, tensors=None, tokens=None, qtype=None):
     return write_gguf(path, cfg.family, model_kv(cfg), tensors if tensors is not None else model_tensors(cfg, params, qtype),
                       tokens if tokens is not None else tokens_for(cfg))
+
+
+K_F16_AT = {"Q2_K": (80, 82), "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}  # byte offsets of d (, dmin)
+
+
+def kquant_bytes(kind: str, shape: tuple, rng, d: float = 0.05) -> np.ndarray:
+    """Valid random blocks of a K-quant (gguf-py reads K-quants but does not write them) for a
+    tensor of numpy ``shape [*lead, out, in]`` (``in`` a multiple of 256): random bytes with the
+    float16 super-block scales drawn in ``[-d, d]``; uint8 ``[*lead, out, row bytes]``."""
+    qtype = Q[kind]
+    block, nbytes = gguf.GGML_QUANT_SIZES[qtype]
+    n = int(np.prod(shape)) // block
+    blocks = rng.integers(0, 256, (n, nbytes), dtype=np.uint8)
+    for at in K_F16_AT[kind]:
+        blocks[:, at:at + 2] = rng.uniform(-d, d, n).astype(np.float16).reshape(-1, 1).view(np.uint8)
+    return blocks.reshape(tuple(shape[:-1]) + (shape[-1] // block * nbytes,))

@@ -8,6 +8,8 @@ same target and dtype)::
     python tools/bench_decode.py                     # float32, 128 new tokens, 128-token prompt
     python tools/bench_decode.py --dtype bfloat16 --repeats 5 --no-write
     python tools/bench_decode.py --layers per_layer,stacked   # both layer layouts, alternating
+    python tools/bench_decode.py --weights quantized,float    # quantized against float weights, alternating
+    python tools/bench_decode.py --weights float,quantized --spec   # and DFlash (shipped drafter) for each
     python tools/bench_decode.py --ttft              # time to first token of `dflash-jax generate`
 
 ``--ttft`` times what a user waits for, the time to first token of ``dflash-jax generate``
@@ -68,6 +70,11 @@ def main(argv=None) -> int:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--layers", default="auto",
                    help="comma-separated layer layouts of load_target (auto, stacked, per_layer), run alternately in one process")
+    p.add_argument("--weights", default="auto",
+                   help="comma-separated weights choices of load_target (auto, quantized, float), run alternately in one process "
+                   "(with several layouts: every layout with every choice)")
+    p.add_argument("--spec", action="store_true",
+                   help="also run DFlash with the target's shipped drafter (loaded for each variant; its recorded depth), alternating")
     p.add_argument("--output", default=str(REPO / "BENCHMARKS.md"))
     p.add_argument("--no-write", action="store_true", help="print the figures only")
     p.add_argument("--ttft", action="store_true", help="time to first token of the command line, cold and warm (see above)")
@@ -82,7 +89,18 @@ def main(argv=None) -> int:
     from dflash_jax.nn.params import is_per_layer
 
     layouts = [x.strip() for x in args.layers.split(",") if x.strip()]
-    targets = {lay: dj.load_target(args.target, dtype=args.dtype, layers=lay) for lay in layouts}
+    choices = [x.strip() for x in args.weights.split(",") if x.strip()]
+    targets = {}
+    for lay in layouts:
+        for w in choices:  # a variant "layout" or "layout weights=choice" when several choices run
+            targets[lay if len(choices) == 1 else f"{lay} weights={w}"] = dj.load_target(args.target, dtype=args.dtype, layers=lay, weights=w)
+    if args.spec:
+        for key in list(targets):
+            drafter = dj.shipped_drafter(targets[key])
+            if drafter is None:
+                p.error(f"no shipped drafter for the target of {key}")
+            targets[key + " dflash"] = (targets[key], drafter)
+    layouts = list(targets)
     target = targets[layouts[0]]
     ids = prompt_ids(target, args.prompt_len)
     m = machine()
@@ -91,7 +109,8 @@ def main(argv=None) -> int:
     outputs = {}
     for r in range(args.repeats):
         for lay in layouts:
-            res = dj.generate(targets[lay], [ids], max_new_tokens=args.max_new_tokens, chunk_size=args.chunk_size, ignore_eos=True)
+            t, d = targets[lay] if isinstance(targets[lay], tuple) else (targets[lay], None)
+            res = dj.generate(t, [ids], max_new_tokens=args.max_new_tokens, chunk_size=args.chunk_size, ignore_eos=True, drafter=d)
             st = res.stats
             by_layout[lay].append(st)
             outputs[lay] = res.output_ids
@@ -99,7 +118,7 @@ def main(argv=None) -> int:
                   f"decode {st['decode_tokens_per_s']:.2f} tok/s ({st['decode_time_s']:.3f} s), "
                   f"compile {st['compile_time_s']:.2f} s", file=sys.stderr)
     if len({str(o) for o in outputs.values()}) != 1:
-        print("warning: the layer layouts produced different tokens", file=sys.stderr)
+        print("warning: the variants produced different tokens", file=sys.stderr)
     runs = by_layout[layouts[0]]
     busy1, own1, wall1 = busy_seconds(), sum(os.times()[:4]), time.perf_counter()
     others = "n/a"
@@ -112,10 +131,11 @@ def main(argv=None) -> int:
     cmd = "python tools/bench_decode.py " + " ".join(shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:]))
     date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     c = target.cfg
-    n_params = sum(int(x.size) for x in __import__("jax").tree_util.tree_leaves(target.params))
+    n_params = sum(int(x.size) for x in __import__("jax").tree_util.tree_leaves(target.params) if x.dtype.kind == "f")
     if getattr(c, "tie_word_embeddings", False) and "lm_head" in target.params:
         n_params -= int(target.params["lm_head"].size)  # load_target's [H, V] copy of the tied embedding
-    lay_label = lambda lay: lay if lay != "auto" else "auto: " + ("per_layer" if is_per_layer(targets[lay].params["layers"]) else "stacked")  # noqa: E731
+    target_of = lambda lay: targets[lay][0] if isinstance(targets[lay], tuple) else targets[lay]  # noqa: E731
+    lay_label = lambda lay: lay if not lay.startswith("auto") else lay.replace("auto", "auto: " + ("per_layer" if is_per_layer(target_of(lay).params["layers"]) else "stacked"), 1)  # noqa: E731
     layout_rows = "".join(
         f"| decode, layers {lay_label(lay)} | {med('decode_tokens_per_s', rs):.2f} tok/s | {best('decode_tokens_per_s', rs):.2f} tok/s |\n"
         for lay, rs in by_layout.items()) if len(layouts) > 1 else ""

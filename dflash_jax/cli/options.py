@@ -9,7 +9,7 @@ callables below, whose :class:`argparse.ArgumentTypeError` already carries the w
 and :meth:`Parser.parse_args` reports leftover arguments from ``parse_known_args``.
 
 **The model options.** :func:`add_model_options` adds ``--target``, ``--draft``, ``--no-spec``, ``--block-size``,
-``--n-max``, ``--tree``, ``--dtype``, ``--chat-template-kwargs`` and ``--mesh``; :func:`check_model_options` refuses
+``--n-max``, ``--tree``, ``--dtype``, ``--weights``, ``--chat-template-kwargs`` and ``--mesh``; :func:`check_model_options` refuses
 values and combinations before anything loads; :func:`load_model` loads the target and the drafter
 (``--draft``, else the one shipped for the target) and resolves the draft depth.
 """
@@ -249,11 +249,23 @@ def add_model_options(p: argparse.ArgumentParser) -> None:
                    "(0: a chain of drafts; default: the drafter's recorded tree with its recorded depth)")
     p.add_argument("--dtype", type=one_of(*DTYPES), metavar=choices_metavar(*DTYPES), default="float32",
                    help="compute dtype (default float32)")
+    add_weights_option(p)
     p.add_argument("--chat-template-kwargs", type=json_object, default=None, metavar="JSON",
                    help='extra chat-template variables, e.g. \'{"enable_thinking": false}\'')
     p.add_argument("--mesh", metavar="AXES", default=None,
                    help="lay the model and the decode rows out on a device mesh, e.g. data=2,model=2 (rows over data, heads "
                    "and MLP over model, experts over expert; default: one device)")
+
+
+def add_weights_option(p) -> None:
+    """Adds ``--weights`` (:mod:`dflash_jax.weights_choice`) to a parser or argument group: generate,
+    serve (through :func:`add_model_options`) and train."""
+    from dflash_jax.weights_choice import WEIGHTS
+
+    p.add_argument("--weights", type=one_of(*WEIGHTS), metavar=choices_metavar(*WEIGHTS), default="auto",
+                   help="how the weights are held: quantized (a quantized checkpoint kept quantized), float (dequantized), "
+                   "int8 (a float checkpoint quantized on load), auto (default: quantized unless float measured faster "
+                   "on this backend and it fits; docs/models.md); a drafter follows its target")
 
 
 def check_model_options(args) -> None:
@@ -325,7 +337,7 @@ def load_model(args):
     from dflash_jax.loading import load_target
     from dflash_jax.runtime.sharding import describe
 
-    target = load_target(args.target, dtype=args.dtype, mesh=args.mesh)
+    target = load_target(args.target, dtype=args.dtype, mesh=args.mesh, weights=args.weights)
     drafter, why = load_drafter_for(args, target)
     if target.mesh is not None:
         why += f"; mesh {describe(target.mesh)}"

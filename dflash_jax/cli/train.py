@@ -31,6 +31,7 @@ from dflash_jax.drafter import vocab as draft_vocab
 from dflash_jax.cli.options import (
     Parser,
     add_process_options,
+    add_weights_option,
     choices_metavar,
     help_text,
     int_list,
@@ -62,6 +63,7 @@ def add_arguments(ap: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--data", required=True, help="dataset folder (dflash-jax make-data, TokenDataset)")
     g.add_argument("--out", required=True, help="run folder: checkpoints, logs, tau curve (resumed when it exists)")
     g.add_argument("--target", default=None, help="target .gguf or HF folder (default: embedded SmolLM2-135M-Instruct)")
+    add_weights_option(g)
     g.add_argument("--features", default=None, help="target-feature cache folder (default <out>/features; built when missing)")
     g.add_argument("--no-feature-cache", action="store_true", help="recompute target features in every step instead")
     g.add_argument("--labels", type=one_of("data", "target"), metavar=choices_metavar("data", "target"), default="data",
@@ -295,7 +297,7 @@ def _run(args, argv) -> int:
         check_batch_size(mesh, args.batch_size)  # before anything loads
     leader, out = distributed.is_leader(), Path(args.out)
     ds = TokenDataset.load(args.data)  # before the target: a bad --data fails in a moment
-    target = load_target(args.target)
+    target = load_target(args.target, weights=args.weights)
     cfg = drafter_config_for(target.cfg, args.layers, args.target_layer_ids, args.mask_token_id, args.block_size,
                              args.intermediate_size, args.causal)
     export = Path(args.export or out / "drafter")

@@ -23,6 +23,7 @@ from pathlib import Path
 import jax.numpy as jnp
 import numpy as np
 from dflash_jax.errors import DFlashError
+from dflash_jax.nn import quant
 
 
 FILE_NAME = "draft_vocab.safetensors"
@@ -97,10 +98,13 @@ def load(folder: str | os.PathLike, vocab_size: int) -> np.ndarray | None:
 def head_columns(target_params: dict, ids: jnp.ndarray) -> jnp.ndarray:
     """``[H, Vd]``: the target LM-head columns of ``ids`` (tied heads read the embedding rows); the
     drafter's logits run them through the target family's ``lm_head`` (any soft-cap applies:
-    :func:`dflash_jax.drafter.model.head_logits`)."""
+    :func:`dflash_jax.drafter.model.head_logits`). A quantized head gives its columns dequantized."""
+    head = target_params["lm_head"] if "lm_head" in target_params else target_params["embed"]
+    if quant.is_quantized(head):  # rows = vocabulary (an [H, V] head or a tied [V, H] embedding alike)
+        return jnp.transpose(quant.take_rows(head, ids))
     if "lm_head" in target_params:
-        return jnp.take(target_params["lm_head"], ids, axis=1)
-    return jnp.transpose(jnp.take(target_params["embed"], ids, axis=0))
+        return jnp.take(head, ids, axis=1)
+    return jnp.transpose(jnp.take(head, ids, axis=0))
 
 
 def attach(cfg, params: dict, target_params: dict, ids) -> tuple:

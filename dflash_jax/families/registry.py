@@ -26,7 +26,8 @@ from dflash_jax.families.qwen3_5 import config as config_qwen3_5
 from dflash_jax.families.qwen3_moe import config as config_qwen3_moe
 from dflash_jax.errors import DFlashError
 from dflash_jax.families.contract import FamilyModel
-from dflash_jax.families.dense import gguf, gguf_cache
+from dflash_jax.families.dense import gguf, gguf_cache, gguf_quantized
+from dflash_jax import weights_choice
 from dflash_jax.formats import gguf_file
 from dflash_jax.families.dense import safetensors as hf
 from dflash_jax.families.laguna import safetensors as laguna, gguf as laguna_gguf
@@ -61,7 +62,9 @@ class TargetFamily:
         ``init_cache``, ...; the capabilities ``paged_kv``, ``trees``, ``recurrent_state``,
         ``per_layer``), the family model module's ``MODEL``, checked against the contract when built.
       load_hf: ``(folder, dtype) -> (cfg, params)``.
-      load_gguf: ``(path, dtype, use_cache, as_numpy) -> (cfg, params)``.
+      load_gguf: ``(path, dtype, use_cache, as_numpy) -> (cfg, params)``; one that also takes a
+        ``weights`` keyword (``"quantized"``, ``"int8"``; :mod:`dflash_jax.weights_choice`) loads
+        those too (so may ``load_hf``).
       gguf_config: ``(path, dtype) -> cfg`` from the GGUF's metadata and tensor list only.
     """
 
@@ -81,6 +84,14 @@ def _laguna_gguf(path, dtype, use_cache, as_numpy):
     return laguna_gguf.load_laguna_gguf_target(path, dtype, as_numpy=as_numpy)  # no weight cache: converted on the fly
 
 
+def _dense_gguf(path, dtype, use_cache, as_numpy, weights="float"):
+    if weights == "quantized":
+        return gguf_quantized.load_quantized_gguf_target(path, dtype, as_numpy=as_numpy)
+    if weights == "int8":
+        raise DFlashError("weights (--weights)", f"'int8' for the GGUF file {path} (its weights are quantized already)", "quantized or float")
+    return gguf.load_gguf_target(path, dtype, use_cache=use_cache, as_numpy=as_numpy)
+
+
 def _gguf_config(build):
     return lambda path, dtype: build(gguf_file.open_gguf(path), str(path), dtype)[0]
 
@@ -90,8 +101,7 @@ TARGET_FAMILIES: tuple[TargetFamily, ...] = (
         name="dense", config_type=dense_config.TargetConfig, hf_architectures=tuple(dense_config.HF_ARCHITECTURES),
         hf_model_types=tuple(dense_config.HF_MODEL_TYPES), gguf_architectures=gguf.ARCHITECTURES,
         parse_hf=dense_config.target_config_from_hf, model=dense.MODEL, load_hf=hf.load_hf_target,
-        load_gguf=lambda path, dtype, use_cache, as_numpy: gguf.load_gguf_target(path, dtype, use_cache=use_cache, as_numpy=as_numpy),
-        gguf_config=_gguf_config(gguf.gguf_config),
+        load_gguf=_dense_gguf, gguf_config=_gguf_config(gguf.gguf_config),
     ),
     TargetFamily(
         name="laguna", config_type=config_laguna.LagunaConfig, hf_architectures=("LagunaForCausalLM",),
@@ -186,26 +196,55 @@ def family_for_gguf(path: str | os.PathLike) -> TargetFamily:
     raise DFlashError(f"{path}: metadata general.architecture", "missing" if arch is None else f"unsupported value {arch!r}", f"one of {known}")
 
 
-def load_hf_target(folder: str | os.PathLike, dtype: str = "float32") -> tuple[Any, dict]:
-    """``(cfg, params)`` of an HF target folder, by its family's loader (see :class:`TargetFamily`).
+def load_hf_target(folder: str | os.PathLike, dtype: str = "float32", weights: str = "float") -> tuple[Any, dict]:
+    """``(cfg, params)`` of an HF target folder, by its family's loader (see :class:`TargetFamily`);
+    ``weights`` (``"float"``, ``"quantized"``, ``"int8"``: :mod:`dflash_jax.weights_choice`) other
+    than float is passed to a loader that takes a ``weights`` keyword.
 
     Raises:
-      DFlashError: an unreadable ``config.json``, an unsupported architecture, or whatever the
-        family's loader finds (file and field or tensor named).
+      DFlashError: an unreadable ``config.json``, an unsupported architecture, a ``weights``
+        choice the family's loader does not take, or whatever the loader finds (file and field
+        or tensor named).
     """
     config_path = os.path.join(str(folder), "config.json")
-    return family_for_hf(family_config.read_json(config_path), config_path).load_hf(folder, dtype)
+    fam = family_for_hf(family_config.read_json(config_path), config_path)
+    if weights == "float":
+        return fam.load_hf(folder, dtype)
+    _check_weights(fam, fam.load_hf, weights, str(folder))
+    return fam.load_hf(folder, dtype, weights=weights)
 
 
 def load_gguf_target(path: str | os.PathLike, dtype: str = "float32", *, use_cache: bool = True,
-                     as_numpy: bool = False) -> tuple[Any, dict]:
+                     as_numpy: bool = False, weights: str = "float") -> tuple[Any, dict]:
     """``(cfg, params)`` of a GGUF target by its family's loader (arguments as
-    :func:`dflash_jax.families.dense.gguf.load_gguf_target`; ``use_cache`` only where a family caches).
+    :func:`dflash_jax.families.dense.gguf.load_gguf_target`; ``use_cache`` only where a family
+    caches; ``weights`` as :func:`load_hf_target`'s: ``"quantized"`` keeps the file's quantized
+    tensors quantized where the family's ``load_gguf`` takes a ``weights`` keyword).
 
     Raises:
-      DFlashError: as :func:`family_for_gguf` and the family's loader.
+      DFlashError: as :func:`family_for_gguf` and the family's loader; a ``weights`` choice the
+        family's loader does not take.
     """
-    return family_for_gguf(path).load_gguf(str(path), dtype, use_cache, as_numpy)
+    fam = family_for_gguf(path)
+    if weights == "float":
+        return fam.load_gguf(str(path), dtype, use_cache, as_numpy)
+    _check_weights(fam, fam.load_gguf, weights, str(path))
+    return fam.load_gguf(str(path), dtype, use_cache, as_numpy, weights=weights)
+
+
+def _check_weights(fam: TargetFamily, load, weights: str, where: str) -> None:
+    if not weights_choice.takes_weights(load):
+        raise DFlashError("weights (--weights)", f"{weights!r} is not supported for {fam.name} checkpoints ({where}) yet", "float")
+
+
+def keeps_quantized(path: str | os.PathLike) -> bool:
+    """Whether the family of the checkpoint ``path`` (a ``.gguf`` file or an HF folder) has a loader
+    that takes a ``weights`` choice (:func:`dflash_jax.weights_choice.resolve`'s ``can_quantize``)."""
+    p = str(path)
+    if os.path.isdir(p):
+        config_path = os.path.join(p, "config.json")
+        return weights_choice.takes_weights(family_for_hf(family_config.read_json(config_path), config_path).load_hf)
+    return weights_choice.takes_weights(family_for_gguf(p).load_gguf)
 
 
 def load_gguf_config(path: str | os.PathLike, dtype: str = "float32"):

@@ -10,6 +10,7 @@ types ``gguf`` can dequantize). GGUF stores dims in ggml order (``ne[0]`` innerm
 from __future__ import annotations
 
 import contextlib
+import gc
 import math
 import os
 from typing import Any, Iterator
@@ -75,6 +76,50 @@ def shared_readers() -> Iterator[None]:
     finally:
         if outer is None:
             _SHARED[0] = None
+
+
+TOKEN_LISTS = ("tokenizer.ggml.tokens", "tokenizer.ggml.token_type", "tokenizer.ggml.merges", "tokenizer.ggml.scores")
+
+
+class _DroppedList:
+    """Stands for a list field :func:`drop_token_lists` dropped: its length only (``len(data)``)."""
+
+    def __init__(self, name: str, n: int):
+        self.name, self.data = name, range(n)
+
+    def contents(self, *_):
+        raise DFlashError(f"metadata {self.name}", "dropped from this reader after the tokenizer was built", "a fresh reader")
+
+
+def drop_token_lists(reader) -> None:
+    """Frees a reader's parsed token lists (:data:`TOKEN_LISTS`; ``gguf.GGUFReader`` holds a numpy
+    view per string: about 160 MB of host memory for a 49k-token vocabulary) once the tokenizer is
+    built, keeping their lengths (the embedding's vocabulary check reads them). A quantized load
+    calls it before reading the weights, so the two do not add up in the loading peak."""
+    for key in TOKEN_LISTS:
+        field = reader.fields.get(key)
+        if field is not None and not isinstance(field, _DroppedList):
+            reader.fields[key] = _DroppedList(key, len(field.data))
+    gc.collect()  # the views form cycles with their memory map: free them now, before the weights
+
+
+def release_pages(reader, tensor) -> None:
+    """Drops the pages of ``tensor``'s bytes from the process's resident memory (``madvise
+    MADV_DONTNEED`` on the reader's read-only file mapping; a later read maps them from the file
+    again, so views stay valid), so a load that converts tensor by tensor does not accumulate the
+    whole file in its resident set. A no-op where the mapping or ``madvise`` is unavailable."""
+    import mmap
+
+    m = getattr(getattr(reader, "data", None), "_mmap", None)
+    if m is None or not hasattr(m, "madvise") or not hasattr(mmap, "MADV_DONTNEED"):
+        return
+    page = mmap.PAGESIZE
+    start = int(tensor.data_offset) // page * page
+    end = int(tensor.data_offset) + int(tensor.n_bytes)
+    try:
+        m.madvise(mmap.MADV_DONTNEED, start, end - start)
+    except (OSError, ValueError):
+        pass
 
 
 def reader_name(reader) -> str:

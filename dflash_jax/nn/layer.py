@@ -31,6 +31,7 @@ import numpy as np
 
 from dflash_jax.families.hf_config import RopeConfig
 from dflash_jax.nn import params as layouts
+from dflash_jax.nn import quant
 
 
 def rms_norm(x: jnp.ndarray, weight: jnp.ndarray, eps: float) -> jnp.ndarray:
@@ -146,17 +147,22 @@ def apply_rope(x: jnp.ndarray, positions: jnp.ndarray, inv_freq: np.ndarray, sca
 
 def embed(params: dict, cfg, tokens: jnp.ndarray) -> jnp.ndarray:
     """``[B, T]`` int32 -> ``[B, T, H]`` rows of ``params["embed"]`` in its dtype (no scaling;
-    ``cfg`` unused: the family contract, :class:`dflash_jax.families.contract.FamilyModel`)."""
-    return jnp.take(params["embed"], tokens, axis=0)
+    ``cfg`` unused: the family contract, :class:`dflash_jax.families.contract.FamilyModel`); a
+    quantized embedding (:class:`~dflash_jax.nn.quant.QuantizedWeight` of ``V`` rows) dequantizes
+    only the gathered rows (:func:`dflash_jax.nn.quant.take_rows`)."""
+    return quant.take_rows(params["embed"], tokens)
 
 
 def lm_head(params: dict, cfg, hidden: jnp.ndarray) -> jnp.ndarray:
     """Final-normed hidden ``[..., H]`` -> float32 logits ``[..., V]`` through ``params["lm_head"]
     [H, V]`` when present (or its ``[V, H]`` copy ``lm_head_t`` in a pass of
     :data:`~dflash_jax.nn.params.HEAD_MIN_ROWS` rows or more), else the tied embedding ``[V, H]``
-    (``cfg`` unused: the model API)."""
+    (``cfg`` unused: the model API). Quantized heads and embeddings go through :func:`dflash_jax.nn.quant.dot`
+    (a quantized embedding of ``V`` rows stands for the ``[H, V]`` head)."""
     if "lm_head" in params:
         return layouts.project(hidden, params["lm_head"], params.get("lm_head_t"), layouts.HEAD_MIN_ROWS, jnp.float32)
+    if quant.is_quantized(params["embed"]):
+        return quant.dot(hidden, params["embed"], preferred_element_type=jnp.float32)
     return jnp.einsum("...h,vh->...v", hidden, params["embed"], preferred_element_type=jnp.float32)
 
 
@@ -171,12 +177,13 @@ def project_qkv(lp: dict, h: jnp.ndarray, q_heads: int, kv_heads: int, head_dim:
 
     ``q = h Wq (+ bq)`` split into ``q_heads`` heads of ``head_dim``, ``rms(q; q_norm)`` with
     ``qk_norm``, then RoPE at ``positions [B, T]`` (``inv_freq``, cos/sin times ``rope_scale``);
-    ``k`` the same with ``kv_heads``; ``v = h Wv (+ bv)`` in heads, not rotated.
+    ``k`` the same with ``kv_heads``; ``v = h Wv (+ bv)`` in heads, not rotated. The weights are
+    float or :class:`~dflash_jax.nn.quant.QuantizedWeight` (:func:`dflash_jax.nn.quant.dot`).
 
     Returns:
       ``(q [B, T, Hq, D], k [B, T, Hkv, D], v [B, T, Hkv, D])`` in ``h.dtype``.
     """
-    q, k, v = h @ lp["wq"], h @ lp["wk"], h @ lp["wv"]
+    q, k, v = quant.dot(h, lp["wq"]), quant.dot(h, lp["wk"]), quant.dot(h, lp["wv"])
     if bias:
         q, k, v = q + lp["bq"], k + lp["bk"], v + lp["bv"]
     q, k, v = split_heads(q, q_heads, head_dim), split_heads(k, kv_heads, head_dim), split_heads(v, kv_heads, head_dim)
@@ -194,24 +201,25 @@ def attention_output(lp: dict, a: jnp.ndarray, h: jnp.ndarray, *, gate: str = ""
     """
     b, t, hq, d = a.shape
     if gate:
-        g = jax.nn.softplus((h @ lp["wg"]).astype(jnp.float32)).astype(a.dtype)
+        g = jax.nn.softplus(quant.dot(h, lp["wg"]).astype(jnp.float32)).astype(a.dtype)
         a = (a * g[..., None]).reshape(b, t, hq * d) if gate == "head" else a.reshape(b, t, hq * d) * g
     else:
         a = a.reshape(b, t, hq * d)
-    a = a @ lp["wo"]
+    a = quant.dot(a, lp["wo"])
     return a + lp["bo"] if bias else a
 
 
 def swiglu(x: jnp.ndarray, w_gate, w_up, w_down, b_gate=None, b_up=None, b_down=None, *, w_gate_t=None,
            w_up_t=None) -> jnp.ndarray:
-    """SwiGLU MLP ``down(silu(x @ gate) * (x @ up))``; weights ``[in, out]``, optional biases;
+    """SwiGLU MLP ``down(silu(x @ gate) * (x @ up))``; weights ``[in, out]`` (float or
+    :class:`~dflash_jax.nn.quant.QuantizedWeight`, multiplied by :func:`dflash_jax.nn.quant.dot`), optional biases;
     ``w_gate_t``/``w_up_t``: optional ``[out, in]`` copies for wide passes
     (:mod:`dflash_jax.nn.params`)."""
     g = layouts.project(x, w_gate, w_gate_t, layouts.GATE_UP_MIN_ROWS)
     u = layouts.project(x, w_up, w_up_t, layouts.GATE_UP_MIN_ROWS)
     if b_gate is not None:
         g, u = g + b_gate, u + b_up
-    y = (jax.nn.silu(g) * u) @ w_down
+    y = quant.dot(jax.nn.silu(g) * u, w_down)
     return y if b_down is None else y + b_down
 
 

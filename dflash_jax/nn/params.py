@@ -36,6 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from dflash_jax.errors import DFlashError
+from dflash_jax.nn import quant
 
 
 class ParamSpec(NamedTuple):
@@ -299,16 +300,24 @@ def with_wide_layouts(params: dict, kinds=KINDS, tied: bool = False) -> dict:
         ``lm_head_t`` is then the embedding itself, no new buffer.
     Returns:
       the tree with those copies (the models use them from :data:`GATE_UP_MIN_ROWS` and
-      :data:`HEAD_MIN_ROWS` rows on).
+      :data:`HEAD_MIN_ROWS` rows on). Quantized weights (:class:`~dflash_jax.nn.quant.QuantizedWeight`)
+      get none: their fields are held ``[out, in]`` already.
     Raises:
       DFlashError: a kind not in :data:`KINDS`.
     """
     if set(kinds) - set(KINDS):
         raise DFlashError("kinds", f"got {sorted(set(kinds) - set(KINDS))}", f"some of {KINDS}")
     out = dict(params)
+
+    def gate_up(lp):
+        if quant.is_quantized(lp["w_gate"]) or quant.is_quantized(lp["w_up"]):
+            return lp  # quantized weights are held [out, in] already (their rows); no float copy
+        return dict(lp, w_gate_t=_swap(lp["w_gate"]), w_up_t=_swap(lp["w_up"]))
+
     if "gate_up" in kinds:
-        out["layers"] = _each_layer(params["layers"], lambda lp: dict(lp, w_gate_t=_swap(lp["w_gate"]), w_up_t=_swap(lp["w_up"])))
-    if "lm_head" in kinds and "lm_head" in params:  # without it the tied embedding [V, H] is the head already
+        out["layers"] = _each_layer(params["layers"], gate_up)
+    if "lm_head" in kinds and "lm_head" in params and not quant.is_quantized(params["lm_head"]):
+        # without lm_head the tied embedding [V, H] is the head already; a quantized head has no copy
         out["lm_head_t"] = params["embed"] if tied else _swap(params["lm_head"])
     return out
 
@@ -350,8 +359,11 @@ def project(x: jnp.ndarray, w, wt, min_rows: int, preferred_element_type=None) -
     """``x [..., in] @ w [in, out]`` -> ``[..., out]``, computed as ``wt x^T`` with the copy
     ``wt [out, in]`` instead when there is one (not ``None``) and ``x`` has at least ``min_rows``
     rows (the product of its leading dims, static). The expression is the one
-    ``tools/bench_layout.py`` at commit 9868b87 timed; ``preferred_element_type`` as in ``jnp.einsum``."""
+    ``tools/bench_layout.py`` at commit 9868b87 timed; ``preferred_element_type`` as in ``jnp.einsum``.
+    A quantized ``w`` goes through :func:`dflash_jax.nn.quant.dot` (``wt`` is then ``None``)."""
     rows = math.prod(x.shape[:-1])
+    if quant.is_quantized(w):
+        return quant.dot(x, w, preferred_element_type)
     if wt is None or rows < min_rows:
         if preferred_element_type is None:
             return x @ w

@@ -238,8 +238,8 @@ def gguf_config(reader, path: str, dtype: str) -> tuple[TargetConfig, dict]:
     return cfg, tensors
 
 
-def _convert(reader, cfg: TargetConfig, tensors: dict, path: str) -> dict:
-    """Dequantizes every tensor into preallocated float32 arrays (the dense.py pytree, numpy)."""
+def check_tensors(cfg: TargetConfig, tensors: dict, path: str) -> None:
+    """Raises DFlashError naming the first tensor missing from, or unexpected in, a dense GGUF of ``cfg``."""
     shapes = MODEL.param_shapes(cfg)
     expected = {"token_embd.weight", "output_norm.weight"} | ({"output.weight"} if "lm_head" in shapes else set())
     for i in range(cfg.num_hidden_layers):
@@ -250,13 +250,23 @@ def _convert(reader, cfg: TargetConfig, tensors: dict, path: str) -> dict:
     for name in sorted(set(tensors) - expected - allowed_extra):
         raise DFlashError(f"{path}: tensor {name}", "unexpected", f"only the tensors of a {cfg.family} model")
 
+
+def checked(tensors: dict, name: str, want: tuple, path: str):
+    """The ``ReaderTensor`` ``name`` once its numpy-order shape is ``want`` (DFlashError naming it otherwise)."""
+    t = tensors[name]
+    np_shape = tuple(int(d) for d in reversed([int(x) for x in t.shape]))
+    if np_shape != tuple(want):
+        raise DFlashError(f"{path}: tensor {name}", f"ggml shape {[int(x) for x in t.shape]}", f"{list(reversed(want))}")
+    return t
+
+
+def _convert(reader, cfg: TargetConfig, tensors: dict, path: str) -> dict:
+    """Dequantizes every tensor into preallocated float32 arrays (the dense.py pytree, numpy)."""
+    check_tensors(cfg, tensors, path)
+    shapes = MODEL.param_shapes(cfg)
+
     def load(name: str, want: tuple) -> np.ndarray:
-        t = tensors[name]
-        np_shape = tuple(int(d) for d in reversed([int(x) for x in t.shape]))
-        if np_shape != tuple(want):
-            ggml = list(reversed(want))
-            raise DFlashError(f"{path}: tensor {name}", f"ggml shape {[int(x) for x in t.shape]}", f"{ggml}")
-        return dequantize_tensor(t, path)
+        return dequantize_tensor(checked(tensors, name, want, path), path)
 
     H, V = cfg.hidden_size, cfg.vocab_size
     out: dict[str, Any] = {"embed": load("token_embd.weight", (V, H)), "norm": load("output_norm.weight", (H,))}
@@ -314,23 +324,24 @@ def load_gguf_target(
     if cached is not None:
         cfg, params, _ = cached
     else:
-        cfg, params, arch = _dequantize(path)
+        cfg, params, arch, quantized = _dequantize(path)
         if use_cache:
             where = cache_path(path)
             with progress.step(f"writing the float32 cache {where} ({cache_nbytes(params) / 2**20:.0f} MiB; later loads map it)",
                                "wrote the float32 cache"):
-                write_cache(path, cfg, params, arch, weights_fingerprint(cfg, params))
+                write_cache(path, cfg, params, arch, weights_fingerprint(cfg, params), quantized)
     return cfg.with_dtype(dtype), _cast(params, dtype, as_numpy)
 
 
-def _dequantize(path: str) -> tuple[TargetConfig, dict, str]:
-    """``(float32 cfg, numpy float32 params, general.architecture)`` of a GGUF, dequantized with
-    progress lines on stderr (seconds to minutes: a first load)."""
+def _dequantize(path: str) -> tuple[TargetConfig, dict, str, bool]:
+    """``(float32 cfg, numpy float32 params, general.architecture, whether it holds quantized
+    tensors)`` of a GGUF, dequantized with progress lines on stderr (seconds to minutes: a first load)."""
     name = os.path.basename(path)
     with progress.step(f"dequantizing {name} to float32 (first load of this file)", f"dequantized {name}"):
         reader = open_gguf(path)
         cfg, tensors = gguf_config(reader, path, "float32")
-        return cfg, _convert(reader, cfg, tensors, path), metadata(reader, "general.architecture")
+        quantized = any(t.tensor_type.name not in ("F32", "F16", "BF16") for t in tensors.values())
+        return cfg, _convert(reader, cfg, tensors, path), metadata(reader, "general.architecture"), quantized
 
 
 def _cast(params: dict, dtype: str, as_numpy: bool) -> dict:

@@ -90,14 +90,19 @@ def read_cache(path: str) -> tuple[TargetConfig, dict, dict] | None:
         return None
 
 
-def write_cache(path: str, cfg: TargetConfig, params: dict, architecture: str, fingerprint: str) -> None:
+def write_cache(path: str, cfg: TargetConfig, params: dict, architecture: str, fingerprint: str,
+                quantized: bool | None = None) -> None:
     """Writes the float32 ``params`` of the GGUF ``path`` to its cache folder (in a temporary
     folder beside it, then renamed into place) and removes a format-1 ``<path>.f32.safetensors``.
+    ``quantized``: whether the GGUF holds quantized tensors, recorded in ``meta.json`` (so
+    ``weights="auto"`` need not parse the GGUF to tell, :mod:`dflash_jax.weights_choice`).
     A failure to write is reported on stderr and otherwise ignored (loading still works).
     """
     folder = cache_path(path)
     meta = dict(format=_CACHE_FORMAT, source_key=cache_key(path), architecture=architecture,
                 config=dataclasses.asdict(cfg.with_dtype("float32")), fingerprint=fingerprint)
+    if quantized is not None:
+        meta["quantized"] = bool(quantized)
     tmp = None
     try:
         tmp = Path(tempfile.mkdtemp(prefix=folder.name + ".", suffix=".tmp", dir=str(folder.parent)))
