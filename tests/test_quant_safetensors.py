@@ -215,6 +215,10 @@ def test_int8_codes_within_half_a_step_and_logits_close(fp8):
     fwd = jax.jit(dense.MODEL.forward, static_argnums=1)
     got = fwd(params, cfg8, jnp.asarray(tokens), pos, dense.MODEL.init_cache(cfg8, 2, 12))[0]
     want = fwd(floats, cfg, jnp.asarray(tokens), pos, dense.MODEL.init_cache(cfg, 2, 12))[0]
+    import dflash_jax as dj
+
+    t = dj.load_target(root / "float", weights="int8")  # the public option reaches the same loader
+    assert t.weights == "int8" and all(lp["w_up"].format == "int8" for lp in t.params["layers"])
     assert 0 < rel_err(got, want) < 5e-2  # random weights of scale 0.1 through 2 layers; about 3 % measured
     assert np.mean(np.argmax(got, -1) == np.argmax(want, -1)) >= 0.9
 
