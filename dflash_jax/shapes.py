@@ -14,6 +14,9 @@ that travels to a lent GPU) are replaced by random weights of their exact shapes
   layers all sparse, 32 heads, 4 KV heads, head_dim 128, 128 experts of 768, top-8 renormalised,
   vocab 151936; its published ``config.json``) with a DFlash drafter of z-lab's Qwen3-8B layout
   (5 layers, block 16) at hidden 2048 (an assumed drafter shape: speed, not acceptance).
+- ``qwen3-8b-fp8``: Qwen3-8B as ``Qwen/Qwen3-8B-FP8`` ships it: the same shapes and drafter, every
+  decoder-layer linear weight block-scaled FP8 (:func:`as_fp8`: one byte a weight plus a float32
+  scale per 128 inputs of a row; embedding, LM head and norms bf16), computed in bfloat16.
 - ``gpt-oss-20b``: gpt-oss-20b (``GptOssForCausalLM``: hidden 2880, 24 layers alternating sliding
   (window 128) and full attention, 64 heads, 8 KV heads, head_dim 64, 32 experts of 2880, top-4,
   vocab 201088, YaRN factor 32 over 4096; its published ``config.json``; experts dequantized from
@@ -48,11 +51,12 @@ import zlib
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from dflash_jax.drafter import model as drafter_mod
 from dflash_jax.nn import params as P
-from dflash_jax.nn import quant
+from dflash_jax.nn import quant, quant_fp8
 from dflash_jax.nn.quant import QuantizedWeight
 from dflash_jax.families.laguna.presets import DRAFTERS, PUBLISHED
 from dflash_jax.families.registry import family_for_hf, module_for
@@ -145,6 +149,8 @@ REAL = {
     "qwen3.8-27b": (lambda: _qwen3_5(248320, 5120, 17408, 64, 24, 4, 256, 16, 48, 128),
                     lambda: _dflash2(5120, 17408, 5, 32, 8, 128, 248320, 8, 248070, [5, 19, 33, 47, 61], 64, 1e7, 2048, 2, 16, 256, 16), 0),
 }
+REAL["qwen3-8b-fp8"] = REAL["qwen3-8b"]  # the shapes of Qwen3-8B; random_models(...) then as_fp8(...)
+FP8_LEAVES = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")  # what Qwen3-8B-FP8 stores in FP8
 TINY = {
     "smollm2-135m": (lambda: _llama(512, 64, 128, 4, 4, 2, 16, 100000.0, True),
                      lambda: _dflash(64, 96, 1, 4, 2, 16, 512, 8, 511, [1, 2], 4, 100000.0), 128),
@@ -159,6 +165,9 @@ TINY = {
     "qwen3.8-27b": (lambda: _qwen3_5(512, 64, 128, 4, 4, 2, 16, 2, 4, 8),
                     lambda: _dflash2(64, 96, 2, 4, 2, 16, 512, 8, 511, [0, 3], 4, 1e7, 32, 2, 16, 16, 8), 0),
 }
+
+
+TINY["qwen3-8b-fp8"] = TINY["qwen3-8b"]
 
 
 def configs(name: str, dtype: str, tiny: bool = False):
@@ -193,6 +202,25 @@ def random_models(cfg, dcfg, seed: int = 0):
     for i, (model, name, init) in enumerate(_initializers(cfg, dcfg)):
         out[model][name] = init(jax.random.fold_in(key, i))
     return out["target"], out["drafter"]
+
+
+def as_fp8(params: dict) -> dict:
+    """A dense target's params with every decoder-layer linear weight (:data:`FP8_LEAVES`, stacked
+    ``[L, in, out]``) as a block-scaled FP8 :class:`~dflash_jax.nn.quant.QuantizedWeight`
+    (:mod:`dflash_jax.nn.quant_fp8`): codes the float weights cast to ``float8_e4m3fn``
+    ``[L, out, in]``, scales 1 (random codes: speed does not depend on their values), converted on
+    the device one leaf at a time."""
+    layers = dict(params["layers"])
+    for k in FP8_LEAVES:
+        layers[k] = _fp8_leaf(layers[k])
+    return dict(params, layers=layers)
+
+
+@jax.jit
+def _fp8_leaf(w):
+    codes = jnp.swapaxes(w, -1, -2).astype(quant_fp8.CODE_DTYPE)
+    scale = jnp.ones(codes.shape[:-1] + (-(-codes.shape[-1] // quant_fp8.BLOCK_IN),), jnp.float32)
+    return quant.QuantizedWeight({"codes": codes, "scale": scale}, quant_fp8.format_name(), jnp.dtype(w.dtype).name)
 
 
 def tree_bytes(tree) -> int:

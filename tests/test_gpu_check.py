@@ -38,7 +38,7 @@ def dry_run(tmp_path_factory):
 def test_dry_run_measures_every_section(dry_run):
     out, res, stdout = dry_run
     runs = {(e["shape"], e["dtype"]): e for e in res["runs"]}
-    assert set(runs) == {("qwen3-8b", "bfloat16"), ("laguna-xs-2.1", "bfloat16"), ("smollm2-135m", "float32"),
+    assert set(runs) == {("qwen3-8b", "bfloat16"), ("qwen3-8b-fp8", "bfloat16"), ("laguna-xs-2.1", "bfloat16"), ("smollm2-135m", "float32"),
                          ("qwen3-coder-30b-a3b", "bfloat16"), ("gpt-oss-20b", "bfloat16"), ("qwen3.8-27b", "bfloat16"), ("laguna-xs-2.1 q4_k_m", "bfloat16"),
                          ("gpt-oss-20b mxfp4", "bfloat16")}
     for quantized, float_entry in (("laguna-xs-2.1 q4_k_m", "laguna-xs-2.1"), ("gpt-oss-20b mxfp4", "gpt-oss-20b")):
@@ -54,6 +54,8 @@ def test_dry_run_measures_every_section(dry_run):
         for d in e["dflash"]:  # the scripted acceptance is exact: accepted drafts plus the bonus token per step
             assert d["steps"] == 8 and d["tau"] == d["accept"] + 1 and d["tokens_per_s"] > 0
     assert [d["tree"] for d in qwen["dflash"] if d["tree"]] == [5] and qwen["compile_s"]["tree 5 loop"] > 0
+    fp8 = runs[("qwen3-8b-fp8", "bfloat16")]  # one byte a linear weight: fewer weight bytes than bf16's
+    assert fp8["weights_bytes"] < qwen["weights_bytes"] and fp8["decode"][0]["weight_bytes"] < qwen["decode"][0]["weight_bytes"]
     o = res["oracle_tests"]
     assert o["passed"] >= 1 and o["failed"] == 0 and not o["timed_out"], o
     assert (out / "oracle_tests.log").read_text().count(" PASSED") == o["passed"]

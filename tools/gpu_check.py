@@ -8,8 +8,9 @@ On the device machine (the image has jax with the CUDA plugin; nothing is instal
     python tools/gpu_check.py --dry-run          # the same code, tiny shapes, on this CPU
     python tools/gpu_check.py --merge OUT/gpu_check.md   # put a fetched section into BENCHMARKS.md
 
-Measured, for targets shaped like SmolLM2-135M, Qwen3-8B, Laguna-XS-2.1, Qwen3-Coder-30B-A3B,
-gpt-oss-20b and Qwen3.8-27B (:mod:`dflash_jax.shapes`; random weights: speed does not depend on their values) with drafters
+Measured, for targets shaped like SmolLM2-135M, Qwen3-8B (bf16, and block-scaled FP8 as
+Qwen3-8B-FP8 ships it: ``qwen3-8b-fp8``), Laguna-XS-2.1 (bf16 and Q4_K_M), Qwen3-Coder-30B-A3B,
+gpt-oss-20b (bf16 and MXFP4 experts) and Qwen3.8-27B (:mod:`dflash_jax.shapes`; random weights: speed does not depend on their values) with drafters
 of their real shapes (Qwen3.8-27B's: the DFlash2 drafter, its convolutions and candidate selector):
 
 - decode step time (the on-device ``generate`` loop, batch 1) and the fraction of HBM bandwidth it
@@ -58,7 +59,7 @@ import jax  # noqa: E402
 
 from benchlib import machine, write_section  # noqa: E402
 from dflash_jax.decode.state import Decoding, Params  # noqa: E402
-from dflash_jax.shapes import configs, quantized_configs, quantized_models, random_models, tree_bytes  # noqa: E402
+from dflash_jax.shapes import as_fp8, configs, quantized_configs, quantized_models, random_models, tree_bytes  # noqa: E402
 from gpu_measure import Generation, clocked, copy_bandwidth, decode_at, dflash_at, markdown, mesh_check, oracle_tests, verify_cost  # noqa: E402
 
 H200_COPY_BW = 4.3e12  # bytes/s, device-to-device copy measured on an H200 of this workplace (read + written)
@@ -115,6 +116,7 @@ TREE_ACCEPT = 3  # drafts a tree step accepts: its cost against a chain's of the
 PLANS = {
     "full": Plan(runs=(Run("qwen3-8b", "bfloat16", _LEN, (1, 16, 2, 4, 8), (0, 15, 1, 3, 7), trees=(15, 7)),
                        Run("smollm2-135m", "bfloat16", _LEN, (1, 16, 2, 4, 8), (0, 7, 1, 3), trees=(7, 15)),
+                       Run("qwen3-8b-fp8", "bfloat16", (1024, 2048), (1, 16, 4), (0, 15, 3)),
                        Run("laguna-xs-2.1", "bfloat16", _LEN, (1, 16, 2, 4, 8), (0, 15, 1, 3, 7)),
                        Run("qwen3-coder-30b-a3b", "bfloat16", (1024, 2048), (1, 16, 4), (0, 15, 3)),
                        Run("gpt-oss-20b", "bfloat16", (1024, 2048), (1, 16, 4), (0, 15, 3)),
@@ -127,6 +129,7 @@ PLANS = {
                  oracle=(ORACLE_FILES, ORACLE_EXPR), oracle_s=120, budget_s=420),
     "quick": Plan(runs=(Run("qwen3-8b", "bfloat16", (1024, 1984), (1, 16, 8), (0, 15, 3), trees=(15,)),
                         Run("smollm2-135m", "bfloat16", (1024, 1984), (1, 16), (0, 7, 3), trees=(7,)),
+                        Run("qwen3-8b-fp8", "bfloat16", (1024,), (1, 16), (0, 15)),
                         Run("laguna-xs-2.1", "bfloat16", (1024,), (1, 16), (0, 15)),
                         Run("qwen3-coder-30b-a3b", "bfloat16", (1024,), (1, 16), (0, 15)),
                         Run("gpt-oss-20b", "bfloat16", (1024,), (1, 16), (0, 15)), Run("qwen3-8b", "float32", (1024,)),
@@ -138,6 +141,7 @@ PLANS = {
     # every shape kind, both dtypes, every section and a fill-in run, at toy sizes; a budget that skips nothing
     "dry-run": Plan(runs=(Run("qwen3-8b", "bfloat16", (64, 200), (1,), (0, 7, 3), 64, trees=(5,)),
                           Run("laguna-xs-2.1", "bfloat16", (64,), (1,), (7,), 64),
+                          Run("qwen3-8b-fp8", "bfloat16", (64,), (1,), (3,), 64),
                           Run("qwen3-coder-30b-a3b", "bfloat16", (64,), (1,), (7,), 64),
                           Run("gpt-oss-20b", "bfloat16", (64,), (1,), (7,), 64),
                           Run("qwen3.8-27b", "bfloat16", (64,), (1,), (3,), 64),
@@ -201,6 +205,8 @@ def measure_run(run: Run, plan: Plan, budget: Budget, report: Report, peak_bw: f
     else:
         cfg, dcfg = configs(run.shape, run.dtype, plan.tiny)
         (params, dparams), init_s = clocked(lambda: random_models(cfg, dcfg))
+    if run.shape.endswith("-fp8"):  # the float weights converted on the device, then dropped
+        params = as_fp8(params)
     entry.setdefault("init_s", init_s)  # a later run of the same model reuses the compiled initializer
     entry.update(weights_bytes=tree_bytes(params), drafter_bytes=tree_bytes(dparams), layers=cfg.num_hidden_layers,
                  block_size=dcfg.block_size)

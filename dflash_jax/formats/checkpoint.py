@@ -30,6 +30,15 @@ import safetensors
 
 from dflash_jax.errors import DFlashError
 from dflash_jax.families.hf_config import read_json
+from dflash_jax.formats.quantized import (
+    check_tensor,
+    check_weights,
+    leaf_kind,
+    quantized_leaf,
+    read_float,
+    read_quantization,
+    scale_names,
+)
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -43,6 +52,8 @@ _BITS = {
 }
 # The codes weights may be stored in (read exactly, then cast to the requested dtype).
 FLOAT_CODES = ("F16", "BF16", "F32", "F64")
+# Stored codes read as bytes (safetensors' numpy reader has no FP8 type), viewed as these dtypes.
+_BYTES_READ = {"F8_E4M3": np.dtype(ml_dtypes.float8_e4m3fn), "F8_E5M2": np.dtype(ml_dtypes.float8_e5m2)}
 _TARGET_DTYPES = {"float32": np.dtype(np.float32), "bfloat16": np.dtype(ml_dtypes.bfloat16), "float16": np.dtype(np.float16)}
 
 # Non-parameter buffers some exporters leave in checkpoints.
@@ -87,6 +98,9 @@ class SafetensorsFile:
             raise DFlashError(where, "missing", "a tensor of that name in this file")
         if info.dtype not in FLOAT_CODES and not raw:
             raise DFlashError(where, f"unsupported dtype {info.dtype}", "a float dtype: F32, F16, BF16 or F64")
+        if info.dtype in _BYTES_READ:  # the library's numpy reader knows no FP8: read the bytes and view them
+            data = np.fromfile(self.path, np.uint8, count=info.end - info.start, offset=info.start)
+            return data.view(_BYTES_READ[info.dtype]).reshape(info.shape)
         return self._handle.get_tensor(name)
 
 
@@ -279,8 +293,9 @@ def numpy_dtype(dtype: Any) -> np.dtype:
     return _TARGET_DTYPES[name]
 
 
-def load_named(ckpt: Checkpoint, folder: str, names: dict, shapes: dict, target: np.dtype, ignorable, label: str) -> dict:
-    """Reads a params pytree from ``ckpt`` through a name map, strictly.
+def load_named(ckpt: Checkpoint, folder: str, names: dict, shapes: dict, target: np.dtype, ignorable, label: str,
+               weights: str = "float", methods=("fp8",)) -> dict:
+    """Reads a params pytree from ``ckpt`` through a name map, strictly, one tensor at a time.
 
     Args:
       names: ``{tensor name: (pytree path, layer index or None, transpose)}``; tensors with a
@@ -290,12 +305,21 @@ def load_named(ckpt: Checkpoint, folder: str, names: dict, shapes: dict, target:
       target: numpy dtype of the result leaves.
       ignorable: predicate for tensor names that may be present and are skipped.
       label: what is being loaded, for messages (``"llama target"``, ``"DFlash drafter"``).
+      weights: ``"float"``, ``"quantized"`` or ``"int8"`` (:mod:`dflash_jax.formats.quantized`):
+        whether an FP8 checkpoint's linear weights stay FP8, and whether a float one's are
+        quantized to int8.
+      methods: the ``quantization_config.quant_method`` values the caller reads
+        (:func:`dflash_jax.formats.quantized.read_quantization`; ``folder/config.json``).
     Returns:
-      The params pytree of jax arrays.
+      The params pytree of jax arrays; a quantized leaf is a
+      :class:`~dflash_jax.nn.quant.QuantizedWeight` of the leaf's shape (fields ``[*lead, out, k]``).
     Raises:
-      DFlashError: missing, unexpected, mis-shaped or non-float tensors (names file and tensor).
+      DFlashError: a refused ``quantization_config`` (config.json's field named), a bad ``weights``,
+        missing, unexpected, mis-shaped or non-float tensors, FP8 tensors without their scales
+        (names file and tensor).
     """
-
+    check_weights(weights)
+    q = read_quantization(folder, methods)
     present = set(ckpt.names())
     missing = [n for n in names if n not in present]
     if missing:
@@ -303,30 +327,22 @@ def load_named(ckpt: Checkpoint, folder: str, names: dict, shapes: dict, target:
         where = files[0] if len(files) == 1 else f"{os.path.join(folder, INDEX_FILE)}"
         more = f" and {len(missing) - 1} more" if len(missing) > 1 else ""
         raise DFlashError(f"{where}: tensor {missing[0]}", f"missing{more} for a {label}", "every parameter tensor")
+    scales = scale_names(ckpt, names, q)
     for n in ckpt.names():
-        if n not in names and not ignorable(n):
+        if n not in names and n not in scales and not ignorable(n):
             raise DFlashError(f"{ckpt.file_of(n)}: tensor {n}", f"unexpected for a {label} of this config",
                               "only the model's parameter tensors")
-
-    # Validate every shape and dtype before converting anything.
-    by_leaf: dict[tuple[str, ...], list[tuple[str, int | None, bool]]] = {}
-    for n, (path, layer, transpose) in names.items():
-        full = shapes[path[0]] if len(path) == 1 else shapes[path[0]][path[1]]
-        want = full if layer is None else full[len(layer) if isinstance(layer, tuple) else 1:]
-        want_hf = tuple(reversed(want)) if transpose else tuple(want)
-        info = ckpt.info(n)
-        where = f"{ckpt.file_of(n)}: tensor {n}"
-        if info.dtype not in FLOAT_CODES:
-            raise DFlashError(where, f"unsupported dtype {info.dtype}", "a float dtype: F32, F16, BF16 or F64")
-        if info.shape != want_hf:
-            raise DFlashError(where, f"shape {info.shape}", f"{want_hf} for this config")
-        by_leaf.setdefault(path, []).append((n, layer, transpose))
+    by_leaf, fp8 = _validate(ckpt, names, shapes, q, weights)
 
     def leaf(path) -> jax.Array:
         full = shapes[path[0]] if len(path) == 1 else shapes[path[0]][path[1]]
+        where = lambda n: f"{ckpt.file_of(n)}: tensor {n}"  # noqa: E731
+        kind = leaf_kind(by_leaf[path], fp8, weights, where)
+        if kind != "float":
+            return quantized_leaf(ckpt, tuple(full), by_leaf[path], kind, q, target.name)
         out = np.empty(full, target)
         for n, layer, transpose in by_leaf[path]:
-            x = ckpt.read(n)
+            x = read_float(ckpt, n, q, fp8[n])
             x = x.T if transpose else x
             if layer is None:
                 out[...] = x.astype(target)
@@ -341,3 +357,21 @@ def load_named(ckpt: Checkpoint, folder: str, names: dict, shapes: dict, target:
         else:
             params[key] = leaf((key,))
     return params
+
+
+def _validate(ckpt, names: dict, shapes: dict, q, weights: str) -> tuple[dict, dict]:
+    """Every tensor's shape and dtype checked before anything is converted: ``({leaf path:
+    [(name, index, transpose)]}, {name: stored as FP8})``."""
+    by_leaf: dict[tuple[str, ...], list[tuple[str, int | None, bool]]] = {}
+    fp8: dict[str, bool] = {}
+    for n, (path, layer, transpose) in names.items():
+        full = shapes[path[0]] if len(path) == 1 else shapes[path[0]][path[1]]
+        want = full if layer is None else full[len(layer) if isinstance(layer, tuple) else 1:]
+        want_hf = tuple(reversed(want)) if transpose else tuple(want)
+        info = ckpt.info(n)
+        where = f"{ckpt.file_of(n)}: tensor {n}"
+        if info.shape != want_hf:
+            raise DFlashError(where, f"shape {info.shape}", f"{want_hf} for this config")
+        fp8[n] = info.dtype not in FLOAT_CODES and check_tensor(ckpt, n, transpose, q, weights)
+        by_leaf.setdefault(path, []).append((n, layer, transpose))
+    return by_leaf, fp8

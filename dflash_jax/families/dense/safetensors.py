@@ -60,7 +60,7 @@ def _ignorable(name: str, cfg: TargetConfig) -> bool:
     return bool(_IGNORED.search(name)) or (cfg.tie_word_embeddings and name == "lm_head.weight")
 
 
-def load_hf_target(folder: str | os.PathLike, dtype: Any = "float32") -> tuple[TargetConfig, dict]:
+def load_hf_target(folder: str | os.PathLike, dtype: Any = "float32", weights: str = "float") -> tuple[TargetConfig, dict]:
     """Loads a Llama / Qwen2 / Qwen3 HF checkpoint folder as ``(TargetConfig, params)``.
 
     Args:
@@ -68,6 +68,8 @@ def load_hf_target(folder: str | os.PathLike, dtype: Any = "float32") -> tuple[T
         plus its shards.
       dtype: parameter dtype, ``"float32"``, ``"bfloat16"`` or ``"float16"``; stored F32/F16/BF16
         tensors are converted to it (``cfg.dtype`` is set to it too).
+      weights: ``"float"``, ``"quantized"`` or ``"int8"``: FP8 linear weights kept FP8 or
+        dequantized, float ones quantized to int8 or not (:mod:`dflash_jax.formats.quantized`).
     Returns:
       ``cfg`` and the params pytree of :mod:`dflash_jax.families.dense.model` as jax arrays of ``dtype``:
       linear weights transposed to ``[in, out]`` and layers stacked on a leading ``L`` axis; every
@@ -85,5 +87,5 @@ def load_hf_target(folder: str | os.PathLike, dtype: Any = "float32") -> tuple[T
     cfg = target_config_from_hf(read_json(config_path), source=config_path).with_dtype(target.name)
     ckpt = Checkpoint(folder)
     params = load_named(ckpt, folder, hf_target_names(cfg), dense.MODEL.param_shapes(cfg), target,
-                        lambda n: _ignorable(n, cfg), f"{cfg.family} target")
+                        lambda n: _ignorable(n, cfg), f"{cfg.family} target", weights=weights)
     return cfg, params

@@ -80,13 +80,15 @@ def _expert_views(cfg: Gemma4Config, ckpt: Checkpoint, prefix: str) -> Renamed:
     return Renamed(ckpt, views, hidden)
 
 
-def load_gemma4_target(folder: str | os.PathLike, dtype: Any = "float32") -> tuple[Gemma4Config, dict]:
+def load_gemma4_target(folder: str | os.PathLike, dtype: Any = "float32", weights: str = "float") -> tuple[Gemma4Config, dict]:
     """Loads a Gemma 4 text HF checkpoint folder as ``(Gemma4Config, params)``, one tensor at a time.
 
     Args:
       folder: ``config.json`` plus ``model.safetensors`` or a sharded index (a text model, or a
         ``Gemma4ForConditionalGeneration``'s text decoder, module docstring).
       dtype: parameter dtype (``"float32"``, ``"bfloat16"``, ``"float16"``).
+      weights: ``"float"``, ``"quantized"`` or ``"int8"``: FP8 linear weights kept FP8 or
+        dequantized, float ones quantized to int8 or not (:mod:`dflash_jax.formats.quantized`).
     Returns:
       The config and the params of :mod:`dflash_jax.families.gemma4.model` (every leaf the shape
       :func:`dflash_jax.families.gemma4.model.MODEL.param_shapes` gives).
@@ -109,4 +111,5 @@ def load_gemma4_target(folder: str | os.PathLike, dtype: Any = "float32") -> tup
     def ignorable(n: str) -> bool:  # rotary tables, other modalities, and a tied checkpoint's copy of the embedding
         return n.endswith("inv_freq") or n.startswith(_MULTIMODAL) or (cfg.tie_word_embeddings and n == "lm_head.weight")
 
-    return cfg, load_named(ckpt, folder, hf_names(cfg, prefix), gemma4.MODEL.param_shapes(cfg), target, ignorable, "Gemma 4 target")
+    return cfg, load_named(ckpt, folder, hf_names(cfg, prefix), gemma4.MODEL.param_shapes(cfg), target, ignorable, "Gemma 4 target",
+                           weights=weights)

@@ -32,6 +32,9 @@ FP4_VALUES = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0,
 _ATTN = dict(ATTENTION_NAMES, **{f"self_attn.{p}_proj.bias": (f"b{p}", False) for p in "qkvo"},
              **{"self_attn.sinks": ("sinks", False), "mlp.router.weight": ("router", True), "mlp.router.bias": ("router_bias", False)})
 _EXPERT_LEAVES = ("e_gate", "e_up", "e_down", "eb_gate", "eb_up", "eb_down")
+# quantization_config.quant_method values read here: the published MXFP4 experts (dequantized by
+# the views below), and block-scaled FP8 through load_named.
+_METHODS = ("fp8", "mxfp4")
 
 
 def dequantize_mxfp4(blocks: np.ndarray, scales: np.ndarray) -> np.ndarray:
@@ -78,13 +81,15 @@ def _expert_views(cfg: GptOssConfig, ckpt: Checkpoint, pre: str) -> dict:
     return views
 
 
-def load_gpt_oss_target(folder: str | os.PathLike, dtype: Any = "float32") -> tuple[GptOssConfig, dict]:
+def load_gpt_oss_target(folder: str | os.PathLike, dtype: Any = "float32", weights: str = "float") -> tuple[GptOssConfig, dict]:
     """Loads a gpt-oss HF checkpoint folder as ``(GptOssConfig, params)``, one tensor at a time.
 
     Args:
       folder: ``config.json`` plus ``model.safetensors`` or a sharded index (dequantized or
         MXFP4 experts, module docstring).
       dtype: parameter dtype (``"float32"``, ``"bfloat16"``, ``"float16"``); ``sinks`` stay float32.
+      weights: ``"float"``, ``"quantized"`` or ``"int8"``: FP8 linear weights kept FP8 or
+        dequantized, float ones quantized to int8 or not (:mod:`dflash_jax.formats.quantized`).
     Returns:
       The config and the params of :mod:`dflash_jax.families.gpt_oss.model`.
     Raises:
@@ -113,8 +118,10 @@ def load_gpt_oss_target(folder: str | os.PathLike, dtype: Any = "float32") -> tu
     main_shapes = {k: ({n: s for n, s in v.items() if n != "sinks"} if isinstance(v, dict) else v) for k, v in shapes.items()}
     ckpt = Renamed(ckpt, views, hidden)
     ignore_rope = lambda n: n.endswith("rotary_emb.inv_freq") or (cfg.tie_word_embeddings and n == "lm_head.weight")  # noqa: E731
-    params = load_named(ckpt, folder, main, main_shapes, target, lambda n: n in sinks or ignore_rope(n), "gpt-oss target")
+    params = load_named(ckpt, folder, main, main_shapes, target, lambda n: n in sinks or ignore_rope(n), "gpt-oss target",
+                        weights=weights, methods=_METHODS)
     sink_shapes = {k: {"sinks": v["sinks"]} for k, v in shapes.items() if isinstance(v, dict)}
-    for k, v in load_named(ckpt, folder, sinks, sink_shapes, np.dtype(np.float32), lambda n: n not in sinks, "gpt-oss target").items():
+    for k, v in load_named(ckpt, folder, sinks, sink_shapes, np.dtype(np.float32), lambda n: n not in sinks, "gpt-oss target",
+                                methods=_METHODS).items():
         params[k]["sinks"] = v["sinks"]
     return cfg, params

@@ -159,7 +159,8 @@ def resolve_gating(cfg: LagunaConfig, gate_widths: dict[int, int], where) -> Lag
     return dataclasses.replace(cfg, gate_per_head=tuple(gate))
 
 
-def load_laguna_target(folder: str | os.PathLike, dtype: Any = "float32", cfg: LagunaConfig | None = None) -> tuple[LagunaConfig, dict]:
+def load_laguna_target(folder: str | os.PathLike, dtype: Any = "float32", cfg: LagunaConfig | None = None,
+                      weights: str = "float") -> tuple[LagunaConfig, dict]:
     """Loads a Laguna HF checkpoint folder as ``(LagunaConfig, params)``, one tensor at a time.
 
     Args:
@@ -168,6 +169,8 @@ def load_laguna_target(folder: str | os.PathLike, dtype: Any = "float32", cfg: L
       dtype: parameter dtype (``"float32"``, ``"bfloat16"``, ``"float16"``); the router's
         selection bias is kept in float32.
       cfg: use this config instead of parsing ``config.json`` (gating still checked).
+      weights: ``"float"``, ``"quantized"`` or ``"int8"``: FP8 linear weights kept FP8 or
+        dequantized, float ones quantized to int8 or not (:mod:`dflash_jax.formats.quantized`).
     Returns:
       The config (``gate_per_head`` from the ``g_proj`` widths) and the params of
       :mod:`dflash_jax.families.laguna.model`.
@@ -198,7 +201,8 @@ def load_laguna_target(folder: str | os.PathLike, dtype: Any = "float32", cfg: L
     main_names = {n: v for n, v in names.items() if n not in bias_names}
     main_shapes = {k: ({n: s for n, s in v.items() if n != "router_bias"} if isinstance(v, dict) else v) for k, v in shapes.items()}
     ignore_rope = lambda n: n.endswith("rotary_emb.inv_freq")  # noqa: E731
-    params = load_named(ckpt, folder, main_names, main_shapes, target, lambda n: n in bias_names or ignore_rope(n), "Laguna target")
+    params = load_named(ckpt, folder, main_names, main_shapes, target, lambda n: n in bias_names or ignore_rope(n), "Laguna target",
+                        weights=weights)
     if bias_names:
         bias_shapes = {k: {"router_bias": v["router_bias"]} for k, v in shapes.items() if isinstance(v, dict) and "router_bias" in v}
         biases = load_named(ckpt, folder, bias_names, bias_shapes, np.dtype(np.float32), lambda n: n not in bias_names, "Laguna target")

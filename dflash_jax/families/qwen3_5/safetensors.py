@@ -179,12 +179,14 @@ def checkpoint_names(cfg: Qwen3_5Config, prefix: str = "model.", stacked: bool =
     return names, derived
 
 
-def load_qwen3_5_target(folder: str | os.PathLike, dtype: Any = "float32") -> tuple[Qwen3_5Config, dict]:
+def load_qwen3_5_target(folder: str | os.PathLike, dtype: Any = "float32", weights: str = "float") -> tuple[Qwen3_5Config, dict]:
     """Loads a Qwen3.5 HF checkpoint folder as ``(Qwen3_5Config, params)``.
 
     Args:
       folder: ``config.json`` and ``model.safetensors`` (or an index and its shards).
       dtype: parameter dtype name (``float32``, ``bfloat16``, ``float16``); ``cfg.dtype`` too.
+      weights: ``"float"``, ``"quantized"`` or ``"int8"``: FP8 linear weights kept FP8 or
+        dequantized, float ones quantized to int8 or not (:mod:`dflash_jax.formats.quantized`).
     Returns:
       ``cfg`` and the params of :mod:`dflash_jax.families.qwen3_5.model` (jax arrays; linear weights
       ``[in, out]``; layers stacked per type).
@@ -208,4 +210,5 @@ def load_qwen3_5_target(folder: str | os.PathLike, dtype: Any = "float32") -> tu
     def ignorable(n: str) -> bool:
         return bool(_SKIPPED.search(n)) or (cfg.tie_word_embeddings and n == "lm_head.weight")
 
-    return cfg, load_named(view, folder, names, MODEL.param_shapes(cfg), target, ignorable, f"{cfg.family} target")
+    return cfg, load_named(view, folder, names, MODEL.param_shapes(cfg), target, ignorable, f"{cfg.family} target",
+                           weights=weights)

@@ -82,13 +82,15 @@ def _views(cfg: Qwen3MoeConfig, ckpt: Checkpoint) -> Renamed:
     return Renamed(ckpt, views, hidden)
 
 
-def load_qwen3_moe_target(folder: str | os.PathLike, dtype: Any = "float32") -> tuple[Qwen3MoeConfig, dict]:
+def load_qwen3_moe_target(folder: str | os.PathLike, dtype: Any = "float32", weights: str = "float") -> tuple[Qwen3MoeConfig, dict]:
     """Loads a Qwen3-MoE HF checkpoint folder as ``(Qwen3MoeConfig, params)``, one tensor at a time.
 
     Args:
       folder: ``config.json`` plus ``model.safetensors`` or a sharded index (either expert
         layout, module docstring).
       dtype: parameter dtype (``"float32"``, ``"bfloat16"``, ``"float16"``).
+      weights: ``"float"``, ``"quantized"`` or ``"int8"``: FP8 linear weights kept FP8 or
+        dequantized, float ones quantized to int8 or not (:mod:`dflash_jax.formats.quantized`).
     Returns:
       The config and the params of :mod:`dflash_jax.families.qwen3_moe.model` (every leaf the shape
       :func:`dflash_jax.families.qwen3_moe.model.MODEL.param_shapes` gives).
@@ -108,4 +110,5 @@ def load_qwen3_moe_target(folder: str | os.PathLike, dtype: Any = "float32") -> 
     def ignorable(n: str) -> bool:  # rotary tables, and a tied checkpoint's copy of the embedding
         return n.endswith("rotary_emb.inv_freq") or (cfg.tie_word_embeddings and n == "lm_head.weight")
 
-    return cfg, load_named(ckpt, folder, hf_names(cfg), qwen3_moe.MODEL.param_shapes(cfg), target, ignorable, "Qwen3-MoE target")
+    return cfg, load_named(ckpt, folder, hf_names(cfg), qwen3_moe.MODEL.param_shapes(cfg), target, ignorable, "Qwen3-MoE target",
+                           weights=weights)
