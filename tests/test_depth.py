@@ -297,6 +297,45 @@ def test_a_measurement_that_did_not_settle_is_used_once_and_not_kept(api_pair, t
     assert not list((tmp_path / "depth_costs").glob("*.json"))
 
 
+class _Clocks:
+    """A fake wall clock and process CPU clock: each wall reading moves 1 s on, the CPU clock
+    ``share`` s on (other processes took the rest)."""
+
+    def __init__(self, share):
+        self.share, self.wall, self.cpu = share, 0.0, 0.0
+
+    def wall_clock(self):
+        self.wall += 1.0
+        return self.wall
+
+    def cpu_clock(self):
+        self.cpu += self.share
+        return self.cpu
+
+
+@pytest.mark.parametrize("share,kept", [(0.3, False), (1.6, True)])
+def test_a_measurement_taken_while_the_machine_was_busy_is_not_kept(api_pair, tmp_path, monkeypatch, capsys, share, kept):
+    """Timings during which the process got 0.3 CPU seconds per second (steady load: they settle
+    all the same) decide this run only and are measured again next run; a process that had its
+    cores (1.6) keeps them."""
+    monkeypatch.setenv("DFLASH_JAX_CACHE", str(tmp_path))
+    monkeypatch.setenv("DFLASH_JAX_BUSY_SHARE", "0.75")
+    monkeypatch.delenv("DFLASH_JAX_PROGRESS", raising=False)
+    clocks = _Clocks(share)
+    monkeypatch.setattr(costs, "_clock", clocks.wall_clock)
+    monkeypatch.setattr(costs, "_cpu_clock", clocks.cpu_clock)
+    target, drafter = api_pair
+    for run in range(2):
+        res = dj.generate(target, PROMPTS, max_new_tokens=6, drafter=drafter)
+        err = capsys.readouterr().err
+        assert res.stats["cost_model"] == ("cached" if kept and run else "measured")
+        assert ("the machine was busy (this process had 0.3 CPU seconds per second): used now, not kept" in err) == (not kept)
+    assert len(list((tmp_path / "depth_costs").glob("*.json"))) == int(kept)
+    monkeypatch.setenv("DFLASH_JAX_BUSY_SHARE", "lots")
+    with pytest.raises(DFlashError, match="DFLASH_JAX_BUSY_SHARE: got 'lots'"):
+        dj.generate(target, PROMPTS, max_new_tokens=6, drafter=drafter, cost_model="refresh")
+
+
 @pytest.mark.parametrize("kwargs,needle", [
     (dict(n_max=2, cost_model="refresh"), "cost_model (--measure-costs): given with n_max 2"),
     (dict(cost_model="again"), "cost_model: got 'again'"),
