@@ -150,6 +150,35 @@ def test_scripted_rejection_at_j_accepts_min_of_j_and_width(pair, width, j):
     assert (per_pos[min(j, width):] == 0).all()
 
 
+def test_a_row_whose_drafts_are_always_rejected_drops_to_plain_steps_within_three_steps(pair):
+    """Online acceptance: confident drafts (calibrated acceptance 0.8) that are always wrong pay
+    at first (batch 3, costs 1.3 / 1.7 against 1.0 plain); each step halves the rows' trust and
+    the third propose no longer pays, so the schedule turns to plain steps. Drafts that are
+    always right raise the trust above 1. Output is the target's greedy answer throughout."""
+    cfg, params, dcfg, dparams = pair
+    prompt = PROMPTS[0]
+    full = list(prompt) + plain_greedy(pair, [prompt] * 3, 12 + N)[0]
+    static = Decoding(cfg, dcfg, n_max="auto")
+    weights = Params(params, dparams, depth_policy(CONFIDENT, GROWING))
+    for corrupt_at, steps in ((0, 3), (None, 2)):
+        st = decode.prefill(weights, decode.init_state(static, [prompt] * 3, 64, 12), static, 4)
+        plain_left, trust = [], []
+        for _ in range(steps):
+            length = int(st.length[0])
+            drafts = [full[length + i] for i in range(N)]
+            if corrupt_at is not None:
+                drafts[corrupt_at] = (drafts[corrupt_at] + 1) % cfg.vocab_size
+            st = adaptive.verify_auto(weights, st, static, jnp.asarray([drafts] * 3, jnp.int32), jnp.full((3, N), 0.9, jnp.float32))
+            plain_left.append(int(st.speculative.plain_left))
+            trust.append(np.asarray(st.speculative.trust).tolist())
+        assert outputs(st)[0] == full[len(prompt) : int(st.length[0])]
+        if corrupt_at == 0:
+            assert plain_left == [0, 0, 1]  # paid, paid, then a plain step scheduled
+            np.testing.assert_allclose(trust, [[0.5] * 3, [0.25] * 3, [0.125] * 3])
+        else:
+            assert plain_left == [0, 0] and all(t > 1.2 for t in trust[-1])
+
+
 def width_oracle(scale, bias, step_cost, plain_cost, margin, conf, n_valid, running):
     """The rule of :mod:`dflash_jax.decode.auto.policy`, in NumPy."""
     c = np.clip(conf, 1e-6, 1 - 1e-6)
