@@ -45,6 +45,8 @@ MEASURE_LIVE = 128  # tokens: the live length steps are timed at (the first key 
 STABLE = 0.10  # a kind's two fastest runs within 10%: the timings have settled
 BUSY_SHARE = 0.75  # CPU backend: below this many CPU seconds of the process per second of timed runs, the machine was busy
 _clock, _cpu_clock = time.perf_counter, time.process_time  # wall and process CPU time (a test fakes them)
+REMEASURE_S = 600.0  # a measurement not kept serves this process's later runs this long, then is measured again
+_UNKEPT: dict[str, tuple[float, "CostModel"]] = {}  # key -> (when, costs) of measurements not kept
 _FORBIDDEN = 1e9  # seconds: a width no policy chooses
 
 
@@ -380,12 +382,18 @@ def cost_model_for(key: dict, measure_fn: Callable[[], CostModel], refresh: bool
     A measurement is kept only when its timings settled (``info["stable"]``, :func:`_time_kinds`)
     and the process had the CPU to itself (not ``info["busy"]``, :func:`_busy`): one taken while
     other processes kept the machine busy is used for this run and measured again next time, so
-    it never decides the choices of later runs.
+    it never decides the choices of later runs. Within this process it serves the runs of the
+    next :data:`REMEASURE_S` seconds (a busy machine is not measured again at every call;
+    ``info["source"]`` ``"unkept"``), then is measured again.
     """
+    mem = json.dumps([str(costs_dir()), key], sort_keys=True)
     if not refresh:
         kept = load_cached(key, widths)
         if kept is not None:
             return kept
+        when, unkept = _UNKEPT.get(mem, (-math.inf, None))
+        if unkept is not None and time.monotonic() - when < REMEASURE_S and (widths is None or unkept.widths == tuple(widths)):
+            return dataclasses.replace(unkept, info=dict(unkept.info, source="unkept"))
     t0 = time.perf_counter()
     with progress.step("measuring the step costs of n_max auto (once per machine, pair and batch size)",
                        "measured the step costs of n_max auto") as details:
@@ -399,7 +407,10 @@ def cost_model_for(key: dict, measure_fn: Callable[[], CostModel], refresh: bool
         return costs
     when = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     costs = dataclasses.replace(costs, info=dict(info, date=when, seconds=round(time.perf_counter() - t0, 3)))
-    if info.get("stable", True) and not info.get("busy"):
+    if not info.get("stable", True) or info.get("busy"):
+        _UNKEPT[mem] = (time.monotonic(), costs)
+    else:
+        _UNKEPT.pop(mem, None)
         try:
             store(key, costs)
         except OSError:  # a read-only cache folder: use the measurement without keeping it
