@@ -150,6 +150,35 @@ def test_scripted_rejection_at_j_accepts_min_of_j_and_width(pair, width, j):
     assert (per_pos[min(j, width):] == 0).all()
 
 
+def test_a_row_whose_drafts_are_always_rejected_drops_to_plain_steps_within_three_steps(pair):
+    """Online acceptance: confident drafts (calibrated acceptance 0.8) that are always wrong pay
+    at first (batch 3, costs 1.3 / 1.7 against 1.0 plain); each step halves the rows' trust and
+    the third propose no longer pays, so the schedule turns to plain steps. Drafts that are
+    always right raise the trust above 1. Output is the target's greedy answer throughout."""
+    cfg, params, dcfg, dparams = pair
+    prompt = PROMPTS[0]
+    full = list(prompt) + plain_greedy(pair, [prompt] * 3, 12 + N)[0]
+    static = Decoding(cfg, dcfg, n_max="auto")
+    weights = Params(params, dparams, depth_policy(CONFIDENT, GROWING))
+    for corrupt_at, steps in ((0, 3), (None, 2)):
+        st = decode.prefill(weights, decode.init_state(static, [prompt] * 3, 64, 12), static, 4)
+        plain_left, trust = [], []
+        for _ in range(steps):
+            length = int(st.length[0])
+            drafts = [full[length + i] for i in range(N)]
+            if corrupt_at is not None:
+                drafts[corrupt_at] = (drafts[corrupt_at] + 1) % cfg.vocab_size
+            st = adaptive.verify_auto(weights, st, static, jnp.asarray([drafts] * 3, jnp.int32), jnp.full((3, N), 0.9, jnp.float32))
+            plain_left.append(int(st.speculative.plain_left))
+            trust.append(np.asarray(st.speculative.trust).tolist())
+        assert outputs(st)[0] == full[len(prompt) : int(st.length[0])]
+        if corrupt_at == 0:
+            assert plain_left == [0, 0, 1]  # paid, paid, then a plain step scheduled
+            np.testing.assert_allclose(trust, [[0.5] * 3, [0.25] * 3, [0.125] * 3])
+        else:
+            assert plain_left == [0, 0] and all(t > 1.2 for t in trust[-1])
+
+
 def width_oracle(scale, bias, step_cost, plain_cost, margin, conf, n_valid, running):
     """The rule of :mod:`dflash_jax.decode.auto.policy`, in NumPy."""
     c = np.clip(conf, 1e-6, 1 - 1e-6)
@@ -290,11 +319,51 @@ def test_a_measurement_that_did_not_settle_is_used_once_and_not_kept(api_pair, t
     monkeypatch.delenv("DFLASH_JAX_PROGRESS", raising=False)
     monkeypatch.setattr(costs, "STABLE", -1.0)
     target, drafter = api_pair
-    for _ in range(2):
+    for source in ("measured", "unkept", "measured"):  # this process reuses it a while, then measures again
         res = dj.generate(target, PROMPTS, max_new_tokens=6, drafter=drafter)
-        assert res.stats["cost_model"] == "measured"
-        assert "the timings did not settle (a busy machine?): used now, not kept" in capsys.readouterr().err
+        assert res.stats["cost_model"] == source
+        assert ("the timings did not settle (a busy machine?): used now, not kept" in capsys.readouterr().err) == (source == "measured")
+        monkeypatch.setattr(costs, "REMEASURE_S", 0.0 if source == "unkept" else costs.REMEASURE_S)
     assert not list((tmp_path / "depth_costs").glob("*.json"))
+
+
+class _Clocks:
+    """A fake wall clock and process CPU clock: each wall reading moves 1 s on, the CPU clock
+    ``share`` s on (other processes took the rest)."""
+
+    def __init__(self, share):
+        self.share, self.wall, self.cpu = share, 0.0, 0.0
+
+    def wall_clock(self):
+        self.wall += 1.0
+        return self.wall
+
+    def cpu_clock(self):
+        self.cpu += self.share
+        return self.cpu
+
+
+@pytest.mark.parametrize("share,kept", [(0.3, False), (1.6, True)])
+def test_a_measurement_taken_while_the_machine_was_busy_is_not_kept(api_pair, tmp_path, monkeypatch, capsys, share, kept):
+    """Timings during which the process got 0.3 CPU seconds per second (steady load: they settle
+    all the same) decide this run only and are measured again next run; a process that had its
+    cores (1.6) keeps them."""
+    monkeypatch.setenv("DFLASH_JAX_CACHE", str(tmp_path))
+    monkeypatch.setenv("DFLASH_JAX_BUSY_SHARE", "0.75")
+    monkeypatch.delenv("DFLASH_JAX_PROGRESS", raising=False)
+    clocks = _Clocks(share)
+    monkeypatch.setattr(costs, "_clock", clocks.wall_clock)
+    monkeypatch.setattr(costs, "_cpu_clock", clocks.cpu_clock)
+    target, drafter = api_pair
+    for run in range(2):
+        res = dj.generate(target, PROMPTS, max_new_tokens=6, drafter=drafter)
+        err = capsys.readouterr().err
+        assert res.stats["cost_model"] == ("measured" if not run else "cached" if kept else "unkept")
+        assert ("the machine was busy (this process had 0.3 CPU seconds per second): used now, not kept" in err) == (not kept and not run)
+    assert len(list((tmp_path / "depth_costs").glob("*.json"))) == int(kept)
+    monkeypatch.setenv("DFLASH_JAX_BUSY_SHARE", "lots")
+    with pytest.raises(DFlashError, match="DFLASH_JAX_BUSY_SHARE: got 'lots'"):
+        dj.generate(target, PROMPTS, max_new_tokens=6, drafter=drafter, cost_model="refresh")
 
 
 @pytest.mark.parametrize("kwargs,needle", [

@@ -4,6 +4,7 @@ the program; bad entries and programs JAX read back from its own cache are never
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -151,3 +152,43 @@ def test_compiler_options_reach_xla_and_key_the_entry(store):
         again = executables.compile(_project, x, w, options=FEW_ROWS_OPTIONS)
     assert (compiled(), read()) == (0, 1) and "ynn_fusion" not in again.as_text()
     np.testing.assert_allclose(again(x, w), plain(x, w), rtol=1e-5)
+
+
+
+PLAIN_SCRIPT = textwrap.dedent("""
+    import json, sys
+    import dflash_jax as dj
+    from dflash_jax.runtime.compiled import count_cache_hits, count_compilations, count_store_reads
+    from dflash_jax.testing import tiny_target
+    dj.enable_compile_cache()
+    cfg, params = tiny_target("llama", seed=3)
+    tiny = dj.Target(cfg=cfg, params=params, tokenizer=None, source="tiny", eos_ids=())
+    streaming = sys.argv[1] == "stream"
+    with count_compilations() as compiled, count_cache_hits() as hits, count_store_reads() as read:
+        res = dj.generate(tiny, [[5, 9, 17]], max_new_tokens=4, chunk_size=8, on_tokens=(lambda t: None) if streaming else None)
+    # compiled() counts JAX cache hits too (small eager programs): fresh compiles only
+    print(json.dumps(dict(compiled=compiled() - hits(), read=read(), tokens=res.output_ids)))
+""")
+
+
+@pytest.mark.parametrize("mode", ["loop", "stream"])
+def test_plain_generate_reads_every_program_back_in_a_new_process(tmp_path, mode):
+    """Plain decoding (the whole loop, or the streamed step), each program compiled beside the
+    prefill's in another thread, compiles nothing in a later process. A JAX cache hit in the
+    prefill's thread (a small eager program such as ``jnp.zeros``, cached by an earlier process)
+    once kept the decode program out of the store, so every warm ``dflash-jax generate --no-spec``
+    compiled it again: the second run here starts with JAX's cache warm and the store empty."""
+    env = dict(os.environ, DFLASH_JAX_CACHE=str(tmp_path))
+    env.pop("JAX_COMPILATION_CACHE_DIR", None)
+    env.pop("DFLASH_JAX_NO_COMPILE_CACHE", None)
+
+    def run():
+        out = subprocess.run([sys.executable, "-c", PLAIN_SCRIPT, mode], env=env, capture_output=True, text=True, check=True, timeout=600)
+        return json.loads(out.stdout.splitlines()[-1])
+
+    first = run()
+    shutil.rmtree(tmp_path / "jax_cache" / "executables")  # JAX's cache keeps the small programs
+    second, third = run(), run()
+    assert first["compiled"] >= 1 and second["compiled"] >= 1
+    assert third["compiled"] == 0 and third["read"] == 3, third  # prefill chunk, finish prefill, decode
+    assert first["tokens"] == second["tokens"] == third["tokens"]

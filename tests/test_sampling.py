@@ -146,3 +146,35 @@ def test_row_settings_of_a_wrong_list_are_refused():
         RowSampling.of([SamplingConfig()], 2)
     with pytest.raises(DFlashError, match="sampling"):
         RowSampling.of([SamplingConfig(), 0.7], 2)
+
+
+def _nucleus_by_sort(x, p):
+    """The kept set of top-p by a full sort (float64): the tokens at or above the value at which
+    the sorted cumulative mass first reaches ``p`` (tokens tied with it kept)."""
+    x = x.astype(np.float64)
+    probs = np.exp(x - x.max())
+    probs /= probs.sum()
+    order = np.argsort(-x, kind="stable")
+    reach = int(np.searchsorted(np.cumsum(probs[order]), p * (1 - 1e-12)))
+    return x >= x[order[min(reach, len(x) - 1)]]
+
+
+def _ties(rs, v):
+    """Adversarial logits: few distinct values, many tokens sharing each (the cut falls in a tie)."""
+    return rs.choice(np.array([3.0, 1.5, 1.5, 0.0, -1.0, -1.0, -1.0, -20.0], np.float32), v)
+
+
+@pytest.mark.parametrize("kind", ["random", "peaked", "ties"])
+def test_top_p_threshold_search_keeps_the_set_a_sort_keeps(kind):
+    """The bisection over the values' bit patterns (no sort) keeps exactly the tokens a full sort
+    keeps, on random, peaked and heavily tied distributions, for many p."""
+    rs = np.random.RandomState({"random": 1, "peaked": 2, "ties": 3}[kind])
+    v = 512
+    rows = [(_ties(rs, v) if kind == "ties" else (rs.randn(v) * (6.0 if kind == "peaked" else 1.0))).astype(np.float32)
+            for _ in range(24)]
+    ps = rs.uniform(0.05, 0.99, len(rows)).astype(np.float32)
+    x = jnp.asarray(np.stack(rows))
+    warped = np.asarray(warp_logits(x, RowSampling(jnp.ones(len(rows)), jnp.zeros(len(rows), jnp.int32), jnp.asarray(ps))))
+    for row, p, got in zip(rows, ps, warped):
+        want = _nucleus_by_sort(row, float(p))
+        assert np.array_equal(np.isfinite(got), want), (kind, p, np.isfinite(got).sum(), want.sum())

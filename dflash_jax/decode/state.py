@@ -390,6 +390,9 @@ class SpeculativeState:
         steps).
       plain_left: ``[]`` int32 plain steps to take before the next propose (``auto``).
       backoff: ``[]`` int32 plain steps that the next propose that does not pay schedules (``auto``).
+      trust: ``[B]`` float32 each row's online acceptance (``auto``): a moving average of the
+        drafts it accepted over the drafts its calibrated confidences predicted, 1 at the start
+        (:func:`dflash_jax.decode.auto.policy.update_trust`).
     """
 
     context: KVCache | PagedKVCache  # its own fields declare their axes
@@ -400,6 +403,7 @@ class SpeculativeState:
     widths: jnp.ndarray = axes_field(None)
     plain_left: jnp.ndarray = axes_field()
     backoff: jnp.ndarray = axes_field()
+    trust: jnp.ndarray = axes_field("batch")
 
     @property
     def ctx_k(self) -> jnp.ndarray:
@@ -425,5 +429,5 @@ def init_speculative_state(cfg: DrafterConfig, batch: int, max_len: int, n_max: 
         context=init_kv_cache(cfg.num_hidden_layers, batch, max_len, cfg.num_key_value_heads, cfg.head_dim, cfg.dtype), verify_steps=zeros(),
         drafted=zeros(), accepted=zeros(), accepted_per_position=jnp.zeros((batch, n_max), jnp.int32),
         widths=jnp.zeros(((top or n_max) + 1,), jnp.int32), plain_left=jnp.zeros((), jnp.int32),
-        backoff=jnp.ones((), jnp.int32),
+        backoff=jnp.ones((), jnp.int32), trust=jnp.ones((batch,), jnp.float32),
     )

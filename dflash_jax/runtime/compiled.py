@@ -41,6 +41,7 @@ import importlib
 import os
 import pickle
 import tempfile
+import threading
 from pathlib import Path
 from typing import Any, Callable
 
@@ -53,6 +54,7 @@ _CACHE_HIT = "/jax/compilation_cache/cache_hits"
 _STORE_READ = "store_read"  # a program read back from dflash_jax.runtime.compiled' store (not a compile)
 _counts = {_COMPILE: 0, _CACHE_HIT: 0, _STORE_READ: 0}
 _registered = [False]
+_thread = threading.local()  # this thread's persistent-cache hits (JAX reports them in the compiling thread)
 
 
 def _on_duration(name, duration, **kwargs):
@@ -63,6 +65,7 @@ def _on_duration(name, duration, **kwargs):
 def _on_event(name, **kwargs):
     if name == _CACHE_HIT:
         _counts[_CACHE_HIT] += 1
+        _thread.hits = getattr(_thread, "hits", 0) + 1
 
 
 def _register() -> None:
@@ -91,6 +94,16 @@ def count_cache_hits():
     _register()
     start = _counts[_CACHE_HIT]
     yield lambda: _counts[_CACHE_HIT] - start
+
+
+@contextlib.contextmanager
+def _count_own_cache_hits():
+    """Like :func:`count_cache_hits`, counting this thread's hits only: a program compiled beside
+    another (the driver compiles prefill and decode side by side) must not take the other's
+    cache hits (small eager programs such as ``jnp.zeros``) for its own."""
+    _register()
+    start = getattr(_thread, "hits", 0)
+    yield lambda: getattr(_thread, "hits", 0) - start
 
 
 def note_store_read() -> None:
@@ -290,7 +303,7 @@ def compile(fn, *args, options: dict | None = None):
             return _on_mesh(compiled)
     if k is None:
         return _on_mesh(fn.lower(*args).compile(compiler_options=options or None))
-    with count_cache_hits() as hits, _not_kept_by_jax():
+    with _count_own_cache_hits() as hits, _not_kept_by_jax():
         compiled = fn.lower(*args).compile(compiler_options={**FRESH, **options})
     if hits() == 0:
         _save(path, compiled)

@@ -93,13 +93,16 @@ def _verify_one_width(params: Params, state: DecodeState, static: Decoding, expe
     a plain step), counts the width and updates the plain-step schedule."""
     running = ~state.done
     live = jnp.max(jnp.where(running, state.length, 0))
-    j, pays = depth.choose_from(params.depth, expected, running, live, static.auto_widths)
+    trust = state.speculative.trust
+    j, pays = depth.choose_from(params.depth, depth.trusted(expected, trust), running, live, static.auto_widths)
     widths = (0, *static.auto_widths)  # branch 0: the anchor alone (a plain step)
     branch = jnp.where(plain, 0, j + 1)
     w = jnp.asarray(widths, jnp.int32)[branch]
+    accepted = state.speculative.accepted
     state = run_one_of(branch, [functools.partial(verify_k, k) for k in widths], state)
     ctx = depth.schedule(params.depth, count_width(state.speculative, w, plain), plain, pays)
-    return state.replace(speculative=ctx)
+    trust = depth.update_trust(trust, expected, w, ctx.accepted - accepted, running & ~plain)
+    return state.replace(speculative=ctx.replace(trust=trust))
 
 
 @functools.partial(jax.jit, static_argnames=("static",), donate_argnames=("state",))

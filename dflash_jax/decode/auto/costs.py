@@ -23,6 +23,7 @@ import hashlib
 import json
 import math
 import numbers
+import os
 import time
 from pathlib import Path
 from typing import Callable, Sequence
@@ -42,6 +43,10 @@ NEVER = 2**31 - 1  # the bound of the last live-length bucket
 FORMAT = 2  # part of every cache key: raise it when the steps change what they cost
 MEASURE_LIVE = 128  # tokens: the live length steps are timed at (the first key block)
 STABLE = 0.10  # a kind's two fastest runs within 10%: the timings have settled
+BUSY_SHARE = 0.75  # CPU backend: below this many CPU seconds of the process per second of timed runs, the machine was busy
+_clock, _cpu_clock = time.perf_counter, time.process_time  # wall and process CPU time (a test fakes them)
+REMEASURE_S = 600.0  # a measurement not kept serves this process's later runs this long, then is measured again
+_UNKEPT: dict[str, tuple[float, "CostModel"]] = {}  # key -> (when, costs) of measurements not kept
 _FORBIDDEN = 1e9  # seconds: a width no policy chooses
 
 
@@ -202,16 +207,18 @@ def _at_length(state, live: int | None, tokens: int):
     return s.replace(max_new=s.new_tokens + tokens)
 
 
-def _time_kinds(run, params, base, widths: tuple[int, ...], rounds: int, max_rounds: int, depth: int) -> tuple[list[float], float, bool]:
+def _time_kinds(run, params, base, widths: tuple[int, ...], rounds: int, max_rounds: int, depth: int) -> tuple[list[float], float, bool, float]:
     """Seconds per step of every verify width and of the plain step: the fastest of ``rounds``
     runs each (kinds alternating, so a burst of load hits every kind alike), more rounds (up to
     ``max_rounds``) while some kind's two fastest runs differ by more than :data:`STABLE`; made
     non-decreasing in the width by an isotonic fit, the plain step at most the narrowest.
-    Returns ``(step costs, plain cost, stable)``."""
+    Returns ``(step costs, plain cost, stable, cpu share)``: the share is the process's CPU
+    seconds per wall second over the timed runs (:func:`_busy`)."""
     ident, n = Calibration.identity(depth), widths[-1]
     kinds = [(depth_policy(ident, CostModel.forcing(n, w, widths), depth=depth), False) for w in widths]
     kinds.append((depth_policy(ident, CostModel.forcing(n, n, widths), depth=depth), True))  # plain: the schedule says plain throughout
     times: list[list[float]] = [[] for _ in kinds]
+    wall = cpu = 0.0
     stable = False
     for r in range(max_rounds):
         for i, (policy, plain) in enumerate(kinds):
@@ -219,10 +226,12 @@ def _time_kinds(run, params, base, widths: tuple[int, ...], rounds: int, max_rou
             if plain:
                 s = s.replace(speculative=s.speculative.replace(plain_left=jnp.int32(NEVER)))
             jax.block_until_ready(s)
-            t0 = time.perf_counter()
+            t0, c0 = _clock(), _cpu_clock()
             s = run(params._replace(depth=policy), s)
             steps = int(jax.device_get(s.steps - base.steps))  # waits for the run
-            times[i].append((time.perf_counter() - t0) / max(steps, 1))
+            dt = _clock() - t0
+            wall, cpu = wall + dt, cpu + _cpu_clock() - c0
+            times[i].append(dt / max(steps, 1))
         stable = all(sorted(t)[1] <= (1 + STABLE) * min(t) for t in times) if r >= 1 else False
         if r + 1 >= rounds and stable:
             break
@@ -230,7 +239,32 @@ def _time_kinds(run, params, base, widths: tuple[int, ...], rounds: int, max_rou
     from scipy.optimize import isotonic_regression  # here: importing scipy.optimize takes 0.4-0.8 s of every start
 
     step = [float(c) for c in isotonic_regression(best[:-1]).x]
-    return step, min(best[-1], step[0]), stable
+    return step, min(best[-1], step[0]), stable, cpu / max(wall, 1e-9)
+
+
+def _busy(cpu_share: float) -> bool:
+    """Whether timings with this CPU share were taken on a busy machine. On the CPU backend a
+    step keeps at least one of the process's threads computing for its whole wall time, so a
+    process that got the cores it asked for shows a share of 1 or more; other processes on the
+    same cores take turns with it, and its share falls to about cores / load (0.4 at load 5 on 2
+    cores). Below :data:`BUSY_SHARE` the machine was busy. Steady load passes the spread test
+    (:data:`STABLE`: every run is slow alike), not this one. On an accelerator the host waits
+    while the device computes: the share says nothing there, and is not read.
+    ``$DFLASH_JAX_BUSY_SHARE`` replaces the bound (``0``: never busy; the test suite, which runs
+    beside other jobs, sets it).
+
+    Raises:
+      DFlashError: ``$DFLASH_JAX_BUSY_SHARE`` that is not a number from 0 to 16.
+    """
+    raw = os.environ.get("DFLASH_JAX_BUSY_SHARE", "")
+    try:
+        bound = float(raw) if raw else BUSY_SHARE
+        ok = 0 <= bound <= 16
+    except ValueError:
+        ok = False
+    if not ok:
+        raise DFlashError("DFLASH_JAX_BUSY_SHARE", f"got {raw!r}", "a number from 0 to 16 (CPU seconds per second; 0: never busy)")
+    return jax.default_backend() == "cpu" and cpu_share < bound
 
 
 def measure(run: Callable, params: Params, state, static: Decoding, tokens: int = 8, rounds: int = 3,
@@ -254,16 +288,17 @@ def measure(run: Callable, params: Params, state, static: Decoding, tokens: int 
         seconds to every width); ``None``: one bucket at the state's own lengths.
     Returns:
       A :class:`CostModel` (seconds per step, ``info``: ``source`` ``"measured"``, ``stable``:
-      whether the timings settled); equal costs
+      whether the timings settled, ``cpu_share`` and ``busy``: the process's CPU seconds per
+      wall second of the timed runs and whether that says the machine was busy, :func:`_busy`); equal costs
       (``info["source"]`` ``"none"``) when every row is done already (no step will run).
     """
     widths = static.auto_widths
     if bool(jax.device_get(jnp.all(state.done))):
         return CostModel(step_cost=((1.0,) * len(widths),), plain_cost=(1.0,), widths=widths, info=dict(source="none"))
     timed = [_time_kinds(run, params, _at_length(state, live, tokens), widths, rounds, max_rounds, static.depth) for live in (lengths or [None])]
-    step, plain, stable = zip(*timed)
+    step, plain, stable, share = zip(*timed)
     return CostModel(step_cost=step, plain_cost=plain, widths=widths, bounds=tuple(lengths or (NEVER,)),
-                     info=dict(source="measured", stable=all(stable)))
+                     info=dict(source="measured", stable=all(stable), cpu_share=round(min(share), 3), busy=any(map(_busy, share))))
 
 
 def adaptive_params(params: Params, static: Decoding, calibration: Calibration, run: Callable, key: dict, state,
@@ -344,14 +379,21 @@ def cost_model_for(key: dict, measure_fn: Callable[[], CostModel], refresh: bool
     """The kept cost model of ``key`` (one that prices the verify ``widths``, when given), else (or
     with ``refresh``) ``measure_fn()`` (:func:`measure`), reported on stderr (it takes seconds).
 
-    A measurement is kept only when its timings settled (``info["stable"]``, :func:`_time_kinds`):
-    one taken while other processes kept the machine busy is used for this run and measured
-    again next time, so it never decides the choices of later runs.
+    A measurement is kept only when its timings settled (``info["stable"]``, :func:`_time_kinds`)
+    and the process had the CPU to itself (not ``info["busy"]``, :func:`_busy`): one taken while
+    other processes kept the machine busy is used for this run and measured again next time, so
+    it never decides the choices of later runs. Within this process it serves the runs of the
+    next :data:`REMEASURE_S` seconds (a busy machine is not measured again at every call;
+    ``info["source"]`` ``"unkept"``), then is measured again.
     """
+    mem = json.dumps([str(costs_dir()), key], sort_keys=True)
     if not refresh:
         kept = load_cached(key, widths)
         if kept is not None:
             return kept
+        when, unkept = _UNKEPT.get(mem, (-math.inf, None))
+        if unkept is not None and time.monotonic() - when < REMEASURE_S and (widths is None or unkept.widths == tuple(widths)):
+            return dataclasses.replace(unkept, info=dict(unkept.info, source="unkept"))
     t0 = time.perf_counter()
     with progress.step("measuring the step costs of n_max auto (once per machine, pair and batch size)",
                        "measured the step costs of n_max auto") as details:
@@ -359,11 +401,16 @@ def cost_model_for(key: dict, measure_fn: Callable[[], CostModel], refresh: bool
         info = costs.info or {}
         if info.get("source") == "measured" and not info.get("stable", True):
             details.append("the timings did not settle (a busy machine?): used now, not kept")
+        elif info.get("source") == "measured" and info.get("busy"):
+            details.append(f"the machine was busy (this process had {info.get('cpu_share')} CPU seconds per second): used now, not kept")
     if info.get("source") != "measured":
         return costs
     when = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     costs = dataclasses.replace(costs, info=dict(info, date=when, seconds=round(time.perf_counter() - t0, 3)))
-    if info.get("stable", True):
+    if not info.get("stable", True) or info.get("busy"):
+        _UNKEPT[mem] = (time.monotonic(), costs)
+    else:
+        _UNKEPT.pop(mem, None)
         try:
             store(key, costs)
         except OSError:  # a read-only cache folder: use the measurement without keeping it

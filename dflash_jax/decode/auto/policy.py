@@ -24,6 +24,13 @@ its code: a verify of ``w`` drafts costs about what the next candidate costs (on
 to 8 tokens costs within a few percent of 8; on a GPU every width costs about the same), and
 commits no more.
 
+Each row also carries its online acceptance ``trust_b`` (``SpeculativeState.trust``, 1 at the
+start): after every verify, a moving average (:data:`TRUST_RATE`) of the drafts the row accepted
+over the drafts its calibrated confidences predicted (:func:`update_trust`). The rule reads
+``1 + trust_b (E_b(w) - 1)`` (:func:`trusted`): a row whose text the drafter predicts worse than
+its calibration says (chat, where the calibration was fitted on code) counts less within a few
+steps, so a batch of such rows turns to plain steps, and one it predicts better counts more.
+
 Drafting does not pay when even that best rate does not beat the rate of a plain step (one
 token per running row per ``plain_cost`` seconds) by ``pay_margin`` (:data:`PAY_MARGIN` by
 default). The step after such a propose is then a plain step (a target pass over the anchor
@@ -56,6 +63,11 @@ from dflash_jax.errors import DFlashError
 # recompiles nothing.
 MAX_BACKOFF = 8
 PAY_MARGIN = 0.05
+# The weight of a step's observation in a row's online acceptance (update_trust): a row whose
+# drafts are all rejected weighs its predictions at 1/2, 1/4, 1/8 after one, two, three steps;
+# the factor stays within [0, TRUST_MAX].
+TRUST_RATE = 0.5
+TRUST_MAX = 2.0
 _EPS = 1e-6
 
 
@@ -191,6 +203,34 @@ def tree_expected_tokens(policy: DepthPolicy, tree, conf: jnp.ndarray, n_valid: 
     survival = jnp.prod(jnp.where(on_path, p[:, None, :], 1.0), axis=2)
     survival = survival * (tree.alive & (tree.depth <= n_valid[:, None]))
     return 1.0 + jnp.concatenate([jnp.zeros_like(survival[:, :1]), jnp.cumsum(survival, axis=1)], axis=1)
+
+
+def trusted(expected: jnp.ndarray, trust: jnp.ndarray) -> jnp.ndarray:
+    """``expected [B, m + 1]`` (tokens committed when ``w = 0..m`` drafts are verified) with each
+    row's drafts weighed by its online acceptance ``trust [B]``: ``1 + trust_b (E_b(w) - 1)``,
+    at most ``1 + w``. A row whose drafts the calibrated confidences overrate (text unlike the
+    drafter's training) counts for less, one they underrate for more."""
+    w = jnp.arange(expected.shape[1], dtype=jnp.float32)[None, :]
+    return jnp.minimum(1.0 + trust[:, None] * (expected - 1.0), 1.0 + w)
+
+
+def update_trust(trust, expected, w, accepted, verified):
+    """Each row's online acceptance after a step (on device, no host round trip).
+
+    Args:
+      trust: ``[B]`` float32 before the step; expected: ``[B, m + 1]`` the untrusted expected
+        tokens of the step's choice (:func:`expected_tokens` / :func:`tree_expected_tokens`);
+      w: ``[]`` int32 the width verified; accepted: ``[B]`` int32 drafts each row accepted;
+      verified: ``[B]`` bool rows whose drafts were verified (running, not a plain step).
+    Returns:
+      ``[B]`` float32: where a row's verified drafts were predicted to commit ``e = E_b(w) - 1``
+      tokens, ``(1 - TRUST_RATE) trust + TRUST_RATE min(accepted / e, TRUST_MAX)``; unchanged
+      elsewhere (no observation).
+    """
+    predicted = jnp.take(expected, w, axis=1) - 1.0
+    seen = verified & (predicted > 0.05)
+    ratio = jnp.minimum(accepted.astype(jnp.float32) / jnp.maximum(predicted, 0.05), TRUST_MAX)
+    return jnp.where(seen, (1.0 - TRUST_RATE) * trust + TRUST_RATE * ratio, trust).astype(jnp.float32)
 
 
 def bucket(policy: DepthPolicy, live: jnp.ndarray) -> jnp.ndarray:
