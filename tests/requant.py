@@ -9,6 +9,8 @@ from __future__ import annotations
 import gguf
 import numpy as np
 
+from tiny_gguf import rewrite_gguf
+
 Q = gguf.GGMLQuantizationType
 
 
@@ -69,27 +71,13 @@ def encode(x: np.ndarray, qtype) -> np.ndarray:
 def reencode(src: str, dst: str, type_of) -> dict:
     """Writes ``dst``: ``src``'s metadata and tensors, each quantized tensor re-encoded as
     ``type_of(name, numpy shape)`` (a ``GGMLQuantizationType``); returns ``{name: type name}``."""
-    reader = gguf.GGUFReader(src)
-    arch = reader.fields["general.architecture"].contents()
-    w = gguf.GGUFWriter(dst, arch)
-    for name, field in reader.fields.items():
-        if name.startswith("GGUF.") or name == "general.architecture":
-            continue
-        vtype = field.types[0]
-        w.add_key_value(name, field.contents(), vtype, field.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None)
-    types = {}
-    for t in reader.tensors:
+
+    def convert(t):
         shape = tuple(int(d) for d in reversed([int(x) for x in t.shape]))
         if t.tensor_type == Q.F32:
-            w.add_tensor(t.name, np.array(t.data, np.float32).reshape(shape))
-            types[t.name] = "F32"
-            continue
+            return np.array(t.data, np.float32).reshape(shape), None, "F32"
         x = gguf.quants.dequantize(np.asarray(t.data), t.tensor_type).astype(np.float32).reshape(shape)
         qtype = type_of(t.name, shape)
-        w.add_tensor(t.name, encode(x, qtype), raw_dtype=qtype)
-        types[t.name] = qtype.name
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return types
+        return encode(x, qtype), qtype, qtype.name
+
+    return rewrite_gguf(src, dst, convert)

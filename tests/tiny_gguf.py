@@ -98,13 +98,10 @@ def write_model(path, cfg, params, *, tensors=None, tokens=None, qtype=None):
                       tokens if tokens is not None else tokens_for(cfg))
 
 
-def requantize(src, dst, choose) -> dict:
-    """Copies the GGUF ``src`` to ``dst`` with the float tensors ``choose(name, numpy shape)`` names a
-    type for (``"Q8_0"``, ``"Q4_0"``, ... that ``gguf.quants.quantize`` writes) quantized from their
-    float32 values; other tensors (quantized ones too) as they are, every metadata key copied.
-    Returns ``{tensor name: type name}`` of ``dst``."""
-    from dflash_jax.formats.gguf_file import dequantize_tensor
-
+def rewrite_gguf(src, dst, convert) -> dict:
+    """Copies the GGUF ``src`` to ``dst``, every metadata key as it is and each tensor as
+    ``convert(tensor) -> (array, raw_dtype or None, type name)`` gives it. Returns ``{tensor name:
+    type name}`` of ``dst``."""
     r = gguf.GGUFReader(str(src))
     w = gguf.GGUFWriter(str(dst), r.fields["general.architecture"].contents())
     for key, f in r.fields.items():
@@ -114,20 +111,30 @@ def requantize(src, dst, choose) -> dict:
         w.add_key_value(key, f.contents(), vtype, f.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None)
     types = {}
     for t in r.tensors:
-        is_float = t.tensor_type in (Q.F32, Q.F16)
-        kind = choose(t.name, tuple(reversed([int(d) for d in t.shape]))) if is_float else None
-        if kind is not None:
-            w.add_tensor(t.name, gguf.quants.quantize(dequantize_tensor(t, str(src)), Q[kind]), raw_dtype=Q[kind])
-        elif is_float:
-            w.add_tensor(t.name, np.array(t.data))
-        else:
-            w.add_tensor(t.name, np.array(t.data), raw_dtype=t.tensor_type)
-        types[t.name] = kind or t.tensor_type.name
+        data, raw_dtype, types[t.name] = convert(t)
+        w.add_tensor(t.name, data, raw_dtype=raw_dtype)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
     return types
+
+
+def requantize(src, dst, choose) -> dict:
+    """Copies the GGUF ``src`` to ``dst`` with the float tensors ``choose(name, numpy shape)`` names a
+    type for (``"Q8_0"``, ``"Q4_0"``, ... that ``gguf.quants.quantize`` writes) quantized from their
+    float32 values; other tensors (quantized ones too) as they are, every metadata key copied.
+    Returns ``{tensor name: type name}`` of ``dst``."""
+    from dflash_jax.formats.gguf_file import dequantize_tensor
+
+    def convert(t):
+        is_float = t.tensor_type in (Q.F32, Q.F16)
+        kind = choose(t.name, tuple(reversed([int(d) for d in t.shape]))) if is_float else None
+        if kind is not None:
+            return gguf.quants.quantize(dequantize_tensor(t, str(src)), Q[kind]), Q[kind], kind
+        return np.array(t.data), None if is_float else t.tensor_type, t.tensor_type.name
+
+    return rewrite_gguf(src, dst, convert)
 
 
 K_F16_AT = {"Q2_K": (80, 82), "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}  # byte offsets of d (, dmin)

@@ -39,7 +39,7 @@ from dflash_jax.errors import DFlashError
 from dflash_jax.formats.checkpoint import Checkpoint, load_named
 from dflash_jax.nn import params as P
 from dflash_jax.nn.attention import cache_attention
-from dflash_jax.nn.layer import attention_output, inv_frequencies, project_qkv, rms_norm, run_layers, swiglu
+from dflash_jax.nn.layer import attention_output, project_qkv, rms_norm, run_layers, swiglu
 from dflash_jax.nn.params import ParamSpec
 from dflash_jax.nn.quant import dot
 
@@ -130,14 +130,8 @@ def forward(params_d: dict, cfg_d: DrafterConfig, embeds: jnp.ndarray, positions
     """One draft pass over a block (contract of :func:`dflash_jax.drafter.model.forward`): the
     generic layer (:func:`dflash_jax.drafter.generic.forward`) with each sublayer wrapped in its
     convolution (module docstring). Returns ``[B, W, H]`` final-normed hidden states."""
-    b, w = embeds.shape[:2]
-    if block_len is None:
-        block_len = jnp.full((b,), w, jnp.int32)
     D, hq, hkv, eps, gs = cfg_d.head_dim, cfg_d.num_attention_heads, cfg_d.num_key_value_heads, cfg_d.rms_norm_eps, cfg_d.conv_group_size
-    inv_freq = inv_frequencies(cfg_d.rope, D)
-    x = (embeds * cfg_d.input_embedding_scale).astype(cfg_d.dtype)
-    capacity = ctx_k.shape[2] if pages is None else pages.capacity
-    n_keys = jnp.clip(jnp.max(ctx_len), 1, capacity).astype(jnp.int32) if live_context else capacity
+    x, block_len, inv_freq, n_keys = generic.pass_inputs(cfg_d, embeds, ctx_k, ctx_len, block_len, live_context, pages)
 
     def body(x, lp, layer_xs, i):
         bm, window = layer_xs

@@ -112,6 +112,20 @@ def context_visible(positions, ctx_len, window, slots):
     return (s < ctx_len[:, None, None]) & ((window == 0) | (qpos - s < window))
 
 
+def pass_inputs(cfg_d: DrafterConfig, embeds: jnp.ndarray, ctx_k: jnp.ndarray, ctx_len: jnp.ndarray,
+                block_len: jnp.ndarray | None, live_context: bool, pages):
+    """What every draft pass starts from (arguments as :func:`forward`'s): ``(x [B, W, H] the scaled
+    embeddings in cfg_d.dtype, block_len [B] int32 (all ``W`` when None), the RoPE inverse
+    frequencies, n_keys: the context keys to scan, traced int32 with ``live_context`` else the capacity)``."""
+    b, w = embeds.shape[:2]
+    if block_len is None:
+        block_len = jnp.full((b,), w, jnp.int32)
+    x = (embeds * cfg_d.input_embedding_scale).astype(cfg_d.dtype)
+    capacity = ctx_k.shape[2] if pages is None else pages.capacity
+    n_keys = jnp.clip(jnp.max(ctx_len), 1, capacity).astype(jnp.int32) if live_context else capacity
+    return x, block_len, inv_frequencies(cfg_d.rope, cfg_d.head_dim), n_keys
+
+
 def forward(params_d: dict, cfg_d: DrafterConfig, embeds: jnp.ndarray, positions: jnp.ndarray,
             ctx_k: jnp.ndarray, ctx_v: jnp.ndarray, ctx_len: jnp.ndarray, block_len: jnp.ndarray | None = None,
             live_context: bool = True, pages=None) -> jnp.ndarray:
@@ -122,14 +136,8 @@ def forward(params_d: dict, cfg_d: DrafterConfig, embeds: jnp.ndarray, positions
     layers run stacked (one scan) or per layer (:func:`dflash_jax.nn.layer.run_layers`).
     Returns ``[B, W, H]`` final-normed hidden states in ``cfg_d.dtype``.
     """
-    b, w = embeds.shape[:2]
-    if block_len is None:
-        block_len = jnp.full((b,), w, jnp.int32)
     D, hq, hkv, eps = cfg_d.head_dim, cfg_d.num_attention_heads, cfg_d.num_key_value_heads, cfg_d.rms_norm_eps
-    inv_freq = inv_frequencies(cfg_d.rope, D)
-    x = (embeds * cfg_d.input_embedding_scale).astype(cfg_d.dtype)
-    capacity = ctx_k.shape[2] if pages is None else pages.capacity
-    n_keys = jnp.clip(jnp.max(ctx_len), 1, capacity).astype(jnp.int32) if live_context else capacity
+    x, block_len, inv_freq, n_keys = pass_inputs(cfg_d, embeds, ctx_k, ctx_len, block_len, live_context, pages)
 
     def body(x, lp, layer_xs, i):
         bm, window = layer_xs
