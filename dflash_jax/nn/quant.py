@@ -141,10 +141,11 @@ def dot(x: jnp.ndarray, w, preferred_element_type=None) -> jnp.ndarray:
     if w.lead:
         raise DFlashError("quantized weight", f"dot takes a 2-D weight, got leading axes {w.lead}", "one layer's weight")
     wt = dequantize(w).astype(x.dtype)
-    if math.prod(x.shape[:-1]) == 1:
+    if math.prod(x.shape[:-1]) == 1 and jax.default_backend() == "cpu":
         # One row (a decode step): XLA:CPU fuses the dequantization into a slow scalar matrix-vector
         # loop; dequantized first, [in, out], behind a barrier, the product runs 2.2x faster
-        # (tools/bench_quant_dot.py, BENCHMARKS.md "Quantized weights against float (CPU)").
+        # (tools/bench_quant_dot.py, BENCHMARKS.md "Quantized weights against float (CPU)"). Measured
+        # on XLA:CPU only: other backends keep the fused product.
         w_io = jax.lax.optimization_barrier(jnp.swapaxes(wt, -1, -2))
         return jnp.einsum("...i,io->...o", x, w_io, preferred_element_type=preferred_element_type)
     return jnp.einsum("...i,oi->...o", x, wt, preferred_element_type=preferred_element_type)
