@@ -4,6 +4,7 @@ and multiplied inside jit, equals gguf-py's float32 weights within float32 round
 
 from __future__ import annotations
 
+import re
 import types
 
 import gguf
@@ -101,3 +102,19 @@ def test_wrong_size_and_unknown_type_raise():
         quantized_tensor(fake("w", "Q8_0", [48, 4], np.zeros((4, 51), np.uint8)), "m.gguf")
     with pytest.raises(DFlashError, match=r"m\.gguf: tensor w: quantization type IQ2_XXS is not supported"):
         quantized_tensor(fake("w", "IQ2_XXS", [256, 1], np.zeros((1, 66), np.uint8)), "m.gguf")
+
+
+@pytest.mark.parametrize("backend", ["cpu", "gpu"])
+def test_decode_loop_keeps_weights_quantized(gguf_tensors, monkeypatch, backend):
+    """In an on-device loop, the dequantized weight is not hoisted out of the loop (XLA's
+    loop-invariant code motion would otherwise carry the float weight through every step: the
+    memory quantized weights save). ``gpu``: the non-CPU form of ``quant.dot``, compiled here."""
+    path, tensors = gguf_tensors
+    qw = jax.tree_util.tree_map(jnp.asarray, quantized_tensor(tensors["Q4_K"], path))
+    monkeypatch.setattr(quant.jax, "default_backend", lambda: backend)
+    step = jax.jit(lambda x, w: jax.lax.fori_loop(0, 3, lambda i, x: jnp.tanh(quant.dot(x, w))[..., :512].repeat(64, -1), x))
+    x = jnp.ones((1, 512), jnp.float32)
+    text = step.lower(x, qw).compile().as_text()
+    loops = [line.split(" while(")[0] for line in text.splitlines() if " while(" in line]
+    carried = {a for line in loops for a in re.findall(r"f32\[[\d,]*\]", line)}
+    assert loops and carried == {"f32[1,512]"}, carried  # x only: no float weight rides the loop

@@ -1,117 +1,95 @@
-"""Quantized against float matrix products on this backend: what the layout of the codes costs.
+"""Quantized against float matrix products on this backend, as the models call them.
 
-Times ``x [rows, 576] @ W`` summed over 30 matrices ``[1536, 576]`` (SmolLM2-135M's MLP shape, one
-per layer) in one jitted function, Q4_1 weights (random, gguf-py quantized) held as:
+Times ``x [rows, in] @ W`` summed over 30 matrices (SmolLM2-135M's MLP shapes, one per layer:
+``[576 in, 1536 out]``, or ``[1536 in, 576 out]`` for the K-quants, whose super-blocks of 256 do
+not divide 576) in one jitted function, each weight held as:
 
-* ``float``: the gguf-py dequantized float32 matrices ``[in, out]`` (what ``weights="float"`` holds);
-* ``packed``: :mod:`dflash_jax.nn.quant_gguf`'s fields (two 4-bit codes per byte, ``[out, in/2]``,
-  float16 scale and offset per 32), through :func:`dflash_jax.nn.quant.dot` (``weights="quantized"``);
-* ``interleaved``: two 4-bit codes per byte in input order (byte ``j`` holds codes ``2j``, ``2j + 1``,
-  unpacked by a stack instead of ggml's concatenation), same ``dot``;
-* ``int8``: one code per byte ``[out, in]`` (twice the memory), same scales, same ``dot``;
-* ``int8 in-out``: codes ``[in, out]`` and ``x @ W`` (the float layout);
-* ``int8 mul-sum``: ``sum(x * W, -1)`` per 32-group, then over groups (a reduction instead of a dot).
+* ``float``: gguf-py's dequantized float32 matrices ``[in, out]`` (what ``weights="float"`` holds);
+* ``Q4_1``, ``Q4_K``, ``Q6_K``, ``Q8_0``, ...: the same random matrices quantized by gguf-py (the
+  K-quants: random valid blocks), loaded as :func:`dflash_jax.formats.gguf_quant.quantized_tensor`
+  loads a file's tensor (bit planes, nn/quant_gguf.py) and multiplied by :func:`dflash_jax.nn.quant.dot`
+  (what ``weights="quantized"`` runs).
 
-Each variant runs alternately, ``--repeats`` times, the median printed::
+The variants run alternately, ``--repeats`` times; the median time and its ratio to float are
+printed, as wall time and as this process's CPU time (``time.process_time``: both cores' work on
+the product; steadier than wall time when other processes share the CPU)::
 
-    python tools/bench_quant_dot.py --rows 1,8 --repeats 7
+    python tools/bench_quant_dot.py --rows 1,8,64 --types Q4_1,Q4_K,Q6_K,Q8_0 --repeats 7
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+import sys
 import time
+import types
 
 import gguf
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dflash_jax.nn import quant, quant_gguf  # noqa: F401  (registers the GGUF formats)
-from dflash_jax.nn.quant import QuantFormat, QuantizedWeight
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
+
+from dflash_jax.formats.gguf_quant import quantized_tensor  # noqa: E402
+from dflash_jax.nn import quant  # noqa: E402
 
 OUT, IN, L = 1536, 576, 30
+K_QUANTS = ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
 
 
-def _int8_deq(f, dtype):
-    q = f["codes"].reshape(f["codes"].shape[:-1] + (-1, 32)).astype(jnp.float32)
-    w = q * f["scale"].astype(jnp.float32)[..., None] + f["offset"].astype(jnp.float32)[..., None]
-    return w.reshape(w.shape[:-2] + (-1,)).astype(dtype)
+def _blocks(kind: str, x: np.ndarray, rng) -> np.ndarray:
+    if kind in K_QUANTS:
+        from tiny_gguf import kquant_bytes  # tests/tiny_gguf.py: random valid K-quant blocks
+        return kquant_bytes(kind, x.shape, rng)
+    return gguf.quants.quantize(x, gguf.GGMLQuantizationType[kind])
 
 
-quant.register(QuantFormat("bench_q4_1_int8", lambda f: f["codes"].shape[-1], _int8_deq))
-
-
-def _interleaved_deq(f, dtype):
-    c = f["codes"]
-    q = jnp.stack([c & 15, c >> 4], axis=-1).reshape(c.shape[:-1] + (-1,))
-    return _int8_deq(dict(f, codes=q), dtype)
-
-
-quant.register(QuantFormat("bench_q4_1_interleaved", lambda f: 2 * f["codes"].shape[-1], _interleaved_deq))
-
-
-def weights(rng):
-    """The variants' weight lists (module docstring)."""
-    x = rng.standard_normal((L, OUT, IN)).astype(np.float32) * 0.05
-    blocks = gguf.quants.quantize(x, gguf.GGMLQuantizationType.Q4_1).reshape(L, OUT, IN // 32, 20)
-    scale = blocks[..., 0:2].copy().view(np.float16)[..., 0]
-    off = blocks[..., 2:4].copy().view(np.float16)[..., 0]
-    codes = blocks[..., 4:].reshape(L, OUT, -1).copy()
-    c = codes.reshape(L, OUT, -1, 16)
-    q8 = np.concatenate([c & 15, c >> 4], -1).reshape(L, OUT, IN).astype(np.int8)
-    inter = (q8[..., 0::2] | (q8[..., 1::2] << 4)).astype(np.uint8)
-    flt = gguf.quants.dequantize(blocks.reshape(L, OUT, -1), gguf.GGMLQuantizationType.Q4_1).reshape(L, OUT, IN)
-    j = jnp.asarray
-    return {
-        "float": [j(flt[i].T) for i in range(L)],
-        "packed": [QuantizedWeight({"codes": j(codes[i]), "scale": j(scale[i]), "offset": j(off[i])}, "q4_1") for i in range(L)],
-        "interleaved": [QuantizedWeight({"codes": j(inter[i]), "scale": j(scale[i]), "offset": j(off[i])}, "bench_q4_1_interleaved")
-                        for i in range(L)],
-        "int8": [QuantizedWeight({"codes": j(q8[i]), "scale": j(scale[i]), "offset": j(off[i])}, "bench_q4_1_int8") for i in range(L)],
-        "int8 in-out": [{"codes": j(q8[i].T.copy()), "scale": j(scale[i].T.copy()), "offset": j(off[i].T.copy())} for i in range(L)],
-        "int8 mul-sum": [QuantizedWeight({"codes": j(q8[i]), "scale": j(scale[i]), "offset": j(off[i])}, "bench_q4_1_int8")
-                         for i in range(L)],
-    }
-
-
-def _in_out(x, f):
-    q = f["codes"].reshape(-1, 32, OUT).astype(jnp.float32)
-    return x @ (q * f["scale"].astype(jnp.float32)[:, None] + f["offset"].astype(jnp.float32)[:, None]).reshape(IN, OUT)
-
-
-def _mul_sum(x, w):
-    wq = quant.dequantize(w).reshape(1, OUT, -1, 32)
-    return (x.reshape(x.shape[0], 1, -1, 32) * wq).sum(-1).sum(-1)
-
-
-PRODUCTS = {"float": quant.dot, "packed": quant.dot, "interleaved": quant.dot, "int8": quant.dot, "int8 in-out": _in_out, "int8 mul-sum": _mul_sum}
+def weights(kinds, rng) -> dict:
+    """``{variant: [L weights]}``; the float variant of each type is its gguf-py dequantization."""
+    out = {}
+    for kind in kinds:
+        n_out, n_in = (IN, OUT) if kind in K_QUANTS else (OUT, IN)
+        x = rng.standard_normal((n_out, n_in)).astype(np.float32) * 0.05
+        qs, fs = [], []
+        for _ in range(L):
+            data = _blocks(kind, x, rng)
+            t = types.SimpleNamespace(name="w", tensor_type=gguf.GGMLQuantizationType[kind], shape=np.array([n_in, n_out]), data=data)
+            qs.append(jax.tree_util.tree_map(jnp.asarray, quantized_tensor(t, "bench")))
+            fs.append(jnp.asarray(gguf.quants.dequantize(data, gguf.GGMLQuantizationType[kind]).reshape(n_out, n_in).T.copy()))
+        out[kind], out[f"float ({kind})"] = qs, fs
+    return out
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rows", default="1,8", help="comma-separated rows of x (1: a decode step; 8: a verify pass)")
+    p.add_argument("--types", default="Q4_1,Q8_0", help="comma-separated GGUF types")
     p.add_argument("--repeats", type=int, default=7)
     args = p.parse_args(argv)
     rng = np.random.default_rng(0)
-    ws = weights(rng)
-    fns = {}
-    for name, product in PRODUCTS.items():
-        fns[name] = jax.jit(lambda x, wl, product=product: sum(product(x, w).sum() for w in wl))
+    kinds = args.types.split(",")
+    ws = weights(kinds, rng)
+    f = jax.jit(lambda x, wl: sum(quant.dot(x, w).sum() for w in wl))
     for rows in (int(r) for r in args.rows.split(",")):
-        x = jnp.asarray(rng.standard_normal((rows, IN)).astype(np.float32))
-        times: dict = {name: [] for name in fns}
-        ref = float(fns["float"](x, ws["float"]))
-        for name, f in fns.items():
-            got = float(f(x, ws[name]))  # compile, and check the variant computes the same product
-            assert abs(got - ref) <= 1e-3 * max(1.0, abs(ref)), (name, got, ref)
+        xs = {n: jnp.asarray(rng.standard_normal((rows, n)).astype(np.float32)) for n in (IN, OUT)}
+        x_of = {name: xs[wl[0].shape[0]] for name, wl in ws.items()}
+        for kind in kinds:  # compile, and check each variant computes its float twin's product
+            x = x_of[kind]
+            got, ref = float(f(x, ws[kind])), float(f(x, ws[f"float ({kind})"]))
+            assert abs(got - ref) <= 1e-3 * max(1.0, abs(ref)), (kind, got, ref)
+        times: dict = {name: [] for name in ws}
         for _ in range(args.repeats):
-            for name, f in fns.items():
-                t = time.perf_counter()
-                f(x, ws[name]).block_until_ready()
-                times[name].append(time.perf_counter() - t)
-        base = np.median(times["float"])
-        print(f"rows {rows}: " + ", ".join(f"{n} {1000 * np.median(v):.1f} ms ({np.median(v) / base:.2f}x)" for n, v in times.items()))
+            for name, wl in ws.items():
+                t, c = time.perf_counter(), time.process_time()
+                f(x_of[name], wl).block_until_ready()
+                times[name].append((time.perf_counter() - t, time.process_time() - c))
+        for i, clock in enumerate(("wall", "cpu")):
+            med = {n: 1000 * float(np.median([v[i] for v in vs])) for n, vs in times.items()}
+            print(f"rows {rows}, {clock}: " + ", ".join(f"{k} {med[k]:.1f} ms / float {med[f'float ({k})']:.1f} ms "
+                                                        f"({med[k] / med[f'float ({k})']:.2f}x)" for k in kinds), flush=True)
+    print(f"load average {os.getloadavg()[0]:.1f}, {jax.devices()[0].device_kind}")
     return 0
 
 

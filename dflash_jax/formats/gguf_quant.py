@@ -38,21 +38,26 @@ FLOAT_TYPES = ("F32", "F16", "BF16")
 
 # type name -> (format name, weights per block, [(field, first byte, bytes, kind)]), kind: "u8"
 # (bytes as is), "i8", "f16" (one float16), "k6" (Q4_K/Q5_K's packed 6-bit scales: two fields),
-# "k3" (Q3_K's packed 6-bit scales, unbiased to int8).
+# "k3" (Q3_K's packed 6-bit scales, unbiased to int8), or a sub-byte code field in ggml's order,
+# re-packed into bit planes (nn/quant_gguf.py): "n16"/"n32"/"n64" nibbles (byte j of each run of
+# that many bytes holds code j low, code j + run high), "c32" 2-bit crumbs (bits 2s of byte j of
+# 32: code 32 s + j), "b32" bits (bit b of byte j of 32: code 32 b + j), "ble" Q5_0/Q5_1's high
+# bits (a little-endian uint32 per block, bit i for code i).
 _LAYOUTS = {
-    "Q4_0": ("q4_0", 32, [("scale", 0, 2, "f16"), ("codes", 2, 16, "u8")]),
-    "Q4_1": ("q4_1", 32, [("scale", 0, 2, "f16"), ("offset", 2, 2, "f16"), ("codes", 4, 16, "u8")]),
-    "Q5_0": ("q5_0", 32, [("scale", 0, 2, "f16"), ("high", 2, 4, "u8"), ("codes", 6, 16, "u8")]),
-    "Q5_1": ("q5_1", 32, [("scale", 0, 2, "f16"), ("offset", 2, 2, "f16"), ("high", 4, 4, "u8"), ("codes", 8, 16, "u8")]),
+    "Q4_0": ("q4_0", 32, [("scale", 0, 2, "f16"), ("codes", 2, 16, "n16")]),
+    "Q4_1": ("q4_1", 32, [("scale", 0, 2, "f16"), ("offset", 2, 2, "f16"), ("codes", 4, 16, "n16")]),
+    "Q5_0": ("q5_0", 32, [("scale", 0, 2, "f16"), ("high", 2, 4, "ble"), ("codes", 6, 16, "n16")]),
+    "Q5_1": ("q5_1", 32, [("scale", 0, 2, "f16"), ("offset", 2, 2, "f16"), ("high", 4, 4, "ble"), ("codes", 8, 16, "n16")]),
     "Q8_0": ("q8_0", 32, [("scale", 0, 2, "f16"), ("codes", 2, 32, "i8")]),
-    "MXFP4": ("mxfp4", 32, [("exponent", 0, 1, "u8"), ("codes", 1, 16, "u8")]),
-    "Q2_K": ("q2_k", 256, [("sub", 0, 16, "u8"), ("codes", 16, 64, "u8"), ("scale", 80, 2, "f16"), ("offset", 82, 2, "f16")]),
-    "Q3_K": ("q3_k", 256, [("high", 0, 32, "u8"), ("codes", 32, 64, "u8"), ("sub", 96, 12, "k3"), ("scale", 108, 2, "f16")]),
-    "Q4_K": ("q4_k", 256, [("scale", 0, 2, "f16"), ("offset", 2, 2, "f16"), ("sub", 4, 12, "k6"), ("codes", 16, 128, "u8")]),
-    "Q5_K": ("q5_k", 256, [("scale", 0, 2, "f16"), ("offset", 2, 2, "f16"), ("sub", 4, 12, "k6"), ("high", 16, 32, "u8"),
-                           ("codes", 48, 128, "u8")]),
-    "Q6_K": ("q6_k", 256, [("codes", 0, 128, "u8"), ("high", 128, 64, "u8"), ("sub", 192, 16, "i8"), ("scale", 208, 2, "f16")]),
+    "MXFP4": ("mxfp4", 32, [("exponent", 0, 1, "u8"), ("codes", 1, 16, "n16")]),
+    "Q2_K": ("q2_k", 256, [("sub", 0, 16, "u8"), ("codes", 16, 64, "c32"), ("scale", 80, 2, "f16"), ("offset", 82, 2, "f16")]),
+    "Q3_K": ("q3_k", 256, [("high", 0, 32, "b32"), ("codes", 32, 64, "c32"), ("sub", 96, 12, "k3"), ("scale", 108, 2, "f16")]),
+    "Q4_K": ("q4_k", 256, [("scale", 0, 2, "f16"), ("offset", 2, 2, "f16"), ("sub", 4, 12, "k6"), ("codes", 16, 128, "n32")]),
+    "Q5_K": ("q5_k", 256, [("scale", 0, 2, "f16"), ("offset", 2, 2, "f16"), ("sub", 4, 12, "k6"), ("high", 16, 32, "b32"),
+                           ("codes", 48, 128, "n32")]),
+    "Q6_K": ("q6_k", 256, [("codes", 0, 128, "n64"), ("high", 128, 64, "c32"), ("sub", 192, 16, "i8"), ("scale", 208, 2, "f16")]),
 }
+_SUB_BYTE = {"n16": 4, "n32": 4, "n64": 4, "c32": 2, "b32": 1, "ble": 1}  # kind -> bits per code
 SUPPORTED = tuple(_LAYOUTS)
 
 
@@ -104,12 +109,45 @@ def quantized_tensor(tensor, path: str, dtype="float32") -> QuantizedWeight | No
             fields[name] = np.ascontiguousarray(raw).view(np.float16).reshape(rows + (n_blocks,))
         elif how in ("u8", "i8"):
             fields[name] = np.ascontiguousarray(raw).view(np.int8 if how == "i8" else np.uint8).reshape(rows + (-1,))
+        elif how in _SUB_BYTE:
+            fields[name] = _planes(raw, how, shape[-1])
         elif how == "k6":
             sub, submin = _unpack_k6(raw)
             fields["sub"], fields["submin"] = sub.reshape(rows + (-1,)), submin.reshape(rows + (-1,))
         else:
             fields[name] = _unpack_k3(raw).reshape(rows + (-1,))
     return QuantizedWeight(fields=fields, format=fmt, dtype=str(np.dtype(dtype)))
+
+
+def _ggml_codes(raw: np.ndarray, how: str) -> np.ndarray:
+    """A sub-byte code field's bytes ``[..., n_blocks, bytes]`` in ggml's order (``_LAYOUTS``'s
+    kinds) -> one code per byte ``[..., n_blocks, weights]`` in column order."""
+    if how[0] == "n":
+        c = raw.reshape(raw.shape[:-1] + (-1, int(how[1:])))
+        q = np.concatenate([c & 0x0F, c >> 4], axis=-1)
+    elif how == "c32":
+        q = raw.reshape(raw.shape[:-1] + (-1, 1, 32)) >> np.array([0, 2, 4, 6], np.uint8)[:, None] & 0x03
+    elif how == "b32":
+        q = raw.reshape(raw.shape[:-1] + (1, 32)) >> np.arange(8, dtype=np.uint8)[:, None] & 0x01
+    else:  # "ble"
+        q = raw[..., None] >> np.arange(8, dtype=np.uint8) & 0x01
+    return q.reshape(raw.shape[:-1] + (-1,))
+
+
+def _planes(raw: np.ndarray, how: str, n_in: int, chunk: int = 1 << 14) -> np.ndarray:
+    """A sub-byte code field ``raw [*rows, n_blocks, bytes]`` (ggml's order) -> bit planes
+    ``uint8 [*rows, n_in * bits / 8]`` (nn/quant_gguf.py): bits ``b i ..`` of byte ``p`` hold the
+    code of column ``i * n_in / n + p``, ``n = 8 / bits``. Converts ``chunk`` rows at a time, so
+    the host holds one code per byte for those rows only."""
+    bits = _SUB_BYTE[how]
+    n = 8 // bits
+    rows = raw.shape[:-2]
+    flat = raw.reshape((-1,) + raw.shape[-2:])
+    out = np.empty((flat.shape[0], n_in // n), np.uint8)
+    for r in range(0, flat.shape[0], chunk):
+        q = _ggml_codes(flat[r:r + chunk], how).reshape(-1, n, n_in // n)
+        out[r:r + chunk] = np.bitwise_or.reduce(q << (bits * np.arange(n, dtype=np.uint8))[:, None], axis=1)
+    return out.reshape(rows + (-1,))
 
 
 def _unpack_k6(raw: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

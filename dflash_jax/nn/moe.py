@@ -44,6 +44,7 @@ def _expert_matmul(xs: jnp.ndarray, w, sizes: jnp.ndarray, pair_e: jnp.ndarray) 
     if not quant.is_quantized(w):
         return lax.ragged_dot(xs, w, sizes)
     if xs.shape[0] >= w.lead[0]:
+        w, xs = quant.tied(w, xs)
         return lax.ragged_dot(xs, w.dequantized().astype(xs.dtype), sizes)
     fields = {k: jnp.take(a, pair_e, axis=0) for k, a in w.fields.items()}
     chosen = quant.dequantize(w.replace(fields=fields))  # [P, out, in]

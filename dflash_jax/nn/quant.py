@@ -23,7 +23,7 @@ is imported (the GGUF loaders import it through :mod:`dflash_jax.formats.gguf_qu
 from __future__ import annotations
 
 import dataclasses
-import math
+import functools
 from typing import Callable
 
 import jax
@@ -44,12 +44,17 @@ class QuantFormat:
         float the checkpoint's own dequantizer gives, up to float rounding of ``dtype``).
       rows: ``(fields, index) -> fields`` of the output rows ``index`` (any int array shape);
         used by :func:`take_rows` (the embedding gather). ``None``: slice every field's ``out`` axis.
+      parts: ``n_in -> int``, how many equal runs of input columns an XLA:CPU product splits into, each
+        dequantized on its own (``dequantize(fields, dtype, cols=(lo, hi))`` -> ``[..., out, hi - lo]``):
+        runs over which the fields read affinely, so XLA:CPU fuses each run's dequantization into a
+        vectorized loop (the GGUF formats' bit planes, :mod:`dflash_jax.nn.quant_gguf`). 1: whole.
     """
 
     name: str
     in_features: Callable
     dequantize: Callable
     rows: Callable | None = None
+    parts: Callable = lambda n_in: 1
 
 
 FORMATS: dict[str, QuantFormat] = {}
@@ -126,6 +131,20 @@ def is_quantized(w) -> bool:
     return isinstance(w, QuantizedWeight)
 
 
+def tied(w: QuantizedWeight, x):
+    """``(w, x)`` passed through one optimization barrier: ``w``'s dequantization is then computed
+    where it is used, after ``x``, and ``x`` is computed once, before the product.
+
+    Without it, XLA's while-loop invariant code motion hoists the dequantization of every weight
+    out of an on-device decode loop: the loop then holds the float weights (the memory quantized
+    weights exist to save) and reads them in a layout no matrix-vector loop was fused for (on
+    XLA:CPU a 30-layer decode step ran 8x slower than out of a loop); and XLA:CPU fuses the
+    producer of ``x`` (``silu(gate) * up`` before the down projection) into the matrix-vector
+    loop, recomputing it for every output row."""
+    fields, x = jax.lax.optimization_barrier((w.fields, x))
+    return w.replace(fields=fields), x
+
+
 def dot(x: jnp.ndarray, w, preferred_element_type=None) -> jnp.ndarray:
     """``x [..., in] @ w [in, out]`` -> ``[..., out]``: the one matrix multiply of every model.
 
@@ -140,15 +159,34 @@ def dot(x: jnp.ndarray, w, preferred_element_type=None) -> jnp.ndarray:
         return jnp.einsum("...i,io->...o", x, w, preferred_element_type=preferred_element_type)
     if w.lead:
         raise DFlashError("quantized weight", f"dot takes a 2-D weight, got leading axes {w.lead}", "one layer's weight")
-    wt = dequantize(w).astype(x.dtype)
-    if math.prod(x.shape[:-1]) == 1 and jax.default_backend() == "cpu":
-        # One row (a decode step): XLA:CPU fuses the dequantization into a slow scalar matrix-vector
-        # loop; dequantized first, [in, out], behind a barrier, the product runs 2.2x faster
-        # (tools/bench_quant_dot.py, BENCHMARKS.md "Quantized weights against float (CPU)"). Measured
-        # on XLA:CPU only: other backends keep the fused product.
-        w_io = jax.lax.optimization_barrier(jnp.swapaxes(wt, -1, -2))
-        return jnp.einsum("...i,io->...o", x, w_io, preferred_element_type=preferred_element_type)
-    return jnp.einsum("...i,oi->...o", x, wt, preferred_element_type=preferred_element_type)
+    if jax.default_backend() != "cpu" or x.size == 0:
+        w, x = tied(w, x)
+        return jnp.einsum("...i,oi->...o", x, dequantize(w).astype(x.dtype), preferred_element_type=preferred_element_type)
+    # XLA:CPU fuses the producer of ``x`` (a norm, a sum of heads) into the matrix-vector loop it
+    # builds around a dequantization, recomputing it for every output row (2.7x slower attention
+    # projections); an optimization barrier does not stop it there, a conditional does. The branch
+    # taken when x[0] is NaN gives what the product would (NaN everywhere), so the result is exact.
+    product = functools.partial(_cpu_product, w.format, w.dtype, preferred_element_type)
+    y = jax.eval_shape(product, x, w.fields)
+    return jax.lax.cond(jnp.isnan(x.reshape(-1)[0]), lambda x, f: jnp.full(y.shape, jnp.nan, y.dtype), product, x, w.fields)
+
+
+def _cpu_product(fmt_name: str, dtype: str, preferred_element_type, x, fields):
+    """``x @ W`` on XLA:CPU for the fields of a 2-D quantized weight: the fastest form measured
+    (tools/bench_quant_dot.py, BENCHMARKS.md "Quantized weights against float (CPU)"): ``x @ W^T``
+    over runs of input columns that read the fields affinely (:attr:`QuantFormat.parts`), each
+    run's product behind a barrier so their sum does not fuse into (and de-vectorize) the last."""
+    fmt = format_of(fmt_name)
+    n_in = fmt.in_features(fields)
+    parts = fmt.parts(n_in)
+    width, y = n_in // parts, None
+    for lo in range(0, n_in, width):
+        cut = {} if parts == 1 else {"cols": (lo, lo + width)}
+        wt = fmt.dequantize(fields, jnp.dtype(dtype), **cut).astype(x.dtype)
+        part = jnp.einsum("...i,io->...o", x[..., lo:lo + width], jnp.swapaxes(wt, -1, -2),
+                          preferred_element_type=preferred_element_type)
+        y = part if parts == 1 else (jax.lax.optimization_barrier(part) if y is None else y + jax.lax.optimization_barrier(part))
+    return y
 
 
 def take_rows(w, index: jnp.ndarray) -> jnp.ndarray:

@@ -1,15 +1,22 @@
 """The GGUF (llama.cpp) block formats as :class:`~dflash_jax.nn.quant.QuantFormat` s: the jnp
 dequantizers that run inside jit, where XLA fuses them into the product.
 
-Each format keeps the file's own bits, re-arranged only into fields ``[*lead, out, k]`` (the
-:class:`~dflash_jax.nn.quant.QuantizedWeight` convention; a GGUF row is one output feature with its
-blocks along the input dimension): the packed code bytes of every block concatenated along the row
-(``codes``: the low bits, ``high``: the high bits of 5- and 6-bit codes, both in the file's order),
-the block scale and offset as float16 (``scale``, ``offset``; the K-quants' super-block ``d`` and
+**Fields.** Each format keeps the file's own bits in fields ``[*lead, out, k]`` (the
+:class:`~dflash_jax.nn.quant.QuantizedWeight` convention; a GGUF row is one output feature): the
+integer codes (``codes``; ``high``: the high bits of 5- and 6-bit codes, and Q3_K's sign bits), the
+block scale and offset as float16 (``scale``, ``offset``; the K-quants' super-block ``d`` and
 ``dmin``) and the K-quants' small integer sub-block scales and minimums (``sub``, ``submin``;
 Q3_K's and Q4_K/Q5_K's 6-bit fields unpacked to one byte each). So a weight takes at most 1.04x
-its bytes in the file (Q3_K, Q4_K, Q5_K; the others exactly their size). The load side (the
-numpy converter from a file's block bytes) is :mod:`dflash_jax.formats.gguf_quant`.
+its bytes in the file (Q3_K, Q4_K, Q5_K; the others exactly their size).
+
+**Planes.** A field of ``b``-bit codes (``b`` in 1, 2, 4) packs ``n = 8 / b`` of them per byte in
+*planes*: bits ``b i .. b i + b - 1`` of byte ``p`` of a row hold the code of input column
+``i * in / n + p``. So plane ``i`` is one shift and one mask of the whole byte row and covers a
+contiguous run of columns: any run of columns inside one plane is an affine read, which XLA:CPU
+fuses into a vectorized matrix-vector loop (:func:`~dflash_jax.nn.quant.dot` splits a one-row
+product along the planes; ggml's own order interleaves columns within a byte, and unpacking it in a
+fused loop ran 4-5x slower, BENCHMARKS.md "Quantized weights against float (CPU)"). The load side,
+:mod:`dflash_jax.formats.gguf_quant`, re-packs ggml's order into planes (numpy, once per tensor).
 
 The value of each code follows the block layouts of ggml (``ggml-common.h``, ``ggml-quants.c``
 ``dequantize_row_*``) as ``gguf-py``'s ``gguf.quants`` writes them in numpy; a weight dequantized
@@ -29,88 +36,74 @@ from dflash_jax.nn.quant import QuantFormat, register
 
 QK = 32  # weights per block of the legacy formats and MXFP4
 QK_K = 256  # weights per super-block of the K-quants
+RUN = 512  # the most input columns of one part of an XLA:CPU product (tools/bench_quant_dot.py: 384-column
+# parts of a 1536-column Q4_1 matrix ran 1.3x faster than 768-column ones)
+
+
+class Columns:
+    """Input columns ``[lo, hi)`` of one weight's fields, seen in groups of ``g`` columns (``lo``
+    and ``hi`` multiples of ``g``, the format's smallest group): codes ``[..., out, n, g]`` and
+    per-group values ``[..., out, n, 1]`` (``n = (hi - lo) / g``), so XLA's loop over a group reads
+    contiguous codes and one scale."""
+
+    def __init__(self, fields: dict, n_in: int, g: int, cols=None):
+        self.f, self.n_in, self.g = fields, n_in, g
+        self.lo, self.hi = cols if cols is not None else (0, n_in)
+
+    def codes(self, name: str, bits: int) -> jnp.ndarray:
+        """Field ``name``'s ``bits``-bit codes (planes, module docstring) of the columns, uint8
+        (int8 for the one-code-per-byte Q8_0)."""
+        c = self.f[name]
+        if bits == 8:
+            q = c[..., self.lo:self.hi]
+        else:
+            n, mask = 8 // bits, (1 << bits) - 1
+            width = self.n_in // n
+            parts = []
+            for i in range(self.lo // width, (self.hi - 1) // width + 1):
+                a, b = max(self.lo, i * width) - i * width, min(self.hi, (i + 1) * width) - i * width
+                parts.append((c[..., a:b] >> (bits * i)) & mask if i else c[..., a:b] & mask)
+            q = parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=-1)
+        return q.reshape(q.shape[:-1] + (-1, self.g))
+
+    def group(self, name: str, size: int, a=None) -> jnp.ndarray:
+        """Field ``name`` (or the array ``a``), one value per ``size`` columns, as float32 ``[..., out, n, 1]``."""
+        a = self.f[name] if a is None else a
+        r = size // self.g
+        a = a[..., self.lo // size:(self.hi - 1) // size + 1]
+        if r > 1:
+            a = jnp.repeat(a, r, axis=-1)[..., (self.lo // self.g) % r:][..., :(self.hi - self.lo) // self.g]
+        return _f32(a)[..., None]
 
 
 def _f32(a):
     return a.astype(jnp.float32)
 
 
-def _split_last(a, *shape):
-    """``[..., k]`` -> ``[..., *shape]`` (one ``-1`` allowed)."""
-    return a.reshape(a.shape[:-1] + shape)
+def _fmt(name, bits, per_byte, planes, g, deq):
+    """Registers format ``name``: ``deq(Columns) -> float32 [..., out, n, g]``; ``bits`` of the
+    ``codes`` field (its bytes times ``per_byte`` is the input dimension); ``planes``: the most
+    planes of any field; ``g``: the smallest group of columns sharing a scale. A product splits
+    into runs of whole groups, each inside one plane, of at most ``RUN`` columns where it can."""
 
+    def n_in(f):
+        return f["codes"].shape[-1] * per_byte
 
-def _nibbles(codes, half):
-    """Packed bytes ``[..., n * half]`` -> 4-bit codes ``[..., n, 2 * half]``: byte ``j`` of a
-    group holds code ``j`` (low nibble) and code ``j + half`` (high nibble), ggml's order."""
-    c = _split_last(codes, -1, half)
-    return jnp.concatenate([c & 0x0F, c >> 4], axis=-1)
+    def dequantize(f, dtype, cols=None):
+        w = deq(Columns(f, n_in(f), g, cols))
+        return w.reshape(w.shape[:-2] + (-1,)).astype(dtype)
 
+    def parts(n):
+        ok = [p for p in range(planes, n // g + 1, planes) if n % (p * g) == 0]
+        return next((p for p in ok if n // p <= RUN), ok[-1] if ok else 1)
 
-def _crumbs(codes, lanes):
-    """Packed bytes ``[..., n * lanes]`` -> 2-bit codes ``[..., n, 4, lanes]``: bits ``2s`` of
-    byte ``j`` hold code ``s * lanes + j`` (Q2_K, Q3_K, Q6_K's high bits)."""
-    c = _split_last(codes, -1, 1, lanes)
-    return (c >> jnp.array([0, 2, 4, 6], jnp.uint8)[:, None]) & 0x03
-
-
-def _bits(high, lanes):
-    """Packed bytes ``[..., n * lanes]`` -> 1-bit codes ``[..., n, 8, lanes]``: bit ``b`` of byte
-    ``j`` holds code ``b * lanes + j`` (Q3_K's and Q5_K's high bits)."""
-    h = _split_last(high, -1, 1, lanes)
-    return (h >> jnp.arange(8, dtype=jnp.uint8)[:, None]) & 0x01
-
-
-def _bits_le(high):
-    """Q5_0/Q5_1's high bits: 4 bytes per block, a little-endian uint32 whose bit ``i`` belongs to
-    code ``i`` -> ``[..., n, 32]``."""
-    h = _split_last(high, -1, 4)
-    b = (h[..., None] >> jnp.arange(8, dtype=jnp.uint8)) & 0x01  # [..., n, 4 bytes, 8 bits]
-    return b.reshape(b.shape[:-2] + (32,))
-
-
-def _scaled(q, scale, offset=None):
-    """Codes ``[..., out, n, g]`` times a per-group ``scale [..., out, n]`` (plus ``offset``),
-    flattened to ``[..., out, n * g]``."""
-    w = _f32(q) * _f32(scale)[..., None]
-    if offset is not None:
-        w = w + _f32(offset)[..., None]
-    return w.reshape(w.shape[:-2] + (-1,))
-
-
-def _in_from(field, per_byte):
-    return lambda f: f[field].shape[-1] * per_byte
-
-
-def _fmt(name, in_features, deq):
-    return register(QuantFormat(name, in_features, lambda f, dtype: deq(f).astype(dtype)))
+    return register(QuantFormat(name, n_in, dequantize, parts=parts))
 
 
 # -- legacy formats: blocks of 32 ---------------------------------------------------------------------------------
 
-
-def _q8_0(f):  # codes int8 [.., out, in], scale f16 [.., out, in/32]
-    return _scaled(_split_last(f["codes"], -1, QK), f["scale"])
-
-
-def _q4_0(f):  # codes u8 [.., out, in/2], scale f16: w = d (q - 8)
-    return _scaled(_nibbles(f["codes"], QK // 2).astype(jnp.int8) - 8, f["scale"])
-
-
-def _q4_1(f):  # + offset f16: w = d q + m
-    return _scaled(_nibbles(f["codes"], QK // 2), f["scale"], f["offset"])
-
-
-def _q5(f):  # 5-bit codes: low nibbles in codes, bit 4 in high u8 [.., out, in/8]
-    return _nibbles(f["codes"], QK // 2) | (_bits_le(f["high"]) << 4)
-
-
-def _q5_0(f):  # w = d (q - 16)
-    return _scaled(_q5(f).astype(jnp.int8) - 16, f["scale"])
-
-
-def _q5_1(f):  # w = d q + m
-    return _scaled(_q5(f), f["scale"], f["offset"])
+def _q5(c):  # 5-bit codes: low nibbles in codes, bit 4 in high
+    return c.codes("codes", 4) | (c.codes("high", 1) << 4)
 
 
 _E2M1_DOUBLED = np.array([0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12], np.float32)
@@ -124,77 +117,55 @@ def _e8m0_half(e):
     return jax.lax.bitcast_convert_type(bits, jnp.float32)
 
 
-def _mxfp4(f):  # codes u8 [.., out, in/2] (e2m1 nibbles), exponent u8 [.., out, in/32]
-    q = jnp.take(jnp.asarray(_E2M1_DOUBLED), _nibbles(f["codes"], QK // 2).astype(jnp.int32))
-    w = q * _e8m0_half(f["exponent"])[..., None]
-    return w.reshape(w.shape[:-2] + (-1,))
+def _mxfp4(c):  # codes: e2m1 nibbles; exponent u8 per 32
+    q = jnp.take(jnp.asarray(_E2M1_DOUBLED), c.codes("codes", 4).astype(jnp.int32))
+    return q * c.group("exponent", QK, _e8m0_half(c.f["exponent"]))
 
 
-_fmt("q8_0", _in_from("codes", 1), _q8_0)
-_fmt("q4_0", _in_from("codes", 2), _q4_0)
-_fmt("q4_1", _in_from("codes", 2), _q4_1)
-_fmt("q5_0", _in_from("codes", 2), _q5_0)
-_fmt("q5_1", _in_from("codes", 2), _q5_1)
-_fmt("mxfp4", _in_from("codes", 2), _mxfp4)
+_fmt("q8_0", 8, 1, 1, QK, lambda c: _f32(c.codes("codes", 8)) * c.group("scale", QK))
+_fmt("q4_0", 4, 2, 2, QK, lambda c: _f32(c.codes("codes", 4).astype(jnp.int8) - 8) * c.group("scale", QK))  # w = d (q - 8)
+_fmt("q4_1", 4, 2, 2, QK, lambda c: _f32(c.codes("codes", 4)) * c.group("scale", QK) + c.group("offset", QK))  # w = d q + m
+_fmt("q5_0", 4, 2, 8, QK, lambda c: _f32(_q5(c).astype(jnp.int8) - 16) * c.group("scale", QK))  # w = d (q - 16)
+_fmt("q5_1", 4, 2, 8, QK, lambda c: _f32(_q5(c)) * c.group("scale", QK) + c.group("offset", QK))  # w = d q + m
+_fmt("mxfp4", 4, 2, 2, QK, _mxfp4)
 
 
 # -- K-quants: super-blocks of 256 --------------------------------------------------------------------------------
 
-
-def _sub_scaled(q, d, sub, dmin=None, submin=None):
-    """Codes ``[..., out, S, n_sub, g]`` over super-block scale ``d [..., out, S]`` times integer
-    sub-scales ``sub [..., out, S * n_sub]`` (minus ``dmin * submin``) -> ``[..., out, in]``."""
-    n_sub = q.shape[-2]
-    ds = _f32(d)[..., None] * _f32(_split_last(sub, -1, n_sub))
-    w = _f32(q) * ds[..., None]
-    if dmin is not None:
-        w = w - (_f32(dmin)[..., None] * _f32(_split_last(submin, -1, n_sub)))[..., None]
-    return w.reshape(w.shape[:-3] + (-1,))
+def _sub_scaled(c, q, sub, n_sub, submin=None):
+    """Codes ``q`` times the super-block scale ``d`` times the integer sub-block scale ``sub``
+    (one per ``256 / n_sub`` columns), minus ``dmin * submin`` when the format has minimums."""
+    g = QK_K // n_sub
+    w = _f32(q) * (c.group("scale", QK_K) * c.group("sub", g, sub))
+    if submin is not None:
+        w = w - c.group("offset", QK_K) * c.group("submin", g, submin)
+    return w
 
 
-def _q2_k(f):  # codes u8 [.., in/4] 2-bit; sub u8 [.., in/16]: low nibble scale, high nibble min; scale, offset f16
-    q = _crumbs(f["codes"], 32)  # [.., out, S*2, 4, 32]: code (half, s, j)
-    q = q.reshape(q.shape[:-3] + (-1, 16, 16))  # [.., out, S, 16 sub-blocks, 16]
-    return _sub_scaled(q, f["scale"], f["sub"] & 0x0F, f["offset"], f["sub"] >> 4)
+def _q2_k(c):  # codes 2-bit; sub u8 per 16: low nibble scale, high nibble min; scale, offset f16
+    return _sub_scaled(c, c.codes("codes", 2), c.f["sub"] & 0x0F, 16, c.f["sub"] >> 4)
 
 
-def _q3_k(f):  # codes u8 [.., in/4] low 2 bits; high u8 [.., in/8] (bit set: no -4); sub i8 [.., in/16]; scale f16
-    lo = _crumbs(f["codes"], 32)
-    lo = lo.reshape(lo.shape[:-3] + (-1, 256))
-    hi = _bits(f["high"], 32)
-    hi = hi.reshape(hi.shape[:-3] + (-1, 256))
-    q = lo.astype(jnp.int8) - ((1 - hi).astype(jnp.int8) << 2)
-    return _sub_scaled(_split_last(q, 16, 16), f["scale"], f["sub"])
+def _q3_k(c):  # codes 2-bit; high 1-bit (set: no -4); sub i8 per 16; scale f16
+    q = c.codes("codes", 2).astype(jnp.int8) - ((1 - c.codes("high", 1)).astype(jnp.int8) << 2)
+    return _sub_scaled(c, q, c.f["sub"], 16)
 
 
-def _q4_k_codes(codes):
-    """Q4_K/Q5_K low nibbles: 32-byte chunks, the low nibbles code ``j`` and the high nibbles code
-    ``j + 32`` of a 64-code pair of sub-blocks -> ``[.., out, S, 8, 32]``."""
-    q = _nibbles(codes, 32)  # [.., out, S*4, 64]
-    return q.reshape(q.shape[:-2] + (-1, 8, 32))
+def _q4_k(c):  # codes 4-bit; sub, submin u8 per 32 (6-bit); scale, offset f16
+    return _sub_scaled(c, c.codes("codes", 4), c.f["sub"], 8, c.f["submin"])
 
 
-def _q4_k(f):  # codes u8 [.., in/2]; sub, submin u8 [.., in/32] (6-bit); scale, offset f16
-    return _sub_scaled(_q4_k_codes(f["codes"]), f["scale"], f["sub"], f["offset"], f["submin"])
+def _q5_k(c):  # + high 1-bit: bit 4 of each code
+    return _sub_scaled(c, c.codes("codes", 4) | (c.codes("high", 1) << 4), c.f["sub"], 8, c.f["submin"])
 
 
-def _q5_k(f):  # + high u8 [.., in/8]: bit b of byte j is bit 4 of code 32 b + j
-    hi = _bits(f["high"], 32)  # [.., out, S, 8, 32]
-    q = _q4_k_codes(f["codes"]) | (hi << 4)
-    return _sub_scaled(q, f["scale"], f["sub"], f["offset"], f["submin"])
+def _q6_k(c):  # codes 4-bit low, high 2-bit; sub i8 per 16; scale f16
+    q = (c.codes("codes", 4) | (c.codes("high", 2) << 4)).astype(jnp.int8) - 32
+    return _sub_scaled(c, q, c.f["sub"], 16)
 
 
-def _q6_k(f):  # codes u8 [.., in/2] low nibbles; high u8 [.., in/4] 2 bits; sub i8 [.., in/16]; scale f16
-    lo = _nibbles(f["codes"], 64)  # [.., out, S*2, 128]: code (h, nib, j64)
-    lo = lo.reshape(lo.shape[:-2] + (-1, 256))
-    hi = _crumbs(f["high"], 32)  # [.., out, S*2, 4, 32]: code (h, s, j32)
-    hi = hi.reshape(hi.shape[:-3] + (-1, 256))
-    q = (lo | (hi << 4)).astype(jnp.int8) - 32
-    return _sub_scaled(_split_last(q, 16, 16), f["scale"], f["sub"])
-
-
-_fmt("q2_k", _in_from("codes", 4), _q2_k)
-_fmt("q3_k", _in_from("codes", 4), _q3_k)
-_fmt("q4_k", _in_from("codes", 2), _q4_k)
-_fmt("q5_k", _in_from("codes", 2), _q5_k)
-_fmt("q6_k", _in_from("codes", 2), _q6_k)
+_fmt("q2_k", 2, 4, 4, 16, _q2_k)
+_fmt("q3_k", 2, 4, 8, 16, _q3_k)
+_fmt("q4_k", 4, 2, 2, 32, _q4_k)
+_fmt("q5_k", 4, 2, 8, 32, _q5_k)
+_fmt("q6_k", 4, 2, 4, 16, _q6_k)
