@@ -27,6 +27,8 @@ Q6_K    256    ql[128], qh[64], scales[16] int8, d f16
 from __future__ import annotations
 
 import math
+import os
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
@@ -134,20 +136,43 @@ def _ggml_codes(raw: np.ndarray, how: str) -> np.ndarray:
     return q.reshape(raw.shape[:-1] + (-1,))
 
 
-def _planes(raw: np.ndarray, how: str, n_in: int, chunk: int = 1 << 14) -> np.ndarray:
+def _planes(raw: np.ndarray, how: str, n_in: int, chunk: int = 4096) -> np.ndarray:
     """A sub-byte code field ``raw [*rows, n_blocks, bytes]`` (ggml's order) -> bit planes
     ``uint8 [*rows, n_in * bits / 8]`` (nn/quant_gguf.py): bits ``b i ..`` of byte ``p`` hold the
-    code of column ``i * n_in / n + p``, ``n = 8 / bits``. Converts ``chunk`` rows at a time, so
-    the host holds one code per byte for those rows only."""
+    code of column ``i * n_in / n + p``, ``n = 8 / bits``. Converts ``chunk`` rows at a time, on
+    the host's cores (numpy releases the GIL), holding one code per byte for those rows only."""
     bits = _SUB_BYTE[how]
     n = 8 // bits
     rows = raw.shape[:-2]
     flat = raw.reshape((-1,) + raw.shape[-2:])
     out = np.empty((flat.shape[0], n_in // n), np.uint8)
-    for r in range(0, flat.shape[0], chunk):
-        q = _ggml_codes(flat[r:r + chunk], how).reshape(-1, n, n_in // n)
-        out[r:r + chunk] = np.bitwise_or.reduce(q << (bits * np.arange(n, dtype=np.uint8))[:, None], axis=1)
+
+    def convert(r):
+        if how[0] == "n" and n_in % (4 * int(how[1:])) == 0:
+            out[r:r + chunk] = _nibble_planes(flat[r:r + chunk], int(how[1:]))
+        else:
+            q = _ggml_codes(flat[r:r + chunk], how).reshape(-1, n, n_in // n)
+            out[r:r + chunk] = np.bitwise_or.reduce(q << (bits * np.arange(n, dtype=np.uint8))[:, None], axis=1)
+
+    starts = range(0, flat.shape[0], chunk)
+    if len(starts) > 1:
+        with ThreadPoolExecutor(min(len(starts), os.cpu_count() or 1)) as pool:
+            list(pool.map(convert, starts))
+    else:
+        convert(0)
     return out.reshape(rows + (-1,))
+
+
+def _nibble_planes(raw: np.ndarray, run: int) -> np.ndarray:
+    """ggml's nibbles (each run of ``run`` bytes: codes ``j`` low, ``j + run`` high) of rows
+    ``[r, n_blocks, bytes]`` whose runs split evenly between the two halves of a row -> planes
+    ``[r, n_in / 2]``, byte by byte, without one code per byte (the common Q4 case, ~5x faster)."""
+    runs = raw.reshape(raw.shape[0], -1, run)
+    half = runs.shape[1] // 2
+    lo, hi = runs[:, :half], runs[:, half:]
+    out = np.concatenate([lo & 0x0F, lo >> 4], axis=-1)
+    out |= np.concatenate([hi << 4, hi & 0xF0], axis=-1)
+    return out.reshape(raw.shape[0], -1)
 
 
 def _unpack_k6(raw: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -150,7 +150,8 @@ def dot(x: jnp.ndarray, w, preferred_element_type=None) -> jnp.ndarray:
 
     ``w`` is a float array (``x @ w``, unchanged) or a 2-D :class:`QuantizedWeight`, dequantized
     inside the traced computation to ``[out, in]`` and contracted as ``x W^T`` so XLA can fuse
-    the dequantization into the product. ``preferred_element_type`` as in ``jnp.einsum``.
+    the dequantization into the product (on XLA:CPU run by run of input columns,
+    :func:`_cpu_product`). ``preferred_element_type`` as in ``jnp.einsum``.
     Raises DFlashError on a stacked (3-D or more) quantized weight: slice it first.
     """
     if not isinstance(w, QuantizedWeight):
@@ -185,7 +186,9 @@ def _cpu_product(fmt_name: str, dtype: str, preferred_element_type, x, fields):
         wt = fmt.dequantize(fields, jnp.dtype(dtype), **cut).astype(x.dtype)
         part = jnp.einsum("...i,io->...o", x[..., lo:lo + width], jnp.swapaxes(wt, -1, -2),
                           preferred_element_type=preferred_element_type)
-        y = part if parts == 1 else (jax.lax.optimization_barrier(part) if y is None else y + jax.lax.optimization_barrier(part))
+        if parts > 1:
+            part = jax.lax.optimization_barrier(part)
+        y = part if y is None else y + part
     return y
 
 
