@@ -14,6 +14,9 @@ Rows, each with the same seed:
 * ``sample / match``: drafts drawn from the drafter's distribution at the request's temperature
   (and top-p) with the target's positional uniform, accepted while equal.
 * ``sample / reject``: the same drafts' distribution, the rejection rule.
+* ``argmax tree / match``: the default's drafts, a best-first tree of 3 nodes (the shipped
+  drafter's recorded tree) over the same depth; its distinct argmax candidates make the two rules
+  one rule again (the target's sample is accepted where it is a child).
 
 Tau (tokens per verify step, bonus included) is a count, not a timing: the machine's load does not
 move it. Each call holds the 16 prompts of a kind (rows are independent under a fixed depth).
@@ -35,13 +38,14 @@ sys.path.insert(0, str(ROOT))
 import dflash_jax as dj  # noqa: E402
 from dflash_jax.assets.prompts import CHAT_PROMPTS, CODE_PROMPTS  # noqa: E402
 
-RULES = (("argmax / match", "argmax"), ("sample / match", "sample"), ("sample / reject", "reject"))
+RULES = (("argmax / match", "argmax", 0), ("sample / match", "sample", 0), ("sample / reject", "reject", 0),
+         ("argmax tree / match", "argmax", 3))
 SETTINGS = (("T 0.7", dj.SamplingConfig(temperature=0.7)), ("T 0.7, top-p 0.9", dj.SamplingConfig(temperature=0.7, top_p=0.9)))
 
 
-def measure(target, drafter, ids, sampling, mode, n_max, tokens, seed) -> dict:
+def measure(target, drafter, ids, sampling, mode, n_max, tokens, seed, tree=0) -> dict:
     """One call over ``ids``: tau, acceptance of drafts and the outputs."""
-    res = dj.generate(target, ids, max_new_tokens=tokens, drafter=drafter, n_max=n_max, tree=0, draft_mode=mode,
+    res = dj.generate(target, ids, max_new_tokens=tokens, drafter=drafter, n_max=n_max, tree=tree, draft_mode=mode,
                       sampling=sampling, seed=seed)
     s = res.stats
     return dict(tau=s["tau"], accepted=s["accepted_tokens"], drafted=s["drafted_tokens"], outputs=res.output_ids)
@@ -53,23 +57,27 @@ def main(argv=None) -> None:
     p.add_argument("--tokens", type=int, default=128)
     p.add_argument("--n-max", type=int, default=3, help="drafts per chain step (default 3: the shipped drafter's auto depth)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--rules", default="1,2,3,4", help="comma-separated rule numbers (1-4) to run")
+    p.add_argument("--settings", default="1,2", help="comma-separated sampling settings (1: T 0.7, 2: T 0.7 top-p 0.9)")
     args = p.parse_args(argv)
+    rules = [RULES[int(k) - 1] for k in args.rules.split(",")]
+    settings = [SETTINGS[int(k) - 1] for k in args.settings.split(",")]
     tokens = 32 if args.quick else args.tokens
     n = 4 if args.quick else 16
     target = dj.load_target()
     drafter = dj.shipped_drafter(target)
     print(f"n_max {args.n_max} (chain), {tokens} new tokens, seed {args.seed}; tau (accepted / drafted)\n")
-    print("| sampling | text | " + " | ".join(name for name, _ in RULES) + " |")
-    print("|---|---|" + "---|" * len(RULES))
-    for sname, sampling in SETTINGS:
+    print("| sampling | text | " + " | ".join(r[0] for r in rules) + " |")
+    print("|---|---|" + "---|" * len(rules))
+    for sname, sampling in settings:
         for kind, prompts in (("code", CODE_PROMPTS[:n]), ("chat", CHAT_PROMPTS[:n])):
             ids = [dj.encode_prompt(target, q) for q in prompts]
             cells = []
-            for _, mode in RULES:
+            for _, mode, tree in rules:
                 t0 = time.perf_counter()
-                r = measure(target, drafter, ids, sampling, mode, args.n_max, tokens, args.seed)
+                r = measure(target, drafter, ids, sampling, mode, args.n_max, tokens, args.seed, tree)
                 cells.append(f"{r['tau']:.3f} ({r['accepted']} / {r['drafted']})")
-                print(f"  {sname} {kind} {mode}: {cells[-1]} in {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
+                print(f"  {sname} {kind} {mode} tree {tree}: {cells[-1]} in {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
             print(f"| {sname} | {kind} | " + " | ".join(cells) + " |", flush=True)
 
 

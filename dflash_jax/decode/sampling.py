@@ -14,7 +14,13 @@ committed token is then the target's own sample, so a row's sampled text is a fu
 key, its prompt and the target only: the same with or without a drafter, at any verify width,
 alone or in any batch. A sampled draft uses the same uniform over the drafter's distribution (in
 the target's vocabulary order), which couples the two distributions: the closer they are, the
-more often the draft matches; what is committed never changes. One uniform per token costs a
+more often the draft matches; what is committed never changes. (A draft drawn from the drafter's
+distribution ``q`` is accepted more often by the standard rejection rule, ``Decoding(draft_mode=
+"reject")``, at the price of this promise; an argmax draft, the default's, is accepted by both
+rules with the same probability ``p(draft)``: docs/performance.md, "Sampled requests".) The
+promise holds up to float rounding: a verify pass of several tokens and a one-token plain pass
+compute a position's logits with different rounding, and a uniform within that distance of a
+boundary of the cumulative distribution draws the neighbouring token. One uniform per token costs a
 softmax and a cumulative sum over the vocabulary, about what the argmax costs (a Gumbel-max
 draw, ``V`` random numbers per token, cost several times more on XLA:CPU).
 
