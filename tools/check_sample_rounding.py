@@ -118,6 +118,9 @@ def main(argv=None) -> None:
             total_flip += float(measure.sum())
             n_pos += len(plain)
             mismatched += int(np.sum(t1 != np.asarray(plain)))
+            for k in np.flatnonzero(t1 != np.asarray(plain)):  # this program's rounding against the decode loop's
+                print(f"{kind} {i:2d}: token {k + 1} replayed as {t1[k]}, plain decoding drew {plain[k]}; u*total {v1[k]:.9f}, "
+                      f"nearest boundary {np.abs(c1[k] - v1[k]).min():.2e} away", flush=True)
             flips += int(np.sum(t1 != tb))
             dl = np.abs(lg1 - lgb).max()
             line = f"{kind} {i:2d}: {len(plain)} tokens, max |logit 1-token - {args.block}-token| {dl:.2e}, flip measure {measure.sum():.2e}"
