@@ -185,7 +185,7 @@ def generate(
         plain step, from calibrated confidences and measured costs (:mod:`dflash_jax.decode.auto.policy`;
         stats add ``widths``, ``plain_steps`` (counted as verify steps) and the costs used). Default: the drafter's recorded
         ``n_max`` (``"auto"`` for the shipped drafter), else its ``block_size - 1``.
-      draft_mode: ``"argmax"`` (default) or ``"sample"`` proposals (:class:`dflash_jax.decode.state.Decoding`).
+      draft_mode: ``"argmax"`` (default), ``"sample"`` or ``"reject"`` (:class:`dflash_jax.decode.state.Decoding`).
       cost_model: under ``"auto"``: ``None`` (kept on disk for this device, pair and batch
         size, else measured before the timed decode), ``"refresh"`` or a ``CostModel``.
       tree: ``N``: verify a best-first tree of ``N`` drafted nodes per step (:mod:`~dflash_jax.decode.tree`);

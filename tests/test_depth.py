@@ -197,6 +197,20 @@ def test_verify_widths_are_blocks_of_powers_of_two_and_the_whole_block():
         CostModel.forcing(N, 2)
 
 
+def test_a_row_s_trust_widens_the_verify_above_one_and_drops_it_to_plain_below():
+    """Issue 49's two directions, in the choice itself: at confidences where the calibrated
+    prediction alone verifies 1 draft (costs 1.3 / 1.7 against 1.0 plain), a trust of 2 (drafts
+    accepted twice as often as predicted) verifies 3, and a trust of 1/4 takes a plain step."""
+    policy = depth_policy(Calibration.identity(N), GROWING)
+    conf = jnp.full((1, N), 0.5, jnp.float32)
+    expected = depth.expected_tokens(policy, conf, jnp.asarray([N], jnp.int32))
+    got = {}
+    for trust in (0.25, 1.0, 2.0):
+        j, pays = depth.choose_from(policy, depth.trusted(expected, jnp.asarray([trust], jnp.float32)), jnp.asarray([True]), jnp.int32(20), WIDTHS)
+        got[trust] = WIDTHS[int(j)] if bool(pays) else 0
+    assert got == {0.25: 0, 1.0: 1, 2.0: 3}
+
+
 def test_width_rule_matches_its_numpy_statement():
     rng = np.random.default_rng(0)
     chosen = set()

@@ -43,7 +43,7 @@ from dflash_jax.decode.state import (
     commit,
     init_speculative_state,
 )
-from dflash_jax.decode.step import commit_block, count_width, propose_fn, verify_commit
+from dflash_jax.decode.step import commit_block, count_width, propose_fn, proposal_fn, verify_commit
 from dflash_jax.decode.tree import propose_tree_fn, verify_tree_fn
 from dflash_jax.errors import DFlashError
 from dflash_jax.families.registry import module_for
@@ -186,6 +186,9 @@ def speculative_step_fn(params: Params, state: DecodeState, static: Decoding) ->
         tree, _ = propose_tree_fn(params, state, static)
         state = commit_block(params, state, static, verify_tree_fn(params, state, static, tree))
         return state.replace(speculative=count_width(state.speculative, static.tree, jnp.bool_(False)))
+    if static.draft_mode == "reject":  # the rejection rule reads the drafter's distributions
+        proposal = proposal_fn(params, state, static)
+        return verify_commit(params, state, static, proposal.drafts, proposal.logits)
     drafts, _ = propose_fn(params, state, static)
     return verify_commit(params, state, static, drafts)
 

@@ -14,7 +14,13 @@ committed token is then the target's own sample, so a row's sampled text is a fu
 key, its prompt and the target only: the same with or without a drafter, at any verify width,
 alone or in any batch. A sampled draft uses the same uniform over the drafter's distribution (in
 the target's vocabulary order), which couples the two distributions: the closer they are, the
-more often the draft matches; what is committed never changes. One uniform per token costs a
+more often the draft matches; what is committed never changes. (A draft drawn from the drafter's
+distribution ``q`` is accepted more often by the standard rejection rule, ``Decoding(draft_mode=
+"reject")``, at the price of this promise; an argmax draft, the default's, is accepted by both
+rules with the same probability ``p(draft)``: docs/performance.md, "Sampled requests".) The
+promise holds up to float rounding: a verify pass of several tokens and a one-token plain pass
+compute a position's logits with different rounding, and a uniform within that distance of a
+boundary of the cumulative distribution draws the neighbouring token. One uniform per token costs a
 softmax and a cumulative sum over the vocabulary, about what the argmax costs (a Gumbel-max
 draw, ``V`` random numbers per token, cost several times more on XLA:CPU).
 
@@ -223,17 +229,21 @@ def _first_rows(keys: jax.Array) -> jax.Array:
     return jax.vmap(lambda k: jax.random.fold_in(k, 0))(keys)
 
 
-def uniform_at(rng: jax.Array, index: jnp.ndarray) -> jnp.ndarray:
+def uniform_at(rng: jax.Array, index: jnp.ndarray, stream: int = 0) -> jnp.ndarray:
     """The uniforms of the tokens at ``index`` (module docstring).
 
     Args:
       rng: ``[B]`` PRNG keys, one per row.
       index: ``[B, T]`` int32 token indices (positions in the row's tokens).
+      stream: ``0`` the draw of the token itself; another (static) integer a further uniform of
+        that position, independent of it (``fold_in(fold_in(rng[b], t), stream)``: the rejection
+        rule's accept test and residual draw, :func:`dflash_jax.decode.step.reject_rule`).
     Returns:
-      ``[B, T]`` float32 in ``[0, 1)``, a function of ``(rng[b], index[b, t])`` only.
+      ``[B, T]`` float32 in ``[0, 1)``, a function of ``(rng[b], index[b, t], stream)`` only.
     """
     def one(key, t):
-        return jax.random.uniform(jax.random.fold_in(key, t), (), jnp.float32)
+        key = jax.random.fold_in(key, t)
+        return jax.random.uniform(jax.random.fold_in(key, stream) if stream else key, (), jnp.float32)
 
     return jax.vmap(jax.vmap(one, (None, 0)), (0, 0))(rng, index.astype(jnp.uint32))
 
@@ -267,13 +277,20 @@ def sample_at(rng: jax.Array, index: jnp.ndarray, logits: jnp.ndarray, sampling,
         p = jax.nn.softmax(warp_logits(logits, sampling), axis=-1)
         if ids is not None:
             p = jnp.zeros(p.shape[:-1] + (vocab,), p.dtype).at[..., ids].set(p)
-        c = jnp.cumsum(p, axis=-1)
-        total = c[..., -1:]
-        # below the total by at least one ulp: the token drawn has probability > 0 whatever the rounding
-        u = jnp.minimum(uniform_at(rng, index)[..., None] * total, jnp.nextafter(total, 0.0))
-        return jnp.where(t > 0, jnp.sum(c <= u, axis=-1).astype(jnp.int32), best)
+        return jnp.where(t > 0, inverse_cdf(p, uniform_at(rng, index)), best)
 
     return jax.lax.cond(jnp.any(t > 0), draw, lambda _: best, None)
+
+
+def inverse_cdf(p: jnp.ndarray, u: jnp.ndarray) -> jnp.ndarray:
+    """The token ``[...]`` int32 drawn from the weights ``p [..., V]`` (not necessarily normalized,
+    a positive sum) with the uniforms ``u [...]`` in ``[0, 1)``: the first token whose cumulative
+    weight exceeds ``u`` times the total (a token of weight 0 is never drawn)."""
+    c = jnp.cumsum(p, axis=-1)
+    total = c[..., -1:]
+    # below the total by at least one ulp: the token drawn has probability > 0 whatever the rounding
+    v = jnp.minimum(u[..., None] * total, jnp.nextafter(total, 0.0))
+    return jnp.sum(c <= v, axis=-1).astype(jnp.int32)
 
 
 def top2_gap(logits: jnp.ndarray) -> jnp.ndarray:

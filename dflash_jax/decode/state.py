@@ -34,7 +34,7 @@ from dflash_jax.families.registry import family_of
 from dflash_jax.runtime import carry as pytree
 from dflash_jax.runtime.carry import KVCache, PagedKVCache, axes_field, init_kv_cache
 
-DRAFT_MODES = ("argmax", "sample")
+DRAFT_MODES = ("argmax", "sample", "reject")
 AUTO = "auto"
 MAX_TREE_NODES = 15
 """The most drafted nodes of a verified tree: a 16-token target pass (a Laguna target's
@@ -63,7 +63,11 @@ class Decoding:
       draft_mode: ``"argmax"`` (propose the drafter's argmax; default, docs/specs/dflash.md 2.2)
         or ``"sample"`` (draw each draft from the drafter's distribution warped by the row's
         sampling settings, with the uniform the target's token at its position is drawn with,
-        :mod:`dflash_jax.decode.sampling`; a greedy row proposes the argmax).
+        :mod:`dflash_jax.decode.sampling`; a greedy row proposes the argmax), or ``"reject"``
+        (drafts drawn as ``"sample"`` draws them, accepted by the standard rejection rule instead
+        of sample-and-match: :func:`dflash_jax.decode.step.reject_rule`; a chain of a fixed
+        ``n_max``, a drafter without a selector; a sampled row's output then depends on its seed
+        and on the drafter and ``n_max``, no longer equal to plain decoding's sample).
       n_max: drafted tokens verified per block, in ``[1, block_size - 1]``; ``None`` resolves to
         ``block_size - 1`` with a drafter (and must stay ``None`` without one). ``"auto"``: the
         drafter drafts ``auto_depth`` tokens and every step chooses, on device, how many of
@@ -128,6 +132,10 @@ class Decoding:
                 raise DFlashError("auto_depth", f"got {self.auto_depth!r} with n_max={self.n_max!r}", "n_max='auto', or auto_depth=None")
             if isinstance(self.auto_depth, bool) or not isinstance(self.auto_depth, numbers.Integral) or not 1 <= self.auto_depth <= top:
                 raise DFlashError("auto_depth", f"got {self.auto_depth!r}", f"an integer in [1, {top}] (block_size - 1)")
+        if self.draft_mode == "reject" and (self.n_max == AUTO or self.drafter.selector_top_k > 0):
+            got = "a DFlash2 drafter (a selector)" if self.n_max != AUTO else "n_max='auto'"
+            raise DFlashError("draft_mode", f"'reject' with {got}", "a fixed n_max (an integer) and a drafter without a selector, "
+                              "or draft_mode 'sample'")
 
     def _check_tree(self):
         """Raises DFlashError for a ``tree`` that is not a node count or does not go with the rest."""

@@ -18,7 +18,8 @@ The loop that picks a step (chain, tree or adaptive) and runs it on device is
   target's greedy decode and sampled output is exactly the target's sample with the row's key (the
   same with or without a drafter). It equals Leviathan/Chen rejection sampling with a one-hot
   proposal; sampled drafts are coupled to the target's tokens through the shared uniform instead of
-  a proposal distribution ``q``.
+  a proposal distribution ``q``. ``Decoding(draft_mode="reject")`` accepts by the standard
+  rejection rule instead (:func:`reject_rule`), measured against this one in BENCHMARKS.md.
 - **Commit.** The verified block joins the state: tokens, lengths, drafter context, statistics
   (:func:`commit_block`). Rollback of the rejected drafts is the length update of
   :func:`dflash_jax.decode.state.commit`: the target cache and the drafter context keep no length
@@ -40,11 +41,12 @@ import jax
 import jax.numpy as jnp
 
 from dflash_jax.decode import logprobs as token_logprobs
-from dflash_jax.decode.sampling import sample_at, top2_gap, uniform_at
+from dflash_jax.decode.sampling import inverse_cdf, probabilities, sample_at, top2_gap, uniform_at
 from dflash_jax.decode.state import DecodeState, SpeculativeState, commit
 from dflash_jax.decode.state import Decoding, Params, check_step_inputs
 from dflash_jax.drafter import model as drafter
 from dflash_jax.families.registry import module_for
+from dflash_jax.errors import DFlashError
 from dflash_jax.runtime.carry import Capture, init_capture
 
 
@@ -218,12 +220,14 @@ class Verdict(NamedTuple):
     logprobs: object = None
 
 
-def verify_fn(params: Params, state: DecodeState, static: Decoding, drafts) -> Verdict:
+def verify_fn(params: Params, state: DecodeState, static: Decoding, drafts, draft_logits=None) -> Verdict:
     """One target pass over ``[anchor, drafts]`` of each row, then the accept rule (module docstring).
 
     Args:
       drafts: ``[B, n]`` int32 from propose (``n = 0``: the anchor alone, a plain step that
         keeps the drafter context).
+      draft_logits: under ``draft_mode="reject"`` the drafter's logits ``[B, n, V']`` the drafts
+        were drawn from (:attr:`Proposal.logits`), else unused.
     Returns:
       :class:`Verdict` (the state is read only).
     """
@@ -240,12 +244,69 @@ def verify_fn(params: Params, state: DecodeState, static: Decoding, drafts) -> V
     hidden, cache, capture = mod.forward_hidden(params.target, cfg_t, block, positions, cache, capture)
     logits = mod.lm_head(params.target, cfg_t, hidden)
     n_valid = block_len - 1
-    a, bonus = accept(drafts, sample_at(state.rng, positions + 1, logits, state.sampling), n_valid)
+    if static.draft_mode == "reject":
+        q = draft_probabilities(params, static, state, draft_logits)
+        a, bonus = reject_rule(state.rng, positions, logits, q, drafts, n_valid, state.sampling)
+    else:
+        a, bonus = accept(drafts, sample_at(state.rng, positions + 1, logits, state.sampling), n_valid)
     k = jnp.arange(width, dtype=jnp.int32)[None, :]
     drafts_pad = jnp.pad(drafts, ((0, 0), (0, 1)))
     tokens = jnp.where(k < a[:, None], drafts_pad, bonus[:, None])
     lp = None if static.logprobs is None else token_logprobs.of_logits(logits, tokens, static.logprobs)
     return Verdict(tokens=tokens, accepted=a, n_valid=n_valid, gaps=top2_gap(logits), cache=cache, capture=capture, logprobs=lp)
+
+
+def draft_probabilities(params: Params, static: Decoding, state: DecodeState, draft_logits) -> jnp.ndarray:
+    """The drafter's sampling distribution ``q [B, n, V]`` float32 over the target's vocabulary:
+    its logits ``[B, n, V']`` warped by each row's settings (the distribution a ``"sample"`` draft
+    is drawn from; one-hot at the argmax for a greedy row), a draft vocabulary's columns laid out
+    at their target ids.
+
+    Raises:
+      DFlashError: no logits (``verify_fn`` under ``draft_mode="reject"`` needs them).
+    """
+    if draft_logits is None:
+        raise DFlashError("draft_logits", "None under draft_mode='reject'", "the drafter's logits (Proposal.logits) the drafts were drawn from")
+    q = probabilities(draft_logits, state.sampling)
+    if static.drafter.draft_vocab_size:
+        q = jnp.zeros(q.shape[:-1] + (static.target.vocab_size,), q.dtype).at[..., params.drafter["draft_ids"]].set(q)
+    return q
+
+
+def reject_rule(rng, positions, logits, q, drafts, n_valid, sampling):
+    """The standard rejection rule (Leviathan et al. 2023; Chen et al. 2023) over a chain.
+
+    Draft ``i`` (drawn from ``q_i``; a DFlash drafter's slots do not depend on the drafts before
+    them, so each is a draw of ``q_i`` whatever was accepted) is accepted with probability
+    ``min(1, p_i(d_i) / q_i(d_i))``, ``p_i`` the target's warped distribution at its slot; at the
+    first rejection the bonus token is drawn from the residual ``max(0, p_i - q_i)`` normalized,
+    after ``n_valid`` accepted drafts it is the target's own draw at the next slot. Every committed
+    token then follows the target's distribution (the tests' chi-square), and a draft is accepted
+    with probability ``sum_x min(p_i(x), q_i(x))``, the most any rule can reach for a draft drawn
+    from ``q_i``. The accept test and the residual draw read the uniforms of the draft's position
+    in streams 1 and 2 (:func:`~dflash_jax.decode.sampling.uniform_at`). A greedy row (one-hot
+    ``p`` and ``q``) accepts while the draft is the target's argmax, its bonus the argmax.
+
+    Args:
+      rng: ``[B]`` keys; positions: ``[B, n + 1]`` int32 the block's positions (anchor first).
+      logits: ``[B, n + 1, V]`` the target's; q: ``[B, n, V]`` float32 the drafter's distributions.
+      drafts: ``[B, n]`` int32; n_valid: ``[B]`` int32; sampling: the rows' settings.
+    Returns:
+      ``(a [B] int32 accepted drafts, bonus [B] int32)``, as :func:`accept`.
+    """
+    n = drafts.shape[1]
+    p = probabilities(logits, sampling)
+    pd = jnp.take_along_axis(p[:, :n], drafts[..., None], axis=-1)[..., 0]
+    qd = jnp.take_along_axis(q, drafts[..., None], axis=-1)[..., 0]
+    index = positions[:, 1:]
+    ok = (uniform_at(rng, index, 1) * qd < pd) & (jnp.arange(n)[None, :] < n_valid[:, None])
+    a = jnp.sum(jnp.cumprod(ok.astype(jnp.int32), axis=1), axis=1).astype(jnp.int32)
+    residual = jnp.maximum(p[:, :n] - q, 0.0)
+    residual = jnp.where(jnp.sum(residual, axis=-1, keepdims=True) > 0, residual, p[:, :n])  # p == q: never rejected
+    fixed = jnp.concatenate([inverse_cdf(residual, uniform_at(rng, index, 2)), jnp.zeros_like(a)[:, None]], axis=1)
+    own = sample_at(rng, positions + 1, logits, sampling)
+    bonus = jnp.where(a < n_valid, jnp.take_along_axis(fixed, a[:, None], axis=1)[:, 0], jnp.take_along_axis(own, a[:, None], axis=1)[:, 0])
+    return a, bonus
 
 
 def commit_block(params: Params, state: DecodeState, static: Decoding, verdict: Verdict) -> DecodeState:
@@ -278,9 +339,10 @@ def count_width(ctx, w, plain):
     return ctx.replace(widths=ctx.widths.at[w].add(jnp.where(plain, 0, 1).astype(jnp.int32)))
 
 
-def verify_commit(params: Params, state: DecodeState, static: Decoding, drafts) -> DecodeState:
-    """Verifies all of ``drafts [B, n]`` and commits, counting the step at width ``n``."""
-    state = commit_block(params, state, static, verify_fn(params, state, static, drafts))
+def verify_commit(params: Params, state: DecodeState, static: Decoding, drafts, draft_logits=None) -> DecodeState:
+    """Verifies all of ``drafts [B, n]`` and commits, counting the step at width ``n``
+    (``draft_logits``: as :func:`verify_fn`)."""
+    state = commit_block(params, state, static, verify_fn(params, state, static, drafts, draft_logits))
     return state.replace(speculative=count_width(state.speculative, drafts.shape[1], jnp.bool_(False)))
 
 
