@@ -118,3 +118,23 @@ def test_decode_loop_keeps_weights_quantized(gguf_tensors, monkeypatch, backend)
     loops = [line.split(" while(")[0] for line in text.splitlines() if " while(" in line]
     carried = {a for line in loops for a in re.findall(r"f32\[[\d,]*\]", line)}
     assert loops and carried == {"f32[1,512]"}, carried  # x only: no float weight rides the loop
+
+
+@pytest.mark.parametrize("kind,n_in", [("Q4_1", 96), ("Q5_1", 96), ("Q6_K", 768)])
+def test_rows_that_do_not_split_evenly(tmp_path, kind, n_in):
+    """An odd number of blocks per row (no even split into planes or runs: the general re-packing
+    and a whole-row product) and three K super-blocks (runs that start inside a super-block)."""
+    rng = np.random.default_rng(2)
+    path = str(tmp_path / "odd.gguf")
+    w = gguf.GGUFWriter(path, "llama")
+    w.add_tensor("w", tensor_bytes(kind, (4, n_in), rng), raw_dtype=Q[kind])
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    t = gguf_file.tensor_table(gguf_file.open_gguf(path), path)["w"]
+    qw = jax.tree_util.tree_map(jnp.asarray, quantized_tensor(t, path))
+    want = oracle(t)
+    np.testing.assert_allclose(np.asarray(quant.dequantize(qw)), want, rtol=1e-6, atol=1e-6 * np.abs(want).max())
+    x = rng.standard_normal((1, n_in)).astype(np.float32)
+    np.testing.assert_allclose(np.asarray(jax.jit(quant.dot)(jnp.asarray(x), qw)), x @ want.T, rtol=1e-4, atol=1e-4 * np.abs(x @ want.T).max())
