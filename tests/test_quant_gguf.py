@@ -138,3 +138,14 @@ def test_rows_that_do_not_split_evenly(tmp_path, kind, n_in):
     np.testing.assert_allclose(np.asarray(quant.dequantize(qw)), want, rtol=1e-6, atol=1e-6 * np.abs(want).max())
     x = rng.standard_normal((1, n_in)).astype(np.float32)
     np.testing.assert_allclose(np.asarray(jax.jit(quant.dot)(jnp.asarray(x), qw)), x @ want.T, rtol=1e-4, atol=1e-4 * np.abs(x @ want.T).max())
+
+
+def test_a_nan_input_gives_what_the_float_product_gives(gguf_tensors):
+    """quant.dot's XLA:CPU conditional (its branch for ``x[0]`` NaN) answers as the float product."""
+    path, tensors = gguf_tensors
+    qw = jax.tree_util.tree_map(jnp.asarray, quantized_tensor(tensors["Q4_1"], path))
+    x = np.ones((1, 512), np.float32)
+    x[0, 0] = np.nan
+    want = x @ oracle(tensors["Q4_1"]).T
+    assert np.isnan(want).all()
+    np.testing.assert_array_equal(np.asarray(jax.jit(quant.dot)(jnp.asarray(x), qw)), want)

@@ -132,15 +132,14 @@ def is_quantized(w) -> bool:
 
 
 def tied(w: QuantizedWeight, x):
-    """``(w, x)`` passed through one optimization barrier: ``w``'s dequantization is then computed
-    where it is used, after ``x``, and ``x`` is computed once, before the product.
+    """``(w, x)`` passed through one optimization barrier, so ``w``'s dequantization depends on
+    ``x`` and stays where it is used.
 
     Without it, XLA's while-loop invariant code motion hoists the dequantization of every weight
-    out of an on-device decode loop: the loop then holds the float weights (the memory quantized
-    weights exist to save) and reads them in a layout no matrix-vector loop was fused for (on
-    XLA:CPU a 30-layer decode step ran 8x slower than out of a loop); and XLA:CPU fuses the
-    producer of ``x`` (``silu(gate) * up`` before the down projection) into the matrix-vector
-    loop, recomputing it for every output row."""
+    out of an on-device decode loop: the loop then carries the float weights (the memory quantized
+    weights exist to save; on XLA:CPU a 30-layer decode step also ran 8x slower).
+    tests/test_quant_gguf.py checks a loop's carried arrays. (It does not stop XLA:CPU's fusion
+    of ``x``'s producer into a product: barriers are gone by then; :func:`dot` uses a conditional.)"""
     fields, x = jax.lax.optimization_barrier((w.fields, x))
     return w.replace(fields=fields), x
 

@@ -1,5 +1,33 @@
-"""Why a seeded sample of the default pair may depart from plain decoding's (issue 49): float
-rounding at a boundary of the cumulative distribution, measured.
+"""Sampled requests of the default pair, measured (issue 49): two commands.
+
+``accept``: tau of the sampled accept rules: sample-and-match (the default: a draft is accepted
+while it equals the target's sample at its position) against the standard rejection rule (accept
+with ``min(1, p/q)``, resample from the residual: ``draft_mode="reject"``), at temperature 0.7 and
+at 0.7 with top-p 0.9, on the held-out prompts (:data:`~dflash_jax.assets.prompts.CODE_PROMPTS`
+and :data:`~dflash_jax.assets.prompts.CHAT_PROMPTS`, 16 each, as users write them), the default
+model and its shipped drafter, 128 new tokens, a chain of ``--n-max`` drafts (every step verifies
+all of them, so the rules meet the same drafts' distributions).
+
+Rows, each with the same seed:
+
+* ``argmax / match``: the drafter's argmax drafted, accepted while it equals the target's sample
+  (the default's drafts; its tree holds argmax candidates too). A one-hot ``q`` makes the rejection
+  rule accept with ``p(draft)``, what matching accepts: the two rules are the same rule here.
+* ``sample / match``: drafts drawn from the drafter's distribution at the request's temperature
+  (and top-p) with the target's positional uniform, accepted while equal.
+* ``sample / reject``: the same drafts' distribution, the rejection rule.
+* ``argmax tree / match``: the default's drafts, a best-first tree of 3 nodes (the shipped
+  drafter's recorded tree) over the same depth; its distinct argmax candidates make the two rules
+  one rule again (the target's sample is accepted where it is a child).
+
+Tau (tokens per verify step, bonus included) is a count, not a timing: the machine's load does not
+move it. Each call holds the 16 prompts of a kind (rows are independent under a fixed depth).
+
+    python tools/bench_sampled.py accept              # the table (markdown)
+    python tools/bench_sampled.py accept --quick      # 4 prompts per kind, 32 tokens
+
+``rounding``: why a seeded sample of the default pair may depart from plain decoding's (issue
+49): float rounding at a boundary of the cumulative distribution, measured.
 
 For each held-out prompt (:data:`~dflash_jax.assets.prompts.CHAT_PROMPTS`, then
 :data:`~dflash_jax.assets.prompts.CODE_PROMPTS`; 16 each), at temperature 0.7 with seed = the
@@ -18,7 +46,7 @@ prompt's index, batch 1, 128 new tokens:
 The expected departures per 128-token sample is then that measure summed over the positions. A
 departure the logits explain shows the draw's distance to the boundary below the shift there.
 
-    python tools/check_sample_rounding.py [--kinds chat,code] [--prompts 16] [--tokens 128]
+    python tools/bench_sampled.py rounding [--kinds chat,code] [--prompts 16] [--tokens 128]
 """
 
 from __future__ import annotations
@@ -26,6 +54,7 @@ from __future__ import annotations
 import argparse
 import functools
 import sys
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -39,6 +68,41 @@ import dflash_jax as dj  # noqa: E402
 from dflash_jax.assets.prompts import CHAT_PROMPTS, CODE_PROMPTS  # noqa: E402
 from dflash_jax.decode.sampling import RowSampling, row_keys, uniform_at, warp_logits  # noqa: E402
 from dflash_jax.families.registry import module_for  # noqa: E402
+
+RULES = (("argmax / match", "argmax", 0), ("sample / match", "sample", 0), ("sample / reject", "reject", 0),
+         ("argmax tree / match", "argmax", 3))
+SETTINGS = (("T 0.7", dj.SamplingConfig(temperature=0.7)), ("T 0.7, top-p 0.9", dj.SamplingConfig(temperature=0.7, top_p=0.9)))
+
+
+def measure(target, drafter, ids, sampling, mode, n_max, tokens, seed, tree=0) -> dict:
+    """One call over ``ids``: tau, acceptance of drafts and the outputs."""
+    res = dj.generate(target, ids, max_new_tokens=tokens, drafter=drafter, n_max=n_max, tree=tree, draft_mode=mode,
+                      sampling=sampling, seed=seed)
+    s = res.stats
+    return dict(tau=s["tau"], accepted=s["accepted_tokens"], drafted=s["drafted_tokens"], outputs=res.output_ids)
+
+
+def accept_main(args) -> None:
+    rules = [RULES[int(k) - 1] for k in args.rules.split(",")]
+    settings = [SETTINGS[int(k) - 1] for k in args.settings.split(",")]
+    tokens = 32 if args.quick else args.tokens
+    n = 4 if args.quick else 16
+    target = dj.load_target()
+    drafter = dj.shipped_drafter(target)
+    print(f"n_max {args.n_max} (chain), {tokens} new tokens, seed {args.seed}; tau (accepted / drafted)\n")
+    print("| sampling | text | " + " | ".join(r[0] for r in rules) + " |")
+    print("|---|---|" + "---|" * len(rules))
+    for sname, sampling in settings:
+        for kind, prompts in (("code", CODE_PROMPTS[:n]), ("chat", CHAT_PROMPTS[:n])):
+            ids = [dj.encode_prompt(target, q) for q in prompts]
+            cells = []
+            for _, mode, tree in rules:
+                t0 = time.perf_counter()
+                r = measure(target, drafter, ids, sampling, mode, args.n_max, tokens, args.seed, tree)
+                cells.append(f"{r['tau']:.3f} ({r['accepted']} / {r['drafted']})")
+                print(f"  {sname} {kind} {mode} tree {tree}: {cells[-1]} in {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
+            print(f"| {sname} | {kind} | " + " | ".join(cells) + " |", flush=True)
+
 
 T = 0.7
 
@@ -86,13 +150,7 @@ def flip_measure(c1: np.ndarray, c2: np.ndarray) -> np.ndarray:
     return 1.0 - np.maximum(np.minimum(a, b) - lo, 0.0).sum(axis=-1)
 
 
-def main(argv=None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--kinds", default="chat,code")
-    p.add_argument("--prompts", type=int, default=16)
-    p.add_argument("--tokens", type=int, default=128)
-    p.add_argument("--block", type=int, default=4)
-    args = p.parse_args(argv)
+def rounding_main(args) -> None:
     target = dj.load_target()
     drafter = dj.shipped_drafter(target)
     sampling = dj.SamplingConfig(temperature=T)
@@ -137,6 +195,24 @@ def main(argv=None) -> None:
           f"replayed 1-token logits drew another token than plain decoding at {mismatched} of {n_pos} positions; "
           f"1-token vs {args.block}-token logits drew different tokens at {flips} positions; expected flips from the "
           f"measure: {total_flip:.3f} over {n_pos} positions ({total_flip / max(1, n_pos):.2e} per token)")
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = p.add_subparsers(dest="command", required=True)
+    acc = sub.add_parser("accept", help="tau of the accept rules (the table)")
+    acc.add_argument("--quick", action="store_true", help="4 prompts per kind, 32 new tokens")
+    acc.add_argument("--tokens", type=int, default=128)
+    acc.add_argument("--n-max", type=int, default=3, help="drafts per chain step (default 3: the shipped drafter's auto depth)")
+    acc.add_argument("--seed", type=int, default=0)
+    acc.add_argument("--rules", default="1,2,3,4", help="comma-separated rule numbers (1-4) to run")
+    acc.add_argument("--settings", default="1,2", help="comma-separated sampling settings (1: T 0.7, 2: T 0.7 top-p 0.9)")
+    rnd = sub.add_parser("rounding", help="seeded DFlash samples against plain ones, and the rounding that explains departures")
+    rnd.add_argument("--kinds", default="chat,code")
+    rnd.add_argument("--prompts", type=int, default=16)
+    rnd.add_argument("--tokens", type=int, default=128)
+    rnd.add_argument("--block", type=int, default=4)
+    args = p.parse_args(argv)
+    (accept_main if args.command == "accept" else rounding_main)(args)
 
 
 if __name__ == "__main__":
