@@ -117,6 +117,43 @@ def test_plain_steps_follow_the_backoff_schedule(pair, cap):
     assert driver.spec_stats(st)["plain_steps"] == steps - proposes > proposes
 
 
+def test_the_longest_plain_run_follows_the_measured_costs():
+    """By default the cap of the backoff makes a propose whose drafts are all rejected cost at most
+    PROBE_LOSS of plain speed: MAX_BACKOFF where drafting is cheap, ceil((C / C_plain - 1) /
+    PROBE_LOSS) of the cheapest width in the worst bucket between, MAX_BACKOFF_LIMIT at most."""
+    cheap = CostModel(step_cost=((1.1, 1.2),), plain_cost=(1.0,), widths=WIDTHS)
+    dear = CostModel(step_cost=((2.42, 3.0),), plain_cost=(1.0,), widths=WIDTHS)
+    buckets = CostModel(step_cost=((1.1, 1.2), (0.03, 0.04)), plain_cost=(1.0, 0.02), widths=WIDTHS, bounds=(128, 1024))
+    assert costs.probe_backoff(cheap) == MAX_BACKOFF
+    assert costs.probe_backoff(dear) == 57  # ceil(1.42 / 0.025)
+    assert costs.probe_backoff(buckets) == 20  # the second bucket's 1.5 plain steps
+    assert costs.probe_backoff(CostModel.never_pays(N)) == depth.MAX_BACKOFF_LIMIT
+    assert int(depth_policy(Calibration.identity(N), dear).max_backoff) == 57
+    assert int(depth_policy(Calibration.identity(N), dear, max_backoff=3).max_backoff) == 3
+
+
+def test_a_plain_step_of_the_adaptive_step_commits_the_target_token_and_nothing_else(pair):
+    """The adaptive step's plain branch: one token, plain greedy decoding's; one plain step of the
+    schedule used; the widths, the drafts' counts and each row's trust untouched."""
+    cfg, params, dcfg, dparams = pair
+    static = Decoding(cfg, dcfg, n_max="auto")
+    weights = Params(params, dparams, depth_policy(CONFIDENT, GROWING))
+    st = decode.prefill(weights, decode.init_state(static, PROMPTS, 64, 8), static, 4)
+    st = st.replace(speculative=st.speculative.replace(plain_left=jnp.full_like(st.speculative.plain_left, 2),
+                                                       trust=jnp.asarray([0.5, 1.0, 1.5], jnp.float32)))
+    before = jax.device_get(st.speculative)
+    length = np.asarray(st.length)
+    after = adaptive.verify_auto(weights, st, static, jnp.zeros((3, N), jnp.int32), jnp.full((3, N), 0.99, jnp.float32), plain=True)
+    ref = plain_greedy(pair, PROMPTS, 2)
+    assert [o[:2] for o in outputs(after)] == ref and (np.asarray(after.length) == length + 1).all()
+    ctx = jax.device_get(after.speculative)
+    assert int(ctx.plain_left) == int(before.plain_left) - 1 and int(ctx.backoff) == int(before.backoff)
+    np.testing.assert_array_equal(ctx.widths, before.widths)
+    np.testing.assert_array_equal(ctx.drafted, before.drafted)
+    np.testing.assert_array_equal(ctx.trust, before.trust)
+    assert (np.asarray(ctx.verify_steps) == np.asarray(before.verify_steps) + 1).all()
+
+
 def scripted(pair, prompt, n_new, width, corrupt_at=None, conf=0.9):
     """Verifies drafts taken from the greedy continuation (wrong at ``corrupt_at``) at a forced
     width, through :func:`adaptive.verify_auto`, in three equal rows (the shapes of the other

@@ -183,9 +183,8 @@ def tree_inputs(params: Params, state: DecodeState, static: Decoding) -> tuple:
 
 
 def tree_of(params: Params, static: Decoding, logits: jnp.ndarray, hidden=None, anchor=None) -> tuple[DraftTree, jnp.ndarray]:
-    """:func:`propose_tree_fn` after the drafter's pass, from :func:`tree_inputs`. (The
-    adaptive step runs the pass under a conditional and builds the tree outside it: the tree's
-    many small updates cost about 3 ms more per step inside an XLA:CPU conditional.)
+    """:func:`propose_tree_fn` after the drafter's pass, from :func:`tree_inputs` (the adaptive
+    step's drafting branch runs both, :mod:`dflash_jax.decode.auto.adaptive`).
 
     A DFlash2 drafter's tree ranks each node's children by its selector's pairwise scores after the
     node's token (``log_softmax`` over the ``selector_top_k`` candidates of the next slot; the

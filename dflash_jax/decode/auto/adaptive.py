@@ -1,12 +1,18 @@
-"""The adaptive-depth step (``n_max="auto"``): propose the whole block (or skip the propose),
-choose the verify width on device, verify and commit.
+"""The adaptive-depth step (``n_max="auto"``): a plain step, or propose the whole block, choose
+the verify width on device, verify and commit.
 
-The width picks one of a few compiled verify branches (:func:`~dflash_jax.decode.auto.policy.verify_widths`,
-and the anchor alone for a plain step), each a target pass over exactly ``w + 1`` tokens, so a
-narrow verify costs what its width costs and no width ever compiles during a generation. The branches are while loops that run once or not at all
-(:func:`run_one_of`) rather than ``lax.switch``: an XLA conditional copies the large buffers it
-updates (the KV cache, the drafter context) on XLA:CPU, a while loop updates its carry in place.
-The policy is :mod:`dflash_jax.decode.auto.policy`.
+A step is one of two branches: the plain step (the anchor alone through the target, captured for
+the drafter context; nothing else of the drafter's path runs) or the drafting step, which
+proposes, chooses one of a few compiled verify widths
+(:func:`~dflash_jax.decode.auto.policy.verify_widths`), each a target pass over exactly ``w + 1``
+tokens, and commits; so a narrow verify costs what its width costs, a plain step about what a step
+of plain decoding costs, and no width ever compiles during a generation. Every branch is a while
+loop that runs once or not at all (:func:`run_one_of`) rather than ``lax.switch``: an XLA
+conditional copies the large buffers it updates (the KV cache, the drafter context) on XLA:CPU, a
+while loop updates its carry in place. Before the plain step was its own branch, its propose was
+skipped under a conditional but the tree, the expected tokens and the width choice ran on zeros:
+a plain step cost 1.10x a plain-decoding step on a 2-core CPU, 1.0x after (BENCHMARKS.md,
+"Speculation that never costs"). The policy is :mod:`dflash_jax.decode.auto.policy`.
 """
 
 from __future__ import annotations
@@ -24,20 +30,31 @@ from dflash_jax.decode.state import DecodeState
 
 
 def step_fn(params: Params, state: DecodeState, static: Decoding) -> DecodeState:
-    """One adaptive step (pure): a plain step when the schedule says so, else propose the whole
-    block (or tree) and verify the width the policy chooses."""
+    """One adaptive step (pure): a plain step when the schedule says so (the anchor alone through
+    the target, nothing of the drafter's path but the capture), else propose the whole block (or
+    tree) and verify the width the policy chooses. The two are while loops of which one runs
+    (:func:`run_one_of`), so a plain step costs what a step of plain decoding costs plus the
+    capture."""
     plain = state.speculative.plain_left > 0
 
-    def draft(_):  # a tree's drafter pass only: the tree is built outside the conditional (tree.tree_of)
-        return tree_inputs(params, state, static) if static.tree else propose_fn(params, state, static)
+    def draft_step(s):
+        if static.tree:
+            return verify_chosen_tree(params, s, static, *tree_of(params, static, *tree_inputs(params, s, static)))
+        return verify_chosen(params, s, static, *propose_fn(params, s, static))
 
-    def skip(_):  # zeros of the propose's shapes: a plain step verifies the anchor alone
-        return jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), jax.eval_shape(draft, None))
+    return run_one_of(plain.astype(jnp.int32), [draft_step, _plain_step_of(params, static)], state)
 
-    drafted = jax.lax.cond(plain, skip, draft, None)
-    if static.tree:
-        return verify_chosen_tree(params, state, static, *tree_of(params, static, *drafted), plain)
-    return verify_chosen(params, state, static, *drafted, plain)
+
+def _plain_step_of(params: Params, static: Decoding):
+    """The adaptive step's plain step, ``state -> state``: the anchor alone through the target
+    (captured for the drafter context), one token per running row, one plain step of the
+    schedule used (the width counts and each row's trust unchanged)."""
+
+    def plain_step(s):
+        s = commit_block(params, s, static, verify_fn(params, s, static, jnp.zeros((s.tokens.shape[0], 0), jnp.int32)))
+        return s.replace(speculative=depth.schedule(params.depth, s.speculative, jnp.bool_(True), jnp.bool_(False)))
+
+    return plain_step
 
 
 def run_one_of(index, fns, operand):
@@ -49,12 +66,11 @@ def run_one_of(index, fns, operand):
     return operand
 
 
-def verify_chosen(params: Params, state: DecodeState, static: Decoding, drafts, conf, plain) -> DecodeState:
+def verify_chosen(params: Params, state: DecodeState, static: Decoding, drafts, conf) -> DecodeState:
     """Chooses the width from the confidences, verifies that many drafts and commits (pure).
 
     Args:
-      drafts: ``[B, n]`` int32; conf: ``[B, n]`` float32 drafter confidences; plain: ``[]``
-        bool, a plain step (verifies the anchor alone).
+      drafts: ``[B, n]`` int32; conf: ``[B, n]`` float32 drafter confidences.
     Returns:
       The state after the step, its width counted and its plain-step schedule updated.
     Raises:
@@ -68,10 +84,10 @@ def verify_chosen(params: Params, state: DecodeState, static: Decoding, drafts, 
     def verify_k(k, s):
         return commit_block(params, s, static, verify_fn(params, s, static, drafts[:, :k]))
 
-    return _verify_one_width(params, state, static, expected, plain, verify_k)
+    return _verify_one_width(params, state, static, expected, verify_k)
 
 
-def verify_chosen_tree(params: Params, state: DecodeState, static: Decoding, tree, conf, plain) -> DecodeState:
+def verify_chosen_tree(params: Params, state: DecodeState, static: Decoding, tree, conf) -> DecodeState:
     """:func:`verify_chosen` over a best-first tree (``static.tree`` nodes): verifies its first
     ``w`` nodes, ``w`` one of ``static.auto_widths`` chosen from
     :func:`~dflash_jax.decode.auto.policy.tree_expected_tokens`."""
@@ -80,28 +96,25 @@ def verify_chosen_tree(params: Params, state: DecodeState, static: Decoding, tre
     expected = depth.tree_expected_tokens(params.depth, tree, conf, block_len - 1)
 
     def verify_k(k, s):
-        if k == 0:  # the anchor alone: a plain step
-            return commit_block(params, s, static, verify_fn(params, s, static, jnp.zeros((s.tokens.shape[0], 0), jnp.int32)))
         return commit_block(params, s, static, verify_tree_fn(params, s, static, tree.first(k)))
 
-    return _verify_one_width(params, state, static, expected, plain, verify_k)
+    return _verify_one_width(params, state, static, expected, verify_k)
 
 
-def _verify_one_width(params: Params, state: DecodeState, static: Decoding, expected, plain, verify_k) -> DecodeState:
+def _verify_one_width(params: Params, state: DecodeState, static: Decoding, expected, verify_k) -> DecodeState:
     """Chooses the width of ``static.auto_widths`` from ``expected [B, m + 1]`` (tokens committed
-    in expectation when ``w`` drafts are verified), runs ``verify_k(w, state)`` for it (``w = 0``:
-    a plain step), counts the width and updates the plain-step schedule."""
+    in expectation when ``w`` drafts are verified), runs ``verify_k(w, state)`` for it, counts the
+    width, updates the plain-step schedule and each row's trust."""
     running = ~state.done
     live = jnp.max(jnp.where(running, state.length, 0))
     trust = state.speculative.trust
     j, pays = depth.choose_from(params.depth, depth.trusted(expected, trust), running, live, static.auto_widths)
-    widths = (0, *static.auto_widths)  # branch 0: the anchor alone (a plain step)
-    branch = jnp.where(plain, 0, j + 1)
-    w = jnp.asarray(widths, jnp.int32)[branch]
+    widths = static.auto_widths
+    w = jnp.asarray(widths, jnp.int32)[j]
     accepted = state.speculative.accepted
-    state = run_one_of(branch, [functools.partial(verify_k, k) for k in widths], state)
-    ctx = depth.schedule(params.depth, count_width(state.speculative, w, plain), plain, pays)
-    trust = depth.update_trust(trust, expected, w, ctx.accepted - accepted, running & ~plain)
+    state = run_one_of(j, [functools.partial(verify_k, k) for k in widths], state)
+    ctx = depth.schedule(params.depth, count_width(state.speculative, w, jnp.bool_(False)), jnp.bool_(False), pays)
+    trust = depth.update_trust(trust, expected, w, ctx.accepted - accepted, running)
     return state.replace(speculative=ctx.replace(trust=trust))
 
 
@@ -109,7 +122,8 @@ def _verify_one_width(params: Params, state: DecodeState, static: Decoding, expe
 def verify_auto(params: Params, state: DecodeState, static: Decoding, drafts, conf, plain=False) -> DecodeState:
     """Jitted :func:`verify_chosen` of given ``drafts [B, n]`` and confidences ``conf [B, n]``
     (``n = static.depth``), state donated: the adaptive step after its propose, for scripted
-    drafters in tests and experiments. Raises DFlashError for arguments that do not go together
+    drafters in tests and experiments; ``plain`` true runs the plain step instead. Raises DFlashError for arguments that do not go together
     (:func:`~dflash_jax.decode.state.check_step_inputs`)."""
     check_step_inputs(params, state, static)
-    return verify_chosen(params, state, static, drafts, conf, jnp.asarray(plain))
+    plain = jnp.asarray(plain)
+    return run_one_of(plain.astype(jnp.int32), [lambda s: verify_chosen(params, s, static, drafts, conf), _plain_step_of(params, static)], state)

@@ -36,7 +36,7 @@ from dflash_jax.decode.state import Decoding, Params
 from dflash_jax.errors import DFlashError
 from dflash_jax.formats.files import write_text
 from dflash_jax.nn.params import is_per_layer
-from dflash_jax.decode.auto.policy import MAX_BACKOFF, PAY_MARGIN, Calibration, DepthPolicy, verify_widths
+from dflash_jax.decode.auto.policy import MAX_BACKOFF, MAX_BACKOFF_LIMIT, PAY_MARGIN, PROBE_LOSS, Calibration, DepthPolicy, verify_widths
 
 
 NEVER = 2**31 - 1  # the bound of the last live-length bucket
@@ -160,11 +160,25 @@ def with_constants(policy: DepthPolicy, max_backoff: int | None = None, pay_marg
     return policy.replace(max_backoff=jnp.int32(max_backoff), pay_margin=jnp.float32(pay_margin))
 
 
-def depth_policy(calibration: Calibration, costs: CostModel, max_backoff: int = MAX_BACKOFF,
+def probe_backoff(costs: CostModel) -> int:
+    """The longest run of plain steps between two proposes (``max_backoff``) for ``costs``: the
+    fewest plain steps after which a propose whose drafts are all rejected has cost at most
+    :data:`~dflash_jax.decode.auto.policy.PROBE_LOSS` of plain decoding's speed,
+    ``ceil((C / C_plain - 1) / PROBE_LOSS)`` with ``C`` the cheapest drafting step (worst bucket),
+    within ``[MAX_BACKOFF, MAX_BACKOFF_LIMIT]``. Where a drafting step costs 1.1 plain steps (a
+    GPU) that is :data:`~dflash_jax.decode.auto.policy.MAX_BACKOFF`; where it costs 2.4 (the
+    default pair's tree of 3 on a 2-core CPU) 57: a machine where drafting rarely pays probes
+    rarely."""
+    ratio = max(min(step) / plain for step, plain in zip(costs.step_cost, costs.plain_cost))
+    return int(min(max(math.ceil((ratio - 1.0) / PROBE_LOSS), MAX_BACKOFF), MAX_BACKOFF_LIMIT))
+
+
+def depth_policy(calibration: Calibration, costs: CostModel, max_backoff: int | None = None,
                  pay_margin: float = PAY_MARGIN, depth: int | None = None) -> DepthPolicy:
     """The arrays of ``Params.depth`` from a drafter's calibration, a cost model, the longest run
-    of plain steps between two proposes (``max_backoff``) and the fraction by which drafting must
-    beat a plain step (``pay_margin``; :mod:`dflash_jax.decode.auto.policy`).
+    of plain steps between two proposes (``max_backoff``; ``None``: :func:`probe_backoff` of the
+    costs) and the fraction by which drafting must beat a plain step (``pay_margin``;
+    :mod:`dflash_jax.decode.auto.policy`).
 
     Args:
       depth: the drafted depth, the calibrated positions a step reads (``None``: ``costs.n``, a
@@ -174,6 +188,7 @@ def depth_policy(calibration: Calibration, costs: CostModel, max_backoff: int = 
         longer calibration is cut to the drafted depth: auto over fewer drafts than the block);
         a bad constant (:func:`check_constants`).
     """
+    max_backoff = probe_backoff(costs) if max_backoff is None else max_backoff
     check_constants(max_backoff, pay_margin)
     n = costs.n if depth is None else int(depth)
     if len(calibration.scale) < n:

@@ -35,7 +35,8 @@ Drafting does not pay when even that best rate does not beat the rate of a plain
 token per running row per ``plain_cost`` seconds) by ``pay_margin`` (:data:`PAY_MARGIN` by
 default). The step after such a propose is then a plain step (a target pass over the anchor
 alone: no propose, one token), and the plain run doubles each time the next propose does not pay
-either (1, 2, 4, then at most ``max_backoff`` steps, :data:`MAX_BACKOFF` by default); a propose
+either (1, 2, 4, then at most ``max_backoff`` steps: by default set from the measured costs,
+:func:`dflash_jax.decode.auto.costs.probe_backoff`, :data:`MAX_BACKOFF` where drafting is cheap); a propose
 that pays resets it. The choice is made on device, from drafter-side values and the history only,
 so greedy output equals plain greedy decoding and sampled output keeps the target's distribution
 exactly (the accept rule of each verified draft is unchanged).
@@ -60,9 +61,15 @@ from dflash_jax.errors import DFlashError
 # on HumanEval and 1.00x against 1.00x on chat at batch 1, and 1.20x against 1.10x and 0.99x
 # against 0.96x at batch 8. (Answers of 32 tokens had favoured 16 and 0.15 on chat, where each
 # answer's first probes weigh more.) Both are fields of DepthPolicy (traced): another value
-# recompiles nothing.
+# recompiles nothing. MAX_BACKOFF is now the floor of the cost-derived cap below.
 MAX_BACKOFF = 8
 PAY_MARGIN = 0.05
+# Where a drafting step costs several plain steps (a 2-core CPU), a propose whose drafts are all
+# rejected loses most of one: the longest plain run there is set by the measured costs so that
+# such a propose costs at most PROBE_LOSS of plain decoding's speed (costs.probe_backoff), from
+# MAX_BACKOFF up to MAX_BACKOFF_LIMIT.
+PROBE_LOSS = 0.025
+MAX_BACKOFF_LIMIT = 64
 # The weight of a step's observation in a row's online acceptance (update_trust): a row whose
 # drafts are all rejected weighs its predictions at 1/2, 1/4, 1/8 after one, two, three steps;
 # the factor stays within [0, TRUST_MAX].
@@ -85,7 +92,7 @@ class DepthPolicy:
         of a chain, :func:`tree_widths` of a tree), per bucket.
       plain_cost: ``[K]`` float32 seconds of a plain step (no propose, one target token).
       max_backoff: ``[]`` int32 the longest run of plain steps between two proposes
-        (:data:`MAX_BACKOFF` unless set).
+        (:func:`~dflash_jax.decode.auto.costs.probe_backoff` of the costs unless set).
       pay_margin: ``[]`` float32 the fraction by which drafting's expected rate must beat a
         plain step's (:data:`PAY_MARGIN` unless set).
     """
