@@ -342,6 +342,8 @@ def test_generate_measures_keeps_and_refreshes_the_cost_model(api_pair, tmp_path
     assert len(st["step_cost_ms"]) == len(WIDTHS) and st["cost_widths"] == list(WIDTHS) and st["plain_cost_ms"] > 0
     kept = list((tmp_path / "depth_costs").glob("*.json"))
     assert len(kept) == 1 and json.loads(kept[0].read_text())["key"]["batch"] == 3
+    from dflash_jax.runtime.compiled import source_hash  # another version of the step measures again
+    assert json.loads(kept[0].read_text())["key"]["package"] == source_hash()[:16]
     again = dj.generate(target, PROMPTS, max_new_tokens=12, drafter=drafter)
     assert again.stats["cost_model"] == "cached" and again.stats["step_cost_ms"] == st["step_cost_ms"]
     assert "step costs" not in capsys.readouterr().err

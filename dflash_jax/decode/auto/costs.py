@@ -8,8 +8,8 @@ propose, the anchor alone). :func:`measure` times the
 generation's own compiled loop (or step), run with policies that force each width in turn
 (:meth:`CostModel.forcing`), so measuring compiles nothing. :func:`cost_model_for` keeps the
 result in ``<cache folder>/depth_costs`` (next to the compilation cache, ``jax_cache``), keyed
-by device, JAX version, models and batch size (:func:`cost_key`): once per machine, pair and
-batch size, never per prompt, budget or setting; it measures again on request (``refresh``:
+by device, JAX version, this package's source, models and batch size (:func:`cost_key`): once
+per machine, version, pair and batch size, never per prompt, budget or setting; it measures again on request (``refresh``:
 ``--measure-costs``) and never keeps a measurement whose timings did not settle.
 :func:`depth_policy` joins a cost model and the drafter's calibration into the arrays a step
 reads (``Params.depth``).
@@ -31,6 +31,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from dflash_jax.runtime import distributed
+from dflash_jax.runtime.compiled import source_hash
 from dflash_jax import progress
 from dflash_jax.decode.state import Decoding, Params
 from dflash_jax.errors import DFlashError
@@ -346,8 +347,10 @@ def costs_dir() -> Path:
 
 
 def cost_key(static: Decoding, params: Params, batch: int, sources: tuple[str, ...]) -> dict:
-    """What a cost model depends on: device, JAX, the models (sources, configs, dtype, layouts)
-    and the batch. Not the capacity (the steps read the live prefix of the cache, not its
+    """What a cost model depends on: device, JAX, this package's source
+    (:func:`~dflash_jax.runtime.compiled.source_hash`: a changed step is measured again, where a
+    kept measurement of the old step would decide every later run), the models (sources, configs,
+    dtype, layouts) and the batch. Not the capacity (the steps read the live prefix of the cache, not its
     capacity), the sampling settings, the draft mode, the prompt or how the steps are run (a
     loop on device or steps from Python): each moves every kind's cost alike by a little, so
     one measurement serves a machine and a pair at each batch size."""
@@ -356,7 +359,7 @@ def cost_key(static: Decoding, params: Params, batch: int, sources: tuple[str, .
               if isinstance(p, dict)]
     digest = hashlib.sha256(repr((static.target, static.drafter)).encode()).hexdigest()[:16]
     key = dict(device=f"{dev.platform}:{dev.device_kind}", devices=jax.device_count(), jax=jax.__version__,
-               format=FORMAT, sources=list(sources), models=digest, layout=layout, batch=int(batch))
+               package=source_hash()[:16], format=FORMAT, sources=list(sources), models=digest, layout=layout, batch=int(batch))
     if static.tree:  # a tree step's pass of w nodes is priced apart from a chain's of w drafts
         key.update(tree=int(static.tree), depth=int(static.depth))
     return key
