@@ -42,19 +42,20 @@ def step_fn(params: Params, state: DecodeState, static: Decoding) -> DecodeState
             return verify_chosen_tree(params, s, static, *tree_of(params, static, *tree_inputs(params, s, static)))
         return verify_chosen(params, s, static, *propose_fn(params, s, static))
 
-    return run_one_of(plain.astype(jnp.int32), [draft_step, _plain_step_of(params, static)], state)
+    return _plain_or(params, state, static, plain, draft_step)
 
 
-def _plain_step_of(params: Params, static: Decoding):
-    """The adaptive step's plain step, ``state -> state``: the anchor alone through the target
-    (captured for the drafter context), one token per running row, one plain step of the
-    schedule used (the width counts and each row's trust unchanged)."""
+def _plain_or(params: Params, state: DecodeState, static: Decoding, plain, draft_step) -> DecodeState:
+    """The plain step when ``plain`` (``[]`` bool) is true, else ``draft_step(state)``: one of two
+    while loops runs (:func:`run_one_of`). The plain step puts the anchor alone through the
+    target (captured for the drafter context), commits one token per running row and uses one
+    plain step of the schedule (the width counts and each row's trust unchanged)."""
 
     def plain_step(s):
         s = commit_block(params, s, static, verify_fn(params, s, static, jnp.zeros((s.tokens.shape[0], 0), jnp.int32)))
         return s.replace(speculative=depth.schedule(params.depth, s.speculative, jnp.bool_(True), jnp.bool_(False)))
 
-    return plain_step
+    return run_one_of(plain.astype(jnp.int32), [draft_step, plain_step], state)
 
 
 def run_one_of(index, fns, operand):
@@ -122,8 +123,7 @@ def _verify_one_width(params: Params, state: DecodeState, static: Decoding, expe
 def verify_auto(params: Params, state: DecodeState, static: Decoding, drafts, conf, plain=False) -> DecodeState:
     """Jitted :func:`verify_chosen` of given ``drafts [B, n]`` and confidences ``conf [B, n]``
     (``n = static.depth``), state donated: the adaptive step after its propose, for scripted
-    drafters in tests and experiments; ``plain`` true runs the plain step instead. Raises DFlashError for arguments that do not go together
-    (:func:`~dflash_jax.decode.state.check_step_inputs`)."""
+    drafters in tests and experiments; ``plain`` true runs the plain step instead. Raises
+    DFlashError for arguments that do not go together (:func:`~dflash_jax.decode.state.check_step_inputs`)."""
     check_step_inputs(params, state, static)
-    plain = jnp.asarray(plain)
-    return run_one_of(plain.astype(jnp.int32), [lambda s: verify_chosen(params, s, static, drafts, conf), _plain_step_of(params, static)], state)
+    return _plain_or(params, state, static, jnp.asarray(plain), lambda s: verify_chosen(params, s, static, drafts, conf))
