@@ -21,7 +21,7 @@ import numpy as np
 from dflash_jax import progress
 from dflash_jax.arguments import Request, check_request
 from dflash_jax.decode.loop import decode_step, generate_until, init_state, stream
-from dflash_jax.decode.auto import costs
+from dflash_jax.decode.auto import costs, history
 from dflash_jax.decode.prefill import compile_prefill, prefill
 from dflash_jax.decode.sampling import SamplingConfig
 from dflash_jax.decode.state import FINISH_REASONS, RUNNING, STOP
@@ -86,13 +86,15 @@ def _compile_reported(req: Request, state, streaming: bool):
     return out
 
 
-def _with_policy(req: Request, target: Target, drafter: Drafter, state, run, streaming: bool) -> tuple[Request, dict]:
+def _with_policy(req: Request, target: Target, drafter: Drafter, state, run, streaming: bool) -> tuple[Request, Any, dict, Any]:
     """``req`` with ``params.depth`` set for ``n_max="auto"`` (:func:`dflash_jax.decode.auto.costs.adaptive_params`:
     the costs given, kept on disk for this machine, pair and batch size, or measured once with
     ``run`` on copies of the initial ``state`` whose rows it sets to a fixed length, before the
-    prompts are prefilled), and the statistics that say where the costs came from."""
+    prompts are prefilled); ``state`` going on from the schedule the last generation of this key
+    ended with (:func:`dflash_jax.decode.auto.history.resume`); the statistics that say where the
+    costs and the schedule came from; and that key (``None`` unless ``"auto"``)."""
     if not req.static.adaptive:
-        return req, {}
+        return req, state, {}, None
 
     def steps(params, s):  # streaming compiles one step: run it until the rows are done
         while not bool(jax.device_get(jnp.all(s.done))):
@@ -102,10 +104,12 @@ def _with_policy(req: Request, target: Target, drafter: Drafter, state, run, str
     key = costs.cost_key(req.static, req.params, len(req.prompts), (target.source, drafter.source))
     params, model = costs.adaptive_params(req.params, req.static, req.calibration, steps if streaming else run, key, state, req.cost_model)
     info = model.info or {}
-    return dataclasses.replace(req, params=params), dict(
+    schedule_key = history.key(key, req.sampling, model)
+    state, schedule_from = history.resume(state, schedule_key)
+    return dataclasses.replace(req, params=params), state, dict(
         cost_model=info.get("source", "given"), cost_model_s=info.get("seconds", 0.0) if info.get("source") == "measured" else 0.0,
         cost_widths=list(model.widths), step_cost_ms=[round(1000 * c, 3) for c in model.step_cost[0]],
-        plain_cost_ms=round(1000 * model.plain_cost[0], 3))
+        plain_cost_ms=round(1000 * model.plain_cost[0], 3), schedule_from=schedule_from), schedule_key
 
 
 def _stream(req: Request, tokenizer, state, run, on_tokens) -> tuple[Any, float]:
@@ -140,6 +144,25 @@ def _initial_state(req: Request, target: Target):
     ``"data"``, cache heads over ``"model"``, like the parameters)."""
     state = init_state(req.static, req.prompts, req.max_len, req.max_new_tokens, req.stop_ids, req.seed, req.sampling)
     return state if target.mesh is None else sharding.shard_state(state, target.mesh)
+
+
+def _prefill_and_decode(req: Request, target: Target, state, prefill_c, run, on_tokens) -> tuple[Any, dict]:
+    """Prefills ``state`` and decodes it to the end (the loop on device, or its steps from Python
+    when ``on_tokens`` streams), each timed: ``(state, {prefill_time_s, decode_time_s})``, the
+    callbacks' own time left out of the decode time."""
+    jax.block_until_ready((req.params, state))
+    t0 = time.perf_counter()
+    state = prefill(req.params, state, req.static, req.chunk_size, max(len(p) for p in req.prompts), compiled=prefill_c)
+    jax.block_until_ready(state)
+    prefill_s = time.perf_counter() - t0
+
+    t0, callback_s = time.perf_counter(), 0.0
+    if on_tokens is None:
+        state = run(req.params, state)
+    else:
+        state, callback_s = _stream(req, target.tokenizer, state, run, on_tokens)
+    jax.block_until_ready(state)
+    return state, dict(prefill_time_s=prefill_s, decode_time_s=time.perf_counter() - t0 - callback_s)
 
 
 def generate(
@@ -183,7 +206,8 @@ def generate(
         ``accepted_per_position``, ``drafted_tokens``, ``accepted_tokens`` and ``tree``.
       n_max: drafted tokens verified per step, or ``"auto"``: each step chooses the width, or a
         plain step, from calibrated confidences and measured costs (:mod:`dflash_jax.decode.auto.policy`;
-        stats add ``widths``, ``plain_steps`` (counted as verify steps) and the costs used). Default: the drafter's recorded
+        stats add ``widths``, ``plain_steps`` (counted as verify steps), the costs used and the
+        ``schedule_from`` the last generation left, :mod:`~dflash_jax.decode.auto.history`). Default: the drafter's recorded
         ``n_max`` (``"auto"`` for the shipped drafter), else its ``block_size - 1``.
       draft_mode: ``"argmax"`` (default), ``"sample"`` or ``"reject"`` (:class:`dflash_jax.decode.state.Decoding`).
       cost_model: under ``"auto"``: ``None`` (kept on disk for this device, pair and batch
@@ -204,22 +228,11 @@ def generate(
     t0 = time.perf_counter()
     prefill_c, run = _compile_reported(req, state, streaming=on_tokens is not None)  # traces shapes only; nothing runs
     compile_s = time.perf_counter() - t0
-    req, policy_stats = _with_policy(req, target, drafter, state, run, streaming=on_tokens is not None)
-
-    jax.block_until_ready((req.params, state))
-    t0 = time.perf_counter()
-    state = prefill(req.params, state, req.static, req.chunk_size, max(len(p) for p in req.prompts), compiled=prefill_c)
-    jax.block_until_ready(state)
-    prefill_s = time.perf_counter() - t0
-
-    t0, callback_s = time.perf_counter(), 0.0
-    if on_tokens is None:
-        state = run(req.params, state)
-    else:
-        state, callback_s = _stream(req, target.tokenizer, state, run, on_tokens)
-    jax.block_until_ready(state)
-    decode_s = time.perf_counter() - t0 - callback_s
-    timings = dict(compile_time_s=compile_s, prefill_time_s=prefill_s, decode_time_s=decode_s)
+    req, state, policy_stats, schedule_key = _with_policy(req, target, drafter, state, run, streaming=on_tokens is not None)
+    state, timings = _prefill_and_decode(req, target, state, prefill_c, run, on_tokens)
+    if schedule_key is not None:  # the next generation of this key goes on from this one's schedule
+        history.keep(schedule_key, state)
+    timings = dict(compile_time_s=compile_s, **timings)
     extra = dict(mode="plain") if drafter is None else dict(mode="dflash", **spec_stats(state, n_max=req.static.n_max), tree=req.static.tree, **policy_stats)
     return build_result(target, req.prompts, state, req.stop_texts, timings, max_len=req.max_len, chunk_size=req.chunk_size, **extra)
 

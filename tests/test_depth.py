@@ -121,14 +121,14 @@ def test_the_longest_plain_run_follows_the_measured_costs():
     """By default the cap of the backoff makes a propose whose drafts are all rejected cost at most
     PROBE_LOSS of plain speed: MAX_BACKOFF where drafting is cheap, ceil((C / C_plain - 1) /
     PROBE_LOSS) of the cheapest width in the worst bucket between, MAX_BACKOFF_LIMIT at most."""
-    cheap = CostModel(step_cost=((1.1, 1.2),), plain_cost=(1.0,), widths=WIDTHS)
+    cheap = CostModel(step_cost=((1.05, 1.2),), plain_cost=(1.0,), widths=WIDTHS)
     dear = CostModel(step_cost=((2.42, 3.0),), plain_cost=(1.0,), widths=WIDTHS)
-    buckets = CostModel(step_cost=((1.1, 1.2), (0.03, 0.04)), plain_cost=(1.0, 0.02), widths=WIDTHS, bounds=(128, 1024))
+    buckets = CostModel(step_cost=((1.05, 1.2), (0.03, 0.04)), plain_cost=(1.0, 0.02), widths=WIDTHS, bounds=(128, 1024))
     assert costs.probe_backoff(cheap) == MAX_BACKOFF
-    assert costs.probe_backoff(dear) == 57  # ceil(1.42 / 0.025)
-    assert costs.probe_backoff(buckets) == 20  # the second bucket's 1.5 plain steps
+    assert costs.probe_backoff(dear) == 142  # ceil(1.42 / 0.01)
+    assert costs.probe_backoff(buckets) == 50  # the second bucket's 1.5 plain steps
     assert costs.probe_backoff(CostModel.never_pays(N)) == depth.MAX_BACKOFF_LIMIT
-    assert int(depth_policy(Calibration.identity(N), dear).max_backoff) == 57
+    assert int(depth_policy(Calibration.identity(N), dear).max_backoff) == 142
     assert int(depth_policy(Calibration.identity(N), dear, max_backoff=3).max_backoff) == 3
 
 
@@ -320,6 +320,48 @@ def api_pair(pair):
     cfg, params, dcfg, dparams = pair
     target = dj.Target(cfg=cfg, params=params, tokenizer=None, source="tiny-target", eos_ids=())
     return target, dj.Drafter(cfg=dcfg, params=dparams, source="tiny-drafter", n_max="auto", calibration=CONFIDENT)
+
+
+def test_the_schedule_goes_on_from_the_last_generation_of_the_same_key(api_pair):
+    """A generation under ``auto`` starts from the schedule the last one of the same pair, batch
+    size, settings and costs ended with (decode/auto/history.py): under costs where drafting never
+    pays the second answer inherits the long plain run and proposes less, the output stays plain
+    greedy decoding's, another batch size starts afresh and ``forget`` clears what is kept."""
+    from dflash_jax.decode.auto import history
+    target, drafter = api_pair
+    history.forget()
+    never = CostModel.never_pays(N)
+    plain = dj.generate(target, PROMPTS, max_new_tokens=24)
+    first = dj.generate(target, PROMPTS, max_new_tokens=24, drafter=drafter, cost_model=never)
+    assert first.stats["schedule_from"] is None and first.output_ids == plain.output_ids
+    # proposes at steps 0, 2, 5, 10 and 19 (plain runs of 1, 2, 4, 8, then 16 cut by the budget)
+    assert sum(first.stats["widths"]) == 5
+    second = dj.generate(target, PROMPTS, max_new_tokens=24, drafter=drafter, cost_model=never)
+    kept = second.stats["schedule_from"]
+    assert kept["backoff"] == 32 and 1 <= kept["plain_left"] <= 16 and 0 <= kept["trust"] <= depth.TRUST_MAX
+    assert second.output_ids == plain.output_ids
+    assert sum(second.stats["widths"]) == 1  # the rest of the run of 16, a propose, then a run of 32
+    assert dj.generate(target, PROMPTS[:2], max_new_tokens=24, drafter=drafter, cost_model=never).stats["schedule_from"] is None
+    history.forget()
+    assert dj.generate(target, PROMPTS, max_new_tokens=24, drafter=drafter, cost_model=never).stats["schedule_from"] is None
+
+
+def test_rows_joining_a_served_batch_start_from_its_running_rows_trust(pair):
+    """A request's rows join a running batch with the mean trust of its running rows (the
+    server's counterpart of a generation going on from the last one); with none running, of all
+    its rows."""
+    from dflash_jax.decode.auto import history
+    from dflash_jax.decode.state import STOP
+    cfg, params, dcfg, dparams = pair
+    static = Decoding(cfg, dcfg, n_max="auto")
+    st = decode.init_state(static, [PROMPTS[0]] * 3, 64, 8)
+    st = st.replace(speculative=st.speculative.replace(trust=jnp.asarray([0.2, 0.6, 1.6], jnp.float32)),
+                    finish=st.finish.at[2].set(STOP))
+    joined = history.joining(st, decode.init_state(static, [PROMPTS[1]] * 2, 64, 8))
+    np.testing.assert_allclose(np.asarray(joined.speculative.trust), [0.4, 0.4], rtol=1e-6)
+    idle = st.replace(finish=jnp.full_like(st.finish, STOP))
+    np.testing.assert_allclose(np.asarray(history.joining(idle, decode.init_state(static, [PROMPTS[1]], 64, 8)).speculative.trust), [0.8],
+                               rtol=1e-6)
 
 
 def test_generate_measures_keeps_and_refreshes_the_cost_model(api_pair, tmp_path, monkeypatch, capsys):

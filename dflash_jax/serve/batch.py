@@ -22,6 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from dflash_jax.decode import loop as decode
+from dflash_jax.decode.auto import history
 from dflash_jax.runtime import sharding
 from dflash_jax.arguments import effective_chunk_size
 from dflash_jax.runtime.carry import flat_axes
@@ -189,6 +190,8 @@ class Batch:
         if not p.complete:
             return
         fresh = decode.finish_prefill(p.state, self.static, p.acc)
+        if self.static.adaptive:  # the new rows start from the batch's online acceptance
+            fresh = history.joining(self.state, fresh)
         rows = jnp.asarray(p.rows, jnp.int32)
         if self.pool is None:
             self.state = decode.replace_rows(self.state, fresh, rows)

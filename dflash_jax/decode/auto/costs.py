@@ -166,9 +166,9 @@ def probe_backoff(costs: CostModel) -> int:
     fewest plain steps after which a propose whose drafts are all rejected has cost at most
     :data:`~dflash_jax.decode.auto.policy.PROBE_LOSS` of plain decoding's speed,
     ``ceil((C / C_plain - 1) / PROBE_LOSS)`` with ``C`` the cheapest drafting step (worst bucket),
-    within ``[MAX_BACKOFF, MAX_BACKOFF_LIMIT]``. Where a drafting step costs 1.1 plain steps (a
+    within ``[MAX_BACKOFF, MAX_BACKOFF_LIMIT]``. Where a drafting step costs 1.05 plain steps (a
     GPU) that is :data:`~dflash_jax.decode.auto.policy.MAX_BACKOFF`; where it costs 2.4 (the
-    default pair's tree of 3 on a 2-core CPU) 57: a machine where drafting rarely pays probes
+    default pair's tree of 3 on a 2-core CPU) 140: a machine where drafting rarely pays probes
     rarely."""
     ratio = max(min(step) / plain for step, plain in zip(costs.step_cost, costs.plain_cost))
     return int(min(max(math.ceil((ratio - 1.0) / PROBE_LOSS), MAX_BACKOFF), MAX_BACKOFF_LIMIT))
