@@ -67,9 +67,9 @@ PAY_MARGIN = 0.05
 # Where a drafting step costs several plain steps (a 2-core CPU), a propose whose drafts are all
 # rejected loses most of one: the longest plain run there is set by the measured costs so that
 # such a propose costs at most PROBE_LOSS of plain decoding's speed (costs.probe_backoff), from
-# MAX_BACKOFF up to MAX_BACKOFF_LIMIT. 1 %: the bar (0.99x plain decoding) once the
-# schedule goes on from one generation to the next (decode/auto/history.py); 2.5 % (a cap of 57
-# on a 2-core CPU) lost 2-3 % there.
+# MAX_BACKOFF up to MAX_BACKOFF_LIMIT. 1 %, within the 0.99x of plain decoding that the default
+# must keep where drafting does not pay: once the schedule goes on from one generation to the
+# next (decode/auto/history.py), this cap, not each answer's first probes, sets what probing costs.
 PROBE_LOSS = 0.01
 MAX_BACKOFF_LIMIT = 256
 # The weight of a step's observation in a row's online acceptance (update_trust): a row whose
