@@ -46,8 +46,9 @@ def key(cost_key: dict, sampling: Any, model: Any) -> Hashable:
 
 def resume(state: DecodeState, k: Hashable) -> tuple[DecodeState, dict | None]:
     """``state`` (a fresh adaptive state) with the schedule kept for ``k``, if any: every row's
-    ``trust`` the kept mean, ``backoff`` and ``plain_left`` as kept. Returns ``(state, what was
-    resumed or None)``."""
+    ``trust`` (``[B]`` float32) the kept mean, ``backoff`` and ``plain_left`` (``[]`` int32, steps)
+    as kept, each in its old placement. Returns ``(state, {"trust", "backoff", "plain_left"} as
+    kept, or None)``. Raises nothing: an unknown key leaves ``state`` as it is."""
     with _LOCK:
         kept = _KEPT.get(k)
     if kept is None:
