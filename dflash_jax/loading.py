@@ -28,6 +28,8 @@ from dflash_jax.formats import gguf_file
 from dflash_jax.formats.tokenizer import Tokenizer
 from dflash_jax.nn.params import unstack_layers
 from dflash_jax.drafter import model as drafter_model
+from dflash_jax.drafter.module import DrafterModule
+from dflash_jax.families.contract import TargetModule
 from dflash_jax.nn.params import is_per_layer
 from dflash_jax.nn import params as layouts
 from dflash_jax.nn.params import stack_layers
@@ -60,6 +62,13 @@ class Target:
       weights: how its weights are held, as :func:`load_target` resolved its ``weights``:
         ``"quantized"`` (a quantized checkpoint's weights kept as
         :class:`~dflash_jax.nn.quant.QuantizedWeight`), ``"float"`` or ``"int8"``.
+
+    Made from them:
+      model: the target as a Flax NNX module (its family's
+        :class:`~dflash_jax.families.contract.TargetModule` subclass, :mod:`dflash_jax.nn.module`):
+        one ``nnx.Param`` per leaf of :attr:`params`, the same buffers, each with its logical axes
+        as ``out_sharding`` metadata. Its ``nnx.state(model)`` is what the decode steps take
+        (``Params.target``), read anew for each generation: a module updated in place runs.
     """
 
     cfg: TargetConfig
@@ -70,6 +79,15 @@ class Target:
     fingerprint: str | None = None
     mesh: Any = None
     weights: str = "float"
+
+    model: TargetModule = dataclasses.field(init=False, repr=False)
+
+    def __post_init__(self):
+        # the target as a Flax NNX module (its family's TargetModule subclass): one nnx.Param per
+        # leaf of params, the same buffers, each with its logical axes as out_sharding metadata
+        family = registry.module_for(self.cfg)
+        axes = layouts.with_wide_axes(_axes(family, self.cfg, self.params), self.params)
+        object.__setattr__(self, "model", TargetModule.of(family, self.cfg, self.params, axes))
 
 
 LAYER_LAYOUTS = ("auto", "stacked", "per_layer")
@@ -231,6 +249,9 @@ class Drafter:
       tree: the nodes of the best-first draft tree verified with its recorded depth
         (``config.json`` field ``dflash_jax.tree``, :attr:`dflash_jax.decode.state.Decoding.tree`;
         ``None``: a chain of drafts).
+      model: made from ``params``: the drafter as a Flax NNX module (its kind's
+        :class:`~dflash_jax.drafter.module.DrafterModule` subclass) over the same buffers;
+        its ``nnx.state(model)`` is ``Params.drafter``.
     """
 
     cfg: Any
@@ -241,6 +262,12 @@ class Drafter:
     auto_depth: int | None = None
     tree: int | None = None
     weights: str = "float"
+
+    model: DrafterModule = dataclasses.field(init=False, repr=False)
+
+    def __post_init__(self):
+        # the drafter as a Flax NNX module (its kind's DrafterModule subclass) over the same buffers
+        object.__setattr__(self, "model", DrafterModule.of(self.cfg, self.params, _axes(drafter_model, self.cfg, self.params)))
 
 
 def load_drafter(path: str | os.PathLike, target: Target, dtype: str | None = None, draft_vocab: bool = True,

@@ -27,9 +27,18 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 QUICK_COMPILE = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
 
 
+# XLA:CPU ends a process whose collective waits 40 s for a device thread (its default): with two
+# test workers and a multi-device subprocess on two cores, a starved thread arrives later than
+# that and the test dies ("Termination timeout ... exceeded"); waits of minutes are still no hang.
+PATIENT_COLLECTIVES = ("--xla_cpu_collective_call_terminate_timeout_seconds=900 "
+                       "--xla_cpu_collective_call_warn_stuck_timeout_seconds=300")
+
+
 def xla_flags(devices: int) -> str:
-    """``XLA_FLAGS`` of a test process with ``devices`` CPU devices, compiling quickly (:data:`QUICK_COMPILE`)."""
-    return f"--xla_force_host_platform_device_count={devices} {QUICK_COMPILE}"
+    """``XLA_FLAGS`` of a test process with ``devices`` CPU devices, compiling quickly
+    (:data:`QUICK_COMPILE`), its collectives patient (:data:`PATIENT_COLLECTIVES`) when it has several."""
+    patient = f" {PATIENT_COLLECTIVES}" if devices > 1 else ""
+    return f"--xla_force_host_platform_device_count={devices} {QUICK_COMPILE}{patient}"
 
 
 os.environ.setdefault("XLA_FLAGS", xla_flags(1))

@@ -210,7 +210,9 @@ dj.generate(target, [[1, 2, 3, 4, 5]], max_new_tokens=8, drafter=drafter, n_max=
 sys.setprofile(None)
 print("\n".join(sorted(files)))
 """
-MAX_FILES_ENTERED = 21  # 20, plus nn/quant.py: the one matmul entry point every model calls (issue 47)
+# 20, plus nn/quant.py: the one matmul entry point every model calls (issue 47), plus nn/module.py:
+# the steps read the models' nnx.State as their parameter trees (issue 51)
+MAX_FILES_ENTERED = 22
 
 
 def test_one_generation_enters_few_files():

@@ -208,6 +208,7 @@ def decode_step(params: Params, state: DecodeState, static: Decoding) -> DecodeS
     """Jitted :func:`decode_step_fn` (state donated). Raises DFlashError for arguments that do not
     go together (:func:`~dflash_jax.decode.state.check_step_inputs`)."""
     check_step_inputs(params, state, static)
+    params = params.trees()
     return decode_step_fn(params, state, static)
 
 
@@ -257,6 +258,7 @@ def generate_until(params: Params, state: DecodeState, static: Decoding, min_don
       DFlashError: arguments that do not go together (:func:`~dflash_jax.decode.state.check_step_inputs`).
     """
     check_step_inputs(params, state, static)
+    params = params.trees()
     return steps_until(lambda s: decode_step_fn(params, s, static), state, min_done, max_steps)
 
 

@@ -50,7 +50,7 @@ def prefill_chunk_fn(params: Params, state: DecodeState, static: Decoding, logit
     context at its own absolute position (so the context does not depend on the chunk size: the
     micro-batch capture fault of docs/specs/bug_reports.md B18). Returns ``(state, logits_acc)``.
     """
-    cfg = static.target
+    cfg, params = static.target, params.trees()
     mod = module_for(cfg)
     b = state.tokens.shape[0]
     padded = jnp.pad(state.tokens, ((0, 0), (0, chunk_size)))

@@ -178,6 +178,7 @@ def propose_block(params: Params, state: DecodeState, static: Decoding):
     Raises DFlashError for arguments that do not go together
     (:func:`~dflash_jax.decode.state.check_step_inputs`)."""
     check_step_inputs(params, state, static)
+    params = params.trees()
     return propose_fn(params, state, static)
 
 
@@ -352,4 +353,5 @@ def verify_block(params: Params, state: DecodeState, static: Decoding, drafts) -
     Raises DFlashError for arguments that do not go together
     (:func:`~dflash_jax.decode.state.check_step_inputs`)."""
     check_step_inputs(params, state, static)
+    params = params.trees()
     return verify_commit(params, state, static, drafts)

@@ -15,6 +15,8 @@ import json
 import time
 from typing import Any
 
+from flax import nnx
+
 from dflash_jax.decode.auto import costs
 from dflash_jax.arguments import drafter_decoding
 from dflash_jax.decode.logprobs import MAX_TOP_LOGPROBS
@@ -58,7 +60,7 @@ class ServedModel:
 
     @property
     def params(self) -> Params:
-        return Params(self.target.params, None if self.drafter is None else self.drafter.params)
+        return Params(nnx.state(self.target.model), None if self.drafter is None else nnx.state(self.drafter.model))
 
     def depth_params(self, params: Params, static: Decoding, state, run) -> Params:
         """``params`` with the depth policy of ``n_max="auto"`` for a batch of ``state``'s rows

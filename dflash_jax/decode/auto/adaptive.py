@@ -126,4 +126,5 @@ def verify_auto(params: Params, state: DecodeState, static: Decoding, drafts, co
     drafters in tests and experiments; ``plain`` true runs the plain step instead. Raises
     DFlashError for arguments that do not go together (:func:`~dflash_jax.decode.state.check_step_inputs`)."""
     check_step_inputs(params, state, static)
+    params = params.trees()
     return _plain_or(params, state, static, jnp.asarray(plain), lambda s: verify_chosen(params, s, static, drafts, conf))

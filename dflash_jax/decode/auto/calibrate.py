@@ -32,20 +32,20 @@ def record_steps(target, drafter, prompts: list[list[int]], max_new: int, max_le
     """
     import jax
     import jax.numpy as jnp
+    from flax import nnx
 
     from dflash_jax.decode import loop as decode
     from dflash_jax.decode import step as speculative
     from dflash_jax.decode.state import Decoding, Params
-    from dflash_jax.decode.step import block_positions, propose_fn
+    from dflash_jax.decode.step import block_positions
 
     n = drafter.cfg.block_size - 1
-    static, params = Decoding(target.cfg, drafter.cfg, n_max=n), Params(target.params, drafter.params)
-    draft = jax.jit(propose_fn, static_argnames=("static",))
+    static, params = Decoding(target.cfg, drafter.cfg, n_max=n), Params(nnx.state(target.model), nnx.state(drafter.model))
     st = decode.init_state(static, prompts, max_len, max_new, target.eos_ids)
     st = decode.prefill(params, st, static, 256)
     confs, accs, valids, rows = [], [], [], []
     while not bool(jax.device_get(jnp.all(st.done))):
-        drafts, conf = draft(params, st, static)
+        drafts, conf = speculative.propose_block(params, st, static)
         running, before = jax.device_get((~st.done, st.speculative.accepted))
         n_valid = jax.device_get(block_positions(st, n + 1)[2] - 1)
         st = speculative.verify_block(params, st, static, drafts)
