@@ -64,6 +64,15 @@ from dflash_jax.nn import attention as live_attention  # noqa: E402
 live_attention.KEY_BLOCK = 16
 
 
+def pytest_collection_modifyitems(config, items):
+    """Files holding a ``slow`` test run first, each file's tests in their order: the two workers
+    (``-n 2 --dist loadfile``) take files in this order, so the long ones (the GPU check's dry run,
+    the notebook, the default model's) start early rather than leave one worker running alone at
+    the end."""
+    slow_files = {item.path for item in items if item.get_closest_marker("slow")}
+    items.sort(key=lambda item: item.path not in slow_files)  # stable: a file's tests stay together, in order
+
+
 @pytest.fixture(autouse=True, scope="module")
 def _release_compiled_programs():
     """Drops JAX's compiled programs after each test module.

@@ -557,16 +557,14 @@ def test_calibrate_depth_refuses_bad_values_and_fits_a_known_calibration(capsys)
 def test_calibrate_depth_names_the_options_when_nothing_was_recorded():
     """A budget that leaves no verify step to record (each prompt's only step is its last, never
     recorded) is a DFlashError naming --max-new-tokens and what would fill it, not an empty concatenate."""
-    from types import SimpleNamespace
-
     from dflash_jax.decode.auto.calibrate import record_steps
     from dflash_jax.errors import DFlashError, option_error
+    from dflash_jax.loading import Drafter, Target
     from dflash_jax.testing import tiny_drafter, tiny_target
 
     tcfg, tparams = tiny_target()
     dcfg, dparams = tiny_drafter(tcfg)
-    target = SimpleNamespace(cfg=tcfg, params=tparams, eos_ids=())
-    drafter = SimpleNamespace(cfg=dcfg, params=dparams)
+    target, drafter = Target(cfg=tcfg, params=tparams), Drafter(cfg=dcfg, params=dparams)
     with pytest.raises(DFlashError) as e:
         record_steps(target, drafter, [[1, 2, 3], [4, 5]], 1, 32)
     msg = str(option_error(e.value))

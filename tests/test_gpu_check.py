@@ -35,6 +35,7 @@ def dry_run(tmp_path_factory):
     return out, json.loads((out / "gpu_check.json").read_text(encoding="utf-8")), r.stdout
 
 
+@pytest.mark.slow  # the dry run: ten runs of tiny shapes, each compiling its programs (3-5 min)
 def test_dry_run_measures_every_section(dry_run):
     out, res, stdout = dry_run
     runs = {(e["shape"], e["dtype"]): e for e in res["runs"]}
@@ -68,6 +69,7 @@ def test_dry_run_measures_every_section(dry_run):
     assert "Skipped" not in md
 
 
+@pytest.mark.slow
 def test_merge_puts_the_section_into_benchmarks_once(dry_run, tmp_path):
     """``--merge`` twice: the section replaces the placeholder once."""
     out, _, _ = dry_run
