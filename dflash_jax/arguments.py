@@ -7,7 +7,6 @@ import dataclasses
 import math
 from typing import Sequence
 import numpy as np
-from flax import nnx
 from dflash_jax.decode.auto.costs import CostModel, depth_policy
 from dflash_jax.decode.state import AUTO, Decoding, Params
 from dflash_jax.errors import DFlashError
@@ -216,9 +215,9 @@ def check_request(target, prompts, *, max_new_tokens, sampling, max_len, chunk_s
     if drafter is None:
         if tree is not None:
             raise DFlashError("tree (--tree)", f"got {tree!r} without a drafter", "a drafter, or tree=None")
-        static, params = Decoding(target.cfg, None, draft_mode, n_max), Params(nnx.state(target.model))
+        static, params = Decoding(target.cfg, None, draft_mode, n_max), Params(target.state())
     else:
-        static, params = drafter_decoding(target.cfg, drafter, draft_mode, n_max, tree), Params(nnx.state(target.model), nnx.state(drafter.model))
+        static, params = drafter_decoding(target.cfg, drafter, draft_mode, n_max, tree), Params(target.state(), drafter.state())
     _check_cost_model(cost_model, static)
     calibration = None
     if static.adaptive:  # a policy of the right shapes for compiling; the driver sets its costs before prefill

@@ -9,6 +9,7 @@ weight loader a checkpoint needs is looked up by architecture in :mod:`dflash_ja
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 from pathlib import Path
 from typing import Any
@@ -28,8 +29,6 @@ from dflash_jax.formats import gguf_file
 from dflash_jax.formats.tokenizer import Tokenizer
 from dflash_jax.nn.params import unstack_layers
 from dflash_jax.drafter import model as drafter_model
-from dflash_jax.drafter.module import DrafterModule
-from dflash_jax.families.contract import TargetModule
 from dflash_jax.nn.params import is_per_layer
 from dflash_jax.nn import params as layouts
 from dflash_jax.nn.params import stack_layers
@@ -65,10 +64,9 @@ class Target:
 
     Made from them:
       model: the target as a Flax NNX module (its family's
-        :class:`~dflash_jax.families.contract.TargetModule` subclass, :mod:`dflash_jax.nn.module`):
+        :class:`~dflash_jax.families.module.TargetModule` subclass, :mod:`dflash_jax.nn.module`):
         one ``nnx.Param`` per leaf of :attr:`params`, the same buffers, each with its logical axes
-        as ``out_sharding`` metadata. Its ``nnx.state(model)`` is what the decode steps take
-        (``Params.target``), read anew for each generation: a module updated in place runs.
+        as ``out_sharding`` metadata. Built (and flax imported) the first time it is read.
     """
 
     cfg: TargetConfig
@@ -80,14 +78,28 @@ class Target:
     mesh: Any = None
     weights: str = "float"
 
-    model: TargetModule = dataclasses.field(init=False, repr=False)
+    @functools.cached_property
+    def model(self):
+        from dflash_jax.families.module import TargetModule
 
-    def __post_init__(self):
-        # the target as a Flax NNX module (its family's TargetModule subclass): one nnx.Param per
-        # leaf of params, the same buffers, each with its logical axes as out_sharding metadata
         family = registry.module_for(self.cfg)
         axes = layouts.with_wide_axes(_axes(family, self.cfg, self.params), self.params)
-        object.__setattr__(self, "model", TargetModule.of(family, self.cfg, self.params, axes))
+        return TargetModule.of(family, self.cfg, self.params, axes)
+
+    def state(self):
+        """The weights the decode steps take (``Params.target``), read anew for each generation:
+        ``nnx.state(self.model)`` once :attr:`model` has been read, so a module changed in place
+        (``set_value``, an optimizer step) is what runs; until then :attr:`params`, the same
+        buffers (the command line and a server never read it: they import no flax)."""
+        return _state(self)
+
+
+def _state(model_holder):
+    if "model" not in vars(model_holder):
+        return model_holder.params
+    from flax import nnx
+
+    return nnx.state(model_holder.model)
 
 
 LAYER_LAYOUTS = ("auto", "stacked", "per_layer")
@@ -250,8 +262,8 @@ class Drafter:
         (``config.json`` field ``dflash_jax.tree``, :attr:`dflash_jax.decode.state.Decoding.tree`;
         ``None``: a chain of drafts).
       model: made from ``params``: the drafter as a Flax NNX module (its kind's
-        :class:`~dflash_jax.drafter.module.DrafterModule` subclass) over the same buffers;
-        its ``nnx.state(model)`` is ``Params.drafter``.
+        :class:`~dflash_jax.drafter.module.DrafterModule` subclass) over the same buffers, built
+        the first time it is read (:attr:`Target.model`).
     """
 
     cfg: Any
@@ -263,11 +275,15 @@ class Drafter:
     tree: int | None = None
     weights: str = "float"
 
-    model: DrafterModule = dataclasses.field(init=False, repr=False)
+    @functools.cached_property
+    def model(self):
+        from dflash_jax.drafter.module import DrafterModule
 
-    def __post_init__(self):
-        # the drafter as a Flax NNX module (its kind's DrafterModule subclass) over the same buffers
-        object.__setattr__(self, "model", DrafterModule.of(self.cfg, self.params, _axes(drafter_model, self.cfg, self.params)))
+        return DrafterModule.of(self.cfg, self.params, _axes(drafter_model, self.cfg, self.params))
+
+    def state(self):
+        """The weights the decode steps take (``Params.drafter``), as :meth:`Target.state`."""
+        return _state(self)
 
 
 def load_drafter(path: str | os.PathLike, target: Target, dtype: str | None = None, draft_vocab: bool = True,

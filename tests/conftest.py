@@ -8,8 +8,9 @@ Compiling is most of the suite's time, so XLA:CPU compiles the tests' programs w
 optimizations off (:data:`QUICK_COMPILE`, as ``tools/gpu_check.py --dry-run`` does): the same HLO
 programs (no fast-math either way) as unoptimized machine code, whose float results differ from the
 optimized code's by rounding only (about 1e-6 relative on the tiny models' logits: what another CPU
-changes too, and far inside every oracle's tolerance).
-Subprocesses inherit it through ``XLA_FLAGS`` (:func:`xla_flags` for those that set the device count).
+changes too, and far inside every oracle's tolerance), and with XLA:CPU's older loop emitters
+(:data:`LEGACY_EMITTERS`, where this jaxlib has them), which compile the same fused HLO in less than
+half the CPU time. Subprocesses inherit it through ``XLA_FLAGS`` (:func:`xla_flags` for those that set the device count).
 """
 
 import atexit
@@ -24,7 +25,30 @@ import pytest
 from oracle_switch import pytest_make_collect_report, pytest_runtest_makereport  # noqa: E402,F401
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# XLA:CPU's older loop emitters instead of its MLIR fusion emitters: the same fused HLO, compiled
+# in less than half the CPU time (the Laguna prefill and decode loop of tools/gpu_check.py's dry
+# run: 23.5 s -> 10.4 s of CPU, 2026-12-07); compiling is most of the suite's time.
+LEGACY_EMITTERS = "--xla_cpu_use_fusion_emitters=false"
+
+
+def _xla_accepts(flag: str) -> bool:
+    """Whether this jaxlib's XLA knows ``flag`` (an unknown one in ``XLA_FLAGS`` aborts every
+    process): asked once per session in a subprocess, the answer kept in the environment for the
+    pytest-xdist workers."""
+    key = "DFLASH_JAX_TEST_XLA_ACCEPTS_" + flag.lstrip("-").split("=")[0].upper()
+    if key not in os.environ:
+        import subprocess
+        import sys
+
+        env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=flag)
+        r = subprocess.run([sys.executable, "-c", "import jax; jax.devices()"], env=env, capture_output=True, timeout=300)
+        os.environ[key] = "1" if r.returncode == 0 else "0"
+    return os.environ[key] == "1"
+
+
 QUICK_COMPILE = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
+if _xla_accepts(LEGACY_EMITTERS):
+    QUICK_COMPILE += f" {LEGACY_EMITTERS}"
 
 
 # XLA:CPU ends a process whose collective waits 40 s for a device thread (its default): with two

@@ -18,7 +18,7 @@ from dflash_jax.drafter import model as drafter_model
 from dflash_jax.drafter.model import drafter_config_from_hf
 from dflash_jax.drafter.module import DrafterModule
 from dflash_jax.families import registry
-from dflash_jax.families.contract import TargetModule
+from dflash_jax.families.module import TargetModule
 from dflash_jax.loading import Drafter, Target
 from dflash_jax.nn.module import axes_of, tree_of
 from dflash_jax.nn.params import unstack_layers
@@ -120,17 +120,36 @@ def test_every_drafter_kind_is_an_nnx_module(arch, layout):
 
 
 def test_the_steps_take_the_state_and_run_what_the_module_holds():
-    """``dj.generate`` passes the modules' states (``Params(target.state, drafter.state)``): its
-    DFlash tokens equal the target's greedy decode; a param set in place on the module (the final
-    norm zeroed: every logit 0, so greedy picks id 0) is what the next generation runs."""
+    """``dj.generate`` passes ``Params(target.state(), drafter.state())``: the parameter trees
+    until ``.model`` is read, the modules' ``nnx.State`` after; both give the target's greedy
+    decode; a param set in place on the module (the final norm zeroed: every logit 0, so greedy
+    picks id 0) is what the next generation runs."""
     cfg, params = tiny_target("llama", seed=5)
     dcfg, dparams = tiny_drafter(cfg, seed=6)
     target, drafter = Target(cfg=cfg, params=params), Drafter(cfg=dcfg, params=dparams)
-    prompt = [5, 9, 17, 3]
-    out = dj.generate(target, [prompt], max_new_tokens=10, drafter=drafter, n_max=3).output_ids[0]
+    prompt, run = [5, 9, 17, 3], lambda: dj.generate(target, [prompt], max_new_tokens=10, drafter=drafter, n_max=3).output_ids[0]
+    assert target.state() is params and drafter.state() is dparams
+    out = run()
     assert out == reference_greedy(params, cfg, prompt, 10) and out != [0] * 10
+    assert isinstance(target.model, nnx.Module) and isinstance(drafter.model, nnx.Module)
+    assert isinstance(target.state(), nnx.State) and isinstance(drafter.state(), nnx.State)
+    assert run() == out
     target.model.norm.set_value(jnp.zeros_like(params["norm"]))
-    assert dj.generate(target, [prompt], max_new_tokens=10, drafter=drafter, n_max=3).output_ids[0] == [0] * 10
+    assert run() == [0] * 10
+
+
+def test_the_package_and_a_target_import_no_flax():
+    """``import dflash_jax``, a ``Target`` and its ``state()`` (what the command line and the server
+    run) import no flax (about 0.5 s of every warm command, BENCHMARKS.md); reading ``.model`` does."""
+    import subprocess
+    import sys
+
+    script = ("import sys, dflash_jax\nfrom dflash_jax.loading import Target\nfrom dflash_jax.testing import tiny_target\n"
+              "cfg, params = tiny_target('llama', seed=5)\nt = Target(cfg=cfg, params=params)\n"
+              "assert t.state() is params and 'flax' not in sys.modules, sorted(m for m in sys.modules if 'flax' in m)\n"
+              "t.model\nassert 'flax.nnx' in sys.modules\nprint('OK')")
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and "OK" in r.stdout, r.stderr[-3000:]
 
 
 def test_a_loaded_checkpoint_is_its_module(serve_tiny_model):
@@ -146,3 +165,32 @@ def test_a_loaded_checkpoint_is_its_module(serve_tiny_model):
     for name, t in tensors.items():
         assert any(h.shape == t.shape and np.array_equal(h, t) or h.shape == t.T.shape and np.array_equal(h, t.T) for h in held), name
     assert all(len(a) == np.ndim(v) for a, v in zip(jax.tree_util.tree_leaves(axes_of(module), **IS_AXES), values))
+
+
+def test_set_weights_converts_layouts_and_dtypes_and_names_a_mismatch():
+    """``set_weights`` sets a module's params from a tree or state in the other layer layout (stacked
+    into a per-layer module and the reverse), cast to each param's dtype; a weight of another
+    shape, or a missing one, is a DFlashError naming it, and the module is left as it was."""
+    from dflash_jax.errors import DFlashError
+    from dflash_jax.nn.module import set_weights
+    from dflash_jax.nn.params import stack_layers
+
+    cfg, _ = tiny_target("llama", seed=5)
+    dcfg, want = tiny_drafter(cfg, seed=6)
+    _, other = tiny_drafter(cfg, seed=7)
+    per_layer = Drafter(cfg=dcfg, params=unstack_layers(other)).model
+    set_weights(per_layer, want)
+    for x, y in zip(jax.tree_util.tree_leaves(tree_of(per_layer)), jax.tree_util.tree_leaves(unstack_layers(want))):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+    stacked = Drafter(cfg=dcfg, params=jax.tree_util.tree_map(lambda x: x.astype(jnp.bfloat16), other)).model
+    set_weights(stacked, nnx.state(per_layer))
+    got = tree_of(stacked)
+    assert got["fc"].dtype == jnp.bfloat16
+    np.testing.assert_array_equal(np.asarray(got["fc"]), np.asarray(want["fc"].astype(jnp.bfloat16)))
+    np.testing.assert_array_equal(np.asarray(got["layers"]["wq"]), np.asarray(stack_layers(want)["layers"]["wq"].astype(jnp.bfloat16)))
+    before = np.asarray(tree_of(per_layer)["fc"])
+    with pytest.raises(DFlashError, match=r"weights\['fc'\]: shape \(1, \d+\)"):
+        set_weights(per_layer, dict(want, fc=want["fc"][:1]))
+    with pytest.raises(DFlashError, match=r"weights\['fc'\]: missing"):
+        set_weights(per_layer, {k: v for k, v in want.items() if k != "fc"})
+    np.testing.assert_array_equal(np.asarray(tree_of(per_layer)["fc"]), before)

@@ -664,10 +664,21 @@ def test_plot_training_curve_tool(tmp_path):
     assert not (tmp_path / "d.png").exists()
 
 
+def _plain_trees(tree):
+    """``tree`` as the trainer held it while its params were plain dicts: every ``nnx.State`` (the
+    drafter module's params, the AdamW moments) a nested dict of its values."""
+    from flax import nnx
+
+    is_state = lambda x: isinstance(x, nnx.State)  # noqa: E731
+    return jax.tree_util.tree_map(lambda x: nnx.to_pure_dict(x) if is_state(x) else x, tree, is_leaf=is_state)
+
+
 def test_checkpoints_roundtrip_and_an_older_safetensors_checkpoint_still_resumes(tmp_path):
     """A checkpoint of the earlier writer (safetensors + state.json) is found and restored exactly;
     the orbax checkpoint written after it restores the same state bit for bit (step, PRNG key,
     cursor) and, with ``keep=1``, replaces it."""
+    from safetensors.numpy import load_file
+
     from dflash_jax.formats.files import write_safetensors
     from dflash_jax.testing import tiny_drafter_config, tiny_target_config
     from dflash_jax.train.checkpoint import load_checkpoint, save_checkpoint
@@ -676,12 +687,13 @@ def test_checkpoints_roundtrip_and_an_older_safetensors_checkpoint_still_resumes
     d_cfg = tiny_drafter_config(tiny_target_config(), layer_ids=(0, 2), block_size=4)
     template = init_train_state(d_cfg, TC)
     bump = lambda tree, k: jax.tree_util.tree_map(lambda x: np.asarray(x) + k, tree)
-    flat = lambda tree: {jax.tree_util.keystr(p, simple=True, separator="."): np.asarray(v)
-                         for p, v in jax.tree_util.tree_flatten_with_path(tree)[0]}
+    flat = lambda tree: {jax.tree_util.keystr(p, simple=True, separator="."): np.asarray(v)  # the old writer's names: plain trees'
+                         for p, v in jax.tree_util.tree_flatten_with_path(_plain_trees(tree))[0]}
     old = tmp_path / "checkpoints" / "step_00000007"
     old.mkdir(parents=True)
     write_safetensors(old / "params.safetensors", flat(bump(template.params, 1)))
     write_safetensors(old / "opt_state.safetensors", flat(bump(template.opt_state, 2)))
+    assert "layers.wq" in load_file(str(old / "params.safetensors"))
     key = jax.random.key(11)
     (old / "state.json").write_text(json.dumps({"step": 7, "rng": np.asarray(jax.random.key_data(key)).tolist(),
                                                 "rng_impl": str(jax.random.key_impl(key)), "cursor": {"sample": 42}}))
@@ -701,3 +713,86 @@ def test_checkpoints_roundtrip_and_an_older_safetensors_checkpoint_still_resumes
     for x, y in zip(jax.tree_util.tree_leaves((back.params, back.opt_state)), jax.tree_util.tree_leaves((st.params, st.opt_state))):
         assert x.dtype == y.dtype
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+def _orbax_layout(path) -> dict:
+    """The array tree of a checkpoint's ``state`` item as orbax describes it on disk (each
+    array's key path, with key types, and value type and shape)."""
+    return json.loads((Path(path) / "state" / "_METADATA").read_text())["tree_metadata"]
+
+
+def test_an_orbax_checkpoint_of_the_plain_dict_trainer_restores_into_the_module_state(tmp_path):
+    """A checkpoint written as the trainer wrote it while its params were plain dicts (the same
+    orbax call over dict trees) restores into a template whose params are the drafter module's
+    ``nnx.State``: the same values, the template's param metadata; and a checkpoint written now
+    holds the same array names (``params.layers.wq``, no ``.value``), so either restores in the other."""
+    import orbax.checkpoint as ocp
+    from flax import nnx
+
+    from dflash_jax.nn.module import tree_of
+    from dflash_jax.testing import tiny_drafter_config, tiny_target_config
+    from dflash_jax.train.checkpoint import load_checkpoint, save_checkpoint
+    from dflash_jax.train.step import init_train_state, make_optimizer
+
+    d_cfg = tiny_drafter_config(tiny_target_config(), layer_ids=(0, 2), block_size=4)
+    template = init_train_state(d_cfg, TC)
+    params = jax.tree_util.tree_map(lambda x: x + 1.0, tree_of(template.params))
+    assert isinstance(params, dict) and isinstance(template.params, nnx.State)
+    opt = jax.tree_util.tree_map(lambda x: x + 2, make_optimizer(TC).init(params))  # the moments as dicts
+    key = jax.random.key(5)
+    old = tmp_path / "old" / "step_00000005"
+    ocp.Checkpointer(ocp.CompositeCheckpointHandler()).save(old.absolute(), args=ocp.args.Composite(
+        state=ocp.args.StandardSave({"params": params, "opt_state": opt, "rng": jax.random.key_data(key)}),
+        meta=ocp.args.JsonSave({"step": 5, "rng_impl": str(jax.random.key_impl(key)), "cursor": {"sample": 3}})))
+    st, meta = load_checkpoint(old, template)
+    assert int(st.step) == 5 and meta["cursor"] == {"sample": 3}
+    assert isinstance(st.params, nnx.State) and isinstance(st.opt_state[1][0].mu, nnx.State)
+    assert jax.tree_util.tree_structure(st.params) == jax.tree_util.tree_structure(template.params)  # metadata included
+    assert st.params["layers"]["wq"].get_metadata()["out_sharding"] == ("layers", "embed", "q_heads")
+    np.testing.assert_array_equal(jax.random.key_data(st.rng), jax.random.key_data(key))
+    for x, y in zip(jax.tree_util.tree_leaves((st.params, st.opt_state)), jax.tree_util.tree_leaves((params, opt))):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+    new = save_checkpoint(tmp_path / "new", st, {"cursor": {"sample": 3}})
+    assert _orbax_layout(new) == _orbax_layout(old) and "('params', 'layers', 'wq')" in _orbax_layout(new)
+    back, _ = load_checkpoint(new, template)
+    for x, y in zip(jax.tree_util.tree_leaves((back.params, back.opt_state)), jax.tree_util.tree_leaves((params, opt))):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+def test_a_checkpoint_restores_into_a_drafter_module_that_then_generates(tmp_path, models):
+    """The documented way back from training to a drafter: ``set_weights(drafter.model,
+    state.params)`` with a restored checkpoint's state (float32, layers stacked) into a drafter
+    held per layer, as ``load_drafter`` holds one on the CPU. The module's params are then the
+    checkpoint's, ``drafter.state()`` is what runs, and ``dj.generate`` drafts as a drafter
+    loaded with those weights does (the same tokens, the target's greedy ones, and the same
+    acceptance)."""
+    import dflash_jax as dj
+    from dflash_jax.loading import Drafter, Target
+    from dflash_jax.nn.module import set_weights, tree_of
+    from dflash_jax.nn.params import unstack_layers
+    from dflash_jax.testing import reference_greedy
+    from dflash_jax.train.checkpoint import load_checkpoint, save_checkpoint
+    from dflash_jax.train.step import drafter_module, init_train_state
+
+    t_cfg, t_params, d_cfg, d_params = models
+    trained = init_train_state(d_cfg, TC, init_params=d_params)  # stands for a trained drafter's state
+    path = save_checkpoint(tmp_path / "checkpoints", trained, {})
+    state, _ = load_checkpoint(path, init_train_state(d_cfg, TC))
+    target = Target(cfg=t_cfg, params=t_params)
+    loaded = Drafter(cfg=d_cfg, params=unstack_layers(drafter.init_params(d_cfg, jax.random.key(9), scale=0.2)))  # other weights
+    assert not np.array_equal(np.asarray(loaded.model.fc.get_value()), np.asarray(d_params["fc"]))
+    set_weights(loaded.model, state.params)
+    held = tree_of(loaded.state())
+    assert jax.tree_util.tree_structure(held) == jax.tree_util.tree_structure(unstack_layers(d_params))
+    for x, y in zip(jax.tree_util.tree_leaves(held), jax.tree_util.tree_leaves(unstack_layers(tree_of(state.params)))):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+    for x, y in zip(jax.tree_util.tree_leaves(held), jax.tree_util.tree_leaves(unstack_layers(d_params))):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+    prompt = [5, 9, 17, 3]
+    got = dj.generate(target, [prompt], max_new_tokens=12, drafter=loaded, n_max=3)
+    want = dj.generate(target, [prompt], max_new_tokens=12, drafter=Drafter(cfg=d_cfg, params=d_params), n_max=3)
+    assert got.output_ids == want.output_ids == [reference_greedy(t_params, t_cfg, prompt, 12)]
+    for k in ("verify_steps", "accepted_per_position", "accepted_tokens"):
+        assert got.stats[k] == want.stats[k], k
+    module = drafter_module(d_cfg, state.params)  # the module of a training state, over its arrays
+    assert type(module) is type(loaded.model) and module.fc.get_value() is state.params["fc"].get_value()

@@ -138,14 +138,15 @@ PLANS = {
                         Run("gpt-oss-20b", "bfloat16", (1024,), (1, 16), weights="mxfp4")),
                   capacity=2048, steps=32, repeats=3, calls=10, chunk=512, copy_bytes=2 << 30,
                   oracle=(ORACLE_FILES, ORACLE_EXPR), oracle_s=60, budget_s=240),
-    # every shape kind, both dtypes, every section and a fill-in run, at toy sizes; a budget that skips nothing
+    # every shape kind, both dtypes, every section and a fill-in run, at toy sizes; a budget that skips nothing.
+    # One tree run (qwen3-8b's): a second one (smollm2's, float32) compiled two more programs for no other code path
     "dry-run": Plan(runs=(Run("qwen3-8b", "bfloat16", (64, 200), (1,), (0, 7, 3), 64, trees=(5,)),
                           Run("laguna-xs-2.1", "bfloat16", (64,), (1,), (7,), 64),
                           Run("qwen3-8b-fp8", "bfloat16", (64,), (1,), (3,), 64),
                           Run("qwen3-coder-30b-a3b", "bfloat16", (64,), (1,), (7,), 64),
                           Run("gpt-oss-20b", "bfloat16", (64,), (1,), (7,), 64),
                           Run("qwen3.8-27b", "bfloat16", (64,), (1,), (3,), 64),
-                          Run("smollm2-135m", "float32", (64,), (1,), (3,), 64, trees=(3,)), Run("qwen3-8b", "bfloat16", widths=(4,), context=64),
+                          Run("smollm2-135m", "float32", (64,), (1,), (3,), 64), Run("qwen3-8b", "bfloat16", widths=(4,), context=64),
                           Run("laguna-xs-2.1", "bfloat16", (64,), (1,), (7,), 64, weights="q4_k_m"),
                           Run("gpt-oss-20b", "bfloat16", (64,), (1,), (7,), 64, weights="mxfp4")),
                     capacity=256, steps=8, repeats=2, calls=3, chunk=32, copy_bytes=64 << 20,

@@ -285,6 +285,7 @@ def _build_features(args, fdir: Path, ds, target, cfg):
 def _run(args, argv) -> int:
     from dflash_jax.runtime import distributed
     from dflash_jax.loading import load_target
+    from dflash_jax.nn.module import tree_of
     from dflash_jax.runtime.sharding import describe, parse_mesh
     from dflash_jax.train.data import Batcher, count_valid_anchors
     from dflash_jax.train.dataset import TokenDataset
@@ -330,7 +331,7 @@ def _run(args, argv) -> int:
               f"{summary['tokens_seen']} tokens seen; loss {summary['last'].get('loss')}; tau {tau.get('tau')}; "
               f"{time.time() - t0:.0f}s this run", file=sys.stderr)
     if summary["finished"]:
-        params = distributed.fetch(state.params)  # a collective: every process
+        params = distributed.fetch(tree_of(state.params))  # the module's state as its tree; a collective: every process
         if leader:
             _export(args, argv, export, target, cfg, ds, batcher, summary, gamma, init_params, params)
     return 0

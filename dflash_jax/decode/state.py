@@ -31,7 +31,6 @@ from dflash_jax.decode.sampling import (
 from dflash_jax.drafter.config import DrafterConfig, check_drafter_fits
 from dflash_jax.errors import DFlashError
 from dflash_jax.families.registry import family_of
-from dflash_jax.nn.module import tree_of
 from dflash_jax.runtime import carry as pytree
 from dflash_jax.runtime.carry import KVCache, PagedKVCache, axes_field, init_kv_cache
 
@@ -53,10 +52,12 @@ class Params(NamedTuple):
     depth: Any = None
 
     def trees(self) -> "Params":
-        """These params with the target's and drafter's weights as the parameter trees the model
-        functions read: an ``nnx.State`` (``nnx.state(target.model)``, what the driver and the
-        server pass) becomes its tree (:func:`dflash_jax.nn.module.tree_of`, the same arrays); a
-        tree stays as it is. Every jitted step calls it at trace time."""
+        """These params with the weights as the parameter trees the model functions read: an
+        ``nnx.State`` (:meth:`~dflash_jax.loading.Target.state` once ``.model`` was read) becomes
+        its tree (:func:`dflash_jax.nn.module.tree_of`, the same arrays). Run at trace time."""
+        if all(w is None or isinstance(w, dict) for w in self[:2]):
+            return self
+        from dflash_jax.nn.module import tree_of  # flax is imported: only it makes such values
         return self._replace(target=tree_of(self.target), drafter=tree_of(self.drafter))
 
 

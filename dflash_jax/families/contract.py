@@ -25,7 +25,6 @@ from typing import Any, Callable
 from dflash_jax.errors import DFlashError
 from dflash_jax.nn import layer as nn_layer
 from dflash_jax.nn import params as P
-from dflash_jax.nn.module import Weights
 from dflash_jax.runtime.carry import init_kv_cache
 
 
@@ -209,61 +208,3 @@ def check_signature(name: str, fn: Callable, where: str = "family") -> None:
     if got != want or rest:
         raise DFlashError(f"{where}.{name}", f"parameters {tuple(p.name for p in params)}",
                           f"leading parameters {want}, any others with defaults")
-
-
-class TargetModule(Weights):
-    """A target as a Flax NNX module: its weights as ``nnx.Param`` (:class:`~dflash_jax.nn.module.Weights`,
-    named as its family's parameter tree), its family's model functions as methods over them.
-
-    Each family's ``model.py`` names its subclass (``DenseTarget``, ``LagunaTarget``, ...) with
-    the class attribute ``family`` (its :class:`FamilyModel`); :meth:`of` picks it by the config.
-    The jitted steps read the module's ``nnx.State`` as its parameter tree (:mod:`dflash_jax.nn.module`).
-
-    Args:
-      cfg: the family's static config (kept as a static attribute: part of the graph).
-      params: the parameter tree (``family.param_specs(cfg)``'s shape, any layout), buffers shared.
-      axes: its logical axes tree (``None``: params without axes metadata).
-    """
-
-    family: FamilyModel
-
-    def __init__(self, cfg, params, axes=None):
-        super().__init__(params, axes)
-        self.cfg = cfg
-
-    @staticmethod
-    def of(family: FamilyModel, cfg, params, axes=None) -> "TargetModule":
-        """The module of ``family``'s own subclass over ``params``. Raises DFlashError when the
-        family's ``model.py`` names none."""
-        for cls in _subclasses(TargetModule):
-            if getattr(cls, "family", None) is family:
-                return cls(cfg, params, axes)
-        raise DFlashError(f"{family.module}", "no TargetModule subclass with this family", "class XTarget(TargetModule): family = MODEL")
-
-    def __call__(self, tokens, positions, cache, capture=None):
-        """``(logits [B, T, V] float32, cache, capture)``: :attr:`FamilyModel.forward` (tokens
-        ``[B, T]`` int32, positions ``[B, T]`` int32, the cache of :meth:`init_cache`)."""
-        return self.family.forward(self.tree(), self.cfg, tokens, positions, cache, capture)
-
-    def hidden_states(self, tokens, positions, cache, capture=None, tree=None):
-        """``(hidden [B, T, H], cache, capture)``: :attr:`FamilyModel.forward_hidden`."""
-        return self.family.forward_hidden(self.tree(), self.cfg, tokens, positions, cache, capture, tree)
-
-    def embed_tokens(self, tokens):
-        """``[B, T, H]``: the embedding the first decoder layer reads (:attr:`FamilyModel.embed`)."""
-        return self.family.embed(self.tree(), self.cfg, tokens)
-
-    def logits(self, hidden):
-        """float32 ``[..., V]`` logits of final-normed ``hidden [..., H]`` (:attr:`FamilyModel.lm_head`)."""
-        return self.family.lm_head(self.tree(), self.cfg, hidden)
-
-    def init_cache(self, batch: int, capacity: int):
-        """An empty cache of ``capacity`` slots per row (:attr:`FamilyModel.init_cache`)."""
-        return self.family.init_cache(self.cfg, batch, capacity)
-
-
-def _subclasses(cls) -> list:
-    out = []
-    for sub in cls.__subclasses__():
-        out += [sub] + _subclasses(sub)
-    return out

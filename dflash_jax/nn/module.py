@@ -20,10 +20,12 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
+import jax
+import jax.numpy as jnp
 from flax import nnx
 
 from dflash_jax.errors import DFlashError
-from dflash_jax.nn.params import PerLayer, is_per_layer
+from dflash_jax.nn.params import PerLayer, is_per_layer, stack_layers, unstack_layers
 
 
 RESERVED = ("names", "cfg")  # attributes of the modules themselves: the parameter list, a static config
@@ -107,3 +109,42 @@ def axes_of(node):
     if isinstance(node, nnx.List):
         return PerLayer(axes_of(x) for x in node)
     raise TypeError(f"axes_of: got {type(node).__name__}, expected an NNX Weights module")
+
+
+def set_weights(module: Weights, weights) -> None:
+    """Sets every param of ``module`` to the same weight of ``weights``, in place.
+
+    Args:
+      module: a model's :class:`Weights` module (``drafter.model``, ``target.model``).
+      weights: a parameter tree, ``nnx.State`` or module of the same model (e.g. a training
+        checkpoint's ``state.params``: float32, layers stacked), in either layer layout: layers
+        stacked ``[L, ...]`` are split for a module holding them per layer and the reverse; each
+        value is cast to its param's dtype.
+    Raises:
+      DFlashError: a weight missing from ``weights``, one it has that the module lacks, or
+        another shape (names the first such weight).
+    """
+    have, tree = tree_of(module), tree_of(weights)
+    if is_per_layer(have.get("layers")) and not is_per_layer(tree.get("layers")):
+        tree = unstack_layers(tree)
+    elif not is_per_layer(have.get("layers")) and is_per_layer(tree.get("layers")):
+        tree = stack_layers(tree)
+    shapes = [{jax.tree_util.keystr(k): tuple(jnp.shape(v)) for k, v in jax.tree_util.tree_leaves_with_path(t)} for t in (have, tree)]
+    bad = sorted(k for k in shapes[0].keys() | shapes[1].keys() if shapes[0].get(k) != shapes[1].get(k))
+    if bad:
+        want, got = (sh.get(bad[0]) for sh in shapes)
+        raise DFlashError(f"weights{bad[0]}", "missing" if got is None else f"shape {got}",
+                          "no such weight: the module has none" if want is None else f"shape {want}, as the module's param")
+    values = jax.tree_util.tree_map(lambda new, old: jnp.asarray(new, old.dtype), tree, have)
+    state = nnx.state(module)
+    nnx.replace_by_pure_dict(state, _pure(values))
+    nnx.update(module, state)
+
+
+def _pure(tree):
+    """A parameter tree as the nested dicts of an ``nnx.State``'s values (layers per layer keyed 0, 1, ...)."""
+    if is_per_layer(tree):
+        return {i: _pure(x) for i, x in enumerate(tree)}
+    if isinstance(tree, Mapping):
+        return {k: _pure(v) for k, v in tree.items()}
+    return tree

@@ -5,8 +5,10 @@
 :func:`jax.tree_util.register_dataclass`: fields are pytree children (arrays, traced) unless
 declared ``field(pytree_node=False)``, which makes them static metadata (hashable: part of a
 jitted function's cache key). Instances get ``replace(**changes)``. It is the subset of
-``flax.struct`` this package used, on JAX's own API: importing flax took 0.35 s of every
-command's start (BENCHMARKS.md, "Time to first token").
+``flax.struct`` this package used, on JAX's own API. flax is a dependency (the models as NNX
+modules), but ``import flax.struct`` imports ``flax.nnx`` and ``flax.linen`` too, about 0.5 s that
+the command line, which never builds a module, would pay on every run (BENCHMARKS.md, "The models
+as Flax NNX modules").
 
 **Logical axes.** Every array field of :class:`~dflash_jax.decode.state.DecodeState`, of the caches and of the speculative
 extension is declared with :func:`axes_field`, which records one logical axis name (or ``None``)

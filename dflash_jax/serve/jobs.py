@@ -15,7 +15,6 @@ import json
 import time
 from typing import Any
 
-from flax import nnx
 
 from dflash_jax.decode.auto import costs
 from dflash_jax.arguments import drafter_decoding
@@ -60,7 +59,7 @@ class ServedModel:
 
     @property
     def params(self) -> Params:
-        return Params(nnx.state(self.target.model), None if self.drafter is None else nnx.state(self.drafter.model))
+        return Params(self.target.state(), None if self.drafter is None else self.drafter.state())
 
     def depth_params(self, params: Params, static: Decoding, state, run) -> Params:
         """``params`` with the depth policy of ``n_max="auto"`` for a batch of ``state``'s rows

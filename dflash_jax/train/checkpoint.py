@@ -11,6 +11,19 @@ each array straight into the layout of the state it is given (one device, or a d
 one process or several), so a run resumes bit for bit on the same mesh; on another mesh it
 resumes with the same values, and its later steps differ only by the order of float additions.
 
+The parameters are the drafter module's ``nnx.State`` (:attr:`~dflash_jax.train.step.TrainState.params`),
+and the AdamW moments states like them; they are written as their values in nested dicts
+(``nnx.to_pure_dict``), the parameter tree's names, so the files are laid out as those the
+trainer wrote while its parameters were plain dicts (``state/params.fc``, not the
+``params.fc.value`` a ``nnx.Param`` node adds to an orbax key path): a checkpoint of either
+version restores in the other, and orbax alone, without flax, restores the plain tree. Restoring
+puts the values back into the template's states (their ``nnx.Param`` metadata, the logical axes,
+come from the template). To load a checkpoint's weights into a loaded drafter's module (any
+layer layout and dtype: :func:`dflash_jax.nn.module.set_weights`)::
+
+    state, meta = load_checkpoint(path, init_train_state(drafter.cfg, tc))
+    set_weights(drafter.model, state.params)       # drafter.model's params are now the checkpoint's
+
 Older run folders (``params.safetensors``, ``opt_state.safetensors`` and ``state.json``, written
 before the step could be sharded) are still resumed: :func:`load_checkpoint` reads them, and the
 run goes on writing orbax checkpoints.
@@ -36,6 +49,7 @@ from pathlib import Path
 
 import jax
 import numpy as np
+from flax import nnx
 
 from dflash_jax.runtime import distributed, sharding
 from dflash_jax.errors import DFlashError
@@ -51,9 +65,34 @@ def _checkpointer():
     return ocp, ocp.Checkpointer(ocp.CompositeCheckpointHandler())
 
 
+def _is_state(x) -> bool:
+    return isinstance(x, nnx.State)
+
+
+def _pure(tree):
+    """``tree`` with every ``nnx.State`` in it a nested dict of its values (``nnx.to_pure_dict``):
+    the layout written to disk, the same arrays."""
+    return jax.tree_util.tree_map(lambda x: nnx.to_pure_dict(x) if _is_state(x) else x, tree, is_leaf=_is_state)
+
+
+def _like(template, pure):
+    """``pure`` (a tree laid out as :func:`_pure` of ``template``) with every state of
+    ``template`` back: a new ``nnx.State`` with the template's variables (their metadata) holding
+    ``pure``'s values; ``template`` is not changed."""
+    def one(t, p):
+        if not _is_state(t):
+            return p
+        out = jax.tree_util.tree_map(lambda x: x, t)  # new variables
+        nnx.replace_by_pure_dict(out, p)
+        return out
+
+    return jax.tree_util.tree_map(one, template, pure, is_leaf=_is_state)
+
+
 def save_checkpoint(ckpt_dir: str | os.PathLike, state: TrainState, extra: dict, keep: int = 3) -> Path:
-    """Writes ``step_XXXXXXXX/`` (items ``state``: params, optimizer state and PRNG key data;
-    ``meta``: JSON of ``extra`` with ``step`` and ``rng_impl``) with orbax, then points
+    """Writes ``step_XXXXXXXX/`` (items ``state``: params, optimizer state and PRNG key data,
+    states as their values (module docstring); ``meta``: JSON of ``extra`` with ``step`` and
+    ``rng_impl``) with orbax, then points
     ``latest.json`` at it and keeps the newest ``keep`` checkpoints. Every process calls it at the
     same step (each writes the shards it holds; process 0 commits). Returns the folder.
 
@@ -67,7 +106,7 @@ def save_checkpoint(ckpt_dir: str | os.PathLike, state: TrainState, extra: dict,
     step = int(distributed.fetch(state.step))
     name = f"step_{step:08d}"
     final = ckpt_dir / name
-    tree = {"params": state.params, "opt_state": state.opt_state, "rng": jax.random.key_data(state.rng)}
+    tree = _pure({"params": state.params, "opt_state": state.opt_state, "rng": jax.random.key_data(state.rng)})
     meta = dict(extra, step=step, rng_impl=str(jax.random.key_impl(state.rng)))
     ckptr.save(final.absolute(), args=ocp.args.Composite(state=ocp.args.StandardSave(tree), meta=ocp.args.JsonSave(meta)), force=True)
     if distributed.is_leader():
@@ -108,12 +147,19 @@ def _key(data, impl: str | None, like):
 
 def load_checkpoint(path: str | os.PathLike, template: TrainState) -> tuple[TrainState, dict]:
     """Restores a :class:`TrainState` shaped and laid out like ``template`` (its arrays' shapes,
-    dtypes and shardings; one device or a mesh) from a checkpoint folder: orbax's, or an older
+    dtypes and shardings; one device or a mesh) from a checkpoint folder: orbax's (of this
+    version or of the one whose params were plain dicts: the same files), or an older
     safetensors one. Every process of the run calls it.
 
+    Args:
+      template: e.g. :func:`~dflash_jax.train.step.init_train_state` of the run's drafter and
+        settings (laid out on the run's mesh); only its structure, shapes, dtypes and shardings
+        are read.
     Returns:
-      ``(state, meta)`` with ``meta`` the saved records (``step``, ``rng_impl``, the ``extra`` of
-      :func:`save_checkpoint`).
+      ``(state, meta)``: ``state.params`` a new ``nnx.State`` of the drafter module (the
+      template's params, metadata and all, holding the checkpoint's float32 values;
+      ``set_weights(drafter.model, state.params)`` loads them into a module), ``meta`` the saved
+      records (``step``, ``rng_impl``, the ``extra`` of :func:`save_checkpoint`).
     Raises:
       DFlashError: a missing or mismatched tensor (names the file or item and the tensor).
     """
@@ -121,7 +167,7 @@ def load_checkpoint(path: str | os.PathLike, template: TrainState) -> tuple[Trai
     if (path / "state.json").is_file():
         return _load_safetensors(path, template)
     ocp, ckptr = _checkpointer()
-    tree = {"params": template.params, "opt_state": template.opt_state, "rng": jax.random.key_data(template.rng)}
+    tree = _pure({"params": template.params, "opt_state": template.opt_state, "rng": jax.random.key_data(template.rng)})
     abstract = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), tree)
     try:
         got = ckptr.restore(path.absolute(), args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract), meta=ocp.args.JsonRestore()))
@@ -129,9 +175,9 @@ def load_checkpoint(path: str | os.PathLike, template: TrainState) -> tuple[Trai
         raise DFlashError(f"{path}: state", f"does not restore into this run's state ({str(e)[:300]})",
                           "a checkpoint of the same drafter and optimizer") from e
     meta, st = dict(got["meta"]), got["state"]
+    params, opt = _like((template.params, template.opt_state), (st["params"], st["opt_state"]))
     step = sharding.place(np.asarray(meta["step"], np.int32), template.step.sharding)
-    return TrainState(params=st["params"], opt_state=st["opt_state"], rng=_key(st["rng"], meta.get("rng_impl"), template.rng),
-                      step=step), meta
+    return TrainState(params=params, opt_state=opt, rng=_key(st["rng"], meta.get("rng_impl"), template.rng), step=step), meta
 
 
 def _unflat(template, flat: dict, where: str):
@@ -152,13 +198,15 @@ def _unflat(template, flat: dict, where: str):
 
 def _load_safetensors(path: Path, template: TrainState) -> tuple[TrainState, dict]:
     """A checkpoint of the previous writer (``params.safetensors``, ``opt_state.safetensors``,
-    ``state.json`` with step and PRNG key data), laid out like ``template``."""
+    ``state.json`` with step and PRNG key data; tensors named by the plain parameter tree's paths,
+    ``layers.wq``, ``1.0.mu.layers.wq``), laid out like ``template``."""
     from safetensors.numpy import load_file
 
     meta = json.loads((path / "state.json").read_text(encoding="utf-8"))
-    params = _unflat(template.params, load_file(str(path / "params.safetensors")), str(path / "params.safetensors"))
-    opt = _unflat(template.opt_state, load_file(str(path / "opt_state.safetensors")), str(path / "opt_state.safetensors"))
-    shardings = jax.tree_util.tree_map(lambda x: x.sharding, (template.params, template.opt_state))
-    params, opt = sharding.place((params, opt), shardings)
+    pure = _pure((template.params, template.opt_state))
+    params = _unflat(pure[0], load_file(str(path / "params.safetensors")), str(path / "params.safetensors"))
+    opt = _unflat(pure[1], load_file(str(path / "opt_state.safetensors")), str(path / "opt_state.safetensors"))
+    placed = sharding.place((params, opt), jax.tree_util.tree_map(lambda x: x.sharding, pure))
+    params, opt = _like((template.params, template.opt_state), placed)
     rng = _key(np.asarray(meta["rng"], np.uint32), meta.get("rng_impl"), template.rng)
     return TrainState(params=params, opt_state=opt, rng=rng, step=sharding.place(np.asarray(meta["step"], np.int32), template.step.sharding)), meta

@@ -17,12 +17,13 @@ from dflash_jax.drafter import vocab as draft_vocab
 from dflash_jax.drafter.config import DrafterConfig
 from dflash_jax.families.dense.config import TargetConfig
 from dflash_jax.formats.files import atomic_path
+from dflash_jax.nn.module import tree_of
 
 
 def evaluate_tau(
     target_params,
     target_cfg: TargetConfig,
-    params: dict,
+    params,
     cfg: DrafterConfig,
     prompts: Sequence[Sequence[int]],
     max_new_tokens: int = 64,
@@ -34,7 +35,8 @@ def evaluate_tau(
     """Greedy DFlash speculative decoding of ``prompts`` (one batch) and its acceptance.
 
     Uses :func:`dflash_jax.decode.loop.decode_loop` with the drafter (the inference path), drafter in float32, drafting over
-    ``draft_ids`` when given.
+    ``draft_ids`` when given. ``params``: the drafter's parameter tree, or its module's
+    ``nnx.State`` (:attr:`~dflash_jax.train.step.TrainState.params`, read as its tree).
 
     Returns:
       dict: ``tau`` (mean tokens committed per verify step, bonus included: the paper's
@@ -44,7 +46,7 @@ def evaluate_tau(
     from dflash_jax.decode import loop as decode
     from dflash_jax.decode.state import Decoding, Params
     cfg32 = cfg.with_dtype("float32")
-    p32 = jax.tree_util.tree_map(lambda a: jnp.asarray(a, jnp.float32), params)
+    p32 = jax.tree_util.tree_map(lambda a: jnp.asarray(a, jnp.float32), tree_of(params))
     if draft_ids is not None:
         cfg32, p32 = draft_vocab.attach(cfg32, p32, target_params, draft_ids)
     t0 = time.time()

@@ -23,6 +23,7 @@ from dflash_jax.drafter import vocab as draft_vocab
 from dflash_jax.formats.files import write_safetensors, write_text
 from dflash_jax.drafter.config import DrafterConfig
 from dflash_jax.errors import DFlashError
+from dflash_jax.nn.module import tree_of
 
 def _rope_fields(cfg: DrafterConfig) -> dict:
     r = cfg.rope
@@ -108,15 +109,16 @@ def drafter_hf_config(cfg: DrafterConfig, dtype: str = "bfloat16", extra: Mappin
     return out
 
 
-def drafter_tensors(cfg: DrafterConfig, params: dict, dtype: str = "bfloat16") -> dict[str, np.ndarray]:
-    """The drafter parameters as z-lab tensors (``[out, in]`` layout) in ``dtype``.
+def drafter_tensors(cfg: DrafterConfig, params, dtype: str = "bfloat16") -> dict[str, np.ndarray]:
+    """The drafter parameters (a parameter tree, or its module's ``nnx.State``, read as its tree)
+    as z-lab tensors (``[out, in]`` layout) in ``dtype``.
 
     Inverse of :func:`dflash_jax.load_drafter`'s mapping (``drafter_names``).
     """
     from dflash_jax.drafter.generic import drafter_names
 
     np_dtype = np.dtype(ml_dtypes.bfloat16) if dtype == "bfloat16" else np.dtype(dtype)
-    host = jax.tree_util.tree_map(lambda a: np.asarray(jax.device_get(a), np.float32), params)
+    host = jax.tree_util.tree_map(lambda a: np.asarray(jax.device_get(a), np.float32), tree_of(params))
     out = {}
     for name, (path, layer, transpose) in drafter_names(cfg).items():
         a = host
@@ -130,13 +132,14 @@ def drafter_tensors(cfg: DrafterConfig, params: dict, dtype: str = "bfloat16") -
     return out
 
 
-def export_drafter(folder: str | os.PathLike, cfg: DrafterConfig, params: dict, dtype: str = "bfloat16", extra: Mapping | None = None,
+def export_drafter(folder: str | os.PathLike, cfg: DrafterConfig, params, dtype: str = "bfloat16", extra: Mapping | None = None,
                    draft_ids=None) -> Path:
     """Writes ``config.json`` and ``model.safetensors`` into ``folder`` (created; files replaced
     atomically).
 
     Args:
-      cfg, params: the drafter (:mod:`dflash_jax.drafter.model` pytree, any float dtype).
+      cfg, params: the drafter (:mod:`dflash_jax.drafter.model` pytree, any float dtype, or
+        its module's ``nnx.State``: :attr:`~dflash_jax.train.step.TrainState.params`).
       dtype: stored dtype, ``"bfloat16"`` (default), ``"float16"`` or ``"float32"``.
       extra: provenance fields for ``config.json`` (see :func:`drafter_hf_config`).
       draft_ids: optional ``[Vd]`` draft vocabulary, written to ``draft_vocab.safetensors``

@@ -6,7 +6,8 @@ Layout (the rules of :mod:`dflash_jax.runtime.sharding`, :data:`~dflash_jax.runt
   devices hold, from the same deterministic :class:`~dflash_jax.train.data.Batcher` order (batch
   ``i`` is a pure function of ``(seed, i)``), and the global batch is assembled from the
   processes' rows (``jax.make_array_from_callback``); no process reads another's rows;
-* the drafter's float32 parameters by their logical axes (heads, MLP width and vocabulary over
+* the drafter's float32 parameters (the module's ``nnx.State``) by the logical axes each
+  ``nnx.Param`` holds as its ``out_sharding`` metadata (heads, MLP width and vocabulary over
   ``model``; replicated over ``data``), the AdamW moments like the parameters they follow, the
   optimizer's counters, the PRNG key and the step replicated;
 * the frozen target by its own logical axes.
@@ -24,6 +25,7 @@ import functools
 import jax
 import numpy as np
 import optax
+from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from dflash_jax.families import registry
@@ -31,12 +33,11 @@ from dflash_jax.runtime import sharding
 from dflash_jax.drafter.config import DrafterConfig
 from dflash_jax.families.dense.config import TargetConfig
 from dflash_jax.errors import DFlashError
-from dflash_jax.drafter import model as drafter_model
 from dflash_jax.nn.params import is_per_layer
 from dflash_jax.train.optim import TrainConfig, make_optimizer
 from dflash_jax.train.step import TrainState, apply_step
 
-__all__ = ["MeshStep", "check_batch_size", "place_state", "place_target", "rows_of_process", "state_shardings"]
+__all__ = ["MeshStep", "check_batch_size", "param_shardings", "place_state", "place_target", "rows_of_process", "state_shardings"]
 
 
 def check_batch_size(mesh: Mesh, batch_size: int) -> None:
@@ -52,12 +53,28 @@ def _replicated(mesh: Mesh) -> NamedSharding:
     return NamedSharding(mesh, PartitionSpec())
 
 
-def state_shardings(state: TrainState, cfg: DrafterConfig, tc: TrainConfig, mesh: Mesh) -> TrainState:
+def param_shardings(params: nnx.State, mesh: Mesh) -> nnx.State:
+    """The :class:`NamedSharding` of every param of a drafter module's ``params`` (its
+    ``nnx.State``), shaped like it (each ``nnx.Param``'s value its sharding): the logical axes of
+    the param's ``out_sharding`` metadata mapped by
+    :data:`~dflash_jax.runtime.sharding.DEFAULT_RULES` (a mesh axis that does not divide a
+    dimension leaves it replicated; a param without axes is replicated).
+
+    Raises:
+      DFlashError: a param whose axes name another number of dimensions than it has (names it).
+    """
+    def axes(v: nnx.Variable):
+        names = v.get_metadata().get("out_sharding")
+        return v.replace(tuple(names) if names is not None else (None,) * np.ndim(v.get_value()))
+
+    return sharding.tree_shardings(params, jax.tree_util.tree_map(axes, params, is_leaf=lambda x: isinstance(x, nnx.Variable)), mesh)
+
+
+def state_shardings(state: TrainState, tc: TrainConfig, mesh: Mesh) -> TrainState:
     """The :class:`NamedSharding` of every array of ``state`` (a :class:`TrainState` of shardings):
-    parameters by the drafter's logical axes (a mesh axis that does not divide a dimension leaves
-    it replicated), every parameter-shaped tree of the optimizer state like the parameters, the
-    rest replicated."""
-    params = sharding.tree_shardings(state.params, drafter_model.param_axes(cfg), mesh)
+    parameters by the axes their state holds (:func:`param_shardings`), every parameter-shaped
+    tree of the optimizer state (the AdamW moments) like the parameters, the rest replicated."""
+    params = param_shardings(state.params, mesh)
     rep = _replicated(mesh)
     opt = optax.tree_utils.tree_map_params(make_optimizer(tc), lambda _, sh: sh, state.opt_state, params,
                                            transform_non_params=lambda _: rep)

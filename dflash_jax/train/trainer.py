@@ -10,7 +10,7 @@ the training curve in :mod:`~dflash_jax.train.evaluation` (re-exported here).
 A run lives in one output folder::
 
     <out>/run.json                 the run's fixed settings (checked on resume)
-    <out>/checkpoints/step_XXXXXXXX/{params,opt_state}.safetensors + state.json
+    <out>/checkpoints/step_XXXXXXXX/{state,meta}  orbax items (:mod:`~dflash_jax.train.checkpoint`)
     <out>/checkpoints/latest.json  the newest complete checkpoint (replaced atomically)
     <out>/log.jsonl                one line of metrics per logged step
     <out>/tau_curve.json           tau versus training tokens (held-out prompts, greedy)
@@ -48,6 +48,7 @@ from dflash_jax.drafter.config import DrafterConfig
 from dflash_jax.families.dense.config import TargetConfig
 from dflash_jax.errors import DFlashError
 from dflash_jax.formats.files import write_text
+from dflash_jax.nn.module import tree_of
 from dflash_jax.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from dflash_jax.train.data import Batcher
 from dflash_jax.train.mesh import MeshStep, check_batch_size, place_state, place_target, state_shardings
@@ -171,7 +172,7 @@ def _start(out: Path, cfg: DrafterConfig, tc: TrainConfig, batcher: Batcher, ini
         draft_ids = jnp.asarray(draft_vocab.most_frequent(batcher.flat_labels(), batcher.dataset.loss_mask, tc.draft_vocab, cfg.vocab_size))
     shardings = None
     if mesh is not None:
-        shardings = state_shardings(state, cfg, tc, mesh)
+        shardings = state_shardings(state, tc, mesh)
         state = place_state(state, shardings)
     ck = latest_checkpoint(out / "checkpoints")
     meta: dict = {"tokens_seen": 0, "supervised_seen": 0, "seconds": 0.0}
@@ -224,7 +225,7 @@ def _evaluator(run: _RunLog, mesh, target_params, target_cfg, cfg, eval_prompts,
     evaluated = distributed.Broadcast("dflash_jax/train/tau") if jax.process_count() > 1 else None
 
     def do_eval(step: int, state: TrainState):
-        params = state.params if mesh is None else distributed.fetch(state.params)
+        params = tree_of(state.params) if mesh is None else distributed.fetch(tree_of(state.params))
         if not distributed.is_leader():
             evaluated.receive()
             return run.tau(step, {}) and None

@@ -32,7 +32,6 @@ def record_steps(target, drafter, prompts: list[list[int]], max_new: int, max_le
     """
     import jax
     import jax.numpy as jnp
-    from flax import nnx
 
     from dflash_jax.decode import loop as decode
     from dflash_jax.decode import step as speculative
@@ -40,7 +39,7 @@ def record_steps(target, drafter, prompts: list[list[int]], max_new: int, max_le
     from dflash_jax.decode.step import block_positions
 
     n = drafter.cfg.block_size - 1
-    static, params = Decoding(target.cfg, drafter.cfg, n_max=n), Params(nnx.state(target.model), nnx.state(drafter.model))
+    static, params = Decoding(target.cfg, drafter.cfg, n_max=n), Params(target.state(), drafter.state())
     st = decode.init_state(static, prompts, max_len, max_new, target.eos_ids)
     st = decode.prefill(params, st, static, 256)
     confs, accs, valids, rows = [], [], [], []

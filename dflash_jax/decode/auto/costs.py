@@ -36,7 +36,6 @@ from dflash_jax import progress
 from dflash_jax.decode.state import Decoding, Params
 from dflash_jax.errors import DFlashError
 from dflash_jax.formats.files import write_text
-from dflash_jax.nn.module import tree_of
 from dflash_jax.nn.params import is_per_layer
 from dflash_jax.decode.auto.policy import MAX_BACKOFF, MAX_BACKOFF_LIMIT, PAY_MARGIN, PROBE_LOSS, Calibration, DepthPolicy, verify_widths
 
@@ -356,7 +355,7 @@ def cost_key(static: Decoding, params: Params, batch: int, sources: tuple[str, .
     loop on device or steps from Python): each moves every kind's cost alike by a little, so
     one measurement serves a machine and a pair at each batch size."""
     dev = jax.devices()[0]
-    layout = ["per-layer" if is_per_layer(p.get("layers")) else "stacked" for p in map(tree_of, (params.target, params.drafter))
+    layout = ["per-layer" if is_per_layer(p.get("layers")) else "stacked" for p in params.trees()[:2]
               if isinstance(p, dict)]
     digest = hashlib.sha256(repr((static.target, static.drafter)).encode()).hexdigest()[:16]
     key = dict(device=f"{dev.platform}:{dev.device_kind}", devices=jax.device_count(), jax=jax.__version__,

@@ -37,7 +37,7 @@ from dflash_jax.runtime.carry import Capture, KVCache
 from dflash_jax.families.dense.config import TargetConfig
 from dflash_jax.errors import DFlashError
 from dflash_jax.runtime import carry as captures
-from dflash_jax.families.contract import FamilyModel, TargetModule
+from dflash_jax.families.contract import FamilyModel
 from dflash_jax.nn.params import ParamSpec, decoder_layer, stacked
 from dflash_jax.nn.attention import TreeBlock, block_visible, rope_positions, windowed
 from dflash_jax.nn.layer import embed, run_layers
@@ -134,10 +134,3 @@ def forward_hidden(
 
 MODEL = FamilyModel(name="dense", module=__name__, param_specs=param_specs, forward_hidden=forward_hidden, paged_kv=True,
                     trees=True, per_layer=True)
-
-
-class DenseTarget(TargetModule):
-    """Llama (SmolLM2, Llama 3), Mistral, Qwen2 and Qwen3 targets as a Flax NNX module: the weights of :func:`param_specs` as ``nnx.Param``,
-    run by :func:`forward_hidden` (:class:`~dflash_jax.families.contract.TargetModule`)."""
-
-    family = MODEL

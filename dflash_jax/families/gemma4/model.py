@@ -64,7 +64,7 @@ from dflash_jax.runtime.carry import Capture, move_slots, write_layer_rows
 from dflash_jax.families.gemma4.config import Gemma4Config
 from dflash_jax.errors import DFlashError
 from dflash_jax.runtime import carry as captures
-from dflash_jax.families.contract import FamilyModel, TargetModule
+from dflash_jax.families.contract import FamilyModel
 from dflash_jax.nn.params import ParamSpec, decoder_layer
 from dflash_jax.nn import layer as embedding
 from dflash_jax.nn.attention import TreeBlock, block_visible, rope_positions, windowed
@@ -290,10 +290,3 @@ def forward_hidden(
 
 MODEL = FamilyModel(name="gemma4", module=__name__, param_specs=param_specs, forward_hidden=forward_hidden, embed=embed,
                     lm_head=lm_head, init_cache=init_cache, move_rows=move_rows, trees=True)
-
-
-class Gemma4Target(TargetModule):
-    """Gemma 4 targets as a Flax NNX module: the weights of :func:`param_specs` as ``nnx.Param``,
-    run by :func:`forward_hidden` (:class:`~dflash_jax.families.contract.TargetModule`)."""
-
-    family = MODEL

@@ -37,7 +37,7 @@ from dflash_jax.families.gpt_oss.config import GptOssConfig
 from dflash_jax.errors import DFlashError
 from dflash_jax.runtime import carry as captures
 from dflash_jax.nn import params as P
-from dflash_jax.families.contract import FamilyModel, TargetModule
+from dflash_jax.families.contract import FamilyModel
 from dflash_jax.nn.params import ParamSpec, decoder_layer
 from dflash_jax.nn.attention import TreeBlock, block_visible, rope_positions, windowed
 from dflash_jax.nn.layer import embed
@@ -155,10 +155,3 @@ def forward_hidden(
 
 MODEL = FamilyModel(name="gpt_oss", module=__name__, param_specs=param_specs, forward_hidden=forward_hidden, paged_kv=True,
                     trees=True)
-
-
-class GptOssTarget(TargetModule):
-    """gpt-oss targets as a Flax NNX module: the weights of :func:`param_specs` as ``nnx.Param``,
-    run by :func:`forward_hidden` (:class:`~dflash_jax.families.contract.TargetModule`)."""
-
-    family = MODEL

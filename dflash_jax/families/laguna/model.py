@@ -55,7 +55,7 @@ from dflash_jax.runtime.carry import Capture, move_slots, write_layer_rows, writ
 from dflash_jax.families.laguna.config import LagunaConfig
 from dflash_jax.runtime import carry as captures
 from dflash_jax.nn import params as P
-from dflash_jax.families.contract import FamilyModel, TargetModule
+from dflash_jax.families.contract import FamilyModel
 from dflash_jax.nn.params import ParamSpec, decoder_layer
 from dflash_jax.nn.attention import TreeBlock, block_visible, rope_positions
 from dflash_jax.nn.layer import swiglu
@@ -306,10 +306,3 @@ def move_rows(cfg: LagunaConfig, cache: LagunaCache, src: jnp.ndarray, dst: jnp.
 
 MODEL = FamilyModel(name="laguna", module=__name__, param_specs=param_specs, forward_hidden=forward_hidden, init_cache=init_cache,
                     move_rows=move_rows, trees=True)
-
-
-class LagunaTarget(TargetModule):
-    """Laguna targets as a Flax NNX module: the weights of :func:`param_specs` as ``nnx.Param``,
-    run by :func:`forward_hidden` (:class:`~dflash_jax.families.contract.TargetModule`)."""
-
-    family = MODEL

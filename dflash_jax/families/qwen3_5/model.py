@@ -71,7 +71,7 @@ from dflash_jax.runtime.carry import Capture, write_layer_rows
 from dflash_jax.families.qwen3_5.config import Qwen3_5Config
 from dflash_jax.errors import DFlashError
 from dflash_jax.runtime import carry as captures
-from dflash_jax.families.contract import FamilyModel, TargetModule
+from dflash_jax.families.contract import FamilyModel
 from dflash_jax.nn.params import ParamSpec, decoder_layer, stacked
 from dflash_jax.nn import gated_deltanet as gdn
 from dflash_jax.nn import quant
@@ -406,10 +406,3 @@ def _updated(cache: HybridCache, ys: tuple, keep: str) -> HybridCache:
 MODEL = FamilyModel(name="qwen3_5", module=__name__, param_specs=param_specs, forward_hidden=forward_hidden, init_cache=init_cache,
                     keep_block_states=keep_block_states, commit_block_states=commit_block_states, trees=False,
                     recurrent_state=True)
-
-
-class Qwen35Target(TargetModule):
-    """Qwen3.5 hybrid targets as a Flax NNX module: the weights of :func:`param_specs` as ``nnx.Param``,
-    run by :func:`forward_hidden` (:class:`~dflash_jax.families.contract.TargetModule`)."""
-
-    family = MODEL

@@ -39,7 +39,7 @@ from dflash_jax.runtime.carry import Capture, KVCache
 from dflash_jax.families.qwen3_moe.config import Qwen3MoeConfig
 from dflash_jax.runtime import carry as captures
 from dflash_jax.nn import params as P
-from dflash_jax.families.contract import FamilyModel, TargetModule
+from dflash_jax.families.contract import FamilyModel
 from dflash_jax.nn.params import ParamSpec, decoder_layer
 from dflash_jax.nn.attention import TreeBlock, block_visible, rope_positions
 from dflash_jax.nn.layer import embed
@@ -157,10 +157,3 @@ def forward_hidden(
 
 MODEL = FamilyModel(name="qwen3_moe", module=__name__, param_specs=param_specs, forward_hidden=forward_hidden, paged_kv=True,
                     trees=True)
-
-
-class Qwen3MoeTarget(TargetModule):
-    """Qwen3-MoE targets as a Flax NNX module: the weights of :func:`param_specs` as ``nnx.Param``,
-    run by :func:`forward_hidden` (:class:`~dflash_jax.families.contract.TargetModule`)."""
-
-    family = MODEL
