@@ -70,7 +70,9 @@ def test_every_family_is_an_nnx_module(fam, layout):
         return merged(tokens, pos, merged.init_cache(b, 8))[0], m.forward(params, cfg, tokens, pos, m.init_cache(cfg, b, 8))[0]
 
     got, want = both(state, params)
-    np.testing.assert_array_equal(got, want)
+    # one program computing both: XLA may fuse the two copies of the math differently (it does under
+    # the tests' loop emitters for the stacked MoE and hybrid families), so equal up to float rounding
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
 
 
 def test_the_target_module_methods_are_the_family_functions():
