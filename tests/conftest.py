@@ -17,6 +17,7 @@ import atexit
 import gc
 import os
 import shutil
+import sys
 import tempfile
 
 import pytest
@@ -76,11 +77,13 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     atexit.register(shutil.rmtree, _jit_cache, ignore_errors=True)
 
 import jax  # noqa: E402
-# absl's logging handler (flax and orbax import absl) closes the stream it was made with when that
-# is not the sys.stderr of the moment, and uvicorn's logging set-up (an in-process `serve`) closes
-# every handler: made under a test's output capture, it closed pytest's own capture file and every
-# later test of the worker failed. Imported here, before any test, it holds the real stderr.
-import absl.logging  # noqa: E402,F401
+# absl's logging handler (flax and orbax import absl) closes its stream when that is not the
+# sys.stderr of the moment, and uvicorn's logging set-up (an in-process `serve`, under capsys) closes
+# every handler: it closed pytest's capture file, the stderr the handler was made with, and every
+# later test of the worker failed. Pointed at the real stderr, it is never closed.
+import absl.logging  # noqa: E402
+
+absl.logging.get_absl_handler().python_handler.stream = sys.__stderr__
 
 jax.config.update("jax_default_matmul_precision", "highest")
 
