@@ -79,7 +79,7 @@ def tree_of(node):
     Args:
       node: a :class:`Weights` module, its ``nnx.State`` (``nnx.state(model)``: the jitted steps'
         ``params``, read at trace time), an ``nnx.Param`` or ``nnx.List``, or a parameter tree
-        already (returned as it is).
+        whose dicts and per-layer layers may hold any of these (``dict(state, fc=...)``).
     Returns:
       dicts of the params' values (arrays or quantized weights), layers held per layer as a
       :class:`~dflash_jax.nn.params.PerLayer` (an ``nnx.List`` and its state's integer keys).
@@ -95,6 +95,10 @@ def tree_of(node):
         if keys and all(isinstance(k, int) for k in keys):
             return PerLayer(tree_of(node[k]) for k in sorted(keys))
         return {k: tree_of(node[k]) for k in keys}
+    if isinstance(node, Mapping):
+        return {k: tree_of(v) for k, v in node.items()}
+    if is_per_layer(node):
+        return PerLayer(tree_of(x) for x in node)
     return node
 
 

@@ -14,7 +14,6 @@ computation and follows from ``cfg`` (the step's static argument), so it is kept
 from __future__ import annotations
 
 import functools
-from typing import Mapping
 
 import jax
 import jax.numpy as jnp
@@ -27,7 +26,7 @@ from dflash_jax.families.dense.config import TargetConfig
 from dflash_jax.drafter import model as drafter
 from dflash_jax.drafter.module import DrafterModule
 from dflash_jax.nn.module import tree_of
-from dflash_jax.nn.params import PerLayer, is_per_layer, stack_layers
+from dflash_jax.nn.params import stack_layers
 from dflash_jax.train import objective
 from dflash_jax.train.features import target_features, tree_fingerprint
 from dflash_jax.train.optim import TrainConfig, lr_schedule, make_optimizer
@@ -51,25 +50,13 @@ class TrainState:
     step: jnp.ndarray
 
 
-def plain_params(params):
-    """The parameter tree of ``params``: a drafter module, its ``nnx.State`` or a ``nnx.Param``
-    (:func:`dflash_jax.nn.module.tree_of`: the same arrays), or a tree already, whose dicts and
-    per-layer layers may hold any of these (``dict(state.params, fc=...)``,
-    ``unstack_layers(state.params)``)."""
-    if isinstance(params, Mapping) and not isinstance(params, nnx.State):
-        return {k: plain_params(v) for k, v in params.items()}
-    if is_per_layer(params):
-        return PerLayer(plain_params(layer) for layer in params)
-    return tree_of(params)
-
-
 def drafter_module(cfg: DrafterConfig, params) -> DrafterModule:
     """The float32 drafter module (the class of ``cfg.architecture``) over ``params``
     (:attr:`TrainState.params`, or a parameter tree): its params hold the same arrays, with
     ``cfg``'s logical axes as their ``out_sharding``. Raises DFlashError for an architecture
     without a module class."""
     cfg32 = cfg.with_dtype("float32")
-    return DrafterModule.of(cfg32, plain_params(params), drafter.param_axes(cfg32))
+    return DrafterModule.of(cfg32, tree_of(params), drafter.param_axes(cfg32))
 
 
 def init_train_state(cfg: DrafterConfig, tc: TrainConfig, init_params=None) -> TrainState:
@@ -87,7 +74,7 @@ def init_train_state(cfg: DrafterConfig, tc: TrainConfig, init_params=None) -> T
     if init_params is None:
         tree = init(k_init)
     else:
-        init_params = stack_layers(plain_params(init_params))
+        init_params = stack_layers(tree_of(init_params))
         want = {jax.tree_util.keystr(k): v.shape for k, v in jax.tree_util.tree_leaves_with_path(jax.eval_shape(init, k_init))}
         got = {jax.tree_util.keystr(k): tuple(v.shape) for k, v in jax.tree_util.tree_leaves_with_path(init_params)}
         if want != got:
@@ -101,8 +88,8 @@ def init_train_state(cfg: DrafterConfig, tc: TrainConfig, init_params=None) -> T
 def params_fingerprint(params) -> str:
     """sha256 (hex, 16 chars) of a drafter's parameter tree's names, shapes and all its float32
     values (:func:`dflash_jax.runtime.fingerprint.tree_fingerprint`); ``params``: the tree, or a
-    module or ``nnx.State`` of it (:func:`plain_params`: the same fingerprint)."""
-    return tree_fingerprint(plain_params(params))
+    module or ``nnx.State`` of it (:func:`~dflash_jax.nn.module.tree_of`: the same fingerprint)."""
+    return tree_fingerprint(tree_of(params))
 
 
 def _compute(params, cfg: DrafterConfig, tc: TrainConfig):
