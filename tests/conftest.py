@@ -10,7 +10,8 @@ programs (no fast-math either way) as unoptimized machine code, whose float resu
 optimized code's by rounding only (about 1e-6 relative on the tiny models' logits: what another CPU
 changes too, and far inside every oracle's tolerance), and with XLA:CPU's older loop emitters
 (:data:`LEGACY_EMITTERS`, where this jaxlib has them), which compile the same fused HLO in less than
-half the CPU time. Subprocesses inherit it through ``XLA_FLAGS`` (:func:`xla_flags` for those that set the device count).
+half the CPU time. Subprocesses inherit it through ``XLA_FLAGS`` (:func:`xla_flags` for those that set the device count,
+:func:`real_model_env` for those that run the real default model, whose programs the newer emitters compile faster).
 """
 
 import atexit
@@ -67,6 +68,19 @@ def xla_flags(devices: int) -> str:
 
 
 os.environ.setdefault("XLA_FLAGS", xla_flags(1))
+
+
+def real_model_env() -> dict:
+    """The environment of a subprocess that runs the real default model (SmolLM2-135M): this
+    process's, its ``XLA_FLAGS`` without :data:`LEGACY_EMITTERS`. The legacy emitters compile the
+    tiny models' programs (most of the suite) faster, but the 135M model's slower, and its code runs
+    slower too: loading it and decoding 24 tokens plain and with DFlash on two prompts took 60 s
+    and 70 s of CPU with them, 51 s and 53 s without them (at the same O0, each from a cold
+    compile cache; the second prompt, warm: 2.5 s and 2.0 s; 2026-12-07)."""
+    flags = os.environ.get("XLA_FLAGS", "").replace(LEGACY_EMITTERS, "")
+    return dict(os.environ, XLA_FLAGS=" ".join(flags.split()))
+
+
 # the suite runs beside other jobs: a cost measurement is kept however busy the machine
 # (tests/test_depth.py fakes a busy clock to test the check itself)
 os.environ.setdefault("DFLASH_JAX_BUSY_SHARE", "0")

@@ -6,11 +6,13 @@ from __future__ import annotations
 
 import time
 
+import jax.numpy as jnp
 import numpy as np
 import torch
 import transformers
 
 from dflash_jax.decode import loop as decode
+from dflash_jax.runtime import compiled
 from dflash_jax.decode.state import Decoding, Params
 
 
@@ -85,14 +87,21 @@ def hf_greedy(model, prompt, n: int) -> list[int]:
     return out[0, len(prompt):].tolist()
 
 
-def ours_greedy(t_cfg, t_params, prompt, n: int, chunk: int, drafter=None, max_len: int = 64, tree: int | None = None):
+def ours_greedy(t_cfg, t_params, prompt, n: int, chunk: int, drafter=None, max_len: int = 64, tree: int | None = None,
+                compiler_options: dict | None = None):
     """Our greedy continuation ``(tokens, verify steps or None)``: plain decoding, or DFlash with
     ``drafter = (cfg, params)`` (chains, or best-first trees of ``tree`` nodes); the prompt
-    prefilled in chunks of ``chunk`` tokens."""
+    prefilled in chunks of ``chunk`` tokens. ``compiler_options``: XLA options of the decode loop's
+    program (the same :func:`~dflash_jax.decode.loop.generate_until` that ``decode_loop`` runs, compiled
+    as the driver does, through :func:`dflash_jax.runtime.compiled.compile`)."""
     d_cfg, d_params = drafter if drafter is not None else (None, None)
     static, params = Decoding(t_cfg, d_cfg, tree=tree), Params(t_params, d_params)
-    st = decode.init_state(static, [prompt], max_len, n)
-    st = decode.decode_loop(params, decode.prefill(params, st, static, chunk), static)
+    st = decode.prefill(params, decode.init_state(static, [prompt], max_len, n), static, chunk)
+    if compiler_options is None:
+        st = decode.decode_loop(params, st, static)
+    else:
+        rows = jnp.int32(1)  # every row: decode_loop's min_done
+        st = compiled.compile(decode.generate_until, params, st, static, rows, options=compiler_options)(params, st, rows)
     toks = [int(t) for t in np.asarray(st.tokens[0, len(prompt): int(st.length[0])])]
     return toks, (None if drafter is None else int(st.speculative.verify_steps[0]))
 

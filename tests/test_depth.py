@@ -154,6 +154,53 @@ def test_a_plain_step_of_the_adaptive_step_commits_the_target_token_and_nothing_
     assert (np.asarray(ctx.verify_steps) == np.asarray(before.verify_steps) + 1).all()
 
 
+def test_plain_steps_reach_the_drafter_context_through_the_pending_buffer(pair):
+    """A plain step of ``auto`` writes its token's target features into the pending buffer, which
+    is projected into the drafter context when it holds PENDING_ROWS rows and before every
+    propose: after each step the context holds, at every position before the pending rows, what a
+    prefill of the same tokens projects (float rounding apart), a drafting step leaves nothing
+    pending, and after the last projection the whole context before each anchor agrees."""
+    from dflash_jax.decode.state import PENDING_ROWS
+
+    cfg, params, dcfg, dparams = pair
+    static = Decoding(cfg, dcfg, n_max="auto")
+    weights = Params(params, dparams, depth_policy(Calibration.identity(N), CostModel.never_pays(N), max_backoff=32))
+    st = decode.prefill(weights, decode.init_state(static, PROMPTS, 64, [12, 45, 45]), static, 4)
+    assert np.asarray(st.speculative.pending).shape == (3, PENDING_ROWS, 2 * cfg.hidden_size)
+    seen, proposes = set(), 0
+    while not bool(jnp.all(st.done)):
+        n_before, running = np.asarray(st.speculative.pending_n), ~np.asarray(st.done)
+        st = decode.decode_step(weights, st, static)
+        n, drafted = np.asarray(st.speculative.pending_n), int(np.asarray(st.speculative.widths).sum())
+        if drafted > proposes:  # a drafting step: the pending rows were projected before its propose
+            assert (n[running] == 0).all(), n
+            proposes = drafted
+        else:  # a plain step: one more row pending in each running row, projected at PENDING_ROWS
+            want = np.where(running, n_before + 1, n_before)
+            assert (n == np.where((want >= PENDING_ROWS).any(), 0, want)).all(), (n_before, n)
+        seen.update(int(x) for x in n)
+    assert PENDING_ROWS - 1 in seen and proposes >= 4  # a full buffer and plain runs that ended in a propose
+
+    def prefilled_context(st):  # a prefill of each row's committed tokens before its anchor
+        toks, length = jax.device_get((st.tokens, st.length))
+        seqs = [[int(t) for t in toks[b, : length[b] - 1]] for b in range(toks.shape[0])]
+        return decode.prefill(weights, decode.init_state(static, seqs, 64, 1), static, 4).speculative.context
+
+    def agrees(ctx, ref, st, pending):
+        length = np.asarray(st.length)
+        for b in range(length.shape[0]):
+            upto = length[b] - 1 - pending[b]
+            for got, want in ((ctx.k, ref.k), (ctx.v, ref.v)):
+                np.testing.assert_allclose(np.asarray(got)[:, b, :upto], np.asarray(want)[:, b, :upto], rtol=1e-5, atol=1e-5)
+
+    ref = prefilled_context(st)
+    agrees(st.speculative.context, ref, st, np.asarray(st.speculative.pending_n))
+    assert np.asarray(st.speculative.pending_n)[1:].max() > 0  # the last rows end with rows pending
+    st = jax.jit(adaptive.absorb_pending, static_argnames="static")(weights, st, static)
+    agrees(st.speculative.context, ref, st, np.zeros(3, int))
+    assert outputs(st) == plain_greedy(pair, PROMPTS, [12, 45, 45])
+
+
 def scripted(pair, prompt, n_new, width, corrupt_at=None, conf=0.9):
     """Verifies drafts taken from the greedy continuation (wrong at ``corrupt_at``) at a forced
     width, through :func:`adaptive.verify_auto`, in three equal rows (the shapes of the other

@@ -10,14 +10,17 @@ from pathlib import Path
 
 import pytest
 
+from conftest import real_model_env
+
 REPO = Path(__file__).resolve().parents[1]
 NOTEBOOKS = sorted((REPO / "notebooks").glob("*.ipynb"))
 
 
 def run_notebook(*argv) -> subprocess.CompletedProcess:
-    """``python tools/run_notebook.py ARGV`` from the repository root."""
+    """``python tools/run_notebook.py ARGV`` from the repository root, in :func:`conftest.real_model_env`
+    (the walkthrough runs the default model)."""
     return subprocess.run([sys.executable, "tools/run_notebook.py", *map(str, argv)], cwd=REPO, capture_output=True, text=True,
-                          timeout=3600)
+                          timeout=3600, env=real_model_env())
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.name for p in NOTEBOOKS])

@@ -155,7 +155,8 @@ def _empty_buffers(static: Decoding, b: int, max_len: int, cache_len: int) -> di
     """The state's zeroed buffers (target cache, drafter context, statistics) made by one program:
     eager ``jnp.zeros`` would dispatch one small program per shape, each looked up in the compile
     cache at every start."""
-    speculative = None if static.drafter is None else init_speculative_state(static.drafter, b, cache_len, static.depth, static.verify_top)
+    speculative = None if static.drafter is None else init_speculative_state(
+        static.drafter, b, cache_len, static.depth, static.verify_top, pending_dtype=static.target.dtype if static.adaptive else None)
     lp = None if static.logprobs is None else token_logprobs.empty(b, max_len, static.logprobs)
     return dict(cache=module_for(static.target).init_cache(static.target, b, cache_len), finish=jnp.zeros((b,), jnp.int32),
                 gaps=jnp.zeros((b, max_len), jnp.float32), steps=jnp.zeros((), jnp.int32), speculative=speculative, logprobs=lp)

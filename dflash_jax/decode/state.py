@@ -9,9 +9,10 @@ and the carry.
 
 Positions, masks and rollback all derive from ``DecodeState.length``. The target KV cache holds K/V
 for positions ``[0, length - 1)``: the last committed token has not been fed to the target yet (it
-is the next decode input, or the anchor of the next speculative block). :class:`SpeculativeState`
-is its speculative extension (``state.speculative``): the drafter's context K/V and the statistics
-of the verify steps.
+is the next decode input, or the anchor of the next speculative block).
+:class:`SpeculativeState` is its speculative extension (``state.speculative``): the drafter's
+context K/V, the statistics of the verify steps and, under ``n_max="auto"``, the captured features
+of plain steps not yet projected into the context (:data:`PENDING_ROWS`).
 """
 
 from __future__ import annotations
@@ -238,26 +239,6 @@ def check_step_inputs(params, state, static) -> None:
         raise DFlashError("decode state", f"{got} under a Decoding with logprobs={static.logprobs}", "a state from init_state with the same Decoding")
 
 
-def check_depth_policy(policy, static: Decoding) -> None:
-    """Checks ``Params.depth`` under ``n_max="auto"`` (at trace time: shapes only; the steps
-    that choose a width call it, prefill does not need a policy): one calibration per drafted
-    position (``static.depth``), one step cost per width of ``static.auto_widths``.
-
-    Raises:
-      DFlashError: no policy, or one whose arrays do not fit ``static``.
-    """
-    how = "a DepthPolicy (dflash_jax.decode.auto.costs.depth_policy(calibration, cost_model)) in Params(..., depth=...)"
-    if policy is None or not all(hasattr(policy, f) for f in ("scale", "bias", "bounds", "step_cost", "plain_cost", "max_backoff", "pay_margin")):
-        raise DFlashError("params.depth", f"got {type(policy).__name__} under n_max='auto'", how)
-    depth, widths = static.depth, static.auto_widths
-    k = policy.bounds.shape[0]
-    want = dict(scale=(depth,), bias=(depth,), bounds=(k,), step_cost=(k, len(widths)), plain_cost=(k,), max_backoff=(), pay_margin=())
-    for name, shape in want.items():
-        if tuple(getattr(policy, name).shape) != shape:
-            raise DFlashError(f"params.depth.{name}", f"shape {tuple(getattr(policy, name).shape)}",
-                              f"{shape} for {depth} drafted tokens and the verify widths {widths}")
-
-
 def check_n_max(cfg_d, n_max: int | str | None) -> int | str:
     """Resolves the proposal depth: ``None`` means ``block_size - 1``; ``"auto"`` stays.
 
@@ -381,15 +362,23 @@ def commit(state: DecodeState, new: jnp.ndarray, n_new: jnp.ndarray, gaps: jnp.n
     return state.replace(tokens=tokens, gaps=all_gaps, length=length, finish=finish)
 
 
+PENDING_ROWS = 16
+"""Plain steps of ``n_max="auto"`` whose captured features wait in ``SpeculativeState.pending``
+for one projection into the drafter context (:func:`dflash_jax.decode.auto.adaptive.absorb_pending`:
+when full, or before a propose). Projecting a token reads the drafter's projection weights (7 MB in
+float32 for the shipped drafter, 1.3 % of the 540 MB a plain step reads): once per this many steps."""
+
+
 @pytree.dataclass
 class SpeculativeState:
     """Drafter context and acceptance statistics, carried in ``DecodeState.speculative``.
 
     Context slot ``p`` holds the projected K/V of the committed token at position ``p``; slots
-    ``[0, length - 1)`` are valid (the anchor's hidden state is not known before it is verified).
-    Only committed rows are ever inside that range: rows written by a verify beyond the accepted
-    prefix are masked out and overwritten by the next verify. Tokens committed by verify steps
-    are not stored: they are :attr:`dflash_jax.decode.state.DecodeState.committed`.
+    ``[0, length - 1 - pending_n)`` are valid (the anchor's hidden state is not known before it is
+    verified; the last ``pending_n`` positions before it wait in ``pending``). Only committed rows
+    are ever inside that range: rows written by a verify beyond the accepted prefix are masked out
+    and overwritten by the next verify. Tokens committed by verify steps are not stored: they are
+    :attr:`dflash_jax.decode.state.DecodeState.committed`.
 
     Attributes:
       context: the drafter context K/V, a :class:`~dflash_jax.runtime.carry.KVCache` ``[Ld, B, S, Hkv, D]``
@@ -410,6 +399,9 @@ class SpeculativeState:
       trust: ``[B]`` float32 each row's online acceptance (``auto``): a moving average of the
         drafts it accepted over the drafts its calibrated confidences predicted, 1 at the start
         (:func:`dflash_jax.decode.auto.policy.update_trust`).
+      pending: ``[B, PENDING_ROWS, K*H]`` (the target's dtype) the captured features of positions
+        ``length - 1 - pending_n + t``, ``t < pending_n``, not yet in the context (``auto``, else ``None``).
+      pending_n: ``[B]`` int32 rows of ``pending`` in use (``auto``, else ``None``).
     """
 
     context: KVCache | PagedKVCache  # its own fields declare their axes
@@ -421,6 +413,8 @@ class SpeculativeState:
     plain_left: jnp.ndarray = axes_field()
     backoff: jnp.ndarray = axes_field()
     trust: jnp.ndarray = axes_field("batch")
+    pending: jnp.ndarray | None = axes_field("batch", None, None, default=None)  # rows are not positions: no "seq"
+    pending_n: jnp.ndarray | None = axes_field("batch", default=None)
 
     @property
     def ctx_k(self) -> jnp.ndarray:
@@ -436,9 +430,11 @@ class SpeculativeState:
         return self.accepted_per_position.shape[1]
 
 
-def init_speculative_state(cfg: DrafterConfig, batch: int, max_len: int, n_max: int, top: int | None = None) -> SpeculativeState:
+def init_speculative_state(cfg: DrafterConfig, batch: int, max_len: int, n_max: int, top: int | None = None,
+                           pending_dtype=None) -> SpeculativeState:
     """Empty context of ``max_len`` slots and zeroed statistics for ``n_max`` draft positions and
-    verifies of up to ``top`` drafts (a tree's nodes; ``None``: ``n_max``)."""
+    verifies of up to ``top`` drafts (a tree's nodes; ``None``: ``n_max``); with ``pending_dtype``
+    (the target's dtype, under ``n_max="auto"``) an empty buffer of :data:`PENDING_ROWS` captured rows."""
     def zeros():  # distinct buffers: the state is donated
         return jnp.zeros((batch,), jnp.int32)
 
@@ -447,4 +443,7 @@ def init_speculative_state(cfg: DrafterConfig, batch: int, max_len: int, n_max: 
         drafted=zeros(), accepted=zeros(), accepted_per_position=jnp.zeros((batch, n_max), jnp.int32),
         widths=jnp.zeros(((top or n_max) + 1,), jnp.int32), plain_left=jnp.zeros((), jnp.int32),
         backoff=jnp.ones((), jnp.int32), trust=jnp.ones((batch,), jnp.float32),
+        pending=jnp.zeros((batch, PENDING_ROWS, len(cfg.target_layer_ids) * cfg.hidden_size), pending_dtype)
+        if pending_dtype is not None else None,
+        pending_n=None if pending_dtype is None else zeros(),
     )

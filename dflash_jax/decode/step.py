@@ -221,7 +221,7 @@ class Verdict(NamedTuple):
     logprobs: object = None
 
 
-def verify_fn(params: Params, state: DecodeState, static: Decoding, drafts, draft_logits=None) -> Verdict:
+def verify_fn(params: Params, state: DecodeState, static: Decoding, drafts, draft_logits=None, capture: Capture | None = None) -> Verdict:
     """One target pass over ``[anchor, drafts]`` of each row, then the accept rule (module docstring).
 
     Args:
@@ -229,6 +229,8 @@ def verify_fn(params: Params, state: DecodeState, static: Decoding, drafts, draf
         keeps the drafter context).
       draft_logits: under ``draft_mode="reject"`` the drafter's logits ``[B, n, V']`` the drafts
         were drawn from (:attr:`Proposal.logits`), else unused.
+      capture: the buffer the block's target features are written into (``None``: a fresh one of
+        the block's width based at the anchor, :func:`block_capture`).
     Returns:
       :class:`Verdict` (the state is read only).
     """
@@ -238,7 +240,7 @@ def verify_fn(params: Params, state: DecodeState, static: Decoding, drafts, draf
     start, positions, block_len = block_positions(state, width)
     anchor = jnp.take_along_axis(state.tokens, start[:, None], axis=1)
     block = jnp.concatenate([anchor, drafts], axis=1)
-    capture = block_capture(static, start, width)
+    capture = block_capture(static, start, width) if capture is None else capture
     # a family with recurrent state (families/qwen3_5/model.py) keeps each block position's state for
     # the commit to choose from; a KV-only family has none (its rollback is the length update)
     cache = mod.keep_block_states(cfg_t, state.cache) if mod.recurrent_state else state.cache
@@ -310,11 +312,12 @@ def reject_rule(rng, positions, logits, q, drafts, n_valid, sampling):
     return a, bonus
 
 
-def commit_block(params: Params, state: DecodeState, static: Decoding, verdict: Verdict) -> DecodeState:
+def commit_block(params: Params, state: DecodeState, static: Decoding, verdict: Verdict, absorb: bool = True) -> DecodeState:
     """Commits each running row's accepted drafts and bonus token (``accepted + 1`` tokens, cut at
     stop ids, budget and capacity by :func:`dflash_jax.decode.state.commit`), projects the block's
-    captured rows into the drafter context and counts statistics for running rows and kept
-    tokens only. Counts one target pass (``steps``)."""
+    captured rows into the drafter context (not with ``absorb`` false: the caller keeps
+    ``verdict.capture``) and counts statistics for running rows and kept tokens only. Counts one
+    target pass (``steps``)."""
     running = ~state.done
     before = state.length
     state = commit(state.replace(cache=verdict.cache), verdict.tokens, verdict.accepted + 1, verdict.gaps, verdict.logprobs)
@@ -322,7 +325,7 @@ def commit_block(params: Params, state: DecodeState, static: Decoding, verdict: 
     mod = module_for(static.target)
     if mod.recurrent_state:  # the recurrent states after the kept positions (verify_block kept them all)
         state = state.replace(cache=mod.commit_block_states(static.target, state.cache, kept))
-    ctx = absorb_context(params.drafter, static, state.speculative, verdict.capture)
+    ctx = absorb_context(params.drafter, static, state.speculative, verdict.capture) if absorb else state.speculative
     acc_kept = jnp.minimum(verdict.accepted, kept)
     pos = jnp.arange(1, ctx.n_max + 1, dtype=jnp.int32)[None, :]  # a verify may cover fewer positions
     ctx = ctx.replace(

@@ -283,3 +283,23 @@ def schedule(policy: DepthPolicy, ctx, plain: jnp.ndarray, pays: jnp.ndarray):
     plain_left = jnp.where(plain, ctx.plain_left - 1, jnp.where(pays, 0, ctx.backoff))
     backoff = jnp.where(plain, ctx.backoff, jnp.where(pays, 1, jnp.minimum(2 * ctx.backoff, policy.max_backoff)))
     return ctx.replace(plain_left=plain_left.astype(jnp.int32), backoff=backoff.astype(jnp.int32))
+
+
+def check_depth_policy(policy, static) -> None:
+    """Checks ``Params.depth`` under ``n_max="auto"`` (``static``: the :class:`~dflash_jax.decode.state.Decoding`; at trace time: shapes only; the steps
+    that choose a width call it, prefill does not need a policy): one calibration per drafted
+    position (``static.depth``), one step cost per width of ``static.auto_widths``.
+
+    Raises:
+      DFlashError: no policy, or one whose arrays do not fit ``static``.
+    """
+    how = "a DepthPolicy (dflash_jax.decode.auto.costs.depth_policy(calibration, cost_model)) in Params(..., depth=...)"
+    if policy is None or not all(hasattr(policy, f) for f in ("scale", "bias", "bounds", "step_cost", "plain_cost", "max_backoff", "pay_margin")):
+        raise DFlashError("params.depth", f"got {type(policy).__name__} under n_max='auto'", how)
+    depth, widths = static.depth, static.auto_widths
+    k = policy.bounds.shape[0]
+    want = dict(scale=(depth,), bias=(depth,), bounds=(k,), step_cost=(k, len(widths)), plain_cost=(k,), max_backoff=(), pay_margin=())
+    for name, shape in want.items():
+        if tuple(getattr(policy, name).shape) != shape:
+            raise DFlashError(f"params.depth.{name}", f"shape {tuple(getattr(policy, name).shape)}",
+                              f"{shape} for {depth} drafted tokens and the verify widths {widths}")
