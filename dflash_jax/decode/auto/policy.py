@@ -286,9 +286,10 @@ def schedule(policy: DepthPolicy, ctx, plain: jnp.ndarray, pays: jnp.ndarray):
 
 
 def check_depth_policy(policy, static) -> None:
-    """Checks ``Params.depth`` under ``n_max="auto"`` (``static``: the :class:`~dflash_jax.decode.state.Decoding`; at trace time: shapes only; the steps
-    that choose a width call it, prefill does not need a policy): one calibration per drafted
-    position (``static.depth``), one step cost per width of ``static.auto_widths``.
+    """Checks ``Params.depth`` under ``n_max="auto"`` against ``static`` (the
+    :class:`~dflash_jax.decode.state.Decoding`), at trace time: shapes only; the steps that choose
+    a width call it, prefill does not need a policy. One calibration per drafted position
+    (``static.depth``), one step cost per width of ``static.auto_widths``.
 
     Raises:
       DFlashError: no policy, or one whose arrays do not fit ``static``.
