@@ -438,12 +438,12 @@ def init_speculative_state(cfg: DrafterConfig, batch: int, max_len: int, n_max: 
     def zeros():  # distinct buffers: the state is donated
         return jnp.zeros((batch,), jnp.int32)
 
+    width = len(cfg.target_layer_ids) * cfg.hidden_size
+    pending, pending_n = (None, None) if pending_dtype is None else (jnp.zeros((batch, PENDING_ROWS, width), pending_dtype), zeros())
     return SpeculativeState(
         context=init_kv_cache(cfg.num_hidden_layers, batch, max_len, cfg.num_key_value_heads, cfg.head_dim, cfg.dtype), verify_steps=zeros(),
         drafted=zeros(), accepted=zeros(), accepted_per_position=jnp.zeros((batch, n_max), jnp.int32),
         widths=jnp.zeros(((top or n_max) + 1,), jnp.int32), plain_left=jnp.zeros((), jnp.int32),
         backoff=jnp.ones((), jnp.int32), trust=jnp.ones((batch,), jnp.float32),
-        pending=jnp.zeros((batch, PENDING_ROWS, len(cfg.target_layer_ids) * cfg.hidden_size), pending_dtype)
-        if pending_dtype is not None else None,
-        pending_n=None if pending_dtype is None else zeros(),
+        pending=pending, pending_n=pending_n,
     )
